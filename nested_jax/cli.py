@@ -1,0 +1,47 @@
+"""`nested-jax` command line: `train | eval | generate | bench <name>`.
+
+Each sub-command lives in its own module and exposes `main(argv: list[str]) -> int`; this file only dispatches, so
+importing the CLI stays cheap and a broken sub-command cannot break the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("nested_jax.train.main", "train a model: nested-jax train --config FILE --workdir DIR"),
+    "eval": ("nested_jax.eval.main", "evaluate the latest checkpoint: nested-jax eval --workdir DIR"),
+    "generate": ("nested_jax.train.generate", "sample text: nested-jax generate --workdir DIR --prompt TEXT"),
+    "bench": (None, "benchmarks: nested-jax bench {core,titans,hope,optim,hola} [--json]"),
+}
+BENCHES = ("core", "titans", "hope", "optim", "hola")
+
+
+def _usage() -> str:
+    lines = ["usage: nested-jax <command> [args]", "", "commands:"]
+    lines += [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"nested-jax: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    if command == "bench":
+        if not rest or rest[0] not in BENCHES:
+            print(f"usage: nested-jax bench {{{','.join(BENCHES)}}} [--json]", file=sys.stderr)
+            return 2
+        module_name, rest = f"nested_jax.bench.{rest[0]}", rest[1:]
+    else:
+        module_name = COMMANDS[command][0]
+    return int(importlib.import_module(module_name).main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
