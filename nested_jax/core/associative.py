@@ -1,0 +1,314 @@
+"""Linear associative memories: linear attention, delta rule, gated delta rule (SPEC §1).
+
+Every rule has three forms with one meaning (SPEC §0):
+
+- ``*_step``: one token, ``(state, q_t, k_t, v_t, ...) -> (o_t, new_state)``, per-token arrays ``[B, H, D]``;
+- ``*_recurrent``: ``lax.scan`` of the step over time, the ground truth;
+- ``*_chunked``: the WY/UT chunk form (derivation in ``core/README.md``), parallel inside chunks of size
+  ``C`` and sequential across chunks.
+
+Per head, with column vectors, ``S ∈ R^{K×V}`` and ``α_t = exp(g_t)``::
+
+    linear attention   S_t = α_t S_{t-1} + k_t v_tᵀ                         (α_t = 1 when g is None)
+    delta rule         S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀ k_t)ᵀ
+    gated delta (GDN)  S_t = α_t S_{t-1} + β_t k_t (v_t − α_t S_{t-1}ᵀ k_t)ᵀ
+    read               o_t = S_tᵀ (scale · q_t)
+
+GDN is FLA's ``naive_recurrent_gated_delta_rule`` (decay first, then the residual write). Shapes: ``q, k``
+``[B, T, H, K]``; ``v`` ``[B, T, H, V]``; ``g, beta`` ``[B, T, H]``; states ``[B, H, K, V]``. ``scale``
+defaults to ``K ** -0.5``. All accumulation is in f32; outputs take ``v``'s dtype, final states are f32.
+
+Packed sequences: with ``segment_ids [B, T]`` (integer), the state is reset to ``initial_state`` (zero
+when ``None``) before the first token of every segment after the first, i.e. at every ``t > 0`` with
+``segment_ids[:, t] != segment_ids[:, t - 1]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "linear_attention_step",
+    "linear_attention_recurrent",
+    "linear_attention_chunked",
+    "delta_rule_step",
+    "delta_rule_recurrent",
+    "delta_rule_chunked",
+    "gated_delta_step",
+    "gated_delta_recurrent",
+    "gated_delta_chunked",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation (trace time; shapes are static)
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_float(name: str, x) -> None:
+    if not jnp.issubdtype(
+        jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype, jnp.floating
+    ):
+        raise ValueError(f"{name} must have a floating dtype, got {x.dtype}")
+
+
+def _validate_seq(
+    fn: str,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state,
+    segment_ids,
+    chunk_size=None,
+):
+    """Checks a sequence call; returns ``(B, T, H, K, V)``. Raises ValueError naming the argument."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or x.ndim != 4:
+            shape = getattr(x, "shape", None)
+            raise ValueError(
+                f"{fn}: {name} must have shape [B, T, H, D] (rank 4), got shape {shape}"
+            )
+        _check_float(name, x)
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"{fn}: k must have shape [B, T, H, K] = {q.shape} like q, got {k.shape}")
+    if v.shape[:3] != (B, T, H):
+        raise ValueError(
+            f"{fn}: v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {v.shape}"
+        )
+    V = v.shape[3]
+    for name, x in (("g", g), ("beta", beta)):
+        if x is None:
+            continue
+        if not hasattr(x, "shape") or x.shape != (B, T, H):
+            shape = getattr(x, "shape", None)
+            raise ValueError(
+                f"{fn}: {name} must have shape [B, T, H] = [{B}, {T}, {H}], got {shape}"
+            )
+        _check_float(name, x)
+    if initial_state is not None:
+        if not hasattr(initial_state, "shape") or initial_state.shape != (B, H, K, V):
+            shape = getattr(initial_state, "shape", None)
+            raise ValueError(
+                f"{fn}: initial_state must have shape [B, H, K, V] = [{B}, {H}, {K}, {V}], got {shape}"
+            )
+        _check_float("initial_state", initial_state)
+    if segment_ids is not None:
+        if not hasattr(segment_ids, "shape") or segment_ids.shape != (B, T):
+            shape = getattr(segment_ids, "shape", None)
+            raise ValueError(f"{fn}: segment_ids must have shape [B, T] = [{B}, {T}], got {shape}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(
+                f"{fn}: segment_ids must have an integer dtype, got {segment_ids.dtype}"
+            )
+    if chunk_size is not None:
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
+            raise ValueError(f"{fn}: chunk_size must be a positive int, got {chunk_size!r}")
+    return B, T, H, K, V
+
+
+def _validate_step(fn: str, state, q_t, k_t, v_t, g_t, beta_t):
+    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        if not hasattr(x, "shape") or x.ndim != 3:
+            shape = getattr(x, "shape", None)
+            raise ValueError(f"{fn}: {name} must have shape [B, H, D] (rank 3), got shape {shape}")
+        _check_float(name, x)
+    B, H, K = q_t.shape
+    if k_t.shape != q_t.shape:
+        raise ValueError(
+            f"{fn}: k_t must have shape [B, H, K] = {q_t.shape} like q_t, got {k_t.shape}"
+        )
+    if v_t.shape[:2] != (B, H):
+        raise ValueError(f"{fn}: v_t must have shape [B, H, V] = [{B}, {H}, V], got {v_t.shape}")
+    V = v_t.shape[2]
+    for name, x in (("g_t", g_t), ("beta_t", beta_t)):
+        if x is None:
+            continue
+        if not hasattr(x, "shape") or x.shape != (B, H):
+            shape = getattr(x, "shape", None)
+            raise ValueError(f"{fn}: {name} must have shape [B, H] = [{B}, {H}], got {shape}")
+        _check_float(name, x)
+    if not hasattr(state, "shape") or state.shape != (B, H, K, V):
+        shape = getattr(state, "shape", None)
+        raise ValueError(
+            f"{fn}: state must have shape [B, H, K, V] = [{B}, {H}, {K}, {V}], got {shape}"
+        )
+    _check_float("state", state)
+
+
+def _scale(scale, K):
+    return K**-0.5 if scale is None else scale
+
+
+# --------------------------------------------------------------------------------------------------
+# Step forms
+# --------------------------------------------------------------------------------------------------
+
+
+def _step_math(S, q_t, k_t, v_t, g_t, beta_t, scale, delta: bool):
+    """One token of the general rule in f32. ``S [B,H,K,V]``; per-token ``[B,H,D]``; gates ``[B,H]``."""
+    f32 = jnp.float32
+    q_t, k_t, v_t = q_t.astype(f32) * scale, k_t.astype(f32), v_t.astype(f32)
+    if g_t is not None:
+        S = jnp.exp(g_t.astype(f32))[..., None, None] * S
+    if delta:
+        err = v_t - jnp.einsum("bhk,bhkv->bhv", k_t, S)
+        write = beta_t.astype(f32)[..., None] * err
+    else:
+        write = v_t
+    S = S + k_t[..., :, None] * write[..., None, :]
+    o_t = jnp.einsum("bhk,bhkv->bhv", q_t, S)
+    return o_t, S
+
+
+def linear_attention_step(state, q_t, k_t, v_t, g_t=None, *, scale=None):
+    """One token of (gated) linear attention (SPEC §1): ``S_t = α_t S_{t-1} + k_t v_tᵀ``, ``o_t = S_tᵀ q_t``.
+
+    Args:
+      state: ``[B, H, K, V]`` previous state ``S_{t-1}``.
+      q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``.
+      g_t: optional ``[B, H]`` log decay (``α_t = exp(g_t)``); ``None`` means no decay.
+      scale: multiplies ``q_t``; default ``K ** -0.5``.
+
+    Returns:
+      ``(o_t [B, H, V] in v_t's dtype, new_state [B, H, K, V] f32)``.
+    """
+    _validate_step("linear_attention_step", state, q_t, k_t, v_t, g_t, None)
+    S = state.astype(jnp.float32)
+    o, S = _step_math(S, q_t, k_t, v_t, g_t, None, _scale(scale, q_t.shape[-1]), delta=False)
+    return o.astype(v_t.dtype), S
+
+
+def delta_rule_step(state, q_t, k_t, v_t, beta_t, *, scale=None):
+    """One token of the delta rule (SPEC §1): ``S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀ k_t)ᵀ``.
+
+    Args:
+      state: ``[B, H, K, V]``; q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; beta_t: ``[B, H]``.
+      scale: multiplies ``q_t``; default ``K ** -0.5``.
+
+    Returns:
+      ``(o_t [B, H, V], new_state [B, H, K, V] f32)`` with ``o_t = S_tᵀ (scale · q_t)``.
+    """
+    _validate_step("delta_rule_step", state, q_t, k_t, v_t, None, beta_t)
+    S = state.astype(jnp.float32)
+    o, S = _step_math(S, q_t, k_t, v_t, None, beta_t, _scale(scale, q_t.shape[-1]), delta=True)
+    return o.astype(v_t.dtype), S
+
+
+def gated_delta_step(state, q_t, k_t, v_t, g_t, beta_t, *, scale=None):
+    """One token of the gated delta rule (SPEC §1, FLA's naive recurrent GDN).
+
+    ``S_t = α_t S_{t-1} + β_t k_t (v_t − α_t S_{t-1}ᵀ k_t)ᵀ``, ``o_t = S_tᵀ (scale · q_t)``, ``α_t = e^{g_t}``.
+
+    Args:
+      state: ``[B, H, K, V]``; q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; g_t, beta_t: ``[B, H]``.
+      scale: multiplies ``q_t``; default ``K ** -0.5``.
+
+    Returns:
+      ``(o_t [B, H, V], new_state [B, H, K, V] f32)``.
+    """
+    _validate_step("gated_delta_step", state, q_t, k_t, v_t, g_t, beta_t)
+    S = state.astype(jnp.float32)
+    o, S = _step_math(S, q_t, k_t, v_t, g_t, beta_t, _scale(scale, q_t.shape[-1]), delta=True)
+    return o.astype(v_t.dtype), S
+
+
+# --------------------------------------------------------------------------------------------------
+# Recurrent forms (ground truth)
+# --------------------------------------------------------------------------------------------------
+
+
+def _segment_resets(segment_ids, T):
+    """``[B, T]`` bool: True where the state must be reset before processing token t."""
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
+
+
+def _recurrent(q, k, v, g, beta, scale, initial_state, segment_ids, delta: bool):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    f32 = jnp.float32
+    s0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
+    scale = _scale(scale, K)
+
+    def tm(x):  # time-major so lax.scan walks over T
+        return None if x is None else jnp.moveaxis(x, 1, 0)
+
+    resets = None if segment_ids is None else tm(_segment_resets(segment_ids, T))
+
+    def body(S, xs):
+        q_t, k_t, v_t, g_t, b_t, r_t = xs
+        if r_t is not None:
+            S = jnp.where(r_t[:, None, None, None], s0, S)
+        o_t, S = _step_math(S, q_t, k_t, v_t, g_t, b_t, scale, delta)
+        return S, o_t
+
+    S, o = lax.scan(body, s0, (tm(q), tm(k), tm(v), tm(g), tm(beta), resets))
+    return jnp.moveaxis(o, 0, 1).astype(v.dtype), S
+
+
+def linear_attention_recurrent(
+    q, k, v, g=None, *, scale=None, initial_state=None, segment_ids=None
+):
+    """(Gated) linear attention by a scan over tokens (SPEC §1; ground truth).
+
+    ``S_t = α_t S_{t-1} + k_t v_tᵀ`` (``α_t = e^{g_t}``, or 1 when ``g`` is None), ``o_t = S_tᵀ (scale·q_t)``.
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: optional ``[B, T, H]`` log decay (≤ 0).
+      scale: multiplies q; default ``K ** -0.5``.
+      initial_state: optional ``[B, H, K, V]``; zero when None.
+      segment_ids: optional ``[B, T]`` int; the state resets to ``initial_state`` at segment starts.
+
+    Returns:
+      ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
+    """
+    _validate_seq("linear_attention_recurrent", q, k, v, g, None, initial_state, segment_ids)
+    return _recurrent(q, k, v, g, None, scale, initial_state, segment_ids, delta=False)
+
+
+def delta_rule_recurrent(q, k, v, beta, *, scale=None, initial_state=None, segment_ids=None):
+    """Delta rule (DeltaNet) by a scan over tokens (SPEC §1; ground truth).
+
+    ``S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀ k_t)ᵀ``, ``o_t = S_tᵀ (scale·q_t)``.
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
+      scale: multiplies q; default ``K ** -0.5``.
+      initial_state: optional ``[B, H, K, V]``; zero when None.
+      segment_ids: optional ``[B, T]`` int; the state resets to ``initial_state`` at segment starts.
+
+    Returns:
+      ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
+    """
+    _validate_seq("delta_rule_recurrent", q, k, v, None, beta, initial_state, segment_ids)
+    return _recurrent(q, k, v, None, beta, scale, initial_state, segment_ids, delta=True)
+
+
+def gated_delta_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None):
+    """Gated delta rule (GDN) by a scan over tokens (SPEC §1; FLA's naive recurrent GDN; ground truth).
+
+    ``S_t = α_t S_{t-1} + β_t k_t (v_t − α_t S_{t-1}ᵀ k_t)ᵀ``, ``o_t = S_tᵀ (scale·q_t)``, ``α_t = e^{g_t}``.
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.
+      scale: multiplies q; default ``K ** -0.5``.
+      initial_state: optional ``[B, H, K, V]``; zero when None.
+      segment_ids: optional ``[B, T]`` int; the state resets to ``initial_state`` at segment starts.
+
+    Returns:
+      ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
+    """
+    _validate_seq("gated_delta_recurrent", q, k, v, g, beta, initial_state, segment_ids)
+    return _recurrent(q, k, v, g, beta, scale, initial_state, segment_ids, delta=True)
+
+
+def _not_yet(*_a, **_k):  # replaced by the WY/UT chunk forms in the next commit
+    raise NotImplementedError("chunked forms are being written; use impl='recurrent' for now")
+
+
+linear_attention_chunked = delta_rule_chunked = gated_delta_chunked = _not_yet
