@@ -1,0 +1,200 @@
+"""Causal softmax attention mixer (Transformer++, SPEC §6): RoPE, optional sliding window, GQA, KV
+cache."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nested_jax.layers.common import check_rank, dense
+from nested_jax.layers.rope import apply_rope
+
+
+class AttentionCache(NamedTuple):
+    """Per-layer KV cache: ``k, v [B, S, H_kv, D]`` (``S = max_len`` slots) and ``pos`` int32 (slots
+    filled)."""
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+
+
+def attention_mask(
+    q_index: jax.Array,
+    k_index: jax.Array,
+    *,
+    window: int = 0,
+    q_segment: jax.Array | None = None,
+    k_segment: jax.Array | None = None,
+    k_valid: jax.Array | None = None,
+) -> jax.Array:
+    """Boolean ``[B, T, S]`` visibility: ``k ≤ q`` (causal), ``q − k < window`` if ``window > 0``,
+    same segment.
+
+    Args:
+      q_index: ``[B, T]`` absolute indices of the queries; k_index: ``[B, S]`` of the keys.
+      window: sliding window (a query sees at most ``window`` keys including itself); 0 = global.
+      q_segment, k_segment: optional ``[B, T]`` / ``[B, S]`` segment ids (keys of another segment
+      are hidden).
+      k_valid: optional ``[B, S]`` bool (unfilled cache slots are False).
+    """
+    diff = q_index[:, :, None] - k_index[:, None, :]
+    mask = diff >= 0
+    if window > 0:
+        mask &= diff < window
+    if q_segment is not None:
+        mask &= q_segment[:, :, None] == k_segment[:, None, :]
+    if k_valid is not None:
+        mask &= k_valid[:, None, :]
+    return mask
+
+
+def softmax_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None
+) -> jax.Array:
+    """``o_t = Σ_s softmax_s(scale · q_tᵀ k_s + mask) v_s`` with grouped KV heads (GQA), logits in
+    float32.
+
+    Args:
+      q: ``[B, T, H, D]``; k, v: ``[B, S, H_kv, D]`` with ``H % H_kv == 0`` (query head h reads KV
+      head
+        ``h // (H / H_kv)``).
+      mask: ``[B, T, S]`` bool, True = visible. Every query must see at least one key.
+      scale: default ``D ** -0.5``.
+
+    Returns:
+      ``[B, T, H, D]`` in ``q.dtype``.
+    """
+    check_rank("q", q, 4, "[B, T, H, D]")
+    check_rank("k", k, 4, "[B, S, H_kv, D]")
+    b, t, h, d = q.shape
+    s, hk = k.shape[1], k.shape[2]
+    if k.shape != (b, s, hk, d) or v.shape[:3] != (b, s, hk):
+        raise ValueError(f"k, v: expected [B={b}, S, H_kv, D={d}], got {k.shape} and {v.shape}")
+    if h % hk:
+        raise ValueError(f"k: H_kv={hk} must divide the query heads H={h}")
+    if mask.shape != (b, t, s):
+        raise ValueError(f"mask: expected shape {(b, t, s)}, got {tuple(mask.shape)}")
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(b, t, hk, h // hk, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    o = jnp.einsum(
+        "bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
+    return o.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
+
+
+class Attention(nnx.Module):
+    """Multi-head causal softmax attention with RoPE, optional sliding window and GQA (SPEC §6).
+
+    ``q = RoPE(x W_q)``, ``k = RoPE(x W_k)``, ``v = x W_v``, ``y = softmax_attention(q, k, v) W_o``.
+    Kernels: ``W_q [d, H·D]`` ``("embed", "heads")``, ``W_k, W_v [d, H_kv·D]`` ``("embed", "kv")``,
+    ``W_o [H·D, d]`` ``("heads", "embed")``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int,
+        *,
+        n_kv_heads: int | None = None,
+        window: int = 0,
+        rope_theta: float = 10000.0,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        n_kv_heads = n_kv_heads or n_heads
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_kv_heads: {n_kv_heads} must divide n_heads={n_heads}")
+        if head_dim % 2:
+            raise ValueError(f"head_dim: RoPE needs an even head_dim, got {head_dim}")
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
+        self.n_kv_heads, self.window, self.rope_theta, self.dtype = (
+            n_kv_heads,
+            window,
+            rope_theta,
+            dtype,
+        )
+        self.q_proj = dense(d_model, n_heads * head_dim, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.k_proj = dense(d_model, n_kv_heads * head_dim, ("embed", "kv"), dtype=dtype, rngs=rngs)
+        self.v_proj = dense(d_model, n_kv_heads * head_dim, ("embed", "kv"), dtype=dtype, rngs=rngs)
+        self.o_proj = dense(n_heads * head_dim, d_model, ("heads", "embed"), dtype=dtype, rngs=rngs)
+
+    @classmethod
+    def from_config(cls, cfg, *, rngs: nnx.Rngs) -> Attention:
+        """Build from a :class:`nested_jax.models.config.ModelConfig` (registry entry
+        ``transformer``)."""
+        return cls(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.resolved_head_dim(),
+            n_kv_heads=cfg.resolved_kv_heads(),
+            window=cfg.window,
+            rope_theta=cfg.rope_theta,
+            dtype=cfg.activation_dtype(),
+            rngs=rngs,
+        )
+
+    def init_cache(self, batch_size: int, max_len: int) -> AttentionCache:
+        """Empty KV cache with ``max_len`` slots (activation dtype) and ``pos = 0``."""
+        shape = (batch_size, max_len, self.n_kv_heads, self.head_dim)
+        return AttentionCache(
+            jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.zeros((), jnp.int32)
+        )
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        positions: jax.Array,
+        segment_ids: jax.Array | None = None,
+        cache: AttentionCache | None = None,
+    ) -> tuple[jax.Array, AttentionCache | None]:
+        """Args:
+          x: ``[B, T, d_model]``.
+          positions: ``[B, T]`` RoPE positions (restarting at segment starts for packed input).
+          segment_ids: optional ``[B, T]``; keys of other segments are masked (only without a
+          cache).
+          cache: optional :class:`AttentionCache`; the T new keys/values are written at slots
+            ``pos … pos+T−1`` and the queries attend to every filled slot (caller keeps ``pos + T ≤
+            S``).
+
+        Returns:
+          ``(y [B, T, d_model], new_cache or None)``.
+        """
+        check_rank("x", x, 3, "[B, T, d_model]")
+        b, t, _ = x.shape
+        if segment_ids is not None and cache is not None:
+            raise ValueError(
+                "segment_ids: packed segments are not supported together with a KV cache"
+            )
+        x = x.astype(self.dtype)
+        q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
+        q = apply_rope(q, positions, theta=self.rope_theta)
+        k = apply_rope(k, positions, theta=self.rope_theta)
+        q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        new_cache = None
+        if cache is None:
+            mask = attention_mask(
+                q_index, q_index, window=self.window, q_segment=segment_ids, k_segment=segment_ids
+            )
+        else:
+            pos = cache.pos
+            k_all = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, pos, 0, 0))
+            v_all = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, pos, 0, 0))
+            slots = jnp.broadcast_to(
+                jnp.arange(k_all.shape[1], dtype=jnp.int32), (b, k_all.shape[1])
+            )
+            mask = attention_mask(q_index + pos, slots, window=self.window)
+            new_cache = AttentionCache(k_all, v_all, pos + t)
+            k, v = k_all.astype(self.dtype), v_all.astype(self.dtype)
+        o = softmax_attention(q, k, v, mask)
+        return self.o_proj(o.reshape(b, t, self.n_heads * self.head_dim)), new_cache

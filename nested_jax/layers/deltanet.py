@@ -1,0 +1,168 @@
+"""DeltaNet mixer (SPEC §1): short conv + SiLU on q, k, v, L2-normalised q, k, β = σ(W_β x), delta
+rule,
+SiLU-gated RMSNorm output. :class:`nested_jax.layers.gdn.GatedDeltaNet` adds the decay ``g``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nested_jax import ops
+from nested_jax.core import associative
+from nested_jax.layers.common import check_rank, dense
+from nested_jax.layers.conv import ShortConv
+from nested_jax.layers.norm import GatedRMSNorm
+
+
+class DeltaCache(NamedTuple):
+    """Per-layer decode state: matrix memory ``state [B, H, K, V]`` (float32) and the three conv
+    states
+    ``conv_q, conv_k [B, W−1, H·K]``, ``conv_v [B, W−1, H·V]`` (activation dtype)."""
+
+    state: jax.Array
+    conv_q: jax.Array
+    conv_k: jax.Array
+    conv_v: jax.Array
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """``x / sqrt(‖x‖² + eps)`` over the last axis, in float32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+class DeltaNet(nnx.Module):
+    """DeltaNet layer (SPEC §1): ``S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀ k_t)ᵀ``, ``o_t = S_tᵀ
+    (q_t/√K)``.
+
+    ``q, k = L2(silu(conv(x W_q|k)))``, ``v = silu(conv(x W_v))``, ``β = σ(x W_β)``,
+    ``y = (RMSNorm(o) ⊙ silu(x W_g)) W_o``. With ``K = V = head_dim``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int,
+        *,
+        conv_size: int = 4,
+        chunk_size: int = 64,
+        impl: str = "chunked",
+        norm_eps: float = 1e-6,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
+        self.conv_size, self.chunk_size, self.impl, self.dtype = conv_size, chunk_size, impl, dtype
+        hd = n_heads * head_dim
+        self.q_proj = dense(d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.k_proj = dense(d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.v_proj = dense(d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.b_proj = dense(d_model, n_heads, ("embed", None), dtype=dtype, rngs=rngs)
+        self.g_proj = dense(d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.o_proj = dense(hd, d_model, ("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.q_conv = ShortConv(hd, conv_size, dtype=dtype, rngs=rngs)
+        self.k_conv = ShortConv(hd, conv_size, dtype=dtype, rngs=rngs)
+        self.v_conv = ShortConv(hd, conv_size, dtype=dtype, rngs=rngs)
+        self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps, rngs=rngs)
+
+    @classmethod
+    def from_config(cls, cfg, *, rngs: nnx.Rngs):
+        """Build from a :class:`nested_jax.models.config.ModelConfig` (registry entries
+        ``deltanet``/``gdn``)."""
+        return cls(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.resolved_head_dim(),
+            conv_size=cfg.conv_size,
+            chunk_size=cfg.chunk_size,
+            impl=cfg.impl,
+            norm_eps=cfg.norm_eps,
+            dtype=cfg.activation_dtype(),
+            rngs=rngs,
+        )
+
+    def init_cache(self, batch_size: int, max_len: int) -> DeltaCache:
+        """Zero decode state (``max_len`` is unused: the state size does not grow with length)."""
+        del max_len
+        h, d = self.n_heads, self.head_dim
+        return DeltaCache(
+            jnp.zeros((batch_size, h, d, d), jnp.float32),
+            self.q_conv.init_state(batch_size),
+            self.k_conv.init_state(batch_size),
+            self.v_conv.init_state(batch_size),
+        )
+
+    def _log_decay(self, x: jax.Array) -> jax.Array | None:
+        """Log decay ``g [B, T, H]`` (None: DeltaNet has no decay)."""
+        del x
+        return None
+
+    def _rule(self, q, k, v, g, beta, *, state, segment_ids, single_step: bool):
+        """The memory recurrence: one exact step when decoding a single token, else ``ops`` over
+        T."""
+        if single_step:
+            o, s = associative.delta_rule_step(state, q[:, 0], k[:, 0], v[:, 0], beta[:, 0])
+            return o[:, None], s
+        return ops.delta_rule(
+            q,
+            k,
+            v,
+            beta,
+            initial_state=state,
+            segment_ids=segment_ids,
+            chunk_size=self.chunk_size,
+            impl=self.impl,
+        )
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        cache: DeltaCache | None = None,
+    ) -> tuple[jax.Array, DeltaCache | None]:
+        """Args:
+          x: ``[B, T, d_model]``.
+          positions: unused (the recurrence is position-free); part of the mixer protocol.
+          segment_ids: optional ``[B, T]``: conv taps and the memory reset at segment starts.
+          cache: optional :class:`DeltaCache` to continue from; with ``T == 1`` the exact step form
+          runs.
+
+        Returns:
+          ``(y [B, T, d_model], new_cache or None)``.
+        """
+        del positions
+        check_rank("x", x, 3, "[B, T, d_model]")
+        b, t, _ = x.shape
+        h, d = self.n_heads, self.head_dim
+        x = x.astype(self.dtype)
+        c = cache
+        q, cq = self.q_conv(self.q_proj(x), state=c and c.conv_q, segment_ids=segment_ids)
+        k, ck = self.k_conv(self.k_proj(x), state=c and c.conv_k, segment_ids=segment_ids)
+        v, cv = self.v_conv(self.v_proj(x), state=c and c.conv_v, segment_ids=segment_ids)
+        # The memory recurrence always runs in float32, whatever the activation dtype.
+        q = l2_normalize(jax.nn.silu(q).reshape(b, t, h, d))
+        k = l2_normalize(jax.nn.silu(k).reshape(b, t, h, d))
+        v = jax.nn.silu(v).reshape(b, t, h, d).astype(jnp.float32)
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        g = self._log_decay(x)
+        o, s = self._rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state=None if c is None else c.state,
+            segment_ids=segment_ids,
+            single_step=c is not None and t == 1,
+        )
+        gate = self.g_proj(x).reshape(b, t, h, d)
+        o = self.o_norm(o.astype(self.dtype), gate)
+        y = self.o_proj(o.reshape(b, t, h * d))
+        return y, (None if c is None else DeltaCache(s, cq, ck, cv))

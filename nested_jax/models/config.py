@@ -1,0 +1,113 @@
+"""Model configuration: one frozen dataclass shared by every mixer of the LM shell (SPEC §6).
+
+The training system embeds :class:`ModelConfig` in its top-level config and fills it from YAML, so
+field types stay
+plain (int / float / str / bool) and every impossible value fails at construction with a message
+naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+_IMPLS = ("chunked", "recurrent")
+_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of the LM shell and its mixer (see ``nested_jax.models.registry``)."""
+
+    name: str = (
+        "gdn"  # registry key: transformer | deltanet | gdn (more later: titans_*, hope, hola)
+    )
+    vocab_size: int = 256  # number of token ids (byte-level default)
+    d_model: int = 128  # residual stream width
+    n_layers: int = 2  # number of [mixer, MLP] blocks
+    n_heads: int = 2  # query / memory heads per mixer
+    head_dim: int = 0  # per-head width; 0 -> d_model // n_heads
+    n_kv_heads: int = 0  # attention only (GQA): key/value heads; 0 -> n_heads
+    mlp_hidden: int = 0  # SwiGLU hidden width; 0 -> 8/3 * d_model rounded up to a multiple of 32
+    tie_embeddings: bool = True  # output head reuses the token embedding matrix
+    conv_size: int = 4  # width of the causal depthwise short conv on q, k, v (DeltaNet / GDN)
+    chunk_size: int = 64  # chunk length C of the chunked (WY/UT) recurrent kernels
+    impl: str = "chunked"  # kernel form for full sequences: chunked | recurrent (pallas later)
+    window: int = 0  # attention sliding window: a query sees `window` keys incl. itself; 0 = global
+    rope_theta: float = 10000.0  # RoPE base frequency
+    norm_eps: float = 1e-6  # epsilon of every RMSNorm
+    dtype: str = (
+        "float32"  # activation dtype: float32 | bfloat16 (params and memory states stay float32)
+    )
+    scan_layers: bool = (
+        True  # run the stacked layers with lax.scan so compile time does not grow with depth
+    )
+    remat: bool = False  # rematerialise each block in the backward pass (jax.checkpoint)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = {"int": int, "float": (int, float), "str": str, "bool": bool}[f.type]
+            # bool is a subclass of int: reject it where an int is expected (a YAML `true` for
+            # n_layers).
+            if not isinstance(value, expected) or (f.type != "bool" and isinstance(value, bool)):
+                raise ValueError(f"ModelConfig.{f.name}: expected {f.type}, got {value!r}")
+        from nested_jax.models.registry import available_mixers  # lazy: the registry imports layers
+
+        if self.name not in available_mixers():
+            raise ValueError(
+                f"ModelConfig.name: unknown model {self.name!r}; "
+                f"known: {sorted(available_mixers())}"
+            )
+        for field in ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "chunk_size"):
+            if getattr(self, field) <= 0:
+                raise ValueError(
+                    f"ModelConfig.{field}: must be positive, got {getattr(self, field)}"
+                )
+        for field in ("head_dim", "n_kv_heads", "mlp_hidden", "window"):
+            if getattr(self, field) < 0:
+                raise ValueError(
+                    f"ModelConfig.{field}: must be >= 0 (0 = default), got {getattr(self, field)}"
+                )
+        if self.head_dim == 0 and self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"ModelConfig.d_model: {self.d_model} is not divisible by n_heads={self.n_heads} "
+                "(set head_dim explicitly or change d_model)"
+            )
+        if self.n_kv_heads and self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"ModelConfig.n_kv_heads: n_heads={self.n_heads} is not divisible by "
+                f"n_kv_heads={self.n_kv_heads}"
+            )
+        if self.impl not in _IMPLS:
+            raise ValueError(f"ModelConfig.impl: unknown {self.impl!r}; expected one of {_IMPLS}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(
+                f"ModelConfig.dtype: unknown {self.dtype!r}; expected one of {_DTYPES}"
+            )
+        if self.rope_theta <= 0:
+            raise ValueError(f"ModelConfig.rope_theta: must be positive, got {self.rope_theta}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"ModelConfig.norm_eps: must be positive, got {self.norm_eps}")
+
+    def resolved_head_dim(self) -> int:
+        """Per-head width: ``head_dim`` or ``d_model // n_heads`` when 0."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    def resolved_kv_heads(self) -> int:
+        """Key/value heads of attention (GQA): ``n_kv_heads`` or ``n_heads`` when 0."""
+        return self.n_kv_heads or self.n_heads
+
+    def resolved_mlp_hidden(self) -> int:
+        """SwiGLU hidden width: ``mlp_hidden`` or ceil(8/3 · d_model) rounded up to a multiple of
+        32."""
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        hidden = -(-8 * self.d_model // 3)
+        return -(-hidden // 32) * 32
+
+    def activation_dtype(self):
+        """The jnp dtype of activations (params are always float32)."""
+        import jax.numpy as jnp
+
+        return jnp.dtype(self.dtype)

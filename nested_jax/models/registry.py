@@ -1,0 +1,64 @@
+"""Registry of sequence mixers: ``ModelConfig.name`` → mixer class (SPEC §6: models differ only by
+the mixer).
+
+A mixer class follows this protocol (see :class:`nested_jax.layers.Attention`,
+:class:`nested_jax.layers.DeltaNet`):
+
+- ``cls.from_config(cfg: ModelConfig, *, rngs: nnx.Rngs) -> mixer``
+- ``mixer(x [B, T, d_model], *, positions int32[B, T], segment_ids int32[B, T] | None, cache | None)
+  -> (y [B, T, d_model], new_cache | None)``; ``cache=None`` starts from zero state and returns
+  ``None``;
+  ``segment_ids`` resets state / masks attention at segment starts.
+- ``mixer.init_cache(batch_size: int, max_len: int) -> cache`` (a pytree of arrays for ONE layer; it
+may only
+  read static Python attributes, since the LM calls it on the layer-stacked module).
+
+Later mechanisms (Titans, Hope, HOLA) call :func:`register_mixer` from their own module; the LM
+shell needs no edit.
+"""
+
+from __future__ import annotations
+
+from nested_jax.layers.attention import Attention
+from nested_jax.layers.deltanet import DeltaNet
+from nested_jax.layers.gdn import GatedDeltaNet
+
+_MIXERS: dict[str, type] = {}
+
+
+def register_mixer(name: str, cls: type, *, overwrite: bool = False) -> None:
+    """Make ``cls`` available as ``ModelConfig(name=name)``.
+
+    Args:
+      name: registry key (non-empty string).
+      cls: a class following the mixer protocol in this module's docstring.
+      overwrite: allow replacing an existing entry (otherwise a duplicate name raises
+      ``ValueError``).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: expected a non-empty string, got {name!r}")
+    for attr in ("from_config", "init_cache", "__call__"):
+        if not callable(getattr(cls, attr, None)):
+            raise ValueError(f"cls: mixer {cls!r} lacks the protocol method {attr!r}")
+    if name in _MIXERS and not overwrite and _MIXERS[name] is not cls:
+        raise ValueError(f"name: mixer {name!r} is already registered as {_MIXERS[name]!r}")
+    _MIXERS[name] = cls
+
+
+def get_mixer(name: str) -> type:
+    """The mixer class registered under ``name`` (``ValueError`` listing the known names
+    otherwise)."""
+    try:
+        return _MIXERS[name]
+    except KeyError:
+        raise ValueError(f"name: unknown mixer {name!r}; known: {sorted(_MIXERS)}") from None
+
+
+def available_mixers() -> tuple[str, ...]:
+    """Names currently registered, sorted."""
+    return tuple(sorted(_MIXERS))
+
+
+register_mixer("transformer", Attention)
+register_mixer("deltanet", DeltaNet)
+register_mixer("gdn", GatedDeltaNet)
