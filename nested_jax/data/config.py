@@ -1,0 +1,76 @@
+"""Data configuration: which corpus, which tokenizer, how sequences are packed and batched.
+
+A frozen dataclass validated on construction, so a bad value fails once, at load time, with one line
+naming the field (DESIGN.md "Configs").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+_TOKENIZER_KINDS = ("byte", "sentencepiece")
+
+
+def _check_type(name: str, value: object, kind: type | tuple[type, ...]) -> None:
+    # bool is a subclass of int; a YAML `true` must not silently become batch_size=1.
+    if isinstance(value, bool) or not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise ValueError(f"data.{name}: expected {names}, got {type(value).__name__} {value!r}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where text comes from and how it becomes `[batch, seq_len]` training arrays."""
+
+    # "austen" (Jane Austen's six novels, fetched from Debian r-cran-janeaustenr and cached) or a
+    # comma-separated list of .txt files and/or folders searched recursively for .txt files.
+    corpus: str = "austen"
+    # "byte" (UTF-8 bytes + a document separator), "sentencepiece" (BPE trained locally on the
+    # train split, cached under data_dir) or a path to a Hugging Face `tokenizer.json`.
+    tokenizer: str = "byte"
+    # SentencePiece vocabulary size; must be > 0 for "sentencepiece", ignored otherwise.
+    vocab_size: int = 0
+    # Tokens per training sequence (inputs and targets are both seq_len long).
+    seq_len: int = 256
+    # Global batch size; each JAX process loads batch_size / process_count rows.
+    batch_size: int = 16
+    # Fraction of documents held out for validation (split by document, never inside one).
+    val_fraction: float = 0.05
+    # Seed of the train/validation split, the shuffle order and the tokenizer training sample.
+    seed: int = 0
+    # Cache directory for downloaded corpora, tokenizers and token arrays;
+    # "" means $NESTED_JAX_DATA, or ~/.cache/nested_jax when that is unset.
+    data_dir: str = ""
+
+    def __post_init__(self) -> None:
+        _check_type("corpus", self.corpus, str)
+        if not self.corpus.strip():
+            raise ValueError("data.corpus: must be 'austen' or a comma-separated list of paths")
+        _check_type("tokenizer", self.tokenizer, str)
+        if self.tokenizer not in _TOKENIZER_KINDS and not self.tokenizer.endswith(".json"):
+            raise ValueError(
+                f"data.tokenizer: expected 'byte', 'sentencepiece' or a path to tokenizer.json, "
+                f"got {self.tokenizer!r}"
+            )
+        _check_type("vocab_size", self.vocab_size, int)
+        if self.vocab_size < 0:
+            raise ValueError(f"data.vocab_size: must be >= 0, got {self.vocab_size}")
+        if self.tokenizer == "sentencepiece" and self.vocab_size < 300:
+            # Byte fallback alone takes 256 pieces plus the control symbols.
+            raise ValueError(
+                f"data.vocab_size: sentencepiece needs vocab_size >= 300, got {self.vocab_size}"
+            )
+        _check_type("seq_len", self.seq_len, int)
+        if self.seq_len < 1:
+            raise ValueError(f"data.seq_len: must be >= 1, got {self.seq_len}")
+        _check_type("batch_size", self.batch_size, int)
+        if self.batch_size < 1:
+            raise ValueError(f"data.batch_size: must be >= 1, got {self.batch_size}")
+        _check_type("val_fraction", self.val_fraction, (float, int))
+        if not (math.isfinite(self.val_fraction) and 0.0 <= self.val_fraction < 1.0):
+            raise ValueError(f"data.val_fraction: must be in [0, 1), got {self.val_fraction}")
+        _check_type("seed", self.seed, int)
+        if self.seed < 0:
+            raise ValueError(f"data.seed: must be >= 0, got {self.seed}")
+        _check_type("data_dir", self.data_dir, str)
