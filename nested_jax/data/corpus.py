@@ -3,9 +3,10 @@
 Two sources:
   * ``"austen"``: Jane Austen's six novels from the Debian package ``r-cran-janeaustenr``. The
     package stores each novel as an R character vector (one element per printed line) in an R
-    lazy-load database (``data/Rdata.rdx`` index + ``data/Rdata.rdb`` blobs); it is decoded with the PyPI
-    ``rdata`` parser, no R needed. Documents are chapters, so the held-out split is whole chapters.
-    The decoded lines are cached as JSON under the data directory; later runs never download.
+    lazy-load database (``data/Rdata.rdx`` index + ``data/Rdata.rdb`` blobs), decoded with the
+    PyPI ``rdata`` parser (no R needed). Documents are chapters, so the held-out split is whole
+    chapters. The decoded lines are cached as JSON under the data directory; later runs never
+    download.
   * user text: a comma-separated list of files and folders; every file is one document, folders are
     searched recursively for ``*.txt`` in sorted order.
 
@@ -55,7 +56,7 @@ class DataError(ValueError):
 
 
 def resolve_data_dir(data_dir: str = "") -> Path:
-    """Cache root: ``data_dir`` if given, else ``$NESTED_JAX_DATA``, else ``~/.cache/nested_jax``."""
+    """Cache root: ``data_dir``, else ``$NESTED_JAX_DATA``, else ``~/.cache/nested_jax``."""
     root = data_dir or os.environ.get("NESTED_JAX_DATA", "") or "~/.cache/nested_jax"
     return Path(root).expanduser()
 
