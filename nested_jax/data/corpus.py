@@ -55,6 +55,12 @@ class DataError(ValueError):
     """Missing, empty, corrupt or unreadable data; the message is one line naming the path."""
 
 
+def one_line(detail: object) -> str:
+    """First non-empty line of an external message (tools and parsers may print many)."""
+    lines = [x.strip() for x in str(detail).splitlines() if x.strip()]
+    return lines[0] if lines else type(detail).__name__
+
+
 def resolve_data_dir(data_dir: str = "") -> Path:
     """Cache root: ``data_dir``, else ``$NESTED_JAX_DATA``, else ``~/.cache/nested_jax``."""
     root = data_dir or os.environ.get("NESTED_JAX_DATA", "") or "~/.cache/nested_jax"
@@ -94,7 +100,9 @@ def _unserialize(raw: bytes, where: Path):
             parsed = rdata.parser.parse_data(raw)
             return rdata.conversion.convert(parsed)
     except Exception as e:  # the rdata parser raises many types on bad input
-        raise DataError(f"{where}: cannot parse R serialized data ({type(e).__name__}: {e})") from e
+        raise DataError(
+            f"{where}: cannot parse R serialized data ({type(e).__name__}: {one_line(e)})"
+        ) from e
 
 
 def _decompress_rdb_entry(blob: bytes, where: Path) -> bytes:
@@ -124,7 +132,7 @@ def _decompress_rdb_entry(blob: bytes, where: Path) -> bytes:
         else:
             raw = zlib.decompress(body)
     except (zlib.error, OSError, ValueError, EOFError) as e:
-        raise DataError(f"{where}: corrupt compressed R database entry ({e})") from e
+        raise DataError(f"{where}: corrupt compressed R database entry ({one_line(e)})") from e
     if len(raw) != size:
         raise DataError(f"{where}: R database entry has {len(raw)} bytes, index says {size}")
     return raw
@@ -149,7 +157,9 @@ def decode_janeaustenr(rdata_dir: str | os.PathLike) -> dict[str, list[str]]:
         # The index is a whole serialized object, gzip-wrapped (saveRDS) or a raw zlib stream.
         rdx_raw = gzip.decompress(rdx) if rdx[:2] == b"\x1f\x8b" else zlib.decompress(rdx[4:])
     except (OSError, zlib.error, EOFError) as e:
-        raise DataError(f"{rdx_path}: cannot decompress the R database index ({e})") from e
+        raise DataError(
+            f"{rdx_path}: cannot decompress the R database index ({one_line(e)})"
+        ) from e
     index = _unserialize(rdx_raw, rdx_path)
     try:
         variables = {str(k): v for k, v in index["variables"].items()}
@@ -203,7 +213,7 @@ def novels_from_deb(deb_path: str | os.PathLike) -> dict[str, list[str]]:
     with tempfile.TemporaryDirectory(prefix="janeaustenr-") as tmp:
         res = _run(["dpkg-deb", "-x", str(deb_path), tmp], Path(tmp))
         if res.returncode != 0:
-            raise DataError(f"{deb_path}: dpkg-deb cannot extract it ({res.stderr.strip()})")
+            raise DataError(f"{deb_path}: dpkg-deb cannot extract it ({one_line(res.stderr)})")
         return decode_janeaustenr(Path(tmp) / _RDATA_SUBDIR)
 
 
