@@ -1,0 +1,377 @@
+"""Grain input pipeline: tokenize → pack → shuffle by (seed, epoch) → shard by process → batch.
+
+Packing. Documents are tokenized, each prefixed with the tokenizer's separator ``bos_id``, and
+concatenated into one stream. Window ``w`` is the ``seq_len + 1`` tokens starting at ``w * seq_len``
+(stride ``seq_len``, so every token after the first is a target exactly once); it gives
+``inputs = window[:-1]`` and ``targets = window[1:]``. ``segment_ids`` numbers the documents inside
+a row from 1 (0 = padding); ``loss_mask[t] = 1`` iff the target at ``t`` is real text of the same
+document as the input at ``t``: the first token of a document is never predicted from the previous
+one, and padding is never scored.
+
+Order. Training windows form an infinite stream of epochs; epoch ``e`` visits the windows in the
+permutation drawn from ``numpy.random.default_rng([seed, e])`` and drops the ``W mod batch_size``
+windows left over, so every global batch is full. Global batch ``g`` holds stream elements
+``[g*B, (g+1)*B)``; JAX process ``p`` of ``P`` loads rows ``[p*B/P, (p+1)*B/P)`` of it. The global
+batch is therefore the same for any process count (1-process and 4-process runs see the same data).
+
+State. The iterator is a grain ``DatasetIterator``; its state is the next batch index (small JSON),
+saved with ``grain.checkpoint.CheckpointSave`` or ``get_state()``; restoring it reproduces the exact
+next batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import math
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from nested_jax.data.config import DataConfig
+from nested_jax.data.corpus import (
+    DataError,
+    atomic_write_bytes,
+    load_documents,
+    resolve_data_dir,
+    split_documents,
+)
+from nested_jax.data.tokenizers import Tokenizer, build_tokenizer
+
+Batch = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class TokenStream:
+    """Concatenated token ids of a document list; ``doc_lengths[i]`` tokens belong to document i."""
+
+    tokens: np.ndarray  # int32[N]
+    doc_lengths: np.ndarray  # int64[num_docs], sums to N
+
+    @property
+    def segments(self) -> np.ndarray:
+        """int32[N]: 1-based document index of every token."""
+        return np.repeat(
+            np.arange(1, len(self.doc_lengths) + 1, dtype=np.int32), self.doc_lengths
+        ).astype(np.int32)
+
+
+_MEMO: dict[str, TokenStream] = {}
+_MEMO_LOCK = threading.Lock()
+
+
+def _docs_key(tokenizer: Tokenizer, docs: Sequence[str]) -> str:
+    h = hashlib.sha256(
+        f"tokens-v1|{tokenizer.fingerprint}|{tokenizer.bos_id}|{len(docs)}|".encode()
+    )
+    for d in docs:
+        h.update(hashlib.sha256(d.encode("utf-8")).digest())
+    return h.hexdigest()[:24]
+
+
+def tokenize_documents(
+    tokenizer: Tokenizer, docs: Sequence[str], cache_dir: str | Path | None = None
+) -> TokenStream:
+    """Tokenize ``docs`` (each prefixed with ``tokenizer.bos_id`` when it has one), cached.
+
+    The result is memoised in-process and, when ``cache_dir`` is given, stored there as
+    ``<key>.npz`` (atomic write) keyed by the tokenizer fingerprint and the document texts.
+    """
+    if not docs:
+        raise DataError("no documents to tokenize")
+    key = _docs_key(tokenizer, docs)
+    with _MEMO_LOCK:
+        if key in _MEMO:
+            return _MEMO[key]
+    path = Path(cache_dir) / f"{key}.npz" if cache_dir is not None else None
+    stream = None
+    if path is not None and path.is_file():
+        try:
+            with np.load(path) as z:
+                stream = TokenStream(
+                    z["tokens"].astype(np.int32), z["doc_lengths"].astype(np.int64)
+                )
+        except Exception as e:  # numpy raises several types on truncated/corrupt archives
+            raise DataError(
+                f"{path}: unreadable token cache ({type(e).__name__}); delete it"
+            ) from e
+        if stream.tokens.shape[0] != int(stream.doc_lengths.sum()):
+            raise DataError(f"{path}: inconsistent token cache; delete it")
+    if stream is None:
+        prefix = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+        pieces = [np.asarray(prefix + tokenizer.encode(d), dtype=np.int32) for d in docs]
+        stream = TokenStream(
+            np.concatenate(pieces), np.asarray([len(p) for p in pieces], dtype=np.int64)
+        )
+        if path is not None:
+            buf = io.BytesIO()
+            # uint16 halves the file for vocabularies that fit (byte, most BPEs).
+            small = tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1
+            np.savez(
+                buf,
+                tokens=stream.tokens.astype(np.uint16 if small else np.int32),
+                doc_lengths=stream.doc_lengths,
+            )
+            atomic_write_bytes(path, buf.getvalue())
+    if stream.tokens.size and (
+        stream.tokens.min() < 0 or stream.tokens.max() >= tokenizer.vocab_size
+    ):
+        raise DataError("token ids outside [0, vocab_size): tokenizer and cache disagree")
+    with _MEMO_LOCK:
+        if len(_MEMO) >= 8:
+            _MEMO.pop(next(iter(_MEMO)))
+        _MEMO[key] = stream
+    return stream
+
+
+class PackedWindows:
+    """Random access to the packed ``seq_len + 1`` windows of a :class:`TokenStream`.
+
+    Args:
+      stream: the tokenized documents.
+      seq_len: T; windows start every T tokens and hold T + 1 tokens.
+      pad_last: keep a final partial window (padded with id 0, segment 0) instead of dropping it.
+    """
+
+    def __init__(self, stream: TokenStream, seq_len: int, pad_last: bool) -> None:
+        self.tokens = stream.tokens
+        self.segments = stream.segments
+        self.seq_len = seq_len
+        n = int(self.tokens.shape[0])
+        # Each window needs at least one (input, target) pair: start w*T must be < n - 1.
+        self.num_windows = (
+            max(0, math.ceil((n - 1) / seq_len)) if pad_last else max(0, (n - 1) // seq_len)
+        )
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, w: int) -> Batch:
+        """One row: inputs/targets/segment_ids int32[T], loss_mask float32[T]."""
+        if not 0 <= w < self.num_windows:
+            raise IndexError(f"window {w} out of range [0, {self.num_windows})")
+        t = self.seq_len
+        start = w * t
+        tok = np.zeros((t + 1,), np.int32)
+        seg = np.zeros((t + 1,), np.int32)
+        piece = self.tokens[start : start + t + 1]
+        tok[: piece.shape[0]] = piece
+        s = self.segments[start : start + t + 1]
+        # Renumber documents inside the row from 1; documents are contiguous so this is a shift.
+        seg[: s.shape[0]] = s - s[0] + 1
+        mask = (seg[1:] == seg[:-1]) & (seg[1:] > 0)
+        return {
+            "inputs": tok[:-1],
+            "targets": tok[1:],
+            "segment_ids": seg[:-1],
+            "loss_mask": mask.astype(np.float32),
+        }
+
+
+class _ShuffledShardSource:
+    """Infinite random-access source of this process's rows, in global-batch order.
+
+    Local element ``i`` is row ``j = i mod b`` of local batch ``g = i div b``; it is global stream
+    element ``k = g*B + p*b + j``; in epoch ``e = k div (S*B)`` it is window
+    ``perm_e[k mod (S*B)]``.
+    """
+
+    def __init__(
+        self,
+        windows: PackedWindows,
+        global_batch: int,
+        process_index: int,
+        process_count: int,
+        seed: int,
+    ) -> None:
+        self.windows = windows
+        self.global_batch = global_batch
+        self.local_batch = global_batch // process_count
+        self.process_index = process_index
+        self.seed = seed
+        self.steps_per_epoch = len(windows) // global_batch
+        self.per_epoch = self.steps_per_epoch * global_batch
+
+    def __len__(self) -> int:
+        return sys.maxsize  # endless: epochs repeat with fresh permutations
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - a few epochs' permutations, owned by self
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Window order of ``epoch`` (depends only on seed, epoch and the number of windows)."""
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
+
+    def __getitem__(self, i: int) -> Batch:
+        g, j = divmod(int(i), self.local_batch)
+        k = g * self.global_batch + self.process_index * self.local_batch + j
+        epoch, r = divmod(k, self.per_epoch)
+        return self.windows[int(self.permutation(epoch)[r])]
+
+
+def _process_args(
+    cfg: DataConfig, process_index: int | None, process_count: int | None
+) -> tuple[int, int]:
+    if process_index is None or process_count is None:
+        import jax
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(
+            "process_index/process_count: need 0 <= index < count, "
+            f"got {process_index}/{process_count}"
+        )
+    if cfg.batch_size % process_count:
+        raise ValueError(
+            f"data.batch_size: {cfg.batch_size} is not divisible by process_count {process_count}"
+        )
+    return process_index, process_count
+
+
+def _token_cache_dir(cfg: DataConfig) -> Path:
+    return resolve_data_dir(cfg.data_dir) / "tokens"
+
+
+def train_windows(
+    cfg: DataConfig, tokenizer: Tokenizer, train_docs: Sequence[str]
+) -> PackedWindows:
+    """The packed training windows (full windows only) and a check that one global batch fits."""
+    windows = PackedWindows(
+        tokenize_documents(tokenizer, train_docs, _token_cache_dir(cfg)), cfg.seq_len, False
+    )
+    if len(windows) < cfg.batch_size:
+        raise DataError(
+            f"train split packs into {len(windows)} sequences of {cfg.seq_len + 1} tokens, fewer "
+            f"than data.batch_size={cfg.batch_size}: use more text or smaller seq_len/batch_size"
+        )
+    return windows
+
+
+def steps_per_epoch(cfg: DataConfig, tokenizer: Tokenizer, train_docs: Sequence[str]) -> int:
+    """Global batches per training epoch (leftover windows are dropped each epoch)."""
+    return len(train_windows(cfg, tokenizer, train_docs)) // cfg.batch_size
+
+
+def make_train_iterator(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    train_docs: Sequence[str],
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> grain.DatasetIterator:
+    """Endless, deterministic, checkpointable iterator of this process's training batches.
+
+    Args:
+      cfg: data config (seq_len T, global batch_size B, seed, data_dir for the token cache).
+      tokenizer: from :func:`build_tokenizer`.
+      train_docs: training documents.
+      process_index, process_count: this JAX process and the number of processes
+        (default ``jax.process_index()``/``jax.process_count()``); B must divide by the count.
+
+    Returns:
+      A grain ``DatasetIterator`` yielding ``{"inputs", "targets", "segment_ids": int32[b, T],
+      "loss_mask": float32[b, T]}`` with ``b = B / process_count``. ``get_state()/set_state()``
+      and ``grain.checkpoint.CheckpointSave/CheckpointRestore`` restore the exact next batch.
+    """
+    process_index, process_count = _process_args(cfg, process_index, process_count)
+    windows = train_windows(cfg, tokenizer, train_docs)
+    source = _ShuffledShardSource(windows, cfg.batch_size, process_index, process_count, cfg.seed)
+    ds = grain.MapDataset.source(source).batch(source.local_batch, drop_remainder=True)
+    # The data is in memory: read synchronously (no threads), which grain recommends for this case.
+    read = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    return iter(ds.to_iter_dataset(read_options=read))
+
+
+def make_eval_batches(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    val_docs: Sequence[str],
+    *,
+    max_batches: int | None = None,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> list[Batch]:
+    """All validation windows in corpus order, as this process's share of fixed-shape batches.
+
+    The final partial window is padded, and the final global batch is filled with all-padding rows
+    (``loss_mask`` 0), so every batch has shape ``[batch_size / process_count, seq_len]`` and every
+    process gets the same number of batches.
+
+    Args:
+      cfg, tokenizer, val_docs: as for :func:`make_train_iterator`.
+      max_batches: keep only the first ``max_batches`` global batches (``None``: all).
+      process_index, process_count: as for :func:`make_train_iterator`.
+
+    Returns:
+      A list of batches (dicts of numpy arrays, same keys as training batches).
+    """
+    process_index, process_count = _process_args(cfg, process_index, process_count)
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"max_batches: must be >= 1 or None, got {max_batches}")
+    if not val_docs:
+        raise DataError("validation split is empty (data.val_fraction is 0 or the corpus is tiny)")
+    windows = PackedWindows(
+        tokenize_documents(tokenizer, val_docs, _token_cache_dir(cfg)), cfg.seq_len, True
+    )
+    if len(windows) == 0:
+        raise DataError("validation split has fewer than 2 tokens")
+    gb, lb = cfg.batch_size, cfg.batch_size // process_count
+    n_batches = math.ceil(len(windows) / gb)
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    t = cfg.seq_len
+    batches = []
+    for g in range(n_batches):
+        rows = []
+        for j in range(lb):
+            w = g * gb + process_index * lb + j
+            if w < len(windows):
+                rows.append(windows[w])
+            else:
+                rows.append(
+                    {
+                        "inputs": np.zeros((t,), np.int32),
+                        "targets": np.zeros((t,), np.int32),
+                        "segment_ids": np.zeros((t,), np.int32),
+                        "loss_mask": np.zeros((t,), np.float32),
+                    }
+                )
+        batches.append({k: np.stack([r[k] for r in rows]) for k in rows[0]})
+    return batches
+
+
+@dataclass(frozen=True)
+class DataBundle:
+    """Everything a run needs from the data side."""
+
+    tokenizer: Tokenizer
+    train_docs: list[str]
+    val_docs: list[str]
+
+
+def prepare_data(cfg: DataConfig) -> DataBundle:
+    """Load the corpus, split it by document and build the tokenizer (trained on train docs)."""
+    docs = load_documents(cfg)
+    train_docs, val_docs = split_documents(docs, cfg.val_fraction, cfg.seed)
+    return DataBundle(build_tokenizer(cfg, train_docs), train_docs, val_docs)
+
+
+def unigram_byte_entropy(docs: Sequence[str]) -> float:
+    """Entropy in bits/byte of the corpus' byte unigram distribution: ``-sum_b p_b log2 p_b``.
+
+    The bits/byte a model reaches by knowing only byte frequencies; a baseline for LM results.
+    """
+    counts = np.zeros((256,), np.int64)
+    for d in docs:
+        counts += np.bincount(np.frombuffer(d.encode("utf-8"), np.uint8), minlength=256)
+    total = counts.sum()
+    if total == 0:
+        raise DataError("cannot compute byte entropy of empty documents")
+    p = counts[counts > 0] / total
+    return float(-(p * np.log2(p)).sum())
