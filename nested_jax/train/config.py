@@ -1,0 +1,460 @@
+"""Strict, typed experiment configuration: dataclass defaults ← YAML file(s) ← ``--set a.b=value``.
+
+Every section is a frozen dataclass with one comment per field. Loading is strict: an unknown key, a value of the
+wrong type (int / float / str / bool are not interchangeable, except that an int is accepted where a float is
+expected) or an impossible combination fails at load time with ONE line naming the full field path, e.g.
+``config error: train.steps: expected int, got str 'abc'`` (raised as :class:`ConfigError`).
+
+Cross-field rules checked at load (DESIGN.md "Configs"):
+- ``data.batch_size`` must be divisible by ``mesh.data × mesh.fsdp`` when both are explicit; with ``mesh.fsdp = -1``
+  the product is only known once the devices are, so the same check runs again when the mesh is built.
+- **Decision:** for recurrent mixers run with ``model.impl = "chunked"`` (everything except attention-only models),
+  ``data.seq_len`` must be a multiple of ``model.chunk_size``. The chunked kernels would pad the tail chunk, but that
+  pads every training sequence and silently wastes compute, and Pallas kernels need whole chunks; a config that asks
+  for it is almost always a typo. ``impl = "recurrent"`` and attention models have no such constraint.
+- ``model.vocab_size`` must cover the tokenizer (257 ids for "byte", ``data.vocab_size`` for "sentencepiece"; a
+  ``tokenizer.json`` is checked when it is loaded, at the start of training).
+- ``optimizer.name`` must be registered in :data:`nested_jax.train.optimizer.OPTIMIZERS`.
+
+YAML files may name other presets with ``include:`` (alias ``base:``): a path or a list of paths relative to the
+including file, merged first, so the including file overrides them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from nested_jax.data.config import DataConfig
+from nested_jax.models.config import ModelConfig
+
+# Models whose mixer has no chunked recurrence: `seq_len % chunk_size` is irrelevant for them.
+ATTENTION_ONLY_MODELS = frozenset({"transformer"})
+
+
+class ConfigError(ValueError):
+    """A configuration problem; ``str(err)`` is one line that names the field path."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule (linear warmup then decay)."""
+
+    name: str = (
+        "adamw"  # key of nested_jax.train.optimizer.OPTIMIZERS ("adamw"; others register more)
+    )
+    lr: float = 3e-3  # peak learning rate, reached at the end of warmup
+    warmup_steps: int = 100  # linear warmup from 0 to lr over this many steps
+    decay: Literal["cosine", "linear", "constant"] = "cosine"  # shape of the decay after warmup
+    min_lr_ratio: float = 0.1  # final learning rate as a fraction of lr (cosine / linear decay)
+    weight_decay: float = 0.1  # decoupled weight decay, applied to matrices (ndim >= 2) only
+    b1: float = 0.9  # first-moment decay of Adam
+    b2: float = 0.95  # second-moment decay of Adam
+    eps: float = 1e-8  # Adam denominator epsilon
+    grad_clip: float = 1.0  # clip gradients to this global L2 norm; 0 disables clipping
+    # Free-form extra hyper-parameters for optimizers registered by other modules (e.g. m3); each
+    # factory validates its own keys. AdamW accepts none.
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh with axes ("data", "fsdp"); parameters are sharded along fsdp (logical rules)."""
+
+    data: int = 1  # size of the pure data-parallel axis (parameters replicated across it)
+    fsdp: int = -1  # size of the fully-sharded data-parallel axis; -1 = all remaining devices
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Training-loop settings."""
+
+    steps: int = 1000  # total optimizer steps (a resumed run continues up to this number)
+    seed: int = 0  # seed of parameter initialisation
+    log_every: int = 10  # write train metrics (JSONL, TensorBoard) every this many steps
+    eval_every: int = (
+        200  # run validation every this many steps (and always at the last step); 0 = only at end
+    )
+    checkpoint_every: int = (
+        200  # save a checkpoint every this many steps (and always at the last step)
+    )
+    keep_checkpoints: int = 3  # how many of the most recent checkpoints to keep on disk
+    async_checkpointing: bool = True  # write checkpoints in a background thread (orbax async)
+    nan_policy: Literal["skip", "stop"] = (
+        "skip"  # on a non-finite loss/gradient: skip the update or stop
+    )
+    max_consecutive_skips: int = (
+        10  # with nan_policy=skip: stop with an error after this many skips in a row
+    )
+    progress_bar: bool = True  # show a tqdm progress bar (loss, bits/byte, tokens/s) on stderr
+    # DEBUG ONLY (tests of the NaN policy): steps (1-based) whose loss is replaced by NaN inside the jitted step.
+    debug_nan_at_steps: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Validation during training and the `nested-jax eval` report."""
+
+    eval_batches: int = 8  # validation batches per evaluation (0 = the whole validation split)
+    niah_lengths: tuple[int, ...] = (128, 256)  # NIAH haystack lengths in tokens
+    niah_depths: tuple[float, ...] = (
+        0.1,
+        0.5,
+        0.9,
+    )  # NIAH needle depths as fractions of the haystack
+    niah_per_cell: int = 4  # NIAH examples per (length, depth) cell
+    niah_seed: int = 0  # seed of the NIAH generator (needle values, haystack offsets)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole experiment: model, data, optimizer, mesh, training loop and evaluation."""
+
+    # LM shell and mixer (nested_jax.models); 257 ids = the default byte tokenizer's vocabulary.
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=257))
+    # corpus, tokenizer, packing, global batch (nested_jax.data)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # optimizer and schedule
+    mesh: MeshConfig = field(default_factory=MeshConfig)  # device mesh
+    train: TrainConfig = field(default_factory=TrainConfig)  # training loop
+    eval: EvalConfig = field(default_factory=EvalConfig)  # evaluation
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Strict conversion dict -> dataclass
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _type_name(t: Any) -> str:
+    if isinstance(t, type):
+        return t.__name__
+    return str(t).replace("typing.", "")
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _convert(value: Any, t: Any, path: str, base: Any = None) -> Any:
+    """Checks `value` against annotation `t` (strict) and returns the converted value.
+
+    `base` is the default instance a nested dataclass section is built on (None: the class defaults).
+    """
+    origin = typing.get_origin(t)
+    args = typing.get_args(t)
+    if dataclasses.is_dataclass(t):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping of fields, got {_describe(value)}")
+        return _build_dataclass(t, value, path, base)
+    if origin is Literal:
+        if not any(type(value) is type(a) and value == a for a in args):
+            raise ConfigError(f"{path}: expected one of {list(args)}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, path)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(f"{path}: expected {_type_name(t)}, got {_describe(value)}")
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {_describe(value)}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise ConfigError(f"{path}: expected a list of {len(args)} items, got {len(value)}")
+        return tuple(_convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(args, value)))
+    if t is dict or origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {_describe(value)}")
+        for k in value:
+            if not isinstance(k, str):
+                raise ConfigError(f"{path}: keys must be strings, got {_describe(k)}")
+        return dict(value)
+    if t is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected bool, got {_describe(value)}")
+        return value
+    if t is int:
+        # bool is a subclass of int: a YAML `true` must not become steps=1.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected int, got {_describe(value)}")
+        return value
+    if t is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected float, got {_describe(value)}")
+        return float(value)
+    if t is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected str, got {_describe(value)}")
+        return value
+    if t is Any:
+        return value
+    raise ConfigError(f"{path}: unsupported field type {_type_name(t)}")  # a bug in a dataclass
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def _build_dataclass(cls: type, values: Mapping[str, Any], path: str, base: Any = None) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    names = list(fields)
+    unknown = [k for k in values if k not in names]
+    if unknown:
+        where = f"{path}.{unknown[0]}" if path else str(unknown[0])
+        raise ConfigError(f"{where}: unknown key (known keys: {', '.join(names)})")
+    # Start from the base instance's values so a section default set by the parent (e.g. Config's
+    # model.vocab_size=257) survives a YAML that only sets other fields of the section.
+    kwargs = {} if base is None else {n: getattr(base, n) for n in names}
+    for name in names:
+        if name in values:
+            sub = f"{path}.{name}" if path else name
+            sub_base = kwargs.get(name) if base is not None else _field_default(fields[name])
+            if not dataclasses.is_dataclass(sub_base):
+                sub_base = None
+            kwargs[name] = _convert(values[name], hints[name], sub, sub_base)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        # Section classes validate themselves; their messages start with "<Class>.<field>:" or
+        # "<section>.<field>:" - normalise to the full path.
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        prefix = f"{cls.__name__}."
+        if msg.startswith(prefix):
+            msg = msg[len(prefix) :]
+        section = path.rsplit(".", 1)[-1] if path else ""
+        if section and msg.startswith(section + "."):
+            msg = msg[len(section) + 1 :]
+        raise ConfigError(f"{path}.{msg}" if path else msg) from None
+
+
+def _check_combinations(cfg: Config) -> None:
+    from nested_jax.train.optimizer import OPTIMIZERS
+
+    if cfg.optimizer.name not in OPTIMIZERS:
+        raise ConfigError(
+            f"optimizer.name: unknown optimizer {cfg.optimizer.name!r}; registered: {sorted(OPTIMIZERS)}"
+        )
+    o = cfg.optimizer
+    for name, value, ok, what in (
+        ("lr", o.lr, o.lr > 0, "> 0"),
+        ("warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
+        ("min_lr_ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
+        ("weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("b1", o.b1, 0 <= o.b1 < 1, "in [0, 1)"),
+        ("b2", o.b2, 0 <= o.b2 < 1, "in [0, 1)"),
+        ("eps", o.eps, o.eps > 0, "> 0"),
+        ("grad_clip", o.grad_clip, o.grad_clip >= 0, ">= 0 (0 disables)"),
+    ):
+        if not ok:
+            raise ConfigError(f"optimizer.{name}: must be {what}, got {value!r}")
+    m = cfg.mesh
+    for name, value in (("data", m.data), ("fsdp", m.fsdp)):
+        if value == 0 or value < -1:
+            raise ConfigError(
+                f"mesh.{name}: must be a positive size or -1 (all remaining), got {value}"
+            )
+    if m.data == -1 and m.fsdp == -1:
+        raise ConfigError("mesh.data: at most one of mesh.data / mesh.fsdp may be -1")
+    if m.data > 0 and m.fsdp > 0 and cfg.data.batch_size % (m.data * m.fsdp):
+        raise ConfigError(
+            f"data.batch_size: {cfg.data.batch_size} is not divisible by mesh.data × mesh.fsdp = "
+            f"{m.data}×{m.fsdp} = {m.data * m.fsdp}"
+        )
+    if (
+        cfg.model.impl == "chunked"
+        and cfg.model.name not in ATTENTION_ONLY_MODELS
+        and cfg.data.seq_len % cfg.model.chunk_size
+    ):
+        raise ConfigError(
+            f"data.seq_len: {cfg.data.seq_len} is not a multiple of model.chunk_size = "
+            f"{cfg.model.chunk_size} (required by model.impl=chunked for {cfg.model.name!r})"
+        )
+    needed = {"byte": 257, "sentencepiece": cfg.data.vocab_size}.get(cfg.data.tokenizer, 0)
+    if cfg.model.vocab_size < needed:
+        raise ConfigError(
+            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the {cfg.data.tokenizer!r} "
+            f"tokenizer's vocabulary ({needed} ids)"
+        )
+    t = cfg.train
+    for name in ("steps", "log_every", "checkpoint_every", "keep_checkpoints"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"train.{name}: must be >= 1, got {getattr(t, name)}")
+    for name in ("eval_every", "max_consecutive_skips"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"train.{name}: must be >= 0, got {getattr(t, name)}")
+    e = cfg.eval
+    if e.eval_batches < 0:
+        raise ConfigError(f"eval.eval_batches: must be >= 0, got {e.eval_batches}")
+    if e.niah_per_cell < 0:
+        raise ConfigError(f"eval.niah_per_cell: must be >= 0, got {e.niah_per_cell}")
+    for i, d in enumerate(e.niah_depths):
+        if not 0.0 <= d <= 1.0:
+            raise ConfigError(f"eval.niah_depths[{i}]: must be in [0, 1], got {d}")
+    for i, n in enumerate(e.niah_lengths):
+        if n < 1:
+            raise ConfigError(f"eval.niah_lengths[{i}]: must be >= 1, got {n}")
+
+
+def config_from_dict(values: Mapping[str, Any]) -> Config:
+    """Builds a validated :class:`Config` from a nested mapping (missing keys take defaults).
+
+    Raises:
+      ConfigError: one line naming the field path, for unknown keys, wrong types or impossible combinations.
+    """
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"config: expected a mapping at top level, got {_describe(values)}")
+    cfg = _build_dataclass(Config, values, "")
+    _check_combinations(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """Plain nested dict of a config (tuples become lists), the inverse of :func:`config_from_dict`."""
+
+    def plain(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, tuple | list):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# YAML files and --set overrides
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _deep_merge(base: dict, over: Mapping) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _deep_merge(dict(out[k]), v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    path = path.expanduser().resolve()
+    if path in seen:
+        raise ConfigError(f"config file {path}: include cycle ({' -> '.join(map(str, seen))})")
+    if not path.is_file():
+        raise ConfigError(f"config file {path}: not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(
+            f"config file {path}: invalid YAML ({str(err).splitlines()[0]})"
+        ) from None
+    data = {} if data is None else data
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"config file {path}: expected a mapping at top level, got {_describe(data)}"
+        )
+    data = dict(data)
+    includes: list = []
+    for key in ("include", "base"):
+        if key in data:
+            inc = data.pop(key)
+            includes += [inc] if isinstance(inc, str) else list(inc or [])
+    merged: dict = {}
+    for inc in includes:
+        if not isinstance(inc, str):
+            raise ConfigError(f"config file {path}: include: expected a path, got {_describe(inc)}")
+        merged = _deep_merge(merged, _read_yaml(path.parent / inc, seen + (path,)))
+    return _deep_merge(merged, data)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parses ``a.b=value`` into (["a", "b"], value) with the value read by ``yaml.safe_load``."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text}: expected KEY=VALUE (e.g. train.steps=100)")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {text}: bad key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # not YAML: keep the raw string; the type check reports it if a str is wrong
+    return parts, value
+
+
+def apply_overrides(values: Mapping, overrides: Sequence[str]) -> dict:
+    """Applies ``--set a.b=value`` strings to a nested dict (unknown keys are caught by validation)."""
+    out = _deep_merge({}, values)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for i, p in enumerate(parts[:-1]):
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            elif not isinstance(nxt, dict):
+                raise ConfigError(
+                    f"{'.'.join(parts[: i + 1])}: is a value, not a section (--set {text})"
+                )
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ()) -> Config:
+    """defaults ← YAML files (in order; later wins) ← ``--set`` overrides → validated :class:`Config`."""
+    values: dict = {}
+    for p in paths:
+        values = _deep_merge(values, _read_yaml(Path(p)))
+    values = apply_overrides(values, overrides)
+    return config_from_dict(values)
+
+
+def save_config(cfg: Config, workdir: str | Path) -> Path:
+    """Writes ``workdir/config.json`` and ``workdir/config.yaml``; returns the JSON path."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    d = config_to_dict(cfg)
+    path = workdir / "config.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)  # atomic: a crash never leaves a half-written config
+    ytmp = workdir / "config.yaml.tmp"
+    ytmp.write_text(yaml.safe_dump(d, sort_keys=False))
+    ytmp.replace(workdir / "config.yaml")
+    return path
+
+
+def load_workdir_config(workdir: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Reads ``workdir/config.json`` (written by training) and applies ``--set`` overrides."""
+    path = Path(workdir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"workdir {workdir}: no config.json (is this a training workdir?)")
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: unreadable JSON ({err})") from None
+    return config_from_dict(apply_overrides(values, overrides))
