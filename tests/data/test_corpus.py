@@ -230,3 +230,11 @@ def test_real_austen_corpus(tmp_path):
     assert any("It is a truth universally acknowledged" in d for d in docs)
     # The second load comes from the cache and is identical.
     assert load_documents(DataConfig(data_dir=data_dir)) == docs
+    # End to end: split, byte tokenizer, one training batch.
+    from nested_jax.data.pipeline import make_train_iterator, prepare_data
+
+    cfg = DataConfig(data_dir=data_dir, seq_len=64, batch_size=2)
+    bundle = prepare_data(cfg)
+    assert len(bundle.val_docs) == 14 and len(bundle.train_docs) == 255
+    batch = next(make_train_iterator(cfg, bundle.tokenizer, bundle.train_docs))
+    assert batch["inputs"].shape == (2, 64) and batch["loss_mask"].sum() > 0

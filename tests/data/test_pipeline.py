@@ -167,6 +167,15 @@ def test_process_sharding_partitions_the_global_batch(cfg, tok, train_docs):
             assert np.array_equal(np.concatenate([a[k], b[k]]), g[k])
 
 
+def test_process_defaults_come_from_jax(cfg, tok, train_docs):
+    import jax
+
+    assert jax.process_count() == 1
+    a = next(make_train_iterator(cfg, tok, train_docs))
+    b = next(make_train_iterator(cfg, tok, train_docs, process_index=0, process_count=1))
+    assert _equal(a, b)
+
+
 def test_bad_pipeline_inputs(cfg, tok, train_docs):
     with pytest.raises(ValueError, match="data.batch_size"):
         make_train_iterator(cfg, tok, train_docs, process_index=0, process_count=3)
