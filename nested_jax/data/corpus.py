@@ -70,8 +70,14 @@ def resolve_data_dir(data_dir: str = "") -> Path:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file in the same folder and an atomic rename."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise DataError(
+            f"{path.parent}: cannot write the data cache ({e.strerror}); "
+            f"set data.data_dir or $NESTED_JAX_DATA to a writable folder"
+        ) from e
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -260,8 +266,15 @@ def load_austen_novels(data_dir: str = "") -> dict[str, list[str]]:
     if (system / "Rdata.rdb").is_file():
         novels = decode_janeaustenr(system)
     else:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache.parent, prefix=".download-") as tmp:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            workdir = tempfile.TemporaryDirectory(dir=cache.parent, prefix=".download-")
+        except OSError as e:
+            raise DataError(
+                f"{cache.parent}: cannot write the data cache ({e.strerror}); "
+                f"set data.data_dir or $NESTED_JAX_DATA to a writable folder"
+            ) from e
+        with workdir as tmp:
             novels = novels_from_deb(_download_deb(Path(tmp)))
     payload = {"format": _AUSTEN_CACHE_FORMAT, "source": AUSTEN_PACKAGE, "novels": novels}
     atomic_write_bytes(cache, json.dumps(payload, ensure_ascii=False).encode("utf-8"))

@@ -21,7 +21,6 @@ next batch.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import io
 import math
@@ -197,14 +196,22 @@ class _ShuffledShardSource:
         self.seed = seed
         self.steps_per_epoch = len(windows) // global_batch
         self.per_epoch = self.steps_per_epoch * global_batch
+        self._perms: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return sys.maxsize  # endless: epochs repeat with fresh permutations
 
-    @functools.lru_cache(maxsize=4)  # noqa: B019 - a few epochs' permutations, owned by self
     def permutation(self, epoch: int) -> np.ndarray:
         """Window order of ``epoch`` (depends only on seed, epoch and the number of windows)."""
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
+        with self._lock:
+            perm = self._perms.get(epoch)
+            if perm is None:
+                perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
+                # Reads move forward through epochs: keep only the current and the next one.
+                self._perms = {e: p for e, p in self._perms.items() if e > epoch - 1}
+                self._perms[epoch] = perm
+            return perm
 
     def __getitem__(self, i: int) -> Batch:
         g, j = divmod(int(i), self.local_batch)

@@ -210,6 +210,33 @@ def test_missing_apt_gives_user_text_hint(tmp_path, monkeypatch):
     assert not austen_cache_path(str(tmp_path)).exists()
 
 
+def test_failed_download_is_one_clear_error(tmp_path, monkeypatch):
+    import subprocess
+
+    calls = []
+
+    def fake_run(cmd, cwd):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 100, "", "W: x\nE: Unable to locate package\n")
+
+    monkeypatch.setattr(corpus_mod.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(corpus_mod, "_RDATA_SUBDIR", "nonexistent/janeaustenr/data")
+    monkeypatch.setattr(corpus_mod, "_run", fake_run)
+    with pytest.raises(DataError, match="Unable to locate package") as info:
+        load_documents(DataConfig(data_dir=str(tmp_path)))
+    assert "\n" not in str(info.value) and "data.corpus" in str(info.value)
+    assert calls[0] == ["apt-get", "download", "r-cran-janeaustenr"]
+    # Nothing half-written: no cache file, no leftover download folder.
+    assert list((tmp_path / "austen").iterdir()) == []
+
+
+def test_unwritable_data_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(DataError, match="data_dir"):
+        atomic_write_bytes(blocker / "sub" / "c.json", b"{}")
+
+
 # ---------------------------------------------------------------- Austen (real download)
 
 
