@@ -1,13 +1,14 @@
 """The one dispatcher: ``op(..., impl="chunked" | "recurrent" | "pallas")`` (DESIGN.md, SPEC §0).
 
-Layers call these functions, never a core form directly, so switching implementation is a config value.
-The implementation is never switched silently (not on sequence length, not on mode): an ``impl`` value
-that cannot run raises ``ValueError``.
+Layers call these functions, never a core form directly, so switching implementation is a config
+value. The implementation is never switched silently (not on sequence length, not on mode): an
+``impl`` value that cannot run raises ``ValueError``.
 
 - ``"chunked"``: the WY/UT chunk form of ``nested_jax.core.associative`` (the training default).
 - ``"recurrent"``: the per-token ``lax.scan`` ground truth (``chunk_size`` is ignored).
 - ``"pallas"``: the seam for ``pallas_kernels/<op>/ops.py``. No kernel is wired yet, so it raises
-  ``ValueError``; when a kernel lands, this module is its only importer and routes ``impl="pallas"`` to it.
+  ``ValueError``; when a kernel lands, this module is its only importer and routes
+  ``impl="pallas"`` to it.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ def linear_attention(
     chunk_size: int = 64,
     impl: str = "chunked",
 ):
-    """(Gated) linear attention, SPEC §1: ``S_t = α_t S_{t-1} + k_t v_tᵀ``, ``o_t = S_tᵀ (scale·q_t)``.
+    """(Gated) linear attention, SPEC §1.
+
+    ``S_t = α_t S_{t-1} + k_t v_tᵀ``, ``o_t = S_tᵀ (scale·q_t)``.
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: optional ``[B, T, H]`` log decay.
@@ -73,7 +76,9 @@ def delta_rule(
     chunk_size: int = 64,
     impl: str = "chunked",
 ):
-    """Delta rule, SPEC §1: ``S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀ k_t)ᵀ``, ``o_t = S_tᵀ (scale·q_t)``.
+    """Delta rule, SPEC §1.
+
+    ``S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀ k_t)ᵀ``, ``o_t = S_tᵀ (scale·q_t)``.
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``.

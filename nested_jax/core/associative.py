@@ -2,10 +2,11 @@
 
 Every rule has three forms with one meaning (SPEC §0):
 
-- ``*_step``: one token, ``(state, q_t, k_t, v_t, ...) -> (o_t, new_state)``, per-token arrays ``[B, H, D]``;
+- ``*_step``: one token, ``(state, q_t, k_t, v_t, ...) -> (o_t, new_state)``, per-token arrays
+  ``[B, H, D]``;
 - ``*_recurrent``: ``lax.scan`` of the step over time, the ground truth;
-- ``*_chunked``: the WY/UT chunk form (derivation in ``core/README.md``), parallel inside chunks of size
-  ``C`` and sequential across chunks.
+- ``*_chunked``: the WY/UT chunk form (derivation in ``core/README.md``), parallel inside chunks
+  of size ``C`` and sequential across chunks.
 
 Per head, with column vectors, ``S ∈ R^{K×V}`` and ``α_t = exp(g_t)``::
 
@@ -14,13 +15,14 @@ Per head, with column vectors, ``S ∈ R^{K×V}`` and ``α_t = exp(g_t)``::
     gated delta (GDN)  S_t = α_t S_{t-1} + β_t k_t (v_t − α_t S_{t-1}ᵀ k_t)ᵀ
     read               o_t = S_tᵀ (scale · q_t)
 
-GDN is FLA's ``naive_recurrent_gated_delta_rule`` (decay first, then the residual write). Shapes: ``q, k``
-``[B, T, H, K]``; ``v`` ``[B, T, H, V]``; ``g, beta`` ``[B, T, H]``; states ``[B, H, K, V]``. ``scale``
-defaults to ``K ** -0.5``. All accumulation is in f32; outputs take ``v``'s dtype, final states are f32.
+GDN is FLA's ``naive_recurrent_gated_delta_rule`` (decay first, then the residual write).
+Shapes: ``q, k`` ``[B, T, H, K]``; ``v`` ``[B, T, H, V]``; ``g, beta`` ``[B, T, H]``; states
+``[B, H, K, V]``. ``scale`` defaults to ``K ** -0.5``. All accumulation is in f32; outputs take
+``v``'s dtype, final states are f32.
 
-Packed sequences: with ``segment_ids [B, T]`` (integer), the state is reset to ``initial_state`` (zero
-when ``None``) before the first token of every segment after the first, i.e. at every ``t > 0`` with
-``segment_ids[:, t] != segment_ids[:, t - 1]``.
+Packed sequences: with ``segment_ids [B, T]`` (integer), the state is reset to ``initial_state``
+(zero when ``None``) before the first token of every segment after the first, i.e. at every
+``t > 0`` with ``segment_ids[:, t] != segment_ids[:, t - 1]``.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _validate_seq(
     segment_ids,
     chunk_size=None,
 ):
-    """Checks a sequence call; returns ``(B, T, H, K, V)``. Raises ValueError naming the argument."""
+    """Checks a sequence call; returns ``(B, T, H, K, V)``; ValueError names the bad argument."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or x.ndim != 4:
             shape = getattr(x, "shape", None)
@@ -94,7 +96,8 @@ def _validate_seq(
         if not hasattr(initial_state, "shape") or initial_state.shape != (B, H, K, V):
             shape = getattr(initial_state, "shape", None)
             raise ValueError(
-                f"{fn}: initial_state must have shape [B, H, K, V] = [{B}, {H}, {K}, {V}], got {shape}"
+                f"{fn}: initial_state must have shape [B, H, K, V] = "
+                f"[{B}, {H}, {K}, {V}], got {shape}"
             )
         _check_float("initial_state", initial_state)
     if segment_ids is not None:
@@ -150,7 +153,7 @@ def _scale(scale, K):
 
 
 def _step_math(S, q_t, k_t, v_t, g_t, beta_t, scale, delta: bool):
-    """One token of the general rule in f32. ``S [B,H,K,V]``; per-token ``[B,H,D]``; gates ``[B,H]``."""
+    """One token of the general rule in f32: ``S [B,H,K,V]``, tokens ``[B,H,D]``, gates ``[B,H]``."""
     f32 = jnp.float32
     q_t, k_t, v_t = q_t.astype(f32) * scale, k_t.astype(f32), v_t.astype(f32)
     if g_t is not None:
@@ -166,7 +169,9 @@ def _step_math(S, q_t, k_t, v_t, g_t, beta_t, scale, delta: bool):
 
 
 def linear_attention_step(state, q_t, k_t, v_t, g_t=None, *, scale=None):
-    """One token of (gated) linear attention (SPEC §1): ``S_t = α_t S_{t-1} + k_t v_tᵀ``, ``o_t = S_tᵀ q_t``.
+    """One token of (gated) linear attention (SPEC §1).
+
+    ``S_t = α_t S_{t-1} + k_t v_tᵀ``, ``o_t = S_tᵀ (scale · q_t)``.
 
     Args:
       state: ``[B, H, K, V]`` previous state ``S_{t-1}``.
@@ -202,7 +207,8 @@ def delta_rule_step(state, q_t, k_t, v_t, beta_t, *, scale=None):
 def gated_delta_step(state, q_t, k_t, v_t, g_t, beta_t, *, scale=None):
     """One token of the gated delta rule (SPEC §1, FLA's naive recurrent GDN).
 
-    ``S_t = α_t S_{t-1} + β_t k_t (v_t − α_t S_{t-1}ᵀ k_t)ᵀ``, ``o_t = S_tᵀ (scale · q_t)``, ``α_t = e^{g_t}``.
+    ``S_t = α_t S_{t-1} + β_t k_t (v_t − α_t S_{t-1}ᵀ k_t)ᵀ``, ``o_t = S_tᵀ (scale · q_t)``,
+    ``α_t = e^{g_t}``.
 
     Args:
       state: ``[B, H, K, V]``; q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; g_t, beta_t: ``[B, H]``.
@@ -256,7 +262,8 @@ def linear_attention_recurrent(
 ):
     """(Gated) linear attention by a scan over tokens (SPEC §1; ground truth).
 
-    ``S_t = α_t S_{t-1} + k_t v_tᵀ`` (``α_t = e^{g_t}``, or 1 when ``g`` is None), ``o_t = S_tᵀ (scale·q_t)``.
+    ``S_t = α_t S_{t-1} + k_t v_tᵀ`` (``α_t = e^{g_t}``, or 1 when ``g`` is None),
+    ``o_t = S_tᵀ (scale·q_t)``.
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: optional ``[B, T, H]`` log decay (≤ 0).
@@ -290,9 +297,10 @@ def delta_rule_recurrent(q, k, v, beta, *, scale=None, initial_state=None, segme
 
 
 def gated_delta_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None):
-    """Gated delta rule (GDN) by a scan over tokens (SPEC §1; FLA's naive recurrent GDN; ground truth).
+    """Gated delta rule (GDN) by a scan over tokens (SPEC §1; FLA's naive GDN; ground truth).
 
-    ``S_t = α_t S_{t-1} + β_t k_t (v_t − α_t S_{t-1}ᵀ k_t)ᵀ``, ``o_t = S_tᵀ (scale·q_t)``, ``α_t = e^{g_t}``.
+    ``S_t = α_t S_{t-1} + β_t k_t (v_t − α_t S_{t-1}ᵀ k_t)ᵀ``, ``o_t = S_tᵀ (scale·q_t)``,
+    ``α_t = e^{g_t}``.
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.
@@ -307,8 +315,210 @@ def gated_delta_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, s
     return _recurrent(q, k, v, g, beta, scale, initial_state, segment_ids, delta=True)
 
 
-def _not_yet(*_a, **_k):  # replaced by the WY/UT chunk forms in the next commit
-    raise NotImplementedError("chunked forms are being written; use impl='recurrent' for now")
+# --------------------------------------------------------------------------------------------------
+# Chunked (WY/UT) forms
+# --------------------------------------------------------------------------------------------------
 
 
-linear_attention_chunked = delta_rule_chunked = gated_delta_chunked = _not_yet
+@jax.custom_vjp
+def _unit_lower_inverse(A):
+    """``(I + A)^{-1}`` for strictly lower-triangular ``A [..., C, C]`` by forward substitution.
+
+    Row ``i`` of ``X = (I + A)^{-1}`` is ``e_i − A[i, :i] X[:i]`` (exact in exact arithmetic, stable
+    in f32 unlike products of powers of A). Rows are filled one at a time, batched over all chunks.
+    """
+    C = A.shape[-1]
+    eye = jnp.broadcast_to(jnp.eye(C, dtype=A.dtype), A.shape)
+
+    def row(i, X):
+        a_i = lax.dynamic_slice_in_dim(A, i, 1, axis=-2)  # [..., 1, C], zero at columns >= i
+        x_i = lax.dynamic_slice_in_dim(eye, i, 1, axis=-2) - a_i @ X
+        return lax.dynamic_update_slice_in_dim(X, x_i, i, axis=-2)
+
+    return lax.fori_loop(1, C, row, eye)
+
+
+def _unit_lower_inverse_fwd(A):
+    X = _unit_lower_inverse(A)
+    return X, X
+
+
+def _unit_lower_inverse_bwd(X, dX):
+    # d(M^{-1}) = −M^{-1} dM M^{-1}  ⇒  dA = −Xᵀ dX Xᵀ, restricted to A's strictly lower support.
+    dA = -jnp.swapaxes(X, -1, -2) @ dX @ jnp.swapaxes(X, -1, -2)
+    return (jnp.tril(dA, -1),)
+
+
+_unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
+
+
+def _chunk(x, C):
+    """``[B, T, H, ...]`` (T a multiple of C) → ``[N, B, H, C, ...]``."""
+    B, T, H = x.shape[:3]
+    x = x.reshape(B, T // C, C, H, *x.shape[3:])
+    return jnp.swapaxes(jnp.moveaxis(x, 1, 0), 2, 3)
+
+
+def _unchunk(x):
+    """``[N, B, H, C, ...]`` → ``[B, N·C, H, ...]``."""
+    N, B, H, C = x.shape[:4]
+    x = jnp.moveaxis(jnp.swapaxes(x, 2, 3), 0, 1)
+    return x.reshape(B, N * C, H, *x.shape[4:])
+
+
+def _pad_time(x, Tp):
+    T = x.shape[1]
+    if Tp == T:
+        return x
+    return jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
+
+
+def _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, C, delta: bool):
+    """Shared WY/UT chunk form (core/README.md). Padding tokens have k = v = 0, g = 0, β = 0, so
+    they neither write nor decay the state."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    f32 = jnp.float32
+    N = -(-T // C)
+    Tp = N * C
+    scale = _scale(scale, K)
+    Q = _chunk(_pad_time(q.astype(f32) * scale, Tp), C)  # [N, B, H, C, K]
+    Kc = _chunk(_pad_time(k.astype(f32), Tp), C)
+    Vc = _chunk(_pad_time(v.astype(f32), Tp), C)  # [N, B, H, C, V]
+    s0 = None if initial_state is None else initial_state.astype(f32)
+
+    causal = jnp.tril(jnp.ones((C, C), bool))
+    if segment_ids is not None:
+        resets = _pad_time(_segment_resets(segment_ids, T), Tp)  # [B, Tp]
+        z = _chunk(jnp.cumsum(resets, axis=1)[:, :, None], C)  # [N, B, 1, C] global segment index
+        mask = causal & (z[..., :, None] == z[..., None, :])  # same segment and j ≤ i
+        # m_i = 1 while no reset happened in this chunk up to i: those tokens see the carried state.
+        m = (jnp.cumsum(_chunk(resets[:, :, None], C), axis=-1) == 0).astype(f32)
+    else:
+        mask, m = causal, None
+
+    if g is not None:
+        gc = _chunk(_pad_time(g.astype(f32), Tp), C)  # [N, B, H, C]
+        b = jnp.cumsum(gc, axis=-1)
+        diff = b[..., :, None] - b[..., None, :]
+        gamma = jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)  # [N, B, H, C, C]
+        # log decay from the (segment-local) chunk start to i: Σ_{j ≤ i, same segment} g_j
+        logd = b if segment_ids is None else jnp.sum(jnp.where(mask, gc[..., None, :], 0.0), -1)
+        d = jnp.exp(logd)  # [N, B, H, C]
+    else:
+        gamma = jnp.broadcast_to(mask, (N, B, H, C, C)).astype(f32)
+        d = jnp.ones((N, B, H, C), f32)
+    d_carry = d if m is None else d * m  # coefficient of the carried state for token i
+    kdec = gamma[..., -1, :]  # e^{b_C − b_j} restricted to the last token's segment
+    d_last = d_carry[..., -1]  # [N, B, H]
+    Kdec = Kc * kdec[..., None]
+
+    if delta:
+        bc = _chunk(_pad_time(beta.astype(f32), Tp), C)  # [N, B, H, C]
+        kk = Kc @ jnp.swapaxes(Kc, -1, -2)
+        A = jnp.tril(bc[..., :, None] * kk * gamma, -1)
+        Tinv = _unit_lower_inverse(A)
+        W = Tinv @ (Kc * (bc * d_carry)[..., None])  # [N, B, H, C, K]
+        Ut = Tinv @ (Vc * bc[..., None])  # [N, B, H, C, V]
+        if m is not None and s0 is not None:
+            W0 = Tinv @ (Kc * (bc * d * (1.0 - m))[..., None])
+            Ut = Ut - W0 @ s0
+    else:
+        W, Ut = None, Vc
+
+    # after a reset inside the chunk, the last token's segment started from s0 (decayed by d)
+    if m is not None and s0 is not None:
+        reset_bias = (d[..., -1] * (1.0 - m[..., -1]))[..., None, None] * s0  # [N, B, H, K, V]
+    else:
+        reset_bias = None
+
+    def body(S, xs):
+        if delta:
+            W_n, Ut_n, Kdec_n, dl_n, rb_n = xs
+            U_n = Ut_n - W_n @ S
+        else:
+            Ut_n, Kdec_n, dl_n, rb_n = xs
+            U_n = Ut_n
+        S_next = dl_n[..., None, None] * S + jnp.swapaxes(Kdec_n, -1, -2) @ U_n
+        if rb_n is not None:
+            S_next = S_next + rb_n
+        return S_next, ((S, U_n) if delta else S)
+
+    init = jnp.zeros((B, H, K, V), f32) if s0 is None else s0
+    xs = (W, Ut, Kdec, d_last, reset_bias) if delta else (Ut, Kdec, d_last, reset_bias)
+    S_final, ys = lax.scan(body, init, xs)
+    S_starts, U = ys if delta else (ys, Ut)
+
+    P = (Q @ jnp.swapaxes(Kc, -1, -2)) * gamma
+    O = (Q * d_carry[..., None]) @ S_starts + P @ U
+    if m is not None and s0 is not None:
+        O = O + (Q * (d * (1.0 - m))[..., None]) @ s0
+    o = _unchunk(O)[:, :T]
+    return o.astype(v.dtype), S_final
+
+
+def linear_attention_chunked(
+    q, k, v, g=None, *, scale=None, initial_state=None, segment_ids=None, chunk_size=64
+):
+    """(Gated) linear attention in chunk form (SPEC §1; equals ``linear_attention_recurrent``).
+
+    Inside a chunk: ``O = (Q ⊙ d) S_n + (Q Kᵀ ⊙ Γ) V``, ``S_{n+1} = d_C S_n + (K ⊙ Γ_{C,:})ᵀ V``
+    (``Γ_ij = e^{b_i − b_j}`` for j ≤ i, ``b`` the in-chunk cumulative log decay, ``d = e^{b}``).
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: optional ``[B, T, H]`` log decay.
+      scale: multiplies q; default ``K ** -0.5``.
+      initial_state: optional ``[B, H, K, V]``; zero when None.
+      segment_ids: optional ``[B, T]`` int; the state resets to ``initial_state`` at segment starts.
+      chunk_size: chunk length C (> 0); T need not be a multiple of C.
+
+    Returns:
+      ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
+    """
+    _validate_seq(
+        "linear_attention_chunked", q, k, v, g, None, initial_state, segment_ids, chunk_size
+    )
+    return _chunked(q, k, v, g, None, scale, initial_state, segment_ids, chunk_size, delta=False)
+
+
+def delta_rule_chunked(
+    q, k, v, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=64
+):
+    """Delta rule in WY/UT chunk form (SPEC §1; equals ``delta_rule_recurrent``).
+
+    See ``gated_delta_chunked`` with ``g = 0``.
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
+      scale, initial_state, segment_ids, chunk_size: as in ``gated_delta_chunked``.
+
+    Returns:
+      ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
+    """
+    _validate_seq("delta_rule_chunked", q, k, v, None, beta, initial_state, segment_ids, chunk_size)
+    return _chunked(q, k, v, None, beta, scale, initial_state, segment_ids, chunk_size, delta=True)
+
+
+def gated_delta_chunked(
+    q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=64
+):
+    """Gated delta rule in WY/UT chunk form (SPEC §1; equals ``gated_delta_recurrent``).
+
+    Per chunk (derivation in core/README.md): ``A = strict_tril(diag(β) K Kᵀ ⊙ Γ)``,
+    ``T = (I + A)^{-1}`` (forward substitution), ``W = T diag(β e^{b}) K``, ``Ũ = T diag(β) V``;
+    sequentially over chunks ``U_n = Ũ − W S_n``,
+    ``S_{n+1} = e^{b_C} S_n + (K ⊙ e^{b_C − b})ᵀ U_n``;
+    then ``O = (Q ⊙ e^{b}) S_n + (Q Kᵀ ⊙ Γ) U_n``.
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.
+      scale: multiplies q; default ``K ** -0.5``.
+      initial_state: optional ``[B, H, K, V]``; zero when None.
+      segment_ids: optional ``[B, T]`` int; the state resets to ``initial_state`` at segment starts.
+      chunk_size: chunk length C (> 0); T need not be a multiple of C.
+
+    Returns:
+      ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
+    """
+    _validate_seq("gated_delta_chunked", q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+    return _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, chunk_size, delta=True)
