@@ -1,0 +1,366 @@
+"""M3 (Multi-scale Momentum Muon, Nested Learning Algorithm 1) as an optax transformation.
+
+SPEC §3.5. Per parameter, with gradient ``g`` and step ``t = 1, 2, …``::
+
+    M1 ← M1 + β1 g ;   V ← V + β2 g² ;   B ← B + g                 (additive, Algorithm 1)
+    O1 = NS(M1)
+    direction = (O1 + α · O2) / (√V + ε)                          (scale_by_m3 returns this)
+    if t % slow_every == 0 (after the direction):  M2 ← M2 + β3 B ;  B ← 0 ;  O2 = NS(M2)
+
+so step ``t`` uses the ``O2`` of the last slow step strictly before it (``O2 = 0`` before the
+first). ``m3()`` chains the direction with decoupled weight decay and ``−lr`` and sends everything
+that is not a matrix (and embeddings, by default) to AdamW.
+
+``NS`` is the Muon Newton–Schulz orthogonalisation over the **last two axes** (leading axes are a
+batch, e.g. scanned layers): ``X = G / (‖G‖_F + ε_ns)``, transpose if rows > cols, ``ns_steps``
+iterations of ``X ← aX + b(XXᵀ)X + c(XXᵀ)²X``, transpose back.
+
+Decisions / options:
+
+- ``accumulate="additive"`` (default) is the paper's Algorithm 1. ``accumulate="ema"`` is **not
+  the paper's**: ``M1 ← β1 M1 + (1−β1) g``, ``V ← β2 V + (1−β2) g²`` with Adam's bias correction
+  ``V / (1 − β2^t)`` in the denominator, ``M2 ← β3 M2 + (1−β3) B / slow_every`` (``B`` is still
+  the plain sum over the period, so ``B / slow_every`` is its mean gradient). NS is scale
+  invariant, so the momenta need no bias correction.
+- Leaves with fewer than two dimensions are not orthogonalised in :func:`scale_by_m3`
+  (``NS(M) := M`` for them; the rest of the rule is unchanged). :func:`m3` routes them to AdamW.
+- The moments are stored in ``state_dtype`` (float32 by default, also for bf16 parameters:
+  additive sums of ``g²`` lose everything in bf16); the updates take each gradient leaf's dtype.
+- ``init`` derives its zeros from the parameters, so the state shards like them even when ``init``
+  is jitted on a GSPMD (Auto) mesh; ``update`` keeps the layout too (tested on 8 devices, Auto and
+  Explicit meshes; under Explicit, NS gathers the two matrix axes and reshards back).
+- The slow step is a ``lax.cond`` on the step count, so one compiled ``update`` serves every step
+  and the second Newton–Schulz only runs on slow steps.
+- Under ``optax.inject_hyperparams`` every numeric argument (``slow_every`` and ``ns_steps`` too)
+  becomes a traced hyperparameter; both are handled (``ns_steps`` then runs as a ``fori_loop``).
+  Pass callables that are not schedules (``m3_mask``, ``weight_decay_mask``) via ``static_args``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+__all__ = [
+    "M3State",
+    "newton_schulz",
+    "scale_by_m3",
+    "m3",
+    "default_m3_mask",
+]
+
+_ACCUMULATE = ("additive", "ema")
+
+
+class M3State(NamedTuple):
+    """State of :func:`scale_by_m3` (SPEC §3.5); the five trees are shaped like the parameters."""
+
+    count: jax.Array  # int32 [], steps taken
+    m1: Any  # fast momentum M1
+    m2: Any  # slow momentum M2
+    v: Any  # second moment V
+    slow_buffer: Any  # B: gradients summed since the last slow step
+    o2: Any  # cached NS(M2) (M2 itself for leaves with ndim < 2)
+
+
+def _is_static_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def newton_schulz(
+    G,
+    ns_steps=5,
+    ns_coeffs=(3.4445, -4.7750, 2.0315),
+    eps=1e-8,
+):
+    """Muon's Newton–Schulz orthogonalisation over the last two axes (SPEC §3.5).
+
+    ``X = G / (‖G‖_F + ε)`` (per matrix), transposed when rows > cols, then ``ns_steps`` times
+    ``X ← aX + b(XXᵀ)X + c(XXᵀ)²X``, transposed back. ``NS(0) = 0``.
+
+    Args:
+      G: ``[..., rows, cols]``; leading axes are independent matrices.
+      ns_steps: number of iterations (Python int, or an int array under ``inject_hyperparams``).
+      ns_coeffs: ``(a, b, c)``.
+      eps: added to the Frobenius norm.
+
+    Returns:
+      ``[..., rows, cols]`` float32 (at least) array.
+    """
+    G = jnp.asarray(G)
+    if G.ndim < 2:
+        raise ValueError(f"G must have shape [..., rows, cols], got {G.shape}")
+    if len(ns_coeffs) != 3:
+        raise ValueError(f"ns_coeffs must be (a, b, c), got {ns_coeffs!r}")
+    if _is_static_int(ns_steps) and ns_steps < 0:
+        raise ValueError(f"ns_steps must be >= 0, got {ns_steps}")
+    X = G.astype(jnp.promote_types(G.dtype, jnp.float32))
+    spec = _explicit_matrix_spec(X)
+    if spec is not None:
+        # Explicit-sharding meshes refuse matmuls over sharded contracting axes; gather the two
+        # matrix axes (leading/batch axes stay sharded) and restore the layout at the end.
+        X = jax.sharding.reshard(X, P(*spec[:-2], None, None))
+    a, b, c = (jnp.asarray(x, X.dtype) for x in ns_coeffs)
+    transpose = X.shape[-2] > X.shape[-1]
+    if transpose:
+        X = jnp.swapaxes(X, -1, -2)
+    norm = jnp.sqrt(jnp.sum(jnp.square(X), axis=(-2, -1), keepdims=True))
+    X = X / (norm + eps)
+
+    def iterate(_, X):
+        A = X @ jnp.swapaxes(X, -1, -2)  # [.., r, r] with r = min(rows, cols)
+        B = b * A + c * (A @ A)
+        return a * X + B @ X
+
+    if _is_static_int(ns_steps):
+        for i in range(int(ns_steps)):
+            X = iterate(i, X)
+    else:  # traced step count (inject_hyperparams): a while loop
+        X = lax.fori_loop(0, jnp.asarray(ns_steps, jnp.int32), iterate, X)
+    if transpose:
+        X = jnp.swapaxes(X, -1, -2)
+    if spec is not None:
+        X = jax.sharding.reshard(X, P(*spec))
+    return X
+
+
+def _explicit_matrix_spec(X):
+    """The PartitionSpec of ``X`` when an Explicit mesh axis shards its last two axes, else None."""
+    try:
+        sharding = jax.typeof(X).sharding
+        spec = tuple(sharding.spec)
+    except (AttributeError, TypeError):
+        return None
+    spec = spec + (None,) * (X.ndim - len(spec))
+    if spec[-2] is None and spec[-1] is None:
+        return None
+    return spec
+
+
+def _resolve_dtype(state_dtype):
+    return None if state_dtype is None else jnp.dtype(state_dtype)
+
+
+def scale_by_m3(
+    beta1=0.9,
+    beta2=0.999,
+    beta3=0.9,
+    alpha=1.0,
+    eps=1e-8,
+    slow_every=100,
+    ns_steps=5,
+    ns_coeffs=(3.4445, -4.7750, 2.0315),
+    accumulate: str = "additive",
+    *,
+    ns_eps=1e-8,
+    state_dtype: Any = "float32",
+) -> optax.GradientTransformation:
+    """The M3 direction ``(NS(M1) + α NS(M2)) / (√V + ε)`` (SPEC §3.5, paper Algorithm 1).
+
+    Chain with ``optax.scale_by_learning_rate(lr)`` (or use :func:`m3`) to descend. See the module
+    docstring for the full recurrence, the ``"ema"`` option (not the paper's) and the handling of
+    leaves with fewer than two dimensions (no orthogonalisation).
+
+    Args:
+      beta1: ``β1``, fast momentum rate.
+      beta2: ``β2``, second-moment rate.
+      beta3: ``β3``, slow momentum rate.
+      alpha: ``α``, weight of the slow direction ``O2``.
+      eps: ``ε`` added to ``√V``.
+      slow_every: period of the slow step (positive int).
+      ns_steps: Newton–Schulz iterations.
+      ns_coeffs: Newton–Schulz ``(a, b, c)``.
+      accumulate: ``"additive"`` (Algorithm 1) or ``"ema"``.
+      ns_eps: ``ε`` of the Newton–Schulz normalisation.
+      state_dtype: dtype of ``m1, m2, v, slow_buffer, o2`` (``None``: each parameter's dtype).
+
+    Returns:
+      ``optax.GradientTransformation`` with state :class:`M3State`; the update is the direction (not
+      yet scaled by ``−lr``), leaf dtypes equal to the gradients'.
+    """
+    if accumulate not in _ACCUMULATE:
+        raise ValueError(f"accumulate must be one of {_ACCUMULATE}, got {accumulate!r}")
+    if _is_static_int(slow_every) and slow_every < 1:
+        raise ValueError(f"slow_every must be a positive int, got {slow_every}")
+    elif not _is_static_int(slow_every) and not isinstance(slow_every, (jax.Array, np.ndarray)):
+        raise ValueError(f"slow_every must be a positive int, got {slow_every!r}")
+    if _is_static_int(ns_steps) and ns_steps < 0:
+        raise ValueError(f"ns_steps must be >= 0, got {ns_steps}")
+    if len(ns_coeffs) != 3:
+        raise ValueError(f"ns_coeffs must be (a, b, c), got {ns_coeffs!r}")
+    sdt = _resolve_dtype(state_dtype)
+    ema = accumulate == "ema"
+
+    def ns(x):
+        if x.ndim < 2:
+            return x  # vectors/scalars: no orthogonalisation (documented)
+        return newton_schulz(x, ns_steps, ns_coeffs, ns_eps).astype(x.dtype)
+
+    def zeros(p):
+        # Derived from p (not a bare constant) so that a jitted init in GSPMD/Auto mode keeps the
+        # parameter's sharding (a constant zeros_like would come out replicated there).
+        dt = sdt if sdt is not None else p.dtype
+        return jnp.where(jnp.isfinite(p), jnp.abs(p) * 0, 0).astype(dt)
+
+    def init_fn(params):
+        z = lambda: jax.tree.map(zeros, params)
+        return M3State(
+            count=jnp.zeros([], jnp.int32), m1=z(), m2=z(), v=z(), slow_buffer=z(), o2=z()
+        )
+
+    def update_fn(updates, state, params=None):
+        del params
+        count = optax.safe_increment(state.count)
+        g = jax.tree.map(lambda u, m: u.astype(m.dtype), updates, state.m1)
+        if ema:
+            m1 = jax.tree.map(lambda m, x: beta1 * m + (1 - beta1) * x, state.m1, g)
+            v = jax.tree.map(lambda m, x: beta2 * m + (1 - beta2) * x * x, state.v, g)
+            v_corr = 1.0 - jnp.asarray(beta2, jnp.float32) ** count.astype(jnp.float32)
+        else:
+            m1 = jax.tree.map(lambda m, x: m + beta1 * x, state.m1, g)
+            v = jax.tree.map(lambda m, x: m + beta2 * x * x, state.v, g)
+            v_corr = None
+        buf = jax.tree.map(jnp.add, state.slow_buffer, g)
+        o1 = jax.tree.map(ns, m1)
+
+        def direction(u, a, b, vv):
+            vv = vv / v_corr.astype(vv.dtype) if ema else vv
+            return ((a + alpha * b) / (jnp.sqrt(vv) + eps)).astype(u.dtype)
+
+        new_updates = jax.tree.map(direction, updates, o1, state.o2, v)
+
+        def slow_step(carry):
+            m2, b, _ = carry
+            if ema:
+                m2 = jax.tree.map(
+                    lambda m, x: beta3 * m + (1 - beta3) * x / jnp.asarray(slow_every, x.dtype),
+                    m2,
+                    b,
+                )
+            else:
+                m2 = jax.tree.map(lambda m, x: m + beta3 * x, m2, b)
+            return m2, jax.tree.map(jnp.zeros_like, b), jax.tree.map(ns, m2)
+
+        # One compiled update for every step: the slow step is a branch on the traced count.
+        is_slow = (count % jnp.asarray(slow_every, count.dtype)) == 0
+        m2, buf, o2 = lax.cond(is_slow, slow_step, lambda c: c, (state.m2, buf, state.o2))
+        return new_updates, M3State(count=count, m1=m1, m2=m2, v=v, slow_buffer=buf, o2=o2)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+_EMBED_RE = re.compile(r"embed", re.IGNORECASE)
+
+
+def _path_names(path) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def default_m3_mask(params):
+    """Default M3 routing of :func:`m3`: ``True`` for leaves with ``ndim ≥ 2`` whose path does not
+    contain ``"embed"`` (case-insensitive; SPEC §3.5 sends embeddings to AdamW by default).
+
+    Args:
+      params: parameter pytree.
+
+    Returns:
+      pytree of bools like ``params``.
+    """
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: bool(jnp.ndim(p) >= 2 and not _EMBED_RE.search(_path_names(path))), params
+    )
+
+
+def m3(
+    learning_rate,
+    beta1=0.9,
+    beta2=0.999,
+    beta3=0.9,
+    alpha=1.0,
+    eps=1e-8,
+    slow_every=100,
+    ns_steps=5,
+    ns_coeffs=(3.4445, -4.7750, 2.0315),
+    accumulate: str = "additive",
+    weight_decay=0.0,
+    weight_decay_mask=None,
+    adam_b1=0.9,
+    adam_b2=0.999,
+    adam_eps=1e-8,
+    adam_learning_rate=None,
+    adam_weight_decay=None,
+    m3_mask: Any = None,
+    ns_eps=1e-8,
+    state_dtype: Any = "float32",
+) -> optax.GradientTransformationExtraArgs:
+    """M3 for matrices, AdamW for everything else (SPEC §3.5), via ``optax.partition``.
+
+    Matrices (``m3_mask``): ``u = −lr · (direction + weight_decay · θ)`` with the direction of
+    :func:`scale_by_m3` (decoupled weight decay, as AdamW). Other leaves:
+    ``optax.adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2, adam_eps,
+    weight_decay=adam_weight_decay or weight_decay)``.
+
+    Args:
+      learning_rate: float, array or ``optax`` schedule.
+      beta1, beta2, beta3, alpha, eps, slow_every, ns_steps, ns_coeffs, accumulate, ns_eps,
+        state_dtype: as in :func:`scale_by_m3`.
+      weight_decay: decoupled decay of the M3 leaves (and of the AdamW leaves unless
+        ``adam_weight_decay`` is given).
+      weight_decay_mask: optional mask (pytree of bools or callable) for the decay, as in optax.
+      adam_b1, adam_b2, adam_eps: AdamW moments for the non-matrix leaves.
+      adam_learning_rate: AdamW learning rate (default: ``learning_rate``).
+      adam_weight_decay: AdamW decay (default: ``weight_decay``).
+      m3_mask: pytree of bools (``True`` = M3) or ``params -> pytree of bools``; default
+        :func:`default_m3_mask` (``ndim ≥ 2`` and not an embedding).
+
+    Returns:
+      ``optax.GradientTransformationExtraArgs``; works under ``optax.inject_hyperparams`` (pass
+      ``m3_mask``/``weight_decay_mask`` callables via ``static_args``).
+    """
+    mask = default_m3_mask if m3_mask is None else m3_mask
+
+    def labels(params):
+        flags = mask(params) if callable(mask) else mask
+        return jax.tree.map(lambda f: "m3" if f else "adam", flags)
+
+    m3_chain = optax.chain(
+        scale_by_m3(
+            beta1,
+            beta2,
+            beta3,
+            alpha,
+            eps,
+            slow_every,
+            ns_steps,
+            ns_coeffs,
+            accumulate,
+            ns_eps=ns_eps,
+            state_dtype=state_dtype,
+        ),
+        optax.add_decayed_weights(weight_decay, weight_decay_mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+    adam = optax.adamw(
+        learning_rate if adam_learning_rate is None else adam_learning_rate,
+        b1=adam_b1,
+        b2=adam_b2,
+        eps=adam_eps,
+        weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay,
+        mask=weight_decay_mask,
+    )
+    return optax.partition({"m3": m3_chain, "adam": adam}, labels)

@@ -1,0 +1,322 @@
+"""M3 (SPEC §3.5) against an independent float64 numpy implementation; optax's usual contract."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nested_jax.optim.m3 import M3State, default_m3_mask, m3, newton_schulz, scale_by_m3
+
+COEFFS = (3.4445, -4.7750, 2.0315)
+SHAPES = {"w": (6, 4), "stack": (3, 5, 7), "b": (5,)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Independent reference (float64 numpy, one matrix at a time, written from SPEC §3.5)
+# ------------------------------------------------------------------------------------------------
+
+
+def np_ns(G, steps=5, coeffs=COEFFS, eps=1e-8):
+    if G.ndim < 2:
+        return G.copy()  # scale_by_m3's documented choice for vectors: no orthogonalisation
+    a, b, c = coeffs
+    out = np.empty_like(G)
+    for idx in np.ndindex(*G.shape[:-2]):
+        X = G[idx]
+        tall = X.shape[0] > X.shape[1]
+        if tall:
+            X = X.T
+        X = X / (np.sqrt((X * X).sum()) + eps)
+        for _ in range(steps):
+            A = X @ X.T
+            X = a * X + b * (A @ X) + c * (A @ A @ X)
+        out[idx] = X.T if tall else X
+    return out
+
+
+class RefM3:
+    """Algorithm 1 per leaf; ``ema=True`` is the documented non-paper option."""
+
+    def __init__(self, shape, b1=0.9, b2=0.999, b3=0.9, alpha=1.0, eps=1e-8, k=3, ema=False):
+        z = lambda: np.zeros(shape, np.float64)
+        self.m1, self.m2, self.v, self.B, self.o2 = z(), z(), z(), z(), z()
+        self.t = 0
+        self.hp = (b1, b2, b3, alpha, eps, k, ema)
+
+    def step(self, g):
+        b1, b2, b3, alpha, eps, k, ema = self.hp
+        g = np.asarray(g, np.float64)
+        self.t += 1
+        if ema:
+            self.m1 = b1 * self.m1 + (1 - b1) * g
+            self.v = b2 * self.v + (1 - b2) * g * g
+            v = self.v / (1 - b2**self.t)
+        else:
+            self.m1 = self.m1 + b1 * g
+            self.v = self.v + b2 * g * g
+            v = self.v
+        self.B = self.B + g
+        o1 = np_ns(self.m1)
+        u = (o1 + alpha * self.o2) / (np.sqrt(v) + eps)
+        if self.t % k == 0:
+            self.m2 = b3 * self.m2 + (1 - b3) * self.B / k if ema else self.m2 + b3 * self.B
+            self.B = np.zeros_like(self.B)
+            self.o2 = np_ns(self.m2)
+        return u
+
+
+class RefAdamW:
+    def __init__(self, shape, lr, b1=0.9, b2=0.999, eps=1e-8, wd=0.0):
+        self.mu, self.nu, self.t = np.zeros(shape), np.zeros(shape), 0
+        self.hp = (lr, b1, b2, eps, wd)
+
+    def step(self, g, p):
+        lr, b1, b2, eps, wd = self.hp
+        self.t += 1
+        self.mu = b1 * self.mu + (1 - b1) * g
+        self.nu = b2 * self.nu + (1 - b2) * g * g
+        mh, nh = self.mu / (1 - b1**self.t), self.nu / (1 - b2**self.t)
+        return -lr * (mh / (np.sqrt(nh) + eps) + wd * p)
+
+
+def _grads(steps, seed=0, shapes=SHAPES):
+    rng = np.random.default_rng(seed)
+    return [
+        {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()} for _ in range(steps)
+    ]
+
+
+def _assert_close(got, want, rtol=2e-4):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, atol=rtol * scale, rtol=rtol)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def test_newton_schulz_matches_reference_batched_and_tall():
+    rng = np.random.default_rng(0)
+    for shape in [(5, 7), (7, 5), (3, 5, 7), (2, 2, 6, 4)]:
+        G = rng.normal(size=shape).astype(np.float32)
+        _assert_close(jax.jit(newton_schulz)(G), np_ns(G.astype(np.float64)), rtol=1e-4)
+    np.testing.assert_array_equal(newton_schulz(jnp.zeros((3, 4))), 0.0)
+    # NS roughly orthogonalises: singular values pushed into ~[0.5, 1.5] (Muon's quintic)
+    s = np.linalg.svd(np.asarray(newton_schulz(rng.normal(size=(16, 32)))), compute_uv=False)
+    assert s.min() > 0.4 and s.max() < 1.6
+    with pytest.raises(ValueError, match="^G "):
+        newton_schulz(jnp.ones(3))
+
+
+@pytest.mark.parametrize("accumulate", ["additive", "ema"])
+def test_scale_by_m3_matches_independent_reference(accumulate):
+    ema = accumulate == "ema"
+    tx = scale_by_m3(slow_every=3, accumulate=accumulate)
+    refs = {k: RefM3(s, k=3, ema=ema) for k, s in SHAPES.items()}
+    grads = _grads(7)
+    params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for t, g in enumerate(grads, start=1):
+        u, state = update(g, state)
+        for k in SHAPES:
+            _assert_close(u[k], refs[k].step(g[k]))
+        assert int(state.count) == t
+        # slow buffer is emptied exactly at the slow steps
+        emptied = all(np.all(np.asarray(b) == 0) for b in jax.tree.leaves(state.slow_buffer))
+        assert emptied == (t % 3 == 0)
+    assert isinstance(state, M3State)
+    # the slow direction really entered the last steps (guards against a dead O2 branch)
+    assert np.abs(np.asarray(state.o2["w"])).max() > 0
+
+
+def test_alpha_zero_ignores_slow_momentum():
+    grads = _grads(5, seed=3)
+    outs = {}
+    for alpha in (0.0, 1.0):
+        tx = scale_by_m3(alpha=alpha, slow_every=2)
+        s = tx.init(grads[0])
+        update = jax.jit(tx.update)
+        for g in grads:
+            u, s = update(g, s)
+        outs[alpha] = u["w"]
+    ref = RefM3(SHAPES["w"], alpha=0.0, k=2)
+    for g in grads:
+        want = ref.step(g["w"])
+    _assert_close(outs[0.0], want)
+    assert not np.allclose(outs[0.0], outs[1.0])
+
+
+def test_m3_alias_matches_reference_with_adam_for_vectors():
+    lr, wd = 0.01, 0.1
+    tx = m3(lr, slow_every=3, weight_decay=wd)
+    rng = np.random.default_rng(5)
+    params = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+    ref_params = {k: v.astype(np.float64) for k, v in params.items()}
+    refs = {"w": RefM3(SHAPES["w"]), "stack": RefM3(SHAPES["stack"])}
+    adam = RefAdamW(SHAPES["b"], lr, wd=wd)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for g in _grads(7, seed=6):
+        u, state = update(g, state, params)
+        params = optax.apply_updates(params, u)
+        want = {k: -lr * (refs[k].step(g[k]) + wd * ref_params[k]) for k in refs}
+        want["b"] = adam.step(g["b"].astype(np.float64), ref_params["b"])
+        for k in SHAPES:
+            _assert_close(u[k], want[k])
+            ref_params[k] = ref_params[k] + want[k]
+    for k in SHAPES:
+        np.testing.assert_allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5)
+
+
+def test_default_mask_sends_embeddings_and_vectors_to_adam():
+    params = {
+        "embed": {"embedding": jnp.zeros((10, 4))},
+        "block": {"w": jnp.zeros((4, 4)), "scale": jnp.zeros(4)},
+        "tok_embeddings": jnp.zeros((10, 4)),
+        "stacked": jnp.zeros((2, 4, 4)),
+    }
+    assert default_m3_mask(params) == {
+        "embed": {"embedding": False},
+        "block": {"w": True, "scale": False},
+        "tok_embeddings": False,
+        "stacked": True,
+    }
+    # a custom mask routes an embedding to M3 (its state then holds M3 moments for it)
+    tx = m3(0.1, m3_mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+    state = tx.init(params)
+    m3_state = state.inner_states["m3"].inner_state[0]
+    assert m3_state.m1["embed"]["embedding"].shape == (10, 4)
+
+
+def _counting_jit(tx):
+    traces = []
+
+    def step(g, s, p):
+        traces.append(1)  # runs only while tracing
+        return tx.update(g, s, p)
+
+    return jax.jit(step), traces
+
+
+@pytest.mark.parametrize("factory", ["scale_by_m3", "m3"])
+def test_jits_once_across_slow_and_fast_steps(factory):
+    tx = scale_by_m3(slow_every=3) if factory == "scale_by_m3" else m3(0.01, slow_every=3)
+    params = {k: jnp.ones(s) for k, s in SHAPES.items()}
+    state = tx.init(params)
+    fn, traces = _counting_jit(tx)
+    for g in _grads(7, seed=7):
+        _, state = fn(g, state, params)
+    assert len(traces) == 1
+    assert fn._cache_size() == 1
+
+
+def test_bf16_params_keep_dtype():
+    params = {k: jnp.ones(s, jnp.bfloat16) for k, s in SHAPES.items()}
+    grads = [jax.tree.map(lambda x: x.astype(jnp.bfloat16), g) for g in _grads(4, seed=8)]
+    for tx in (m3(0.01, slow_every=2), scale_by_m3(slow_every=2)):
+        state = tx.init(params)
+        update = jax.jit(tx.update)
+        for g in grads:
+            u, state = update(g, state, params)
+            params = optax.apply_updates(params, u)
+        assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(u))
+        assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+        assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(params))
+    # moments stay f32 by default; state_dtype=None keeps the parameter dtype
+    assert scale_by_m3().init(params).v["w"].dtype == jnp.float32
+    assert scale_by_m3(state_dtype=None).init(params).v["w"].dtype == jnp.bfloat16
+
+
+def test_works_under_inject_hyperparams():
+    params = {k: jnp.ones(s) for k, s in SHAPES.items()}
+    grads = _grads(5, seed=9)
+    tx = optax.inject_hyperparams(m3)(learning_rate=0.02, slow_every=3)
+    plain = m3(0.02, slow_every=3)
+    s_inj, s_plain = tx.init(params), plain.init(params)
+    fn, traces = _counting_jit(tx)
+    plain_update = jax.jit(plain.update)
+    for g in grads:
+        u_inj, s_inj = fn(g, s_inj, params)
+        u_plain, s_plain = plain_update(g, s_plain, params)
+        for k in SHAPES:
+            _assert_close(u_inj[k], u_plain[k], rtol=1e-5)
+    # change the learning rate in the state: same compiled function, updates scale with it
+    s_half = s_inj._replace(
+        hyperparams={**s_inj.hyperparams, "learning_rate": 0.5 * s_inj.hyperparams["learning_rate"]}
+    )
+    g = grads[0]
+    u_full, _ = fn(g, s_inj, params)
+    u_half, _ = fn(g, s_half, params)
+    for k in SHAPES:
+        np.testing.assert_allclose(u_half[k], 0.5 * np.asarray(u_full[k]), rtol=1e-5, atol=1e-8)
+    assert len(traces) == 1
+    # the scale_by_m3 transform alone too (slow_every, ns_steps become traced hyperparameters)
+    tx2 = optax.inject_hyperparams(scale_by_m3)(slow_every=3)
+    s2 = tx2.init(params)
+    ref = RefM3(SHAPES["w"], k=3)
+    update2 = jax.jit(tx2.update)
+    for g in grads:
+        u2, s2 = update2(g, s2)
+        _assert_close(u2["w"], ref.step(g["w"]))
+
+
+SHARD_SHAPES = {"w": (16, 8), "stack": (2, 8, 16), "b": (8,)}
+SPECS = {"w": P("x", None), "stack": P(None, None, "x"), "b": P("x")}
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("factory", ["scale_by_m3", "m3"])
+def test_state_shards_like_params(axis_type, factory):
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
+    tx = scale_by_m3(slow_every=2) if factory == "scale_by_m3" else m3(0.01, slow_every=2)
+    with jax.set_mesh(mesh):
+        params = {
+            k: jax.device_put(jnp.ones(s), NamedSharding(mesh, SPECS[k]))
+            for k, s in SHARD_SHAPES.items()
+        }
+        grads = [
+            {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in g.items()}
+            for g in _grads(3, seed=10, shapes=SHARD_SHAPES)
+        ]
+        state = jax.jit(tx.init)(params)
+        update = jax.jit(tx.update)
+        states = [state]
+        for g in grads:  # steps 1..3 include a slow step (2)
+            u, state = update(g, state, params)
+            states.append(state)
+
+    def m3_state(s):
+        return s if factory == "scale_by_m3" else s.inner_states["m3"].inner_state[0]
+
+    checked = 0
+    for s in states:
+        ms = m3_state(s)
+        for field in ("m1", "v", "m2", "slow_buffer", "o2"):
+            for k, p in params.items():
+                leaf = getattr(ms, field)[k]
+                if isinstance(leaf, optax.MaskedNode):
+                    continue
+                assert leaf.sharding.is_equivalent_to(p.sharding, p.ndim), (field, k)
+                checked += 1
+    assert checked >= (2 if factory == "m3" else 3) * 5 * 4
+    for k, p in params.items():
+        assert u[k].sharding.is_equivalent_to(p.sharding, p.ndim), k
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"accumulate": "mean"}, "accumulate"),
+        ({"slow_every": 0}, "slow_every"),
+        ({"slow_every": 2.5}, "slow_every"),
+        ({"ns_steps": -1}, "ns_steps"),
+        ({"ns_coeffs": (1.0, 2.0)}, "ns_coeffs"),
+    ],
+)
+def test_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name}"):
+        scale_by_m3(**kwargs)
