@@ -1,4 +1,5 @@
-"""Causal softmax attention layer: reference math, GQA, sliding window, KV-cache decode, segments (SPEC §6)."""
+"""Causal softmax attention layer: reference math, GQA, sliding window, KV-cache decode, segments
+(SPEC §6)."""
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +69,8 @@ def test_kv_cache_decode_equals_full_forward(window, n_kv):
     x = _rand(3, (2, 10, 16))
     full, none_cache = _call(layer, x, _positions(2, 10))
     assert none_cache is None
-    # Prefill 3 tokens, then 1 token at a time, then a 2-token chunk: the same logits as the full pass.
+    # Prefill 3 tokens, then 1 token at a time, then a 2-token chunk: the same logits as the full
+    # pass.
     cache, outs = layer.init_cache(2, 12), []
     for a, b in ((0, 3), *((i, i + 1) for i in range(3, 8)), (8, 10)):
         pos = segment_positions(None, 2, b - a, a)

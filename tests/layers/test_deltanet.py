@@ -1,4 +1,5 @@
-"""DeltaNet and Gated DeltaNet layers against a NumPy re-derivation of SPEC §1, decode, segments, init."""
+"""DeltaNet and Gated DeltaNet layers against a NumPy re-derivation of SPEC §1, decode, segments,
+init."""
 
 import jax
 import jax.numpy as jnp
