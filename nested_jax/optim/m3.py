@@ -54,6 +54,7 @@ __all__ = [
     "scale_by_m3",
     "m3",
     "default_m3_mask",
+    "m3_from_config",
 ]
 
 _ACCUMULATE = ("additive", "ema")
@@ -364,3 +365,57 @@ def m3(
         mask=weight_decay_mask,
     )
     return optax.partition({"m3": m3_chain, "adam": adam}, labels)
+
+
+_CONFIG_KEYS = (
+    "beta1",
+    "beta2",
+    "beta3",
+    "alpha",
+    "eps",
+    "slow_every",
+    "ns_steps",
+    "ns_coeffs",
+    "accumulate",
+    "ns_eps",
+)
+
+
+def _decay_matrices(params):
+    # Like the AdamW factory of the training config: decay matrices only (ndim ≥ 2).
+    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def m3_from_config(cfg, learning_rate) -> optax.GradientTransformation:
+    """Optimizer factory for the training config (``optimizer.name: m3``; SPEC §3.5).
+
+    Signature of ``nested_jax.train.optimizer.OPTIMIZERS`` entries. Reads from ``cfg`` (duck-typed,
+    so ``optim`` does not import ``train``): ``weight_decay`` (decoupled, on ``ndim ≥ 2`` leaves of
+    both branches), ``b1, b2, eps`` (the AdamW branch), and ``extra`` with any of the
+    :func:`scale_by_m3` keys ``beta1, beta2, beta3, alpha, eps, slow_every, ns_steps, ns_coeffs,
+    accumulate, ns_eps`` (``extra["eps"]`` is M3's ε; ``cfg.eps`` stays Adam's).
+
+    Args:
+      cfg: an ``OptimizerConfig``-like object.
+      learning_rate: float or optax schedule (shared by both branches).
+
+    Returns:
+      :func:`m3` transformation.
+    """
+    extra = dict(getattr(cfg, "extra", None) or {})
+    unknown = sorted(set(extra) - set(_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"optimizer.extra: unknown m3 option(s) {unknown}; allowed: {list(_CONFIG_KEYS)}"
+        )
+    if "ns_coeffs" in extra:
+        extra["ns_coeffs"] = tuple(extra["ns_coeffs"])
+    return m3(
+        learning_rate,
+        weight_decay=cfg.weight_decay,
+        weight_decay_mask=_decay_matrices,
+        adam_b1=cfg.b1,
+        adam_b2=cfg.b2,
+        adam_eps=cfg.eps,
+        **extra,
+    )

@@ -320,3 +320,35 @@ def test_state_shards_like_params(axis_type, factory):
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=f"^{name}"):
         scale_by_m3(**kwargs)
+
+
+def test_config_factory():
+    from types import SimpleNamespace
+
+    from nested_jax.optim import m3_from_config
+
+    cfg = SimpleNamespace(
+        weight_decay=0.1,
+        b1=0.9,
+        b2=0.95,
+        eps=1e-8,
+        extra={"slow_every": 3, "ns_coeffs": [3.4445, -4.775, 2.0315]},
+    )
+    tx = m3_from_config(cfg, optax.constant_schedule(0.01))
+    ref = m3(
+        0.01,
+        slow_every=3,
+        weight_decay=0.1,
+        adam_b2=0.95,
+        weight_decay_mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
+    )
+    params = {k: jnp.ones(s) for k, s in SHAPES.items()}
+    s, rs = tx.init(params), ref.init(params)
+    upd, rupd = jax.jit(tx.update), jax.jit(ref.update)
+    for g in _grads(4, seed=11):
+        u, s = upd(g, s, params)
+        ru, rs = rupd(g, rs, params)
+    for k in SHAPES:
+        np.testing.assert_allclose(u[k], ru[k], rtol=1e-6)
+    with pytest.raises(ValueError, match="optimizer.extra"):
+        m3_from_config(SimpleNamespace(**{**vars(cfg), "extra": {"lr": 1.0}}), 0.01)
