@@ -32,6 +32,7 @@ import numpy as np
 __all__ = [
     "proteus_block_len",
     "proteus_active_blocks",
+    "proteus_chunk_constant",
     "proteus_block_ids",
     "proteus_block_mask",
     "proteus_key_mask",
@@ -88,6 +89,27 @@ def proteus_active_blocks(t, context_len: int, num_blocks: int):
     if not jnp.issubdtype(t.dtype, jnp.integer):
         raise ValueError(f"t must be an integer position (1-based), got dtype {t.dtype}")
     return jnp.minimum(num_blocks, 1 + (t.astype(jnp.int32) - 1) // delta)
+
+
+def proteus_chunk_constant(chunk_size: int, context_len: int, num_blocks: int) -> bool:
+    """Whether ``k(t)`` is constant inside every chunk of ``chunk_size`` positions (static check).
+
+    Chunks cover positions ``nC+1 … nC+C``; ``k`` steps up at ``t = jΔ + 1`` for ``j = 1 … E−1``, so
+    the mask is chunk-constant iff every ``jΔ`` is a multiple of ``C`` (e.g. when ``C`` divides
+    ``Δ``, or ``E = 1``). Chunked forms can then use one mask per chunk; otherwise they must split
+    the chunk or mask per position.
+
+    Args:
+      chunk_size: ``C``.
+      context_len: ``N``.
+      num_blocks: ``E``.
+
+    Returns:
+      Python bool.
+    """
+    c = _check_positive_int("chunk_size", chunk_size)
+    delta = proteus_block_len(context_len, num_blocks)
+    return all((j * delta) % c == 0 for j in range(1, num_blocks))
 
 
 def proteus_block_ids(size: int, num_blocks: int) -> np.ndarray:

@@ -11,6 +11,7 @@ from nested_jax.core.proteus import (
     proteus_block_ids,
     proteus_block_len,
     proteus_block_mask,
+    proteus_chunk_constant,
     proteus_gate,
     proteus_gated_step,
     proteus_gated_update,
@@ -218,3 +219,15 @@ def test_invariant_with_momentum_and_decay(gate_all_states):
             violated |= not same
         state = new
     assert violated != gate_all_states
+
+
+@pytest.mark.parametrize(
+    "C, N, E",
+    [(64, 8192, 16), (512, 8192, 16), (100, 8192, 16), (7, 20, 3), (5, 21, 4), (3, 30, 1)],
+)
+def test_chunk_constant_matches_brute_force(C, N, E):
+    ts = np.arange(1, 2 * N + C + 1)
+    k = np.asarray(proteus_active_blocks(jnp.asarray(ts), N, E))
+    chunks = k[: (len(k) // C) * C].reshape(-1, C)
+    brute = bool((chunks == chunks[:, :1]).all())
+    assert proteus_chunk_constant(C, N, E) == brute
