@@ -1,0 +1,91 @@
+"""Brute-force HOLA (SPEC §5) in float64 numpy, token by token, for the tests of core/hola.py.
+
+Written from the SPEC text, sharing no code with ``nested_jax.core.hola``: explicit GDN recurrence,
+explicit visible sets, explicit softmax with the sink, and (for the fixed-score evictions) the
+persistent cache recomputed from scratch after each block as the global top-w over *all* tokens
+seen so far.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+EPS = 1e-6
+
+
+def _norm(x, gamma, read_norm):
+    if read_norm == "l2":
+        return x / np.sqrt(np.sum(x * x) + EPS)
+    return gamma * x / np.sqrt(np.mean(x * x) + EPS)
+
+
+def hola_reference(
+    q, k, v, g, beta, gamma_q, gamma_k, sink_logit, gate_logit, *, window, block_size,
+    eviction="beta_e", read_norm="rmsnorm", scale=None, cache_scale=None,
+):  # fmt: skip
+    """Token-by-token HOLA.
+
+    Returns a dict with ``o``, ``o_state``, ``o_cache`` ``[B,T,H,V]``, ``score`` ``[B,T,H]``
+    (insertion score: β‖e‖, ‖e‖, β‖v‖, position or 0), ``e`` ``[B,T,H,V]``, ``S`` ``[B,H,K,V]`` and
+    ``caches``: a list over completed blocks of ``[B][H]`` lists of the cache's absolute positions
+    (selection order).
+    """
+    q, k, v, g, beta, gamma_q, gamma_k, sink_logit, gate_logit = (
+        np.asarray(a, np.float64)
+        for a in (q, k, v, g, beta, gamma_q, gamma_k, sink_logit, gate_logit)
+    )
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C, W = block_size, window
+    sc = K**-0.5 if scale is None else scale
+    cs = K**-0.5 if cache_scale is None else cache_scale
+    o_state = np.zeros((B, T, H, V))
+    o_cache = np.zeros((B, T, H, V))
+    score = np.zeros((B, T, H))
+    e_all = np.zeros((B, T, H, V))
+    S_out = np.zeros((B, H, K, V))
+    n_done = T // C
+    caches = [[[None] * H for _ in range(B)] for _ in range(n_done)]
+    for b in range(B):
+        for h in range(H):
+            S = np.zeros((K, V))
+            cache = []  # absolute positions in A_{n-1}
+            mass = np.zeros(T)  # cumulative attention received
+            for t in range(T):
+                a = np.exp(g[b, t, h])
+                e = v[b, t, h] - a * S.T @ k[b, t, h]
+                S = a * S + beta[b, t, h] * np.outer(k[b, t, h], e)
+                e_all[b, t, h] = e
+                o_state[b, t, h] = S.T @ (sc * q[b, t, h])
+                score[b, t, h] = {
+                    "beta_e": beta[b, t, h] * np.linalg.norm(e),
+                    "e": np.linalg.norm(e),
+                    "beta_v": beta[b, t, h] * np.linalg.norm(v[b, t, h]),
+                    "recency": float(t),
+                    "cumulative_attention": 0.0,
+                }[eviction]
+                n = t // C
+                visible = list(cache) + list(range(n * C, t + 1))
+                qn = _norm(q[b, t, h], gamma_q[h], read_norm)
+                logits = np.array(
+                    [cs * qn @ _norm(k[b, j, h], gamma_k[h], read_norm) for j in visible]
+                    + [sink_logit[h]]
+                )
+                p = np.exp(logits - logits.max())
+                p /= p.sum()
+                o_cache[b, t, h] = sum(p[i] * v[b, j, h] for i, j in enumerate(visible))
+                for i, j in enumerate(visible):
+                    mass[j] += p[i]
+                if t % C == C - 1:
+                    if eviction == "cumulative_attention":
+                        cand = list(cache) + list(range(n * C, t + 1))
+                        cache = sorted(cand, key=lambda j: (-mass[j], j))[:W]
+                    elif eviction == "recency":
+                        cache = sorted(range(t + 1), key=lambda j: -j)[:W]
+                    else:  # fixed scores: global top-w over every token so far
+                        cache = sorted(range(t + 1), key=lambda j: (-score[b, j, h], j))[:W]
+                    caches[n][b][h] = list(cache)
+            S_out[b, h] = S
+    gate = 1.0 / (1.0 + np.exp(-gate_logit))
+    o = o_state + gate[None, None, :, None] * o_cache
+    return dict(o=o, o_state=o_state, o_cache=o_cache, score=score, e=e_all, S=S_out, caches=caches)
