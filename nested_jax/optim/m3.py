@@ -145,6 +145,12 @@ def _explicit_matrix_spec(X):
     return spec
 
 
+def _acc(fn, state, g):
+    # Keep each state leaf's dtype: hyperparameters injected as f32 arrays would otherwise promote
+    # bf16 state (state_dtype=None) to f32, changing the state's type between steps.
+    return jax.tree.map(lambda m, x: fn(m, x).astype(m.dtype), state, g)
+
+
 def _resolve_dtype(state_dtype):
     return None if state_dtype is None else jnp.dtype(state_dtype)
 
@@ -221,12 +227,12 @@ def scale_by_m3(
         count = optax.safe_increment(state.count)
         g = jax.tree.map(lambda u, m: u.astype(m.dtype), updates, state.m1)
         if ema:
-            m1 = jax.tree.map(lambda m, x: beta1 * m + (1 - beta1) * x, state.m1, g)
-            v = jax.tree.map(lambda m, x: beta2 * m + (1 - beta2) * x * x, state.v, g)
+            m1 = _acc(lambda m, x: beta1 * m + (1 - beta1) * x, state.m1, g)
+            v = _acc(lambda m, x: beta2 * m + (1 - beta2) * x * x, state.v, g)
             v_corr = 1.0 - jnp.asarray(beta2, jnp.float32) ** count.astype(jnp.float32)
         else:
-            m1 = jax.tree.map(lambda m, x: m + beta1 * x, state.m1, g)
-            v = jax.tree.map(lambda m, x: m + beta2 * x * x, state.v, g)
+            m1 = _acc(lambda m, x: m + beta1 * x, state.m1, g)
+            v = _acc(lambda m, x: m + beta2 * x * x, state.v, g)
             v_corr = None
         buf = jax.tree.map(jnp.add, state.slow_buffer, g)
         o1 = jax.tree.map(ns, m1)
@@ -240,13 +246,13 @@ def scale_by_m3(
         def slow_step(carry):
             m2, b, _ = carry
             if ema:
-                m2 = jax.tree.map(
+                m2 = _acc(
                     lambda m, x: beta3 * m + (1 - beta3) * x / jnp.asarray(slow_every, x.dtype),
                     m2,
                     b,
                 )
             else:
-                m2 = jax.tree.map(lambda m, x: m + beta3 * x, m2, b)
+                m2 = _acc(lambda m, x: m + beta3 * x, m2, b)
             return m2, jax.tree.map(jnp.zeros_like, b), jax.tree.map(ns, m2)
 
         # One compiled update for every step: the slow step is a branch on the traced count.

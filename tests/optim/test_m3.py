@@ -226,9 +226,22 @@ def test_bf16_params_keep_dtype():
         assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(u))
         assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
         assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(params))
-    # moments stay f32 by default; state_dtype=None keeps the parameter dtype
+    # moments stay f32 by default; state_dtype=None keeps the parameter dtype, also when the
+    # hyperparameters are injected as f32 arrays (which would otherwise promote the state)
     assert scale_by_m3().init(params).v["w"].dtype == jnp.float32
-    assert scale_by_m3(state_dtype=None).init(params).v["w"].dtype == jnp.bfloat16
+    for tx in (
+        scale_by_m3(state_dtype=None),
+        optax.inject_hyperparams(scale_by_m3, hyperparam_dtype=jnp.float32)(
+            state_dtype=None, slow_every=2
+        ),
+    ):
+        state = tx.init(params)
+        update = jax.jit(tx.update)
+        for g in grads:
+            u, state = update(g, state)
+        inner = getattr(state, "inner_state", state)
+        assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(inner)[1:])
+        assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(u))
 
 
 def test_works_under_inject_hyperparams():
