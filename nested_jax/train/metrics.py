@@ -1,0 +1,73 @@
+"""Metric sinks: JSON lines (``workdir/metrics.jsonl``) and TensorBoard event files (``workdir/tensorboard``).
+
+Only process 0 writes. Each JSONL record is ``{"step": int, "kind": "train"|"eval"|"event", ...scalars}``; floats are
+written with ``repr`` precision so the JSONL is an exact record of the f32 values (the resume test compares losses).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/Inf; keep them readable
+    return v
+
+
+class MetricsWriter:
+    """Appends metrics to ``metrics.jsonl`` and TensorBoard; a no-op on processes other than 0."""
+
+    def __init__(self, workdir: str | Path, *, tensorboard: bool = True):
+        self.enabled = jax.process_index() == 0
+        self.path = Path(workdir) / "metrics.jsonl"
+        self._file = None
+        self._tb = None
+        if not self.enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a")
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(workdir) / "tensorboard"))
+
+    def write(self, step: int, kind: str, scalars: dict[str, Any]) -> None:
+        """Writes one record; TensorBoard tags are ``<kind>/<name>``."""
+        if not self.enabled:
+            return
+        record = {"step": int(step), "kind": kind, **{k: _plain(v) for k, v in scalars.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if (
+                    k not in ("step", "kind")
+                    and isinstance(v, int | float)
+                    and not isinstance(v, bool)
+                ):
+                    self._tb.add_scalar(f"{kind}/{k}", v, int(step))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(workdir: str | Path, kind: str | None = None) -> list[dict]:
+    """Reads ``metrics.jsonl`` records (optionally of one kind)."""
+    path = Path(workdir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in out if kind is None or r.get("kind") == kind]
