@@ -1,0 +1,55 @@
+"""ModelConfig validation: every bad value raises ValueError naming the field (SPEC §6, DESIGN
+configs)."""
+
+import dataclasses
+
+import pytest
+
+from nested_jax.models import ModelConfig
+
+
+def test_defaults_and_resolved_sizes():
+    cfg = ModelConfig()
+    assert cfg.resolved_head_dim() == 64
+    assert cfg.resolved_kv_heads() == 2
+    assert cfg.resolved_mlp_hidden() == 352  # ceil(8/3 * 128) = 342 -> 352
+    cfg = ModelConfig(d_model=96, n_heads=4, head_dim=32, n_kv_heads=2, mlp_hidden=100)
+    assert (cfg.resolved_head_dim(), cfg.resolved_kv_heads(), cfg.resolved_mlp_hidden()) == (
+        32,
+        2,
+        100,
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.d_model = 3  # frozen: configs are values
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"name": "nope"}, "name"),
+        ({"impl": "fast"}, "impl"),
+        ({"dtype": "float16"}, "dtype"),
+        ({"d_model": 100, "n_heads": 3}, "d_model"),
+        ({"n_heads": 4, "n_kv_heads": 3}, "n_kv_heads"),
+        ({"n_layers": 0}, "n_layers"),
+        ({"vocab_size": -1}, "vocab_size"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"conv_size": 0}, "conv_size"),
+        ({"window": -2}, "window"),
+        ({"head_dim": -1}, "head_dim"),
+        ({"norm_eps": 0.0}, "norm_eps"),
+        ({"rope_theta": -1.0}, "rope_theta"),
+        ({"n_layers": 2.5}, "n_layers"),
+        ({"n_layers": True}, "n_layers"),
+        ({"scan_layers": 1}, "scan_layers"),
+        ({"name": 3}, "name"),
+    ],
+)
+def test_bad_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}\b"):
+        ModelConfig(**kwargs)
+
+
+def test_explicit_head_dim_allows_indivisible_d_model_and_int_float_fields():
+    cfg = ModelConfig(d_model=100, n_heads=3, head_dim=32, rope_theta=500000)
+    assert cfg.resolved_head_dim() == 32 and cfg.rope_theta == 500000
