@@ -56,19 +56,31 @@ class Checkpointer:
       workdir: the run's directory.
       keep: how many newest checkpoints to keep (train.keep_checkpoints).
       async_save: write in a background thread (train.async_checkpointing).
+      read_only: never write, move or delete anything (eval / generate).
     """
 
-    def __init__(self, workdir: str | Path, *, keep: int = 3, async_save: bool = True):
+    def __init__(
+        self,
+        workdir: str | Path,
+        *,
+        keep: int = 3,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
         self.workdir = Path(workdir)
         self.directory = self.workdir / CHECKPOINT_DIR
+        if read_only and not self.directory.is_dir():
+            raise FileNotFoundError(f"no checkpoints in {self.workdir} (expected {self.directory})")
         self.directory.mkdir(parents=True, exist_ok=True)
         # Reported before the manager exists: orbax may tidy these temporary directories away.
         self.incomplete = _tmp_dirs(self.directory)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            max_to_keep=None if read_only else keep,
             enable_async_checkpointing=async_save,
-            create=True,
-            cleanup_tmp_directories=True,
+            create=not read_only,
+            # Incomplete saves are ours to tidy when training; read-only users (eval) touch nothing.
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
         )
         self.manager = ocp.CheckpointManager(self.directory.resolve(), options=options)
 
@@ -96,7 +108,11 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def restore_latest(
-        self, abstract_state: Any, make_iterator: Callable[[], Any] | None
+        self,
+        abstract_state: Any,
+        make_iterator: Callable[[], Any] | None,
+        *,
+        quarantine: bool = True,
     ) -> tuple[int, Any, Any] | None:
         """Restores the newest readable checkpoint, skipping (and quarantining) unreadable ones.
 
@@ -125,10 +141,10 @@ class Checkpointer:
                 reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[
                     :300
                 ]
-                moved = self._quarantine(step)
+                where = f"moved it to {self._quarantine(step)} and " if quarantine else ""
                 _say(
-                    f"checkpoint: step {step} in {self.directory} is unreadable ({reason}); moved it to "
-                    f"{moved} and trying the previous checkpoint"
+                    f"checkpoint: step {step} in {self.directory} is unreadable ({reason}); "
+                    f"{where}trying the previous checkpoint"
                 )
                 continue
             return step, state, iterator

@@ -1,0 +1,176 @@
+"""``nested-jax eval``: evaluate the latest checkpoint of a workdir and write a report.
+
+    nested-jax eval --workdir runs/tiny_gdn [--set eval.eval_batches=0 --set eval.niah_lengths=[256,512] ...]
+
+Computes validation loss, perplexity and bits/byte (``eval.eval_batches`` batches, 0 = the whole validation split)
+and a needle-in-a-haystack accuracy grid (``eval.niah_lengths`` × ``eval.niah_depths``, ``eval.niah_per_cell``
+examples per cell, teacher-forced exact match of the passkey), writes ``workdir/eval_report.json`` and
+``workdir/eval_report.md`` and prints the Markdown. The workdir is only read (plus the two report files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from nested_jax.train.config import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nested-jax eval", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--workdir", required=True, help="a training workdir (config.json + checkpoints/)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="KEY=VALUE",
+        help="override a field of the saved config, e.g. --set eval.niah_per_cell=8",
+    )
+    return p
+
+
+def niah_logits_fn(trained):
+    """``tokens int32[B, L] -> logits f32[B, L, V]`` with the restored parameters (jitted per length)."""
+    import jax
+
+    from nested_jax.train.step import params_to_state
+
+    setup = trained.setup
+    from flax import nnx
+
+    @jax.jit
+    def forward(params, tokens):
+        model = nnx.merge(setup.graphdef, params_to_state(params, setup.state_def), setup.rest)
+        return model(tokens)[0]
+
+    return lambda tokens: np.asarray(forward(trained.params, np.asarray(tokens, np.int32)))
+
+
+def run_eval(trained) -> dict:
+    """Validation metrics + NIAH grid for a :class:`~nested_jax.train.inference.TrainedModel`."""
+    from nested_jax.data import pipeline
+    from nested_jax.eval.tasks import niah_grid, score_niah
+    from nested_jax.train.loop import evaluate
+
+    cfg = trained.config
+    batches = pipeline.make_eval_batches(
+        cfg.data,
+        trained.tokenizer,
+        trained.bundle.val_docs,
+        max_batches=cfg.eval.eval_batches or None,
+    )
+    val = evaluate(trained.setup, trained.params, batches)
+    entropy = pipeline.unigram_byte_entropy(
+        list(trained.bundle.train_docs) + list(trained.bundle.val_docs)
+    )
+    report = {
+        "workdir": str(trained.workdir),
+        "step": trained.step,
+        "model": cfg.model.name,
+        "validation": {
+            "loss": val["val_loss"],
+            "perplexity": val["val_perplexity"],
+            "bits_per_byte": val["val_bits_per_byte"],
+            "tokens": val["val_tokens"],
+            "bytes": val["val_bytes"],
+            "batches": len(batches),
+        },
+        "unigram_entropy_bits_per_byte": entropy,
+        "niah": None,
+    }
+    if cfg.eval.niah_per_cell > 0 and cfg.eval.niah_lengths and cfg.eval.niah_depths:
+        haystack = "\n\n".join(trained.bundle.val_docs or trained.bundle.train_docs)
+        examples = niah_grid(
+            haystack,
+            trained.tokenizer,
+            cfg.eval.niah_lengths,
+            cfg.eval.niah_depths,
+            cfg.eval.niah_per_cell,
+            cfg.eval.niah_seed,
+        )
+        result = score_niah(niah_logits_fn(trained), examples)
+        report["niah"] = {
+            # JSON keys are strings: "length" -> {"depth": accuracy}
+            "accuracy": {
+                str(n): {f"{d:g}": a for d, a in row.items()}
+                for n, row in result["accuracy"].items()
+            },
+            "overall": result["overall"],
+            "num_examples": result["num_examples"],
+        }
+    return report
+
+
+def report_markdown(report: dict) -> str:
+    """The report as Markdown tables (validation metrics, then NIAH accuracy by length × depth)."""
+    v = report["validation"]
+    gap = report["unigram_entropy_bits_per_byte"] - v["bits_per_byte"]
+    lines = [
+        f"# Evaluation of `{report['workdir']}` (model `{report['model']}`, step {report['step']})",
+        "",
+        "| metric | value |",
+        "|---|---:|",
+        f"| validation loss (nats/token) | {v['loss']:.4f} |",
+        f"| validation perplexity | {v['perplexity']:.3f} |",
+        f"| validation bits/byte | {v['bits_per_byte']:.4f} |",
+        f"| corpus unigram entropy (bits/byte) | {report['unigram_entropy_bits_per_byte']:.4f} |",
+        f"| bits/byte below unigram entropy | {gap:.4f} |",
+        f"| validation tokens / bytes | {int(v['tokens'])} / {int(v['bytes'])} |",
+    ]
+    niah = report.get("niah")
+    if niah:
+        depths = sorted({float(d) for row in niah["accuracy"].values() for d in row})
+        lines += [
+            "",
+            "## Needle in a haystack (passkey exact match)",
+            "",
+            "| length | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
+            "|---:|" + "---:|" * len(depths),
+        ]
+        for n in sorted(niah["accuracy"], key=int):
+            row = niah["accuracy"][n]
+            cells = [f"{row[f'{d:g}']:.2f}" if f"{d:g}" in row else "" for d in depths]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        lines += ["", f"overall {niah['overall']:.3f} over {niah['num_examples']} examples"]
+    return "\n".join(lines) + "\n"
+
+
+def _json_safe(x):
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from nested_jax.train.inference import load_trained
+
+    try:
+        trained = load_trained(args.workdir, args.overrides)
+        report = run_eval(trained)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 1
+    workdir = Path(args.workdir)
+    (workdir / "eval_report.json").write_text(json.dumps(_json_safe(report), indent=2) + "\n")
+    md = report_markdown(report)
+    (workdir / "eval_report.md").write_text(md)
+    print(md, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

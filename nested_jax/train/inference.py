@@ -1,0 +1,66 @@
+"""Loading a trained workdir for evaluation and generation (read-only: nothing in the workdir changes)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from nested_jax.parallel.mesh import make_mesh
+from nested_jax.train.checkpoint import Checkpointer, abstract_like
+from nested_jax.train.config import Config, load_workdir_config
+from nested_jax.train.loop import TrainSetup, init_train_setup
+
+
+@dataclasses.dataclass
+class TrainedModel:
+    """A restored run: its config, data bundle (tokenizer, documents), setup and parameters."""
+
+    config: Config
+    workdir: Path
+    step: int  # the checkpoint's step
+    bundle: Any  # nested_jax.data.pipeline.DataBundle
+    setup: TrainSetup
+    params: dict
+
+    @property
+    def tokenizer(self):
+        return self.bundle.tokenizer
+
+    def model(self):
+        """The nnx LanguageModel carrying the restored parameters."""
+        return self.setup.model(self.params)
+
+
+def load_trained(workdir: str | Path, overrides: Sequence[str] = ()) -> TrainedModel:
+    """Restores the newest readable checkpoint of `workdir` with the config saved there (+ overrides).
+
+    Raises:
+      ConfigError: no/invalid ``config.json``; FileNotFoundError: no readable checkpoint.
+    """
+    from nested_jax.data import pipeline
+
+    workdir = Path(workdir)
+    config = load_workdir_config(workdir, overrides)
+    mesh = make_mesh(config.mesh)
+    bundle = pipeline.prepare_data(config.data)
+    token_bytes = np.asarray(bundle.tokenizer.token_bytes)
+    if token_bytes.shape[0] < config.model.vocab_size:
+        token_bytes = np.pad(token_bytes, (0, config.model.vocab_size - token_bytes.shape[0]))
+    setup = init_train_setup(config, mesh, token_bytes=token_bytes)
+    ckpt = Checkpointer(workdir, read_only=True)
+    try:
+        restored = ckpt.restore_latest(abstract_like(setup.state), None, quarantine=False)
+    finally:
+        ckpt.manager.close()
+    if restored is None:
+        raise FileNotFoundError(f"no readable checkpoint in {ckpt.directory}")
+    step, state, _ = restored
+    setup.state = state
+    if jax.process_index() == 0:
+        print(f"restored step {step} from {ckpt.directory / str(step)}", flush=True)
+    return TrainedModel(config, workdir, step, bundle, setup, state["params"])
