@@ -143,9 +143,10 @@ class DeltaNet(nnx.Module):
         h, d = self.n_heads, self.head_dim
         x = x.astype(self.dtype)
         c = cache
-        q, cq = self.q_conv(self.q_proj(x), state=c and c.conv_q, segment_ids=segment_ids)
-        k, ck = self.k_conv(self.k_proj(x), state=c and c.conv_k, segment_ids=segment_ids)
-        v, cv = self.v_conv(self.v_proj(x), state=c and c.conv_v, segment_ids=segment_ids)
+        sq, sk, sv = (None, None, None) if c is None else (c.conv_q, c.conv_k, c.conv_v)
+        q, cq = self.q_conv(self.q_proj(x), state=sq, segment_ids=segment_ids)
+        k, ck = self.k_conv(self.k_proj(x), state=sk, segment_ids=segment_ids)
+        v, cv = self.v_conv(self.v_proj(x), state=sv, segment_ids=segment_ids)
         # The memory recurrence always runs in float32, whatever the activation dtype.
         q = l2_normalize(jax.nn.silu(q).reshape(b, t, h, d))
         k = l2_normalize(jax.nn.silu(k).reshape(b, t, h, d))
