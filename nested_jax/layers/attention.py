@@ -188,6 +188,11 @@ class Attention(nnx.Module):
             )
         else:
             pos = cache.pos
+            # Past the last slot dynamic_update_slice clamps silently: catch it when pos is known.
+            if not isinstance(pos, jax.core.Tracer) and int(pos) + t > cache.k.shape[1]:
+                raise ValueError(
+                    f"cache: {int(pos)} + {t} tokens exceed the {cache.k.shape[1]} cache slots"
+                )
             k_all = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, pos, 0, 0))
             v_all = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, pos, 0, 0))
             slots = jnp.broadcast_to(

@@ -106,6 +106,8 @@ def test_attention_param_names_and_config_errors():
         Attention(16, 4, 8, n_kv_heads=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="head_dim"):
         Attention(15, 3, 5, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="cache"):
+        layer(_rand(0, (1, 5, 16)), positions=_positions(1, 5), cache=layer.init_cache(1, 4))
     with pytest.raises(ValueError, match="segment_ids"):
         layer(
             _rand(0, (1, 2, 16)),
