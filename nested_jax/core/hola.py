@@ -215,33 +215,28 @@ def _validate_seq(fn, q, k, v, g, beta):
 # --------------------------------------------------------------------------------------------------
 
 
-def _residual_chunk(S, kc, vc, gc, bc):
-    """Residuals of one chunk; ``kc [B,H,c,K]``, ``vc [B,H,c,V]``, ``gc, bc [B,H,c]``.
+def _residual_chunk_local(kc, vc, gc, bc):
+    """State-independent part of the residual pass, batched over chunks.
 
-    ``S [B,H,K,V]`` is the state before the chunk. Returns ``(S_next, e [B,H,c,V])``.
+    ``kc [..., c, K]``, ``vc [..., c, V]``, ``gc, bc [..., c]``. Solves the WY/UT system once per
+    chunk for both right-hand sides, ``(I + A) [W | Ũ] = [diag(βγ) K | diag(β) V]``, so the
+    sequential pass only needs ``Δ = Ũ − W S_n``. Returns ``(W, Ũ, KKΓ, γ, γ_C/γ, γ_C)``.
     """
-    c = kc.shape[2]
+    c, Kd = kc.shape[-2], kc.shape[-1]
     G = jnp.cumsum(gc, axis=-1)  # log γ_t, γ_t = Π_{i≤t} α_i inside the chunk
-    t_idx = jnp.arange(c)[:, None]
-    i_idx = jnp.arange(c)[None, :]
-    strict = i_idx < t_idx
+    strict = jnp.arange(c)[None, :] < jnp.arange(c)[:, None]
     # Γ_{ti} = γ_t/γ_i for i < t; masked before exp so no overflow from the upper triangle.
     gam = jnp.exp(jnp.where(strict, G[..., :, None] - G[..., None, :], -jnp.inf))
-    kk_gam = jnp.einsum("bhtk,bhik->bhti", kc, kc) * gam  # zero on and above the diagonal
-    pred0 = jnp.exp(G)[..., None] * jnp.einsum("bhtk,bhkv->bhtv", kc, S)  # γ_t S_nᵀ k_t
-    A = bc[..., :, None] * kk_gam
-    rhs = bc[..., None] * (vc - pred0)
+    kk_gam = jnp.einsum("...tk,...ik->...ti", kc, kc) * gam  # zero on and above the diagonal
+    gamma = jnp.exp(G)
+    rhs = jnp.concatenate([kc * (bc * gamma)[..., None], vc * bc[..., None]], axis=-1)
+    # Forward substitution (stable; SPEC §1), one batched solve for all chunks.
     eye = jnp.eye(c, dtype=kc.dtype)
-    # (I + A) Δ = rhs by forward substitution (stable; SPEC §1).
-    delta = lax.linalg.triangular_solve(
-        eye + A, rhs, left_side=True, lower=True, unit_diagonal=True
+    Y = lax.linalg.triangular_solve(
+        eye + bc[..., :, None] * kk_gam, rhs, left_side=True, lower=True, unit_diagonal=True
     )
-    e = vc - pred0 - jnp.einsum("bhti,bhiv->bhtv", kk_gam, delta)
     decay_out = jnp.exp(G[..., -1:] - G)  # γ_C/γ_i
-    S_new = jnp.exp(G[..., -1])[..., None, None] * S + jnp.einsum(
-        "bhik,bhiv->bhkv", kc * decay_out[..., None], delta
-    )
-    return S_new, e
+    return Y[..., :Kd], Y[..., Kd:], kk_gam, gamma, decay_out, jnp.exp(G[..., -1])
 
 
 def gdn_residuals(k, v, g, beta, *, initial_state=None, chunk_size=64):
@@ -288,10 +283,19 @@ def gdn_residuals(k, v, g, beta, *, initial_state=None, chunk_size=64):
         perm = (1, 0, 3, 2) + tuple(range(4, x.ndim))
         return jnp.transpose(x, perm)
 
-    def body(S, xs):
-        return _residual_chunk(S, *xs)
+    kc, vc = chunks(k), chunks(v)
+    Wm, Ut, kk_gam, gamma, decay_out, gamma_c = _residual_chunk_local(
+        kc, vc, chunks(g), chunks(beta)
+    )
 
-    S_T, e = lax.scan(body, S0, (chunks(k), chunks(v), chunks(g), chunks(beta)))
+    def body(S, xs):  # only the S-dependent matmuls are sequential
+        Wn, Un, kkn, gn, dn, gcn, kn, vn = xs
+        delta = Un - Wn @ S  # Δ = β ⊙ e
+        e = vn - gn[..., None] * (kn @ S) - kkn @ delta
+        S_new = gcn[..., None, None] * S + jnp.swapaxes(kn * dn[..., None], -1, -2) @ delta
+        return S_new, e
+
+    S_T, e = lax.scan(body, S0, (Wm, Ut, kk_gam, gamma, decay_out, gamma_c, kc, vc))
     e = jnp.transpose(e, (1, 0, 3, 2, 4)).reshape(B, n * c, H, V)[:, :T]
     return e, S_T
 
