@@ -261,22 +261,26 @@ def test_decode_equals_forward(eviction):
 
 
 def test_forward_state_then_decode_and_state_size_constant():
-    """forward(5) → forward(5) → decode(27) == forward(37); state shapes/bytes never depend on T."""
+    """Interleaved forward(0:5), forward(5:10), decode(10:11), forward(11:16) (ends exactly on a
+    block boundary: merge, empty buffer), decode(16:37) == forward(0:37); state shapes/bytes never
+    depend on T."""
     x, p = make_inputs(11), make_params()
     o, st = forward(x, p)
     s0 = init_hola_state(B, H, K, V, W, C)
     o1, s1 = forward(split(x, 0, 5), p, initial_state=s0)
     o2, s2 = forward(split(x, 5, 10), p, initial_state=s1)
-    o3, s3 = decode(s2, split(x, 10, T), p)
-    np.testing.assert_allclose(
-        np.concatenate([np.asarray(o1), np.asarray(o2), o3], axis=1), np.asarray(o), atol=2e-5
-    )
-    assert_states_close(s3, st)
+    o3, s3 = decode(s2, split(x, 10, 11), p)
+    o4, s4 = forward(split(x, 11, 16), p, initial_state=s3)
+    assert int(s4.pos) == 2 * C and not np.any(np.asarray(s4.block_k))
+    o5, s5 = decode(s4, split(x, 16, T), p)
+    parts = [np.asarray(a) for a in (o1, o2, o3, o4, o5)]
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), np.asarray(o), atol=2e-5, rtol=1e-5)
+    assert_states_close(s5, st)
 
     def spec(s):
         return [(a.shape, a.dtype) for a in jax.tree_util.tree_leaves(s)]
 
-    assert spec(s0) == spec(s1) == spec(s2) == spec(s3) == spec(st)
+    assert all(spec(s0) == spec(s_) for s_ in (s1, s2, s3, s4, s5, st))
     nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(st))
     per_head_floats = K * V + (W + C) * (K + V) + W + C  # S, cache + buffer k/v, scores
     assert nbytes == B * H * (4 * per_head_floats + W * (4 + 1)) + 4  # + positions, flags, pos
