@@ -1,0 +1,160 @@
+"""``nested-jax bench core [--json]``: chunked vs recurrent gated delta rule, and vs attention.
+
+For each T (default 512, 2048, 8192; H=4, D=64, B=1, f32), fwd+bwd (gradients w.r.t. q, k, v, g, β
+of ``sum(o) + sum(S_T)``) of:
+
+- ``gated_delta_chunked`` (WY/UT, chunk C) vs ``gated_delta_recurrent`` (per-token ``lax.scan``),
+- ``gated_delta_chunked`` vs causal softmax attention (``jax.nn.dot_product_attention``,
+  ``implementation="xla"``, same q, k, v shapes; gradients w.r.t. q, k, v),
+
+timed A/B interleaved (median of ``--repeats``), the peak temporary memory of both compiled GDN
+fwd+bwd programs (``memory_analysis().temp_size_in_bytes``), the achieved GFLOP/s of the chunked
+GDN and the in-run f32 matmul GFLOP/s.
+
+FLOPs of the chunked GDN (counted from the algorithm in ``core/associative.py``; per chunk and
+head, C chunk size, K = V = D; multiply-add = 2 FLOPs; elementwise work not counted)::
+
+    forward   [Q;K]Kᵀ 4C²K + inverse (2/3)C³ + T[βK|βV] 2C²(K+V) + scan 4CKV + O 2CKV + 2C²V
+    backward  Pᵀ dO 2C²V + Qᵀ dO 2CKV + reverse scan 4CKV + dQ, dKdec, dW 6CKV + dP 2C²V
+              + Tᵀ dY 2C²(K+V) + dA 2C²(K+V) + d[Q;K] 8C²K
+
+times ``N·B·H`` chunks·heads (N = ceil(T / C), padding included).
+
+JSON keys (last stdout line with ``--json``): ``matmul_gflops`` and per T
+``gdn_chunked_over_recurrent_speedup_T{T}``, ``gdn_recurrent_over_chunked_temp_bytes_T{T}``,
+``gdn_over_attention_speedup_T{T}``, ``gdn_gflops_T{T}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+
+from nested_jax.bench.common import (
+    emit,
+    make_parser,
+    matmul_gflops,
+    progress,
+    temp_bytes,
+    time_interleaved,
+)
+from nested_jax.core.associative import gated_delta_chunked, gated_delta_recurrent
+
+DEFAULT_SEQ_LENS = (512, 2048, 8192)
+
+
+def chunked_gdn_flops(T: int, B: int, H: int, K: int, V: int, C: int) -> float:
+    """Matmul FLOPs of one fwd+bwd of ``gated_delta_chunked`` (formula in the module docstring)."""
+    N = -(-T // C)
+    fwd = 4 * C * C * K + (2 / 3) * C**3 + 2 * C * C * (K + V) + 6 * C * K * V + 2 * C * C * V
+    bwd = 4 * C * C * V + 12 * C * K * V + 4 * C * C * (K + V) + 8 * C * C * K
+    return float(N * B * H * (fwd + bwd))
+
+
+def _inputs(T, B, H, D, seed=0):
+    key = jax.random.PRNGKey(seed)
+    ks = jax.random.split(key, 5)
+    q = jax.random.normal(ks[0], (B, T, H, D), jnp.float32)
+    k = jax.random.normal(ks[1], (B, T, H, D), jnp.float32)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)  # GDN layers feed L2-normalised keys
+    q = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
+    v = jax.random.normal(ks[2], (B, T, H, D), jnp.float32)
+    g = -0.1 * jax.random.uniform(ks[3], (B, T, H), jnp.float32)
+    beta = jax.random.uniform(ks[4], (B, T, H), jnp.float32)
+    return q, k, v, g, beta
+
+
+def _gdn_grad(fn):
+    def loss(q, k, v, g, beta):
+        o, S = fn(q, k, v, g, beta)
+        return jnp.sum(o) + jnp.sum(S)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def _attention_grad():
+    def loss(q, k, v):
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        return jnp.sum(o)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def run(seq_lens, B=1, H=4, D=64, chunk_size=64, repeats=5, attention=True) -> dict:
+    """All measurements; returns the results dict (keys as documented in the module docstring)."""
+    t_start = time.perf_counter()
+    results: dict = {}
+    gf = matmul_gflops()
+    results["matmul_gflops"] = gf
+    progress(f"[bench core] f32 matmul: {gf:.1f} GFLOP/s")
+    f_chunk = _gdn_grad(lambda *a: gated_delta_chunked(*a, chunk_size=chunk_size))
+    f_rec = _gdn_grad(gated_delta_recurrent)
+    f_att = _attention_grad()
+    for T in seq_lens:
+        q, k, v, g, beta = _inputs(T, B, H, D)
+        args = (q, k, v, g, beta)
+        tb_chunk = temp_bytes(f_chunk, *args)
+        tb_rec = temp_bytes(f_rec, *args)
+        progress(
+            f"[bench core] T={T}: temp bytes chunked {tb_chunk / 2**20:.1f} MiB, "
+            f"recurrent {tb_rec / 2**20:.1f} MiB"
+        )
+        fns = {
+            "chunked": functools.partial(f_chunk, *args),
+            "recurrent": functools.partial(f_rec, *args),
+        }
+        if attention:
+            fns["attention"] = functools.partial(f_att, q, k, v)
+        times = time_interleaved(fns, repeats=repeats, warmup=1)
+        flops = chunked_gdn_flops(T, B, H, D, D, chunk_size)
+        speed = times["recurrent"] / times["chunked"]
+        gflops = flops / times["chunked"] / 1e9
+        line = (
+            f"[bench core] T={T}: fwd+bwd chunked {1e3 * times['chunked']:.1f} ms, "
+            f"recurrent {1e3 * times['recurrent']:.1f} ms (x{speed:.2f})"
+        )
+        results[f"gdn_chunked_over_recurrent_speedup_T{T}"] = speed
+        results[f"gdn_recurrent_over_chunked_temp_bytes_T{T}"] = tb_rec / tb_chunk
+        if attention:
+            att = times["attention"] / times["chunked"]
+            line += f", attention {1e3 * times['attention']:.1f} ms (x{att:.2f})"
+            results[f"gdn_over_attention_speedup_T{T}"] = att
+        results[f"gdn_gflops_T{T}"] = gflops
+        progress(line + f"; chunked {gflops:.1f} GFLOP/s ({gflops / gf:.0%} of matmul)")
+        results[f"time_chunked_ms_T{T}"] = 1e3 * times["chunked"]
+        results[f"time_recurrent_ms_T{T}"] = 1e3 * times["recurrent"]
+        if attention:
+            results[f"time_attention_ms_T{T}"] = 1e3 * times["attention"]
+        results[f"temp_bytes_chunked_T{T}"] = tb_chunk
+        results[f"temp_bytes_recurrent_T{T}"] = tb_rec
+    results["chunk_size"] = chunk_size
+    results["wall_s"] = time.perf_counter() - t_start
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = make_parser("chunked vs recurrent gated delta rule, and vs causal softmax attention")
+    p.add_argument(
+        "--seq-lens",
+        default=",".join(map(str, DEFAULT_SEQ_LENS)),
+        help="comma-separated sequence lengths T",
+    )
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dim", type=int, default=64, help="head dim (K = V)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--chunk-size", type=int, default=64)
+    args = p.parse_args([] if argv is None else argv)
+    seq_lens = [int(t) for t in args.seq_lens.split(",") if t]
+    results = run(
+        seq_lens,
+        B=args.batch,
+        H=args.heads,
+        D=args.dim,
+        chunk_size=args.chunk_size,
+        repeats=args.repeats,
+    )
+    emit(results, args.json)
+    return 0
