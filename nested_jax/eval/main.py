@@ -1,11 +1,13 @@
 """``nested-jax eval``: evaluate the latest checkpoint of a workdir and write a report.
 
-    nested-jax eval --workdir runs/tiny_gdn [--set eval.eval_batches=0 --set eval.niah_lengths=[256,512] ...]
+    nested-jax eval --workdir runs/tiny_gdn [--set eval.eval_batches=0]
+                    [--set eval.niah_lengths=[256,512] ...]
 
-Computes validation loss, perplexity and bits/byte (``eval.eval_batches`` batches, 0 = the whole validation split)
-and a needle-in-a-haystack accuracy grid (``eval.niah_lengths`` × ``eval.niah_depths``, ``eval.niah_per_cell``
-examples per cell, teacher-forced exact match of the passkey), writes ``workdir/eval_report.json`` and
-``workdir/eval_report.md`` and prints the Markdown. The workdir is only read (plus the two report files).
+Computes validation loss, perplexity and bits/byte (``eval.eval_batches`` batches, 0 = the whole
+validation split) and a needle-in-a-haystack accuracy grid (``eval.niah_lengths`` ×
+``eval.niah_depths``, ``eval.niah_per_cell`` examples per cell, teacher-forced exact match of the
+passkey), writes ``workdir/eval_report.json`` and ``workdir/eval_report.md`` and prints the
+Markdown. The workdir is only read (plus the two report files).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def niah_logits_fn(trained):
-    """``tokens int32[B, L] -> logits f32[B, L, V]`` with the restored parameters (jitted per length)."""
+    """``tokens int32[B, L] -> logits f32[B, L, V]`` with the restored parameters."""
     import jax
 
     from nested_jax.train.step import params_to_state

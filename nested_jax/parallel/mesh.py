@@ -1,9 +1,9 @@
 """Device mesh, logical-axis rules and shardings for parameters and batches.
 
-Model code names array dimensions logically (``nnx.with_partitioning(init, ("embed", "mlp"))``); ONE table,
-:data:`LOGICAL_AXIS_RULES`, maps those names to mesh axes. The mesh has axes ``("data", "fsdp")`` (Auto axis types,
-GSPMD-style): parameters are sharded along ``fsdp`` on their ``embed`` dimension and replicated across ``data``;
-batches are split along ``(data, fsdp)``.
+Model code names array dimensions logically (``nnx.with_partitioning(init, ("embed", "mlp"))``); ONE
+table, :data:`LOGICAL_AXIS_RULES`, maps those names to mesh axes. The mesh has axes ``("data",
+"fsdp")`` (Auto axis types, GSPMD-style): parameters are sharded along ``fsdp`` on their ``embed``
+dimension and replicated across ``data``; batches are split along ``(data, fsdp)``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def resolve_mesh_shape(data: int, fsdp: int, n_devices: int) -> tuple[int, int]:
 
 
 def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the ("data", "fsdp") mesh from a :class:`MeshConfig` (``data``, ``fsdp``; -1 = remaining).
+    """Builds the ("data", "fsdp") mesh from a :class:`MeshConfig` (``data``, ``fsdp``; -1 =
+    remaining).
 
     Args:
       mesh_cfg: object with int attributes ``data`` and ``fsdp``.
@@ -81,9 +82,10 @@ def logical_to_mesh_spec(
 ) -> PartitionSpec:
     """Maps a tuple of logical axis names to a mesh ``PartitionSpec`` through `rules`.
 
-    A dimension is replicated when its name is None/unknown, when its mesh axes are already used by an earlier
-    dimension, or (given `shape` and `mesh`) when its size is not divisible by the mesh axes' total size — so odd
-    sizes (a vocab of 257, a tiny test model) stay correct instead of failing to shard.
+    A dimension is replicated when its name is None/unknown, when its mesh axes are already used by
+    an earlier dimension, or (given `shape` and `mesh`) when its size is not divisible by the mesh
+    axes' total size — so odd sizes (a vocab of 257, a tiny test model) stay correct instead of
+    failing to shard.
     """
     if not logical:
         return PartitionSpec()
@@ -122,8 +124,8 @@ def state_shardings(
     """NamedShardings for every array of an nnx ``State`` from its variables' logical-axis metadata.
 
     Args:
-      state: an ``nnx.State`` (concrete or abstract, e.g. from ``nnx.eval_shape``) whose Variables carry
-        ``nnx.with_partitioning`` names (or none: replicated).
+      state: an ``nnx.State`` (concrete or abstract, e.g. from ``nnx.eval_shape``) whose Variables
+        carry ``nnx.with_partitioning`` names (or none: replicated).
       mesh: the device mesh.
     Returns:
       a State of the same structure with ``NamedSharding`` leaves.
@@ -140,7 +142,7 @@ def state_shardings(
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Sharding of a ``[batch, ...]`` array: batch split over ("data", "fsdp"), the rest replicated."""
+    """Sharding of a ``[batch, ...]`` array: batch split over (data, fsdp), the rest replicated."""
     spec = logical_to_mesh_spec(("batch",) + (None,) * (ndim - 1), None, mesh)
     return NamedSharding(mesh, spec)
 
@@ -153,9 +155,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def global_batch_from_local(local: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
     """Assembles global ``[global_batch, ...]`` arrays from this process's rows of the batch.
 
-    Each process passes its own ``[global_batch / process_count, ...]`` numpy rows (as the data pipeline yields
-    them); ``jax.make_array_from_process_local_data`` stitches them into arrays sharded by
-    :func:`batch_sharding`. With one process the local batch is the global batch.
+    Each process passes its own ``[global_batch / process_count, ...]`` numpy rows (as the data
+    pipeline yields them); ``jax.make_array_from_process_local_data`` stitches them into arrays
+    sharded by :func:`batch_sharding`. With one process the local batch is the global batch.
     """
     out = {}
     for k, v in local.items():

@@ -1,16 +1,17 @@
 """Orbax checkpoints of the train state, the data iterator and the config, with safe resume.
 
-Layout: ``workdir/checkpoints/<step>/{state,data,config}`` written by one ``ocp.CheckpointManager`` (async by
-default, keeps the newest N). Guarantees:
+Layout: ``workdir/checkpoints/<step>/{state,data,config}`` written by one ``ocp.CheckpointManager``
+(async by default, keeps the newest N). Guarantees:
 
-- **Atomic saves.** Orbax writes into ``<step>.orbax-checkpoint-tmp-*`` and renames when complete, so a process
-  killed mid-save (or a writer that raises) leaves only a temporary directory, never a half checkpoint under a step
-  name. The next start reports the incomplete save in one line and resumes from the newest complete step.
-- **Corruption.** A complete-looking checkpoint whose files are truncated or garbled fails to restore; that is
-  reported in one line, the directory is moved (never deleted) to ``workdir/corrupt_checkpoints/``, and the next
-  older checkpoint is tried.
-- **Exactness.** Arrays are restored onto the shardings of a freshly initialised state (``ShapeDtypeStruct`` with
-  ``sharding``), the grain iterator state restores the exact next batch.
+- **Atomic saves.** Orbax writes into ``<step>.orbax-checkpoint-tmp-*`` and renames when complete,
+  so a process killed mid-save (or a writer that raises) leaves only a temporary directory, never a
+  half checkpoint under a step name. The next start reports the incomplete save in one line and
+  resumes from the newest complete step.
+- **Corruption.** A complete-looking checkpoint whose files are truncated or garbled fails to
+  restore; that is reported in one line, the directory is moved (never deleted) to
+  ``workdir/corrupt_checkpoints/``, and the next older checkpoint is tried.
+- **Exactness.** Arrays are restored onto the shardings of a freshly initialised state
+  (``ShapeDtypeStruct`` with ``sharding``), the grain iterator state restores the exact next batch.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class Checkpointer:
         )
         self.manager = ocp.CheckpointManager(self.directory.resolve(), options=options)
 
-    # -- saving ----------------------------------------------------------------------------------------
+    # -- saving --------------------------------------------------------------------------------
     def save(self, step: int, state: Any, iterator: Any, config: dict) -> None:
         """Starts saving checkpoint `step` (returns once arrays are copied to host when async)."""
         args = ocp.args.Composite(
@@ -103,7 +104,7 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self.manager.close()
 
-    # -- restoring -------------------------------------------------------------------------------------
+    # -- restoring -----------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
@@ -118,8 +119,8 @@ class Checkpointer:
 
         Args:
           abstract_state: restore target (:func:`abstract_like` of a freshly initialised state).
-          make_iterator: returns a fresh data iterator to restore into (a new one per attempt, so a failed
-            attempt never leaves a half-restored iterator); None to skip the data item.
+          make_iterator: returns a fresh data iterator to restore into (a new one per attempt, so a
+            failed attempt never leaves a half-restored iterator); None to skip the data item.
         Returns:
           ``(step, state, iterator)`` or None when there is no usable checkpoint.
         """

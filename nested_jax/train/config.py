@@ -1,23 +1,26 @@
 """Strict, typed experiment configuration: dataclass defaults ← YAML file(s) ← ``--set a.b=value``.
 
-Every section is a frozen dataclass with one comment per field. Loading is strict: an unknown key, a value of the
-wrong type (int / float / str / bool are not interchangeable, except that an int is accepted where a float is
-expected) or an impossible combination fails at load time with ONE line naming the full field path, e.g.
-``config error: train.steps: expected int, got str 'abc'`` (raised as :class:`ConfigError`).
+Every section is a frozen dataclass with one comment per field. Loading is strict: an unknown key, a
+value of the wrong type (int / float / str / bool are not interchangeable, except that an int is
+accepted where a float is expected) or an impossible combination fails at load time with ONE line
+naming the full field path, e.g. ``config error: train.steps: expected int, got str 'abc'`` (raised
+as :class:`ConfigError`).
 
 Cross-field rules checked at load (DESIGN.md "Configs"):
-- ``data.batch_size`` must be divisible by ``mesh.data × mesh.fsdp`` when both are explicit; with ``mesh.fsdp = -1``
-  the product is only known once the devices are, so the same check runs again when the mesh is built.
-- **Decision:** for recurrent mixers run with ``model.impl = "chunked"`` (everything except attention-only models),
-  ``data.seq_len`` must be a multiple of ``model.chunk_size``. The chunked kernels would pad the tail chunk, but that
-  pads every training sequence and silently wastes compute, and Pallas kernels need whole chunks; a config that asks
-  for it is almost always a typo. ``impl = "recurrent"`` and attention models have no such constraint.
-- ``model.vocab_size`` must cover the tokenizer (257 ids for "byte", ``data.vocab_size`` for "sentencepiece"; a
-  ``tokenizer.json`` is checked when it is loaded, at the start of training).
+- ``data.batch_size`` must be divisible by ``mesh.data × mesh.fsdp`` when both are explicit; with
+  ``mesh.fsdp = -1`` the product is only known once the devices are, so the same check runs again
+  when the mesh is built.
+- **Decision:** for recurrent mixers run with ``model.impl = "chunked"`` (everything except
+  attention-only models), ``data.seq_len`` must be a multiple of ``model.chunk_size``. The chunked
+  kernels would pad the tail chunk, but that pads every training sequence and silently wastes
+  compute, and Pallas kernels need whole chunks; a config that asks for it is almost always a typo.
+  ``impl = "recurrent"`` and attention models have no such constraint.
+- ``model.vocab_size`` must cover the tokenizer (257 ids for "byte", ``data.vocab_size`` for
+  "sentencepiece"; a ``tokenizer.json`` is checked when it is loaded, at the start of training).
 - ``optimizer.name`` must be registered in :data:`nested_jax.train.optimizer.OPTIMIZERS`.
 
-YAML files may name other presets with ``include:`` (alias ``base:``): a path or a list of paths relative to the
-including file, merged first, so the including file overrides them.
+YAML files may name other presets with ``include:`` (alias ``base:``): a path or a list of paths
+relative to the including file, merged first, so the including file overrides them.
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ class TrainConfig:
         10  # with nan_policy=skip: stop with an error after this many skips in a row
     )
     progress_bar: bool = True  # show a tqdm progress bar (loss, bits/byte, tokens/s) on stderr
-    # DEBUG ONLY (tests of the NaN policy): steps (1-based) whose loss is replaced by NaN inside the jitted step.
+    # DEBUG ONLY (tests of the NaN policy): steps (1-based) whose loss is replaced by NaN inside the
+    # jitted step.
     debug_nan_at_steps: tuple[int, ...] = ()
 
 
@@ -128,9 +132,9 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)  # evaluation
 
 
-# ----------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Strict conversion dict -> dataclass
-# ----------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
 def _type_name(t: Any) -> str:
@@ -146,7 +150,8 @@ def _describe(value: Any) -> str:
 def _convert(value: Any, t: Any, path: str, base: Any = None) -> Any:
     """Checks `value` against annotation `t` (strict) and returns the converted value.
 
-    `base` is the default instance a nested dataclass section is built on (None: the class defaults).
+    `base` is the default instance a nested dataclass section is built on (None: the class
+    defaults).
     """
     origin = typing.get_origin(t)
     args = typing.get_args(t)
@@ -177,7 +182,8 @@ def _convert(value: Any, t: Any, path: str, base: Any = None) -> Any:
             return tuple(_convert(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
         if len(args) != len(value):
             raise ConfigError(f"{path}: expected a list of {len(args)} items, got {len(value)}")
-        return tuple(_convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(args, value)))
+        pairs = enumerate(zip(args, value, strict=True))
+        return tuple(_convert(v, a, f"{path}[{i}]") for i, (a, v) in pairs)
     if t is dict or origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: expected a mapping, got {_describe(value)}")
@@ -253,7 +259,8 @@ def _check_combinations(cfg: Config) -> None:
 
     if cfg.optimizer.name not in OPTIMIZERS:
         raise ConfigError(
-            f"optimizer.name: unknown optimizer {cfg.optimizer.name!r}; registered: {sorted(OPTIMIZERS)}"
+            f"optimizer.name: unknown optimizer {cfg.optimizer.name!r}; "
+            f"registered: {sorted(OPTIMIZERS)}"
         )
     o = cfg.optimizer
     for name, value, ok, what in (
@@ -320,7 +327,8 @@ def config_from_dict(values: Mapping[str, Any]) -> Config:
     """Builds a validated :class:`Config` from a nested mapping (missing keys take defaults).
 
     Raises:
-      ConfigError: one line naming the field path, for unknown keys, wrong types or impossible combinations.
+      ConfigError: one line naming the field path, for unknown keys, wrong types or impossible
+        combinations.
     """
     if not isinstance(values, Mapping):
         raise ConfigError(f"config: expected a mapping at top level, got {_describe(values)}")
@@ -330,7 +338,7 @@ def config_from_dict(values: Mapping[str, Any]) -> Config:
 
 
 def config_to_dict(cfg: Any) -> dict:
-    """Plain nested dict of a config (tuples become lists), the inverse of :func:`config_from_dict`."""
+    """Plain nested dict of a config (tuples become lists); inverse of :func:`config_from_dict`."""
 
     def plain(v):
         if dataclasses.is_dataclass(v):
@@ -344,9 +352,9 @@ def config_to_dict(cfg: Any) -> dict:
     return plain(cfg)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # YAML files and --set overrides
-# ----------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
 def _deep_merge(base: dict, over: Mapping) -> dict:
@@ -406,7 +414,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(values: Mapping, overrides: Sequence[str]) -> dict:
-    """Applies ``--set a.b=value`` strings to a nested dict (unknown keys are caught by validation)."""
+    """Applies ``--set a.b=value`` strings to a nested dict (validation catches unknown keys)."""
     out = _deep_merge({}, values)
     for text in overrides:
         parts, value = parse_override(text)
@@ -425,7 +433,7 @@ def apply_overrides(values: Mapping, overrides: Sequence[str]) -> dict:
 
 
 def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ()) -> Config:
-    """defaults ← YAML files (in order; later wins) ← ``--set`` overrides → validated :class:`Config`."""
+    """defaults ← YAML files (later wins) ← ``--set`` overrides → a valid :class:`Config`."""
     values: dict = {}
     for p in paths:
         values = _deep_merge(values, _read_yaml(Path(p)))

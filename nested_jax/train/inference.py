@@ -1,4 +1,4 @@
-"""Loading a trained workdir for evaluation and generation (read-only: nothing in the workdir changes)."""
+"""Loading a trained workdir for evaluation and generation (read-only: the workdir is unchanged)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ class TrainedModel:
 
 
 def load_trained(workdir: str | Path, overrides: Sequence[str] = ()) -> TrainedModel:
-    """Restores the newest readable checkpoint of `workdir` with the config saved there (+ overrides).
+    """Restores the newest readable checkpoint of `workdir` with the config saved there (+
+    overrides).
 
     Raises:
       ConfigError: no/invalid ``config.json``; FileNotFoundError: no readable checkpoint.

@@ -1,7 +1,8 @@
 """The training loop: ``train_and_evaluate(config, workdir) -> summary``.
 
-One run = build the mesh → load data → initialise the sharded train state (or resume the newest good checkpoint)
-→ jitted steps with explicit in/out shardings → periodic validation and checkpoints → ``summary.json``.
+One run = build the mesh → load data → initialise the sharded train state (or resume the newest good
+checkpoint) → jitted steps with explicit in/out shardings → periodic validation and checkpoints →
+``summary.json``.
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ def init_train_setup(
 ) -> TrainSetup:
     """Initialises the sharded train state and jits the train / eval steps on `mesh`.
 
-    Parameters are created directly with their shardings (a jitted initialiser with ``out_shardings``), so a model
-    larger than one device's memory never materialises unsharded. Parameters stay float32 (master weights);
-    activations use ``model.dtype``.
+    Parameters are created directly with their shardings (a jitted initialiser with
+    ``out_shardings``), so a model larger than one device's memory never materialises unsharded.
+    Parameters stay float32 (master weights); activations use ``model.dtype``.
     """
 
     def create():
@@ -156,7 +157,7 @@ def init_train_setup(
 
 
 def evaluate(setup: TrainSetup, params: dict, batches: list[dict]) -> dict:
-    """Validation over `batches` (process-local numpy batches): loss, perplexity, bits/byte, token/byte counts."""
+    """Validation over process-local numpy `batches`: loss, perplexity, bits/byte, counts."""
     totals = {"loss_sum": 0.0, "tokens": 0.0, "bytes": 0.0}
     for local in batches:
         out = jax.device_get(setup.eval_step(params, global_batch_from_local(local, setup.mesh)))
@@ -177,7 +178,8 @@ def _check_mesh_batch(config: Config, mesh: jax.sharding.Mesh) -> None:
     n = mesh.shape["data"] * mesh.shape["fsdp"]
     if config.data.batch_size % n:
         raise ValueError(
-            f"config error: data.batch_size: {config.data.batch_size} is not divisible by the mesh's "
+            f"config error: data.batch_size: {config.data.batch_size} is not divisible by the "
+            "mesh's "
             f"data × fsdp = {mesh.shape['data']}×{mesh.shape['fsdp']} = {n} devices"
         )
     if config.data.batch_size % jax.process_count():
@@ -193,14 +195,16 @@ def _say(msg: str) -> None:
 
 
 def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
-    """Trains `config` in `workdir` (resuming the newest good checkpoint there) and returns the summary.
+    """Trains `config` in `workdir` (resuming the newest good checkpoint there) and returns the
+    summary.
 
-    Writes ``config.json``/``config.yaml``, ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/`` and
-    ``summary.json`` into `workdir`.
+    Writes ``config.json``/``config.yaml``, ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``
+    and ``summary.json`` into `workdir`.
 
     Returns:
-      summary dict: final_train_loss, val_loss, val_bits_per_byte, val_perplexity, unigram_entropy_bits_per_byte,
-      tokens_per_s, steps, start_step, skipped_steps, wall_time_s, workdir.
+      summary dict: final_train_loss, val_loss, val_bits_per_byte, val_perplexity,
+      unigram_entropy_bits_per_byte, tokens_per_s, steps, start_step, skipped_steps, wall_time_s,
+      workdir.
 
     Raises:
       TrainingError: NaN/Inf policy stop, too many consecutive skipped steps, or exhausted data.
@@ -218,7 +222,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
     tok = bundle.tokenizer
     if tok.vocab_size > config.model.vocab_size:
         raise ValueError(
-            f"config error: model.vocab_size: {config.model.vocab_size} is smaller than the tokenizer's "
+            f"config error: model.vocab_size: {config.model.vocab_size} is smaller than the "
+            "tokenizer's "
             f"vocabulary ({tok.vocab_size} ids)"
         )
     entropy = pipeline.unigram_byte_entropy(list(bundle.train_docs) + list(bundle.val_docs))
@@ -302,8 +307,9 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
                 )
                 if m["consecutive_skips"] > tc.max_consecutive_skips:
                     raise TrainingError(
-                        f"{int(m['consecutive_skips'])} consecutive non-finite steps (up to step {step}) "
-                        f"exceed train.max_consecutive_skips={tc.max_consecutive_skips}; stopping, the "
+                        f"{int(m['consecutive_skips'])} consecutive non-finite steps (up to step "
+                        f"{step}) exceed train.max_consecutive_skips={tc.max_consecutive_skips}; "
+                        "stopping, the "
                         f"last saved checkpoint in {ckpt.directory} is intact"
                     )
             else:
@@ -374,7 +380,8 @@ def format_summary(summary: dict) -> str:
     return "\n".join(
         [
             "== summary ==",
-            f"steps                      {summary['steps']} (this run started at {summary['start_step']})",
+            f"steps                      {summary['steps']} "
+            f"(this run started at {summary['start_step']})",
             f"final train loss           {summary['final_train_loss']:.4f} nats/token",
             f"validation loss            {summary.get('val_loss', float('nan')):.4f} nats/token",
             f"validation bits/byte       {summary.get('val_bits_per_byte', float('nan')):.4f}",

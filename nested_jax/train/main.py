@@ -1,11 +1,11 @@
 """``nested-jax train``: train (or resume) a model in a workdir.
 
-    nested-jax train --config configs/experiments/tiny_gdn.yaml [--config MORE.yaml] [--set train.steps=100 ...]
-                     --workdir runs/tiny_gdn
+    nested-jax train --config configs/experiments/tiny_gdn.yaml [--config MORE.yaml]
+                     [--set train.steps=100 ...] --workdir runs/tiny_gdn
 
-Without ``--config`` an existing workdir is continued with the config saved in it (``--set`` still applies, e.g.
-``--set train.steps=2000`` to train longer); a new workdir without ``--config`` uses the defaults. Exit codes:
-0 done, 1 training/data error, 2 bad command line or config.
+Without ``--config`` an existing workdir is continued with the config saved in it (``--set`` still
+applies, e.g. ``--set train.steps=2000`` to train longer); a new workdir without ``--config`` uses
+the defaults. Exit codes: 0 done, 1 training/data error, 2 bad command line or config.
 """
 
 from __future__ import annotations

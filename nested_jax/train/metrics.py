@@ -1,7 +1,9 @@
-"""Metric sinks: JSON lines (``workdir/metrics.jsonl``) and TensorBoard event files (``workdir/tensorboard``).
+"""Metric sinks: JSON lines (``workdir/metrics.jsonl``) and TensorBoard event files
+(``workdir/tensorboard``).
 
-Only process 0 writes. Each JSONL record is ``{"step": int, "kind": "train"|"eval"|"event", ...scalars}``; floats are
-written with ``repr`` precision so the JSONL is an exact record of the f32 values (the resume test compares losses).
+Only process 0 writes. Each JSONL record is ``{"step": int, "kind": "train"|"eval"|"event",
+...scalars}``; floats are written with ``repr`` precision so the JSONL is an exact record of the f32
+values (the resume test compares losses).
 """
 
 from __future__ import annotations

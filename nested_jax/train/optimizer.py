@@ -1,8 +1,9 @@
 """Optimizers and learning-rate schedules built from :class:`OptimizerConfig`.
 
 ``OPTIMIZERS`` maps a name to a factory ``(cfg: OptimizerConfig, learning_rate: optax.Schedule) ->
-optax.GradientTransformation``. Other modules register more (e.g. M3) with :func:`register_optimizer`; the config
-loader accepts any registered name. Global-norm clipping wraps every optimizer (``grad_clip > 0``).
+optax.GradientTransformation``. Other modules register more (e.g. M3) with
+:func:`register_optimizer`; the config loader accepts any registered name. Global-norm clipping
+wraps every optimizer (``grad_clip > 0``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def register_optimizer(name: str, factory: OptimizerFactory) -> None:
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup 0 → lr over ``warmup_steps``, then ``decay`` to ``lr · min_lr_ratio`` at ``total_steps``.
+    """Linear warmup 0 → lr over ``warmup_steps``, then ``decay`` to ``lr · min_lr_ratio`` at
+    ``total_steps``.
 
     Args:
       cfg: optimizer config (lr, warmup_steps, decay, min_lr_ratio).

@@ -7,9 +7,10 @@ The train state is a plain dict of arrays (so orbax saves and restores it exactl
      "opt_state": optax state,
      "consecutive_skips": int32[]}   # non-finite steps in a row (NaN policy)
 
-NaN/Inf policy: when the loss or the gradient norm is not finite the update is not applied — params and optimizer
-state are selected unchanged with ``jnp.where`` inside the jitted step, so a skipped step is exact — and
-``consecutive_skips`` counts up; a finite step resets it. The host loop turns the count into "skip" or "stop".
+NaN/Inf policy: when the loss or the gradient norm is not finite the update is not applied — params
+and optimizer state are selected unchanged with ``jnp.where`` inside the jitted step, so a skipped
+step is exact — and ``consecutive_skips`` counts up; a finite step resets it. The host loop turns
+the count into "skip" or "stop".
 """
 
 from __future__ import annotations
@@ -51,14 +52,14 @@ def masked_cross_entropy(
 
 
 def target_bytes(targets: jax.Array, mask: jax.Array, token_bytes: jax.Array | None) -> jax.Array:
-    """UTF-8 bytes covered by the counted targets: ``Σ m_t · token_bytes[y_t]`` (tokens when None)."""
+    """UTF-8 bytes covered by the counted targets: ``Σ m_t · token_bytes[y_t]`` (tokens if None)."""
     if token_bytes is None:
         return jnp.sum(mask.astype(jnp.float32))
     return jnp.sum(jnp.take(token_bytes, targets, mode="clip").astype(jnp.float32) * mask)
 
 
 def params_to_state(params: dict, state_def: Any) -> nnx.State:
-    """Rebuilds the nnx ``State`` of the parameters from their pure-dict values (same leaf order)."""
+    """Rebuilds the nnx ``State`` of the parameters from its pure dict (same leaf order)."""
     return jax.tree.unflatten(state_def, jax.tree.leaves(params))
 
 
@@ -88,10 +89,10 @@ def make_train_step(
 ) -> Callable[[TrainState, Any, Batch], tuple[TrainState, dict]]:
     """Builds the pure ``train_step(state, rest, batch) -> (state, metrics)``.
 
-    ``rest`` is the model's non-parameter state (passed through, never updated). Metrics (f32 scalars): loss (mean
-    nats/token), loss_sum, tokens, bytes, grad_norm, lr (of this step), finite (1/0), consecutive_skips.
-    ``debug_nan_at_steps`` (tests only) multiplies the loss by NaN at those 1-based steps, so loss and gradients
-    are NaN exactly as in a real blow-up.
+    ``rest`` is the model's non-parameter state (passed through, never updated). Metrics (f32
+    scalars): loss (mean nats/token), loss_sum, tokens, bytes, grad_norm, lr (of this step), finite
+    (1/0), consecutive_skips. ``debug_nan_at_steps`` (tests only) multiplies the loss by NaN at
+    those 1-based steps, so loss and gradients are NaN exactly as in a real blow-up.
     """
     loss_fn = make_loss_fn(graphdef, state_def)
     nan_steps = jnp.asarray(tuple(debug_nan_at_steps) or (-1,), jnp.int32)
@@ -144,7 +145,7 @@ def make_train_step(
 def make_eval_step(
     graphdef: Any, state_def: Any, *, token_bytes: jax.Array | None = None
 ) -> Callable[[dict, Any, Batch], dict]:
-    """Builds ``eval_step(params, rest, batch) -> {"loss_sum", "tokens", "bytes"}`` (sums, not means)."""
+    """Builds ``eval_step(params, rest, batch) -> {"loss_sum", "tokens", "bytes"}`` (sums)."""
     loss_fn = make_loss_fn(graphdef, state_def)
 
     def eval_step(params, rest, batch):

@@ -1,4 +1,4 @@
-"""train_and_evaluate in-process: outputs, NaN policy, corrupted checkpoints, a writer that raises."""
+"""train_and_evaluate in-process: outputs, NaN policy, corrupt checkpoints, a failing writer."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from train_helpers import tiny_overrides
 
 from nested_jax.train.checkpoint import CORRUPT_DIR, Checkpointer, abstract_like
 from nested_jax.train.config import load_config
 from nested_jax.train.loop import TrainingError, init_train_setup, train_and_evaluate
 from nested_jax.train.metrics import read_metrics
-from train_helpers import tiny_overrides
 
 
 def _config(corpus: Path, data_dir: Path, **extra):

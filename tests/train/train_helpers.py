@@ -1,4 +1,4 @@
-"""Helpers for training tests (imported by tests/train and tests/eval): a small corpus, a tiny config."""
+"""Training-test helpers (used by tests/train and tests/eval): a small corpus, a tiny config."""
 
 from __future__ import annotations
 
