@@ -1,0 +1,190 @@
+"""Sequence plumbing shared by the chunked forms: chunking, affine scans, scans with remat.
+
+- ``pad_to_multiple`` / ``chunk`` / ``unchunk``: split a time axis into ``[N, C]`` chunks (zero
+  padding at the end) and back.
+- ``affine_scan``: all ``x_t = a_t · x_{t−1} + b_t`` in parallel (``lax.associative_scan`` over
+  affine maps, composed as ``(a₂, b₂) ∘ (a₁, b₁) = (a₂ a₁, a₂ b₁ + b₂)``); used by Titans
+  momentum/decay (SPEC §2).
+- ``scan_remat``: ``lax.scan`` whose backward stores only every n-th carry (nested scan with
+  ``jax.checkpoint`` on the inner n steps), for long chunk recurrences (DESIGN.md "States").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["pad_to_multiple", "chunk", "unchunk", "affine_scan", "scan_remat"]
+
+
+def _axis(x, axis: int, name: str = "axis") -> int:
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"{name}={axis} is out of range for an array of rank {x.ndim}")
+    return axis % x.ndim
+
+
+def _positive(name: str, n) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise ValueError(f"{name} must be a positive int, got {n!r}")
+
+
+def pad_to_multiple(x, multiple: int, axis: int = 1, value=0):
+    """Pads ``x`` at the end of ``axis`` so its length is a multiple of ``multiple``.
+
+    Args:
+      x: any array; ``axis`` is the time axis.
+      multiple: positive int.
+      value: the padding value.
+
+    Returns:
+      the padded array (``x`` itself when nothing is needed).
+    """
+    _positive("multiple", multiple)
+    axis = _axis(x, axis)
+    n = x.shape[axis]
+    extra = -n % multiple
+    if extra == 0:
+        return x
+    pads = [(0, 0)] * x.ndim
+    pads[axis] = (0, extra)
+    return jnp.pad(x, pads, constant_values=value)
+
+
+def chunk(x, chunk_size: int, axis: int = 1):
+    """Splits ``axis`` into ``[N, C]`` after zero padding: ``[B, T, ...] → [B, N, C, ...]``.
+
+    Args:
+      x: array with the time axis at ``axis``.
+      chunk_size: C > 0; T need not be a multiple of C.
+
+    Returns:
+      array with ``axis`` replaced by ``(ceil(T / C), C)``.
+    """
+    _positive("chunk_size", chunk_size)
+    axis = _axis(x, axis)
+    x = pad_to_multiple(x, chunk_size, axis)
+    n = x.shape[axis] // chunk_size
+    return x.reshape(x.shape[:axis] + (n, chunk_size) + x.shape[axis + 1 :])
+
+
+def unchunk(x, length: int | None = None, axis: int = 1):
+    """Inverse of ``chunk``: merges ``axis`` and ``axis + 1`` and trims to ``length``.
+
+    Args:
+      x: array ``[..., N, C, ...]`` with N at ``axis``.
+      length: original T (default: ``N · C``, nothing trimmed).
+
+    Returns:
+      array with ``(N, C)`` replaced by ``length``.
+    """
+    axis = _axis(x, axis)
+    if axis + 1 >= x.ndim:
+        raise ValueError(f"unchunk: axis={axis} needs a chunk axis after it, got rank {x.ndim}")
+    n, c = x.shape[axis], x.shape[axis + 1]
+    x = x.reshape(x.shape[:axis] + (n * c,) + x.shape[axis + 2 :])
+    if length is not None:
+        if not 0 <= length <= n * c:
+            raise ValueError(f"unchunk: length must be in [0, {n * c}], got {length}")
+        x = lax.slice_in_dim(x, 0, length, axis=axis)
+    return x
+
+
+def affine_scan(a, b, axis: int = 0, reverse: bool = False, initial=None):
+    """All states of ``x_t = a_t · x_{t−1} + b_t`` by an associative scan (log depth).
+
+    ``a`` broadcasts over ``b``'s trailing dimensions: ``a.shape == b.shape[:a.ndim]`` (e.g. a
+    per-token scalar gate ``[T, B]`` against a state ``[T, B, K, V]``). With ``reverse=True`` the
+    recurrence runs from the end: ``x_t = a_t · x_{t+1} + b_t``.
+
+    Args:
+      a: ``[..., T, ...]`` coefficients (prefix of b's shape).
+      b: ``[..., T, ..., *trailing]`` offsets.
+      axis: the time axis (must be < ``a.ndim``).
+      reverse: scan from the last element.
+      initial: optional ``x`` before the first step (shape of one b slice along ``axis``);
+        zero when None.
+
+    Returns:
+      ``x`` with b's shape (and dtype promoted with a's): every ``x_t``.
+    """
+    a = jnp.asarray(a)
+    b = jnp.asarray(b)
+    if a.shape != b.shape[: a.ndim]:
+        raise ValueError(
+            f"affine_scan: a must have shape b.shape[:a.ndim] = {b.shape[: a.ndim]}, got {a.shape}"
+        )
+    axis = _axis(a, axis)
+    a = a.reshape(a.shape + (1,) * (b.ndim - a.ndim))
+
+    def combine(earlier, later):
+        a1, b1 = earlier
+        a2, b2 = later
+        return a2 * a1, a2 * b1 + b2
+
+    A, X = lax.associative_scan(combine, (a, b), reverse=reverse, axis=axis)
+    if initial is not None:
+        initial = jnp.asarray(initial)
+        expected = b.shape[:axis] + b.shape[axis + 1 :]
+        if initial.shape != expected:
+            raise ValueError(
+                f"affine_scan: initial must have shape {expected}, got {initial.shape}"
+            )
+        X = X + A * jnp.expand_dims(initial, axis)
+    return X
+
+
+def scan_remat(f, init, xs, remat_every: int, length: int | None = None):
+    """``lax.scan(f, init, xs)`` whose backward keeps only every ``remat_every``-th carry.
+
+    The steps are grouped in blocks of ``remat_every``; an outer scan walks the blocks and each
+    block is an inner ``lax.scan`` under ``jax.checkpoint``, so autodiff stores the block-start
+    carries and recomputes the inside of one block at a time (memory ∝ T / n + n carries instead of
+    T). A trailing partial block is scanned the same way. Values equal ``lax.scan`` exactly.
+
+    Args:
+      f: ``(carry, x) -> (carry, y)``.
+      init: initial carry (pytree).
+      xs: pytree of arrays with leading axis T (or None with ``length``).
+      remat_every: n > 0, steps per checkpointed block.
+      length: T when ``xs`` is None.
+
+    Returns:
+      ``(final_carry, ys)`` with ys stacked over T, as ``lax.scan``.
+    """
+    _positive("remat_every", remat_every)
+    leaves = jax.tree_util.tree_leaves(xs)
+    if leaves:
+        T = leaves[0].shape[0]
+    elif length is not None:
+        T = length
+    else:
+        raise ValueError("scan_remat: xs has no arrays, pass length")
+    n = remat_every
+    nb, rem = divmod(T, n)
+
+    def run_block(carry, xs_block, m):
+        # checkpoint: autodiff saves only the block's input carry and recomputes its m steps
+        return jax.checkpoint(lambda c, x: lax.scan(f, c, x, length=m))(carry, xs_block)
+
+    def part(start, stop, shape=None):
+        def one(x):
+            x = x[start:stop]
+            return x if shape is None else x.reshape(shape + x.shape[1:])
+
+        return jax.tree_util.tree_map(one, xs)
+
+    carry, ys_parts = init, []
+    if nb:
+        main = part(0, nb * n, (nb, n))
+        carry, ys_main = lax.scan(lambda c, xb: run_block(c, xb, n), carry, main, length=nb)
+        ys_parts.append(
+            jax.tree_util.tree_map(lambda y: y.reshape((nb * n,) + y.shape[2:]), ys_main)
+        )
+    if rem:
+        carry, ys_tail = run_block(carry, part(nb * n, T), rem)
+        ys_parts.append(ys_tail)
+    if len(ys_parts) == 1:
+        return carry, ys_parts[0]
+    ys = jax.tree_util.tree_map(lambda *p: jnp.concatenate(p, axis=0), *ys_parts)
+    return carry, ys
