@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from nested_jax.models import options as _options
+
 _IMPLS = ("chunked", "recurrent")
 _DTYPES = ("float32", "bfloat16")
 
@@ -47,6 +49,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name in _options.OPTION_SECTIONS:  # a mixer's option section validates itself
+                if not isinstance(value, _options.OPTION_SECTIONS[f.name]):
+                    raise ValueError(
+                        f"ModelConfig.{f.name}: expected a "
+                        f"{_options.OPTION_SECTIONS[f.name].__name__}, got {value!r}"
+                    )
+                continue
             expected = {"int": int, "float": (int, float), "str": str, "bool": bool}[f.type]
             # bool is a subclass of int: reject it where an int is expected (a YAML `true` for
             # n_layers).
