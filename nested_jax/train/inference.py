@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -63,5 +64,8 @@ def load_trained(workdir: str | Path, overrides: Sequence[str] = ()) -> TrainedM
     step, state, _ = restored
     setup.state = state
     if jax.process_index() == 0:
-        print(f"restored step {step} from {ckpt.directory / str(step)}", flush=True)
+        # stderr: `nested-jax generate` keeps stdout for the text alone.
+        print(
+            f"restored step {step} from {ckpt.directory / str(step)}", file=sys.stderr, flush=True
+        )
     return TrainedModel(config, workdir, step, bundle, setup, state["params"])
