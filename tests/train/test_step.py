@@ -123,3 +123,27 @@ def test_nan_step_is_skipped_exactly_and_counted():
             assert not any(jax.tree.leaves(same))
             assert np.isfinite(float(m["loss"]))
     assert seen == [(1.0, 0), (0.0, 1), (0.0, 2), (1.0, 0)]
+
+
+def test_bf16_activations_keep_f32_master_weights_and_optimizer_state():
+    cfg = load_config(
+        [],
+        [
+            "model.name=transformer",
+            "model.d_model=32",
+            "model.n_layers=1",
+            "model.n_heads=2",
+            "model.dtype=bfloat16",
+            "data.seq_len=32",
+            "data.batch_size=8",
+        ],
+    )
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1), devices=jax.devices()[:1])
+    setup = init_train_setup(cfg, mesh)
+    state, m = setup.train_step(setup.state, global_batch_from_local(_synthetic_batch(0), mesh))
+    assert np.isfinite(float(m["loss"]))
+    floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and all(x.dtype == jnp.float32 for x in floats)
+    import nested_jax.train as train_pkg
+
+    assert train_pkg.train_and_evaluate is not None and "load_config" in train_pkg.__all__
