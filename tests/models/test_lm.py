@@ -1,10 +1,7 @@
-"""LM shell (SPEC §6): scan vs unrolled layers, remat, gradients, bf16, parameter names,
-registry."""
+"""LM shell (SPEC §6): bf16, parameter names, cache shapes, input errors, registry, depth."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -25,46 +22,6 @@ def _forward(model, tokens, segment_ids=None, cache=None):
 
 def _tokens(seed, b, t):
     return jax.random.randint(jax.random.key(seed), (b, t), 0, SMALL["vocab_size"], jnp.int32)
-
-
-def _loss(model, tokens):
-    logits, _ = model(tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-
-def test_scan_unrolled_and_remat_agree_on_logits_and_gradients():
-    # Attention compiles fastest; the layer stacking under test is the same for every mixer.
-    kw = dict(name="transformer", n_layers=3)
-    base = _model(**kw)
-    tokens = _tokens(4, 2, 10)
-    grad_fn = nnx.jit(nnx.grad(_loss))
-    ref, ref_grad = _forward(base, tokens)[0], grad_fn(base, tokens)
-    for mode in (dict(scan_layers=False), dict(remat=True)):
-        other = _model(seed=7, **kw, **mode)
-        nnx.update(other, nnx.state(base))  # the same stacked parameters in every mode
-        np.testing.assert_allclose(_forward(other, tokens)[0], ref, rtol=1e-5, atol=1e-5)
-        grad = grad_fn(other, tokens)
-        for g1, g2 in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
-            np.testing.assert_allclose(g1, g2, rtol=0, atol=1e-4 * float(jnp.abs(g2).max()))
-
-
-def test_gradient_step_is_finite_and_lowers_the_loss():
-    model = _model(name="gdn", tie_embeddings=False)
-    tokens = _tokens(5, 2, 12)
-    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, opt, tokens):
-        loss, grads = nnx.value_and_grad(_loss)(model, tokens)
-        opt.update(model, grads)
-        return loss, grads
-
-    loss0, grads = step(model, opt, tokens)
-    leaves = jax.tree.leaves(grads)
-    assert all(bool(jnp.isfinite(g).all()) for g in leaves)
-    assert sum(float(jnp.abs(g).sum()) for g in leaves) > 0
-    loss, _ = step(model, opt, tokens)
-    assert np.isfinite(float(loss)) and float(loss) < float(loss0)
 
 
 @pytest.mark.parametrize("name", ["transformer", "gdn"])
@@ -120,3 +77,30 @@ def test_register_mixer_plugs_a_new_mixer_into_the_shell():
         register_mixer("gdn", _ScaledAttention)
     with pytest.raises(ValueError, match="cls"):
         register_mixer("broken", object)
+
+
+def _n_eqns(jaxpr) -> int:
+    """Equations in a jaxpr, counting those inside nested sub-jaxprs (scan bodies, pjit, ...)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += 1
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, tuple | list) else (p,):
+                if hasattr(sub, "jaxpr"):
+                    n += _n_eqns(sub.jaxpr if hasattr(sub.jaxpr, "eqns") else sub.jaxpr.jaxpr)
+                elif hasattr(sub, "eqns"):
+                    n += _n_eqns(sub)
+    return n
+
+
+def test_scanned_program_size_does_not_grow_with_depth():
+    tokens = _tokens(9, 1, 8)
+
+    def size(n_layers, scan_layers):
+        model = _model(name="gdn", n_layers=n_layers, scan_layers=scan_layers, impl="recurrent")
+        graphdef, state = nnx.split(model)
+        jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens)[0])(state)
+        return _n_eqns(jaxpr.jaxpr)
+
+    assert size(2, True) == size(4, True)
+    assert size(4, False) > 1.8 * size(2, False)
