@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -194,6 +196,34 @@ def _say(msg: str) -> None:
         print(msg, flush=True)
 
 
+class _StopSignal:
+    """SIGTERM / preemption: finish the current step, save a checkpoint, stop cleanly.
+
+    One process: a SIGTERM handler sets a flag. Several processes: orbax's
+    ``reached_preemption(step)``, which agrees on the same step on every host (a per-host flag
+    could make hosts stop at different steps and deadlock the collectives).
+    """
+
+    def __init__(self):
+        self.signum = None
+        self._previous = None
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def requested(self, ckpt: Checkpointer, step: int) -> bool:
+        if jax.process_count() > 1:
+            return bool(ckpt.manager.reached_preemption(step))
+        return self.signum is not None
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
 def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
     """Trains `config` in `workdir` (resuming the newest good checkpoint there) and returns the
     summary.
@@ -203,8 +233,9 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
 
     Returns:
       summary dict: final_train_loss, val_loss, val_bits_per_byte, val_perplexity,
-      unigram_entropy_bits_per_byte, tokens_per_s, steps, start_step, skipped_steps, wall_time_s,
-      workdir.
+      unigram_entropy_bits_per_byte, tokens_per_s, steps, start_step, skipped_steps, preempted,
+      wall_time_s, workdir. On SIGTERM (or a multi-host preemption notice) the current step
+      finishes, a checkpoint is saved and the summary has ``preempted: True`` (no final validation).
 
     Raises:
       TrainingError: NaN/Inf policy stop, too many consecutive skipped steps, or exhausted data.
@@ -277,6 +308,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
     last_loss = float("nan")
     val: dict = {}
     skipped = 0
+    preempted = False
+    stop_signal = _StopSignal()
     timed_tokens, timed_s = 0.0, 0.0
     try:
         for step in range(start + 1, tc.steps + 1):
@@ -339,10 +372,22 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
                     f"val bits/byte {val['val_bits_per_byte']:.4f}"
                 )
                 bar.write(line) if bar is not None else _say(line)
-            if step % tc.checkpoint_every == 0 or step == tc.steps:
+            saved = step % tc.checkpoint_every == 0 or step == tc.steps
+            if saved:
                 ckpt.save(step, state, iterator, config_dict)
+            if stop_signal.requested(ckpt, step):
+                if not saved:
+                    ckpt.save(step, state, iterator, config_dict)
+                preempted = True
+                msg = (
+                    f"preempted at step {step}: checkpoint saved; run the same command again to "
+                    "resume"
+                )
+                bar.write(msg) if bar is not None else _say(msg)
+                break
         ckpt.wait()
     finally:
+        stop_signal.restore()
         if bar is not None:
             bar.close()
         writer.close()
@@ -355,7 +400,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
             if sys.exc_info()[0] is None:
                 raise
 
-    if not val:  # resumed a finished run: evaluate what was restored
+    if not val and not preempted:  # resumed a finished run: evaluate what was restored
         val = evaluate(setup, state["params"], eval_batches)
     summary = {
         "final_train_loss": last_loss,
@@ -365,6 +410,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
         "steps": int(jax.device_get(state["step"])),
         "start_step": start,
         "skipped_steps": skipped,
+        "preempted": preempted,
         "wall_time_s": time.time() - t_start,
         "workdir": str(workdir),
     }

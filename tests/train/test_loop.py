@@ -136,3 +136,31 @@ def test_a_writer_that_raises_leaves_previous_checkpoint(corpus, data_dir, tmp_p
     assert "resuming from step 2" in out
     assert summary["steps"] == 4
     assert jax.device_count() == 8  # conftest's fake devices: this ran on a 1×8 mesh
+
+
+def test_sigterm_saves_a_checkpoint_and_stops_cleanly(corpus, data_dir, tmp_path, capsys):
+    import os
+    import signal
+
+    from nested_jax.train.metrics import MetricsWriter
+
+    workdir = tmp_path / "run"
+    cfg = _config(corpus, data_dir, **{"train.steps": 6, "train.checkpoint_every": 5})
+    original = MetricsWriter.write
+
+    def write(self, step, kind, scalars):
+        original(self, step, kind, scalars)
+        if kind == "train" and step == 2:  # a scheduler's SIGTERM arrives during step 2
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(MetricsWriter, "write", write)
+    try:
+        summary = train_and_evaluate(cfg, workdir)
+    finally:
+        mp.undo()
+    assert "preempted at step 2: checkpoint saved" in capsys.readouterr().out
+    assert summary["preempted"] and summary["steps"] == 2
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2]
+    assert signal.getsignal(signal.SIGTERM) is before  # the previous handler is back

@@ -137,6 +137,11 @@ def test_restart_is_bit_exact_and_a_kill_mid_save_resumes_from_previous(env):
     # Identical per-step losses, parameters, optimizer state, step counter and next data batch.
     ls, lr = _losses(straight), _losses(resumed)
     assert sorted(ls) == list(range(1, 2 * K + 1)) and ls == lr
+    # The straight run's step-K checkpoint was written asynchronously while the next steps ran
+    # (with donated buffers): it equals run B's final step-K checkpoint.
+    mid_a, mid_b = _state(straight, K), _state(resumed, K)
+    _assert_trees_equal(mid_a["params"], mid_b["params"])
+    _assert_trees_equal(mid_a["opt_state"], mid_b["opt_state"])
     a, b = _state(straight, 2 * K), _state(resumed, 2 * K)
     assert int(a["step"]) == int(b["step"]) == 2 * K
     _assert_trees_equal(a["params"], b["params"])
