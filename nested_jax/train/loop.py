@@ -31,7 +31,7 @@ from nested_jax.parallel.mesh import (
     replicated,
     state_shardings,
 )
-from nested_jax.train.checkpoint import Checkpointer, abstract_like
+from nested_jax.train.checkpoint import CHECKPOINT_DIR, Checkpointer, abstract_like
 from nested_jax.train.config import Config, config_to_dict, save_config
 from nested_jax.train.metrics import MetricsWriter
 from nested_jax.train.optimizer import build_optimizer
@@ -191,6 +191,38 @@ def _check_mesh_batch(config: Config, mesh: jax.sharding.Mesh) -> None:
         )
 
 
+# Fields a resumed run must share with the run that wrote the checkpoints (shapes, token ids).
+_RESUME_FIXED = ("model.*", "optimizer.name", "data.tokenizer", "data.vocab_size", "data.corpus")
+
+
+def check_resume_compatible(config: Config, workdir: Path) -> None:
+    """Refuses to resume a workdir whose saved run used a different model / tokenizer / corpus.
+
+    Without this, the checkpoints would fail to restore and look corrupt. Other fields (steps,
+    learning rate, eval settings, ...) may change between runs.
+
+    Raises:
+      ValueError: ``config error: <field>: ...`` naming the first differing field.
+    """
+    saved_path = workdir / "config.json"
+    ckpt_dir = workdir / CHECKPOINT_DIR
+    if not saved_path.is_file() or not ckpt_dir.is_dir():
+        return
+    if not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+        return
+    saved, new = json.loads(saved_path.read_text()), config_to_dict(config)
+    for pattern in _RESUME_FIXED:
+        section, name = pattern.split(".")
+        names = new[section].keys() if name == "*" else [name]
+        for n in names:
+            old_v, new_v = saved.get(section, {}).get(n), new[section][n]
+            if old_v != new_v:
+                raise ValueError(
+                    f"config error: {section}.{n}: {new_v!r} differs from {old_v!r} used by the "
+                    f"checkpoints in {workdir}; train in a new workdir or keep the saved value"
+                )
+
+
 def _say(msg: str) -> None:
     if jax.process_index() == 0:
         print(msg, flush=True)
@@ -245,6 +277,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
     t_start = time.time()
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    check_resume_compatible(config, workdir)
     mesh = make_mesh(config.mesh)
     _check_mesh_batch(config, mesh)
     tc = config.train

@@ -78,6 +78,12 @@ def test_skip_policy_outputs_resume_and_corrupt_latest(corpus, data_dir, tmp_pat
     assert summary["steps"] == 6 and summary["start_step"] == 2
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2, 4, 6]
 
+    # A different model in the same workdir is refused up front (its checkpoints cannot fit).
+    other = _config(corpus, data_dir, **{"train.steps": 8, "model.d_model": 64})
+    with pytest.raises(ValueError, match=r"^config error: model\.d_model: 64 differs from 32"):
+        train_and_evaluate(other, workdir)
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2, 4, 6]
+
 
 @pytest.mark.parametrize(
     "policy, nan_steps, message",
