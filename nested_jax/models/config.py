@@ -45,6 +45,8 @@ class ModelConfig:
         True  # run the stacked layers with lax.scan so compile time does not grow with depth
     )
     remat: bool = False  # rematerialise each block in the backward pass (jax.checkpoint)
+    # HOLA cache options (read only by the `hola` mixer; SPEC §5)
+    hola: _options.HolaOptions = dataclasses.field(default_factory=_options.HolaOptions)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -62,3 +62,7 @@ def available_mixers() -> tuple[str, ...]:
 register_mixer("transformer", Attention)
 register_mixer("deltanet", DeltaNet)
 register_mixer("gdn", GatedDeltaNet)
+
+from nested_jax.layers.hola import HolaMixer  # noqa: E402  (HOLA, SPEC §5)
+
+register_mixer("hola", HolaMixer)

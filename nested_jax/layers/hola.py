@@ -1,0 +1,179 @@
+"""HOLA mixer (SPEC §5): the Gated DeltaNet layer plus a persistent exact KV cache.
+
+Everything the GDN layer has (projections, short convs, L2-normalised q/k, β, decay, SiLU-gated
+output RMSNorm; :class:`nested_jax.layers.gdn.GatedDeltaNet`) is inherited unchanged; only the
+memory rule is replaced by ``nested_jax.core.hola``::
+
+    o_t = S_tᵀ (q_t/√K) + σ(λ_h) · Σ_{j∈V_t} softmax_j(q̃_tᵀ k̃_j/√K) v_j     (sink: logit s_h, v = 0)
+
+with the learnable cache-read parameters ``γ_q, γ_k [H, K]`` (RMSNorm scales, init 1), the sink
+logit ``s [H]`` (init 0) and the gate logit ``λ [H]`` (init ``gate_init`` = −4). Options
+(``ModelConfig.hola``): ``window`` w, ``block_size`` C, ``eviction``, ``read_norm``.
+
+Decoding: the layer cache is a :class:`~nested_jax.layers.deltanet.DeltaCache` whose ``state`` is a
+:class:`~nested_jax.core.hola.HolaState` (GDN state + persistent cache + current block buffer);
+a single token runs ``hola_decode_step``, a longer call (prefill) ``hola_forward`` continuing from
+the state, so token-by-token decoding equals the block-parallel forward. Its size does not depend
+on the number of tokens: per head ``K·V + (w + C)(K + V)`` floats (+ conv taps).
+
+Packed sequences (``segment_ids``) — **Decision / known limitation**: ``core.hola`` has no segment
+masks. The layer sets the log decay to ``RESET_LOG_DECAY = −100`` (``α ≈ 4·10⁻⁴⁴``) at every segment
+start, so the gated delta state and the eviction scores restart per document (equal to GDN's exact
+reset to f32 precision; tested), and the short convs reset as in GDN. The cache path is *not*
+segment-aware: a query may still read cache entries (and block-prefix tokens) of earlier documents
+packed into the same row. Unpacked inputs (evaluation, NIAH, decoding) are exact.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nested_jax.core.hola import (
+    EVICTIONS,
+    READ_NORMS,
+    HolaState,
+    hola_decode_step,
+    hola_forward,
+    init_hola_state,
+)
+from nested_jax.layers.common import partitioned
+from nested_jax.layers.deltanet import DeltaCache
+from nested_jax.layers.gdn import GatedDeltaNet
+
+__all__ = ["RESET_LOG_DECAY", "HolaMixer", "reset_decay_at_segment_starts"]
+
+# Log decay that stands for "reset the state" at a segment start. Large enough that e^g underflows
+# to (almost) zero, small enough that the chunk-local cumulative sums of g keep ~1e-5 absolute
+# precision in f32 (all decays are exponentiated as non-positive differences, so no overflow).
+RESET_LOG_DECAY = -100.0
+
+
+def reset_decay_at_segment_starts(g: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """``g`` with ``RESET_LOG_DECAY`` at every segment start after the first token.
+
+    Args:
+      g: ``[B, T, H]`` log decay.
+      segment_ids: ``int [B, T]``; a start is ``t > 0`` with ``segment_ids[:, t] != [:, t-1]``.
+
+    Returns:
+      ``[B, T, H]``; gradients do not reach ``g`` at the starts (GDN's reset ignores them too).
+    """
+    if g.ndim != 3 or segment_ids.shape != g.shape[:2]:
+        raise ValueError(
+            f"segment_ids: expected int [B, T] = {tuple(g.shape[:2])}, got {segment_ids.shape}"
+        )
+    start = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))
+    return jnp.where(start[..., None], jnp.asarray(RESET_LOG_DECAY, g.dtype), g)
+
+
+class HolaMixer(GatedDeltaNet):
+    """HOLA layer (SPEC §5): GDN state read + ``σ(λ_h)`` · exact top-w cache read.
+
+    Args (beyond :class:`~nested_jax.layers.deltanet.DeltaNet`'s):
+      window: cache capacity ``w``; block_size: block length ``C``.
+      eviction: one of ``core.hola.EVICTIONS``; read_norm: one of ``core.hola.READ_NORMS``.
+      gate_init: initial gate logit ``λ_h`` (all heads).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int,
+        *,
+        window: int = 64,
+        block_size: int = 256,
+        eviction: str = "beta_e",
+        read_norm: str = "rmsnorm",
+        gate_init: float = -4.0,
+        rngs: nnx.Rngs,
+        **kwargs,
+    ):
+        if kwargs.get("impl", "chunked") != "chunked":
+            # hola_forward's state path is the chunked WY/UT form; never switch silently.
+            raise ValueError(
+                f"impl: the hola mixer supports 'chunked' only, got {kwargs['impl']!r}"
+            )
+        for name, value in (("window", window), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if eviction not in EVICTIONS:
+            raise ValueError(f"eviction: expected one of {EVICTIONS}, got {eviction!r}")
+        if read_norm not in READ_NORMS:
+            raise ValueError(f"read_norm: expected one of {READ_NORMS}, got {read_norm!r}")
+        super().__init__(d_model, n_heads, head_dim, rngs=rngs, **kwargs)
+        self.window, self.block_size = window, block_size
+        self.eviction, self.read_norm = eviction, read_norm
+        hk = (n_heads, head_dim)
+        ones = partitioned(nnx.initializers.ones, (None, None))
+        self.gamma_q = nnx.Param(ones(rngs.params(), hk))
+        self.gamma_k = nnx.Param(ones(rngs.params(), hk))
+        self.sink_logit = nnx.Param(
+            partitioned(nnx.initializers.zeros, (None,))(rngs.params(), (n_heads,))
+        )
+        self.gate_logit = nnx.Param(
+            partitioned(nnx.initializers.constant(float(gate_init)), (None,))(
+                rngs.params(), (n_heads,)
+            )
+        )
+
+    @classmethod
+    def from_config(cls, cfg, *, rngs: nnx.Rngs):
+        """Build from a ``ModelConfig`` (registry entry ``hola``; options in ``cfg.hola``)."""
+        h = cfg.hola
+        return cls(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.resolved_head_dim(),
+            window=h.window,
+            block_size=h.block_size,
+            eviction=h.eviction,
+            read_norm=h.read_norm,
+            gate_init=h.gate_init,
+            conv_size=cfg.conv_size,
+            chunk_size=cfg.chunk_size,
+            impl=cfg.impl,
+            norm_eps=cfg.norm_eps,
+            dtype=cfg.activation_dtype(),
+            rngs=rngs,
+        )
+
+    def init_cache(self, batch_size: int, max_len: int) -> DeltaCache:
+        """Empty decode state: a ``HolaState`` (its size is independent of ``max_len``) + conv
+        taps."""
+        del max_len
+        h, d = self.n_heads, self.head_dim
+        return DeltaCache(
+            init_hola_state(batch_size, h, d, d, self.window, self.block_size),
+            self.q_conv.init_state(batch_size),
+            self.k_conv.init_state(batch_size),
+            self.v_conv.init_state(batch_size),
+        )
+
+    def _rule(self, q, k, v, g, beta, *, state, segment_ids, single_step: bool):
+        params = (self.gamma_q[...], self.gamma_k[...], self.sink_logit[...], self.gate_logit[...])
+        opts = dict(eviction=self.eviction, read_norm=self.read_norm)
+        if single_step:
+            o, s = hola_decode_step(
+                state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], *params, **opts
+            )
+            return o[:, None], s
+        if segment_ids is not None:
+            g = reset_decay_at_segment_starts(g, segment_ids)
+        if state is not None and not isinstance(state, HolaState):
+            raise ValueError(f"cache: expected a HolaState in the layer cache, got {type(state)}")
+        return hola_forward(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            *params,
+            window=self.window,
+            block_size=self.block_size,
+            initial_state=state,
+            chunk_size=self.chunk_size,
+            **opts,
+        )
