@@ -320,22 +320,29 @@ def gated_delta_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, s
 # --------------------------------------------------------------------------------------------------
 
 
-_BASE = 16  # below this size the inverse is plain forward substitution (unrolled rows)
+def _mT(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+_BASE = 16  # blocks of at most this size are inverted by forward substitution
 
 
 def _forward_substitution(A):
-    """``(I + A)^{-1}`` for strictly lower ``A [..., c, c]`` (small c), rows in order:
-    ``X_i = e_i − Σ_{j<i} A_ij X_j``. Exact up to rounding and stable (no powers of A)."""
+    """``(I + A)^{-1}`` for strictly lower ``A [..., c, c]`` (small c), one row at a time:
+    ``X_i = e_i − Σ_{j<i} A_ij X_j``. Exact up to rounding and stable (no powers of A); a
+    ``fori_loop`` keeps the compiled program small."""
     c = A.shape[-1]
-    eye = jnp.eye(c, dtype=A.dtype)
-    X = jnp.broadcast_to(eye[:1], A.shape[:-2] + (1, c))
-    for i in range(1, c):
-        x_i = eye[i] - A[..., i : i + 1, :i] @ X
-        X = jnp.concatenate([X, x_i], axis=-2)
-    return X
+    eye = jnp.broadcast_to(jnp.eye(c, dtype=A.dtype), A.shape)
+
+    def row(i, X):
+        a_i = lax.dynamic_slice_in_dim(A, i, 1, axis=-2)  # zero at columns ≥ i
+        x_i = lax.dynamic_slice_in_dim(eye, i, 1, axis=-2) - a_i @ X
+        return lax.dynamic_update_slice_in_dim(X, x_i, i, axis=-2)
+
+    return lax.fori_loop(1, c, row, eye)
 
 
-def _tri_inverse(A):
+def _tri_inverse_impl(A):
     """``(I + A)^{-1}`` for strictly lower-triangular ``A [..., C, C]`` by blockwise doubling.
 
     ``[[L11, 0], [L21, L22]]^{-1} = [[T11, 0], [−T22 L21 T11, T22]]`` with ``T11, T22`` inverted
@@ -348,12 +355,30 @@ def _tri_inverse(A):
     h = C // 2
     A11, A21, A22 = A[..., :h, :h], A[..., h:, :h], A[..., h:, h:]
     if C % 2 == 0:
-        T11, T22 = _tri_inverse(jnp.stack([A11, A22]))
+        T11, T22 = _tri_inverse_impl(jnp.stack([A11, A22]))
     else:
-        T11, T22 = _tri_inverse(A11), _tri_inverse(A22)
+        T11, T22 = _tri_inverse_impl(A11), _tri_inverse_impl(A22)
     T21 = -(T22 @ (A21 @ T11))
     top = jnp.concatenate([T11, jnp.zeros(T11.shape[:-1] + (C - h,), A.dtype)], axis=-1)
     return jnp.concatenate([top, jnp.concatenate([T21, T22], axis=-1)], axis=-2)
+
+
+@jax.custom_vjp
+def _tri_inverse(A):
+    return _tri_inverse_impl(A)
+
+
+def _tri_inverse_fwd(A):
+    X = _tri_inverse_impl(A)
+    return X, X
+
+
+def _tri_inverse_bwd(X, dX):
+    # d(M^{-1}) = −M^{-1} dM M^{-1}  ⇒  dA = −Xᵀ dX Xᵀ on A's strictly lower support
+    return (-jnp.tril(_mT(X) @ dX @ _mT(X), -1),)
+
+
+_tri_inverse.defvjp(_tri_inverse_fwd, _tri_inverse_bwd)
 
 
 def _chunk(x, C):
@@ -375,10 +400,6 @@ def _pad_time(x, Tp):
     if Tp == T:
         return x
     return jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
-
-
-def _mT(x):
-    return jnp.swapaxes(x, -1, -2)
 
 
 def _rowdot(a, b):
