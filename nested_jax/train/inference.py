@@ -9,12 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
-from nested_jax.parallel.mesh import make_mesh
 from nested_jax.train.checkpoint import Checkpointer, abstract_like
 from nested_jax.train.config import Config, load_workdir_config
-from nested_jax.train.loop import TrainSetup, init_train_setup
+from nested_jax.train.loop import TrainSetup, prepare_run
 
 
 @dataclasses.dataclass
@@ -38,22 +36,14 @@ class TrainedModel:
 
 
 def load_trained(workdir: str | Path, overrides: Sequence[str] = ()) -> TrainedModel:
-    """Restores the newest readable checkpoint of `workdir` with the config saved there (+
-    overrides).
+    """Restores the newest readable checkpoint of `workdir` with its saved config (+ overrides).
 
     Raises:
       ConfigError: no/invalid ``config.json``; FileNotFoundError: no readable checkpoint.
     """
-    from nested_jax.data import pipeline
-
     workdir = Path(workdir)
     config = load_workdir_config(workdir, overrides)
-    mesh = make_mesh(config.mesh)
-    bundle = pipeline.prepare_data(config.data)
-    token_bytes = np.asarray(bundle.tokenizer.token_bytes)
-    if token_bytes.shape[0] < config.model.vocab_size:
-        token_bytes = np.pad(token_bytes, (0, config.model.vocab_size - token_bytes.shape[0]))
-    setup = init_train_setup(config, mesh, token_bytes=token_bytes)
+    _, bundle, setup = prepare_run(config)
     ckpt = Checkpointer(workdir, read_only=True)
     try:
         restored = ckpt.restore_latest(abstract_like(setup.state), None, quarantine=False)

@@ -256,6 +256,50 @@ class _StopSignal:
             self._previous = None
 
 
+def prepare_run(config: Config) -> tuple[jax.sharding.Mesh, Any, TrainSetup]:
+    """Mesh, data bundle (tokenizer, documents) and a freshly initialised :class:`TrainSetup`.
+
+    Raises:
+      ValueError: ``config error: ...`` when the batch does not fit the mesh / processes or the
+        tokenizer has more ids than ``model.vocab_size``.
+    """
+    from nested_jax.data import pipeline
+
+    mesh = make_mesh(config.mesh)
+    _check_mesh_batch(config, mesh)
+    bundle = pipeline.prepare_data(config.data)
+    tok = bundle.tokenizer
+    if tok.vocab_size > config.model.vocab_size:
+        raise ValueError(
+            f"config error: model.vocab_size: {config.model.vocab_size} is smaller than the "
+            f"tokenizer's vocabulary ({tok.vocab_size} ids)"
+        )
+    token_bytes = np.asarray(tok.token_bytes)
+    if token_bytes.shape[0] < config.model.vocab_size:  # ids the tokenizer never produces: 0 bytes
+        token_bytes = np.pad(token_bytes, (0, config.model.vocab_size - token_bytes.shape[0]))
+    return mesh, bundle, init_train_setup(config, mesh, token_bytes=token_bytes)
+
+
+def _apply_nan_policy(m: dict, step: int, tc: Any, ckpt_dir: Path) -> None:
+    """After a non-finite step (already not applied): report it, or raise per train.nan_policy."""
+    if tc.nan_policy == "stop":
+        raise TrainingError(
+            f"non-finite loss/gradient at step {step} (loss={m['loss']}, grad_norm="
+            f"{m['grad_norm']}); train.nan_policy=stop: stopping, the last saved checkpoint in "
+            f"{ckpt_dir} is intact"
+        )
+    _say(
+        f"step {step}: non-finite loss/gradient (loss={m['loss']}); update skipped "
+        f"({int(m['consecutive_skips'])} in a row, limit {tc.max_consecutive_skips})"
+    )
+    if m["consecutive_skips"] > tc.max_consecutive_skips:
+        raise TrainingError(
+            f"{int(m['consecutive_skips'])} consecutive non-finite steps (up to step {step}) "
+            f"exceed train.max_consecutive_skips={tc.max_consecutive_skips}; stopping, the last "
+            f"saved checkpoint in {ckpt_dir} is intact"
+        )
+
+
 def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
     """Trains `config` in `workdir` (resuming the newest good checkpoint there) and returns the
     summary.
@@ -278,23 +322,10 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     check_resume_compatible(config, workdir)
-    mesh = make_mesh(config.mesh)
-    _check_mesh_batch(config, mesh)
     tc = config.train
-
-    bundle = pipeline.prepare_data(config.data)
+    mesh, bundle, setup = prepare_run(config)
     tok = bundle.tokenizer
-    if tok.vocab_size > config.model.vocab_size:
-        raise ValueError(
-            f"config error: model.vocab_size: {config.model.vocab_size} is smaller than the "
-            "tokenizer's "
-            f"vocabulary ({tok.vocab_size} ids)"
-        )
     entropy = pipeline.unigram_byte_entropy(list(bundle.train_docs) + list(bundle.val_docs))
-    token_bytes = np.asarray(tok.token_bytes)
-    if token_bytes.shape[0] < config.model.vocab_size:  # ids the tokenizer never produces: 0 bytes
-        token_bytes = np.pad(token_bytes, (0, config.model.vocab_size - token_bytes.shape[0]))
-    setup = init_train_setup(config, mesh, token_bytes=token_bytes)
 
     def make_iterator():
         return pipeline.make_train_iterator(
@@ -336,7 +367,14 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
     if tc.progress_bar and jax.process_index() == 0 and start < tc.steps:
         from tqdm import tqdm
 
-        bar = tqdm(total=tc.steps, initial=start, file=sys.stderr, dynamic_ncols=True, unit="step")
+        bar = tqdm(
+            total=tc.steps,
+            initial=start,
+            file=sys.stderr,
+            dynamic_ncols=True,
+            unit="step",
+            mininterval=1.0,  # few redraws when stderr is a log file
+        )
 
     last_loss = float("nan")
     val: dict = {}
@@ -361,23 +399,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
             tok_s = timed_tokens / timed_s if timed_s else float("nan")
             if not m["finite"]:
                 skipped += 1
-                if tc.nan_policy == "stop":
-                    raise TrainingError(
-                        f"non-finite loss/gradient at step {step} (loss={m['loss']}, grad_norm="
-                        f"{m['grad_norm']}); train.nan_policy=stop: stopping, the last saved "
-                        f"checkpoint in {ckpt.directory} is intact"
-                    )
-                _say(
-                    f"step {step}: non-finite loss/gradient (loss={m['loss']}); update skipped "
-                    f"({int(m['consecutive_skips'])} in a row, limit {tc.max_consecutive_skips})"
-                )
-                if m["consecutive_skips"] > tc.max_consecutive_skips:
-                    raise TrainingError(
-                        f"{int(m['consecutive_skips'])} consecutive non-finite steps (up to step "
-                        f"{step}) exceed train.max_consecutive_skips={tc.max_consecutive_skips}; "
-                        "stopping, the "
-                        f"last saved checkpoint in {ckpt.directory} is intact"
-                    )
+                _apply_nan_policy(m, step, tc, ckpt.directory)
             else:
                 last_loss = m["loss"]
             bpb = bits_per_byte(m["loss_sum"], m["bytes"])
