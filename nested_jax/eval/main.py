@@ -155,7 +155,10 @@ def _json_safe(x):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from nested_jax.parallel.distributed import maybe_initialize
     from nested_jax.train.inference import load_trained
+
+    maybe_initialize()
 
     try:
         trained = load_trained(args.workdir, args.overrides)

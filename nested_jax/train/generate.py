@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_new_tokens < 0:
         print("error: --max-new-tokens must be >= 0", file=sys.stderr)
         return 2
+    from nested_jax.parallel.distributed import maybe_initialize
     from nested_jax.train.inference import load_trained
+
+    maybe_initialize()
 
     try:
         trained = load_trained(args.workdir, args.overrides)

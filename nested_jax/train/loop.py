@@ -344,7 +344,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
     else:
         start, state, iterator = restored
         _say(f"resuming from step {start} (checkpoint {ckpt.directory / str(start)})")
-    save_config(config, workdir)
+    if jax.process_index() == 0:
+        save_config(config, workdir)
     config_dict = config_to_dict(config)
     eval_batches = pipeline.make_eval_batches(
         config.data,

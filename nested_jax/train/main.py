@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
 
+    from nested_jax.parallel.distributed import maybe_initialize
     from nested_jax.train.loop import TrainingError, train_and_evaluate
+
+    maybe_initialize()
 
     try:
         train_and_evaluate(config, workdir)
