@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from nested_jax.optim.m3 import m3_from_config
 from nested_jax.train.config import OptimizerConfig
 
 OptimizerFactory = Callable[[OptimizerConfig, optax.Schedule], optax.GradientTransformation]
@@ -69,6 +70,8 @@ def _adamw(cfg: OptimizerConfig, lr: optax.Schedule) -> optax.GradientTransforma
 
 
 register_optimizer("adamw", _adamw)
+# M3 (SPEC §3.5): matrices → M3, the rest → AdamW; options via optimizer.extra (see m3_from_config).
+register_optimizer("m3", m3_from_config)
 
 
 def build_optimizer(
