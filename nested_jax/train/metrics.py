@@ -66,10 +66,20 @@ class MetricsWriter:
             self._tb = None
 
 
-def read_metrics(workdir: str | Path, kind: str | None = None) -> list[dict]:
-    """Reads ``metrics.jsonl`` records (optionally of one kind)."""
+def read_metrics(
+    workdir: str | Path, kind: str | None = None, *, latest: bool = True
+) -> list[dict]:
+    """Reads ``metrics.jsonl`` records (optionally of one kind), ordered by step.
+
+    After a resume, steps between the checkpoint and a crash were logged twice; with
+    ``latest=True`` only the last record per (kind, step) is kept - the one of the run that
+    continued.
+    """
     path = Path(workdir) / "metrics.jsonl"
     if not path.is_file():
         return []
     out = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in out if kind is None or r.get("kind") == kind]
+    out = [r for r in out if kind is None or r.get("kind") == kind]
+    if latest:
+        out = list({(r.get("kind"), r["step"]): r for r in out}.values())
+    return sorted(out, key=lambda r: r["step"])

@@ -165,4 +165,7 @@ def test_restart_is_bit_exact_and_a_kill_mid_save_resumes_from_previous(env):
     assert "ignoring incomplete save" in r.stdout
     assert f"resuming from step {K}" in r.stdout
     assert _losses(killed) == ls
+    # Steps K+1..2K were logged by both processes; readers keep the continuing run's records.
+    assert len(read_metrics(killed, "train", latest=False)) == 3 * K
+    assert [r["step"] for r in read_metrics(killed, "train")] == list(range(1, 2 * K + 1))
     _assert_trees_equal(_state(killed, 2 * K)["params"], a["params"])
