@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -256,8 +256,13 @@ class _StopSignal:
             self._previous = None
 
 
-def prepare_run(config: Config) -> tuple[jax.sharding.Mesh, Any, TrainSetup]:
+def prepare_run(
+    config: Config, devices: Sequence[jax.Device] | None = None
+) -> tuple[jax.sharding.Mesh, Any, TrainSetup]:
     """Mesh, data bundle (tokenizer, documents) and a freshly initialised :class:`TrainSetup`.
+
+    `devices` restricts the mesh to those devices (default: all; ``mesh.data × mesh.fsdp`` must
+    match their number).
 
     Raises:
       ValueError: ``config error: ...`` when the batch does not fit the mesh / processes or the
@@ -265,7 +270,7 @@ def prepare_run(config: Config) -> tuple[jax.sharding.Mesh, Any, TrainSetup]:
     """
     from nested_jax.data import pipeline
 
-    mesh = make_mesh(config.mesh)
+    mesh = make_mesh(config.mesh, devices)
     _check_mesh_batch(config, mesh)
     bundle = pipeline.prepare_data(config.data)
     tok = bundle.tokenizer
@@ -300,12 +305,14 @@ def _apply_nan_policy(m: dict, step: int, tc: Any, ckpt_dir: Path) -> None:
         )
 
 
-def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
-    """Trains `config` in `workdir` (resuming the newest good checkpoint there) and returns the
-    summary.
+def train_and_evaluate(
+    config: Config, workdir: str | Path, *, devices: Sequence[jax.Device] | None = None
+) -> dict:
+    """Trains `config` in `workdir` (resuming the newest good checkpoint there); returns a summary.
 
     Writes ``config.json``/``config.yaml``, ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``
-    and ``summary.json`` into `workdir`.
+    and ``summary.json`` into `workdir`. `devices` restricts the mesh to those devices (default:
+    all of ``jax.devices()``; notebooks and tests use a subset).
 
     Returns:
       summary dict: final_train_loss, val_loss, val_bits_per_byte, val_perplexity,
@@ -323,7 +330,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     check_resume_compatible(config, workdir)
     tc = config.train
-    mesh, bundle, setup = prepare_run(config)
+    mesh, bundle, setup = prepare_run(config, devices)
     tok = bundle.tokenizer
     entropy = pipeline.unigram_byte_entropy(list(bundle.train_docs) + list(bundle.val_docs))
 

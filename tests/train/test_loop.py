@@ -16,6 +16,10 @@ from nested_jax.train.config import load_config
 from nested_jax.train.loop import TrainingError, init_train_setup, train_and_evaluate
 from nested_jax.train.metrics import read_metrics
 
+# One device compiles several times faster than the 8 fake ones; sharding is covered elsewhere
+# (tests/parallel, and the 2-device subprocess resume test).
+ONE = jax.devices()[:1]
+
 
 def _config(corpus: Path, data_dir: Path, **extra):
     return load_config([], tiny_overrides(corpus, data_dir, **extra))
@@ -25,7 +29,7 @@ def _readable_steps(workdir: Path, cfg) -> int | None:
     """The newest step a fresh reader restores (without moving anything)."""
     from nested_jax.parallel.mesh import make_mesh
 
-    setup = init_train_setup(cfg, make_mesh(cfg.mesh))
+    setup = init_train_setup(cfg, make_mesh(cfg.mesh, ONE))
     ckpt = Checkpointer(workdir, read_only=True)
     out = ckpt.restore_latest(abstract_like(setup.state), None, quarantine=False)
     ckpt.manager.close()
@@ -47,7 +51,7 @@ def _garble(step_dir: Path) -> None:
 def test_skip_policy_outputs_resume_and_corrupt_latest(corpus, data_dir, tmp_path, capsys):
     workdir = tmp_path / "run"
     cfg = _config(corpus, data_dir, **{"train.debug_nan_at_steps": [2], "train.eval_every": 2})
-    summary = train_and_evaluate(cfg, workdir)
+    summary = train_and_evaluate(cfg, workdir, devices=ONE)
     out = capsys.readouterr().out
     assert "starting from scratch" in out and "update skipped" in out
 
@@ -69,7 +73,7 @@ def test_skip_policy_outputs_resume_and_corrupt_latest(corpus, data_dir, tmp_pat
     # Corrupt the latest checkpoint: the next start says so, keeps the files, resumes from step 2.
     _garble(workdir / "checkpoints" / "4")
     cfg6 = _config(corpus, data_dir, **{"train.steps": 6, "train.debug_nan_at_steps": [2]})
-    summary = train_and_evaluate(cfg6, workdir)
+    summary = train_and_evaluate(cfg6, workdir, devices=ONE)
     out = capsys.readouterr().out
     assert "checkpoint: step 4 in" in out and "is unreadable" in out
     assert "resuming from step 2" in out
@@ -81,7 +85,7 @@ def test_skip_policy_outputs_resume_and_corrupt_latest(corpus, data_dir, tmp_pat
     # A different model in the same workdir is refused up front (its checkpoints cannot fit).
     other = _config(corpus, data_dir, **{"train.steps": 8, "model.d_model": 64})
     with pytest.raises(ValueError, match=r"^config error: model\.d_model: 64 differs from 32"):
-        train_and_evaluate(other, workdir)
+        train_and_evaluate(other, workdir, devices=ONE)
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2, 4, 6]
 
 
@@ -111,7 +115,7 @@ def test_nan_policy_stops_cleanly_and_keeps_last_checkpoint(
         },
     )
     with pytest.raises(TrainingError, match=message):
-        train_and_evaluate(cfg, workdir)
+        train_and_evaluate(cfg, workdir, devices=ONE)
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2]
     assert _readable_steps(workdir, cfg) == 2
 
@@ -132,16 +136,15 @@ def test_a_writer_that_raises_leaves_previous_checkpoint(corpus, data_dir, tmp_p
     mp.setattr(grain_handler.CheckpointHandler, "save", failing_save)
     try:
         with pytest.raises(Exception, match="disk full"):
-            train_and_evaluate(cfg, workdir)
+            train_and_evaluate(cfg, workdir, devices=ONE)
     finally:
         mp.undo()
     assert [p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()] == ["2"]
     capsys.readouterr()
-    summary = train_and_evaluate(cfg, workdir)
+    summary = train_and_evaluate(cfg, workdir, devices=ONE)
     out = capsys.readouterr().out
     assert "resuming from step 2" in out
     assert summary["steps"] == 4
-    assert jax.device_count() == 8  # conftest's fake devices: this ran on a 1×8 mesh
 
 
 def test_sigterm_saves_a_checkpoint_and_stops_cleanly(corpus, data_dir, tmp_path, capsys):
@@ -163,7 +166,7 @@ def test_sigterm_saves_a_checkpoint_and_stops_cleanly(corpus, data_dir, tmp_path
     mp = pytest.MonkeyPatch()
     mp.setattr(MetricsWriter, "write", write)
     try:
-        summary = train_and_evaluate(cfg, workdir)
+        summary = train_and_evaluate(cfg, workdir, devices=ONE)
     finally:
         mp.undo()
     assert "preempted at step 2: checkpoint saved" in capsys.readouterr().out
