@@ -51,9 +51,8 @@ class ConfigError(ValueError):
 class OptimizerConfig:
     """Optimizer and learning-rate schedule (linear warmup then decay)."""
 
-    name: str = (
-        "adamw"  # key of nested_jax.train.optimizer.OPTIMIZERS ("adamw"; others register more)
-    )
+    # key of nested_jax.train.optimizer.OPTIMIZERS ("adamw"; other modules register more)
+    name: str = "adamw"
     lr: float = 3e-3  # peak learning rate, reached at the end of warmup
     warmup_steps: int = 100  # linear warmup from 0 to lr over this many steps
     decay: Literal["cosine", "linear", "constant"] = "cosine"  # shape of the decay after warmup
@@ -83,20 +82,16 @@ class TrainConfig:
     steps: int = 1000  # total optimizer steps (a resumed run continues up to this number)
     seed: int = 0  # seed of parameter initialisation
     log_every: int = 10  # write train metrics (JSONL, TensorBoard) every this many steps
-    eval_every: int = (
-        200  # run validation every this many steps (and always at the last step); 0 = only at end
-    )
-    checkpoint_every: int = (
-        200  # save a checkpoint every this many steps (and always at the last step)
-    )
+    # run validation every this many steps (and always at the last step); 0 = only at the end
+    eval_every: int = 200
+    # save a checkpoint every this many steps (and always at the last step and on SIGTERM)
+    checkpoint_every: int = 200
     keep_checkpoints: int = 3  # how many of the most recent checkpoints to keep on disk
     async_checkpointing: bool = True  # write checkpoints in a background thread (orbax async)
-    nan_policy: Literal["skip", "stop"] = (
-        "skip"  # on a non-finite loss/gradient: skip the update or stop
-    )
-    max_consecutive_skips: int = (
-        10  # with nan_policy=skip: stop with an error after this many skips in a row
-    )
+    # on a non-finite loss or gradient: "skip" the update (exactly: state unchanged) or "stop"
+    nan_policy: Literal["skip", "stop"] = "skip"
+    # with nan_policy=skip: stop with an error after more than this many skipped steps in a row
+    max_consecutive_skips: int = 10
     progress_bar: bool = True  # show a tqdm progress bar (loss, bits/byte, tokens/s) on stderr
     # DEBUG ONLY (tests of the NaN policy): steps (1-based) whose loss is replaced by NaN inside the
     # jitted step.
@@ -109,11 +104,8 @@ class EvalConfig:
 
     eval_batches: int = 8  # validation batches per evaluation (0 = the whole validation split)
     niah_lengths: tuple[int, ...] = (128, 256)  # NIAH haystack lengths in tokens
-    niah_depths: tuple[float, ...] = (
-        0.1,
-        0.5,
-        0.9,
-    )  # NIAH needle depths as fractions of the haystack
+    # NIAH needle depths as fractions of the haystack (0 = start, 1 = end)
+    niah_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
     niah_per_cell: int = 4  # NIAH examples per (length, depth) cell
     niah_seed: int = 0  # seed of the NIAH generator (needle values, haystack offsets)
 
