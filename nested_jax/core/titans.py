@@ -1,0 +1,231 @@
+"""Titans neural long-term memory (SPEC §2): the linear (matrix) memory API of SPEC §0.1.
+
+Per head, ``M, S ∈ R^{K×V}`` (stored ``[B, H, K, V]``), inner loss ``ℓ(M; k, v) = ½‖Mᵀk − v‖²``
+whose gradient is ``u_t = k_t (M_{t-1}ᵀ k_t − v_t)ᵀ``::
+
+    S_t = η_t S_{t-1} − θ_t u_t          (momentum / past surprise)
+    M_t = (1 − α_t) M_{t-1} + S_t        (forgetting = weight decay)
+    o_t = M_tᵀ q_t                       (read_before_write=True: o_t = M_{t-1}ᵀ q_t)
+
+No scale is applied to q (SPEC §0.1: the layer normalises q, k). ``theta`` is the inner learning
+rate, ``eta`` the momentum, ``alpha`` the forget gate, all ``[B, T, H]`` in ``(0, 1)``. Optional
+``grad_clip=c`` softclamps ``u_t`` to norm ``c·tanh(‖u_t‖/c)`` with
+``‖u_t‖ = ‖k_t‖‖M_{t-1}ᵀk_t − v_t‖``; the linear API defaults to None (exactly SPEC §0.1).
+
+Three forms with one meaning (SPEC §0): ``titans_linear_step`` (one token),
+``titans_linear_recurrent`` (``lax.scan`` of the step; ground truth) and ``titans_linear_chunked``
+(gradients at chunk start, exact momentum/decay inside the chunk, dual-form reads;
+``chunk_size=1`` equals the recurrence). The chunked form is the ``L_M = 1`` case of the MLP engine
+in ``titans_mlp`` (the deep-memory API lives there and is re-exported here).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nested_jax.core.titans_mlp import (
+    DEFAULT_MLP_GRAD_CLIP,
+    TitansMLPState,
+    _chunked_core,
+    _softclamp_factor,
+    _validate_chunk_size,
+    _validate_common,
+    titans_mlp_apply,
+    titans_mlp_chunked,
+    titans_mlp_init_weights,
+    titans_mlp_recurrent,
+    titans_mlp_state,
+    titans_mlp_step,
+    titans_pool_gates,
+)
+
+__all__ = [
+    "TitansLinearState",
+    "titans_linear_step",
+    "titans_linear_recurrent",
+    "titans_linear_chunked",
+    "DEFAULT_MLP_GRAD_CLIP",
+    "TitansMLPState",
+    "titans_mlp_init_weights",
+    "titans_mlp_state",
+    "titans_mlp_apply",
+    "titans_mlp_step",
+    "titans_mlp_recurrent",
+    "titans_mlp_chunked",
+    "titans_pool_gates",
+]
+
+
+class TitansLinearState(NamedTuple):
+    """Matrix memory state (SPEC §0.1): ``M`` (memory), ``S`` (momentum), both ``[B, H, K, V]``."""
+
+    M: jax.Array
+    S: jax.Array
+
+
+def _state_of(fn: str, initial_state, B, H, K, V) -> TitansLinearState:
+    """None → zeros; a bare ``[B, H, K, V]`` array → ``(M, 0)``; a state tuple is checked."""
+    f32 = jnp.float32
+    if initial_state is None:
+        z = jnp.zeros((B, H, K, V), f32)
+        return TitansLinearState(z, z)
+    if isinstance(initial_state, tuple) and len(initial_state) == 2:
+        M, S = initial_state
+    else:
+        M, S = initial_state, None
+    for name, x in (("initial_state.M", M), ("initial_state.S", S)):
+        if x is None:
+            continue
+        if getattr(x, "shape", None) != (B, H, K, V):
+            shape = getattr(x, "shape", None)
+            raise ValueError(
+                f"{fn}: {name} must have shape [B, H, K, V] = {(B, H, K, V)}, got {shape}"
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{fn}: {name} must have a floating dtype, got {x.dtype}")
+    M = M.astype(f32)
+    return TitansLinearState(M, jnp.zeros_like(M) if S is None else S.astype(f32))
+
+
+def _linear_step_math(state, q, k, v, th, et, al, rbw, grad_clip):
+    """One token in f32: ``q, k [B,H,K]``, ``v [B,H,V]``, gates ``[B,H]``."""
+    M, S = state
+    err = jnp.einsum("bhk,bhkv->bhv", k, M) - v
+    if grad_clip is not None:
+        sq = jnp.sum(k * k, -1) * jnp.sum(err * err, -1)
+        th = th * _softclamp_factor(sq, grad_clip)
+    u = k[..., :, None] * err[..., None, :]
+    S = et[..., None, None] * S - th[..., None, None] * u
+    M_new = (1.0 - al)[..., None, None] * M + S
+    o = jnp.einsum("bhk,bhkv->bhv", q, M if rbw else M_new)
+    return o, TitansLinearState(M_new, S)
+
+
+def titans_linear_step(
+    state,
+    q_t,
+    k_t,
+    v_t,
+    theta_t,
+    eta_t,
+    alpha_t,
+    *,
+    read_before_write: bool = False,
+    grad_clip: float | None = None,
+):
+    """One token of the Titans matrix memory (SPEC §2 with L_M = 1, SPEC §0.1).
+
+    ``u = k_t (M_{t-1}ᵀ k_t − v_t)ᵀ``, ``S_t = η_t S_{t-1} − θ_t u``,
+    ``M_t = (1 − α_t) M_{t-1} + S_t``, ``o_t = M_tᵀ q_t`` (``M_{t-1}ᵀ q_t`` with
+    ``read_before_write``).
+
+    Args:
+      state: ``TitansLinearState(M, S)`` or a bare ``M`` (zero momentum), ``[B, H, K, V]``.
+      q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; theta_t, eta_t, alpha_t: ``[B, H]``.
+      read_before_write: read with ``M_{t-1}``.
+      grad_clip: softclamp threshold for ``‖u‖`` (None: off, the default).
+
+    Returns:
+      ``(o_t [B, H, V] in v_t's dtype, TitansLinearState f32)``.
+    """
+    fn = "titans_linear_step"
+    B, _, H, K, V = _validate_common(
+        fn, q_t, k_t, v_t, theta_t, eta_t, alpha_t, grad_clip, per_token=True
+    )
+    if state is None:
+        raise ValueError(f"{fn}: state must be a TitansLinearState(M, S) of [B, H, K, V], got None")
+    st = _state_of(fn, state, B, H, K, V)
+    f = lambda x: x.astype(jnp.float32)  # noqa: E731
+    o, st = _linear_step_math(
+        st, f(q_t), f(k_t), f(v_t), f(theta_t), f(eta_t), f(alpha_t), read_before_write, grad_clip
+    )
+    return o.astype(v_t.dtype), st
+
+
+def titans_linear_recurrent(
+    q,
+    k,
+    v,
+    theta,
+    eta,
+    alpha,
+    *,
+    initial_state=None,
+    read_before_write: bool = False,
+    grad_clip: float | None = None,
+):
+    """Titans matrix memory token by token (``lax.scan`` of ``titans_linear_step``; ground truth).
+
+    SPEC §2 with L_M = 1 and the SPEC §0.1 signature.
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; theta, eta, alpha: ``[B, T, H]``.
+      initial_state: None (zeros), ``TitansLinearState(M, S)`` or a bare ``M``, ``[B, H, K, V]``.
+      read_before_write: read ``o_t = M_{t-1}ᵀ q_t``.
+      grad_clip: softclamp threshold for ``‖u_t‖`` (None: off, the default).
+
+    Returns:
+      ``(o [B, T, H, V] in v's dtype, TitansLinearState(M, S) f32 [B, H, K, V])``.
+    """
+    fn = "titans_linear_recurrent"
+    B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
+    st = _state_of(fn, initial_state, B, H, K, V)
+    tm = lambda x: jnp.moveaxis(x, 1, 0).astype(jnp.float32)  # noqa: E731
+
+    def body(s, xs):
+        o, s = _linear_step_math(s, *xs, read_before_write, grad_clip)
+        return s, o
+
+    st, o = lax.scan(body, st, tuple(map(tm, (q, k, v, theta, eta, alpha))))
+    return jnp.moveaxis(o, 0, 1).astype(v.dtype), st
+
+
+def titans_linear_chunked(
+    q,
+    k,
+    v,
+    theta,
+    eta,
+    alpha,
+    *,
+    initial_state=None,
+    chunk_size: int = 16,
+    read_before_write: bool = False,
+    grad_clip: float | None = None,
+    per_chunk_gates: bool = False,
+    remat: bool = True,
+):
+    """Titans matrix memory in chunks (SPEC §2 parallel form with L_M = 1; SPEC §0.1 signature).
+
+    Inside a chunk of size b all surprises are taken at the chunk-start memory ``M⁰``:
+    ``u_j = k_j (M⁰ᵀ k_j − v_j)ᵀ``; then exactly ``M_t = A_t M⁰ + C_t S⁰ − Σ_{j≤t} D_tj θ_j u_j``
+    and ``o_t = A_t M⁰ᵀq_t + C_t S⁰ᵀq_t − Σ_j D_tj θ_j (q_t·k_j) e_j`` (coefficients from the
+    momentum and decay products, see ``titans_mlp``). ``chunk_size=1`` equals
+    ``titans_linear_recurrent``.
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; theta, eta, alpha: ``[B, T, H]``; any T.
+      initial_state: None (zeros), ``TitansLinearState(M, S)`` or a bare ``M``, ``[B, H, K, V]``.
+      chunk_size: b.
+      read_before_write: read ``o_t = M_{t-1}ᵀ q_t``.
+      grad_clip: softclamp threshold for ``‖u_t‖`` (None: off, the default).
+      per_chunk_gates: θ, η, α replaced by their per-chunk means (``titans_pool_gates``).
+      remat: recompute each chunk in the backward pass (saves only ``(M, S)`` per chunk).
+
+    Returns:
+      ``(o [B, T, H, V] in v's dtype, TitansLinearState(M, S) f32 [B, H, K, V])``.
+    """
+    fn = "titans_linear_chunked"
+    B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
+    _validate_chunk_size(fn, chunk_size)
+    st = _state_of(fn, initial_state, B, H, K, V)
+    o, (W, S) = _chunked_core(
+        (st.M,), (st.S,), q, k, v, theta, eta, alpha,
+        chunk_size=chunk_size, activation=None, residual=False, rbw=read_before_write,
+        grad_clip=grad_clip, per_chunk_gates=per_chunk_gates, remat=remat,
+    )  # fmt: skip
+    return o.astype(v.dtype), TitansLinearState(W[0], S[0])

@@ -1,0 +1,438 @@
+"""Titans neural memory (SPEC §2, §0.1): chunked == recurrent == slow chunk rule; mechanisms."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nested_jax.core.titans import (
+    TitansLinearState,
+    TitansMLPState,
+    titans_linear_chunked,
+    titans_linear_recurrent,
+    titans_linear_step,
+    titans_mlp_apply,
+    titans_mlp_chunked,
+    titans_mlp_recurrent,
+    titans_mlp_state,
+    titans_mlp_step,
+    titans_pool_gates,
+)
+from tests.core import titans_reference as ref
+
+TOL = 1e-4  # SPEC §0: f32 max abs error relative to the output scale
+# Unoptimised XLA backend: compile time dominates these tests and halves with it; numerics are f32
+# either way. Only the temp-memory test compiles with the defaults (it measures the real program).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _run(fn, *args, **static):
+    """``jax.jit(partial(fn, **static))(*args)``, compiled with ``FAST_COMPILE``."""
+    f = jax.jit(functools.partial(fn, **static))
+    return f.lower(*args).compile(FAST_COMPILE)(*args)
+
+
+def _close(a, b, tol=TOL, what=""):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(1.0, float(np.max(np.abs(b))))
+    err = float(np.max(np.abs(a - b))) / scale
+    assert err <= tol, f"{what}: max rel err {err:.3g} > {tol}"
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _normal(seed, shape, scale=1.0):
+    # numpy RNG: jax.random would compile threefry for every shape (seconds each on a loaded CPU).
+    return jnp.asarray(scale * _rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _inputs(seed, B, T, H, K, V, *, alpha_max=0.3):
+    """Unit-norm q, k (as the layer gives them), O(1) v, gates in (0, 1), momentum and decay on."""
+    r = _rng(seed)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = unit(r.standard_normal((B, T, H, K)))
+    k = unit(r.standard_normal((B, T, H, K)))
+    v = r.standard_normal((B, T, H, V))
+    theta = r.uniform(0.05, 0.9, (B, T, H))
+    eta = r.uniform(0.05, 0.95, (B, T, H))
+    alpha = r.uniform(0.01, alpha_max, (B, T, H))
+    return tuple(jnp.asarray(a, jnp.float32) for a in (q, k, v, theta, eta, alpha))
+
+
+def _mlp_state(seed, B, H, dims, momentum_scale=0.1):
+    pairs = enumerate(zip(dims[:-1], dims[1:], strict=True))
+    w = tuple(_normal(seed + i, (H, a, b), a**-0.5) for i, (a, b) in pairs)
+    st = titans_mlp_state(w, B)
+    mom = tuple(_normal(seed + 100 + i, s.shape, momentum_scale) for i, s in enumerate(st.momentum))
+    return TitansMLPState(st.weights, mom)
+
+
+def _grads(fn, args, seed=123):
+    """Outputs and the gradient of a random linear functional of every output (one jitted VJP)."""
+    shapes = jax.eval_shape(fn, *args)
+    leaves, tree = jax.tree.flatten(shapes)
+    cots = jax.tree.unflatten(tree, [_normal(seed + i, x.shape) for i, x in enumerate(leaves)])
+
+    def run(args, cots):
+        out, vjp = jax.vjp(fn, *args)
+        return out, vjp(cots)
+
+    return _run(run, args, cots)
+
+
+def _assert_tree_close(a, b, what):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for i, (x, y) in enumerate(zip(la, lb, strict=True)):
+        assert x.shape == y.shape, f"{what}[{i}]: {x.shape} vs {y.shape}"
+        _close(x, y, what=f"{what}[{i}]")
+
+
+# --------------------------------------------------------------------------------------------------
+# chunk size 1 == per-token recurrence (values and gradients), L_M = 1 and 2
+# --------------------------------------------------------------------------------------------------
+
+
+def test_linear_chunk1_equals_recurrent_values_and_grads():
+    B, T, H, K, V = 2, 37, 1, 20, 12
+    rbw = True  # the MLP test below covers the default read order
+    x = _inputs(0, B, T, H, K, V)
+    M0 = _normal(9, (B, H, K, V), 0.2)
+    S0 = _normal(10, (B, H, K, V), 0.1)
+
+    def rec(q, k, v, th, et, al, M, S):
+        return titans_linear_recurrent(
+            q, k, v, th, et, al, initial_state=TitansLinearState(M, S), read_before_write=rbw
+        )
+
+    def chk(q, k, v, th, et, al, M, S):
+        return titans_linear_chunked(
+            q, k, v, th, et, al, initial_state=TitansLinearState(M, S), chunk_size=1,
+            read_before_write=rbw,
+        )  # fmt: skip
+
+    args = (*x, M0, S0)
+    (o_r, s_r), g_r = _grads(rec, args)
+    (o_c, s_c), g_c = _grads(chk, args)
+    assert o_c.shape == (B, T, H, V) and s_c.M.shape == (B, H, K, V)
+    _close(o_c, o_r, what="o")
+    _assert_tree_close(s_c, s_r, "state")
+    _assert_tree_close(g_c, g_r, "grad(q,k,v,theta,eta,alpha,M0,S0)")
+
+
+def test_mlp_chunk1_equals_recurrent_values_and_grads():
+    B, T, H, D, hid = 2, 37, 2, 12, 20
+    x = _inputs(1, B, T, H, D, D)
+    st = _mlp_state(3, B, H, (D, hid, D))  # L_M = 2, residual (auto since K == V)
+
+    def rec(st, *a):
+        return titans_mlp_recurrent(st, *a)
+
+    def chk(st, *a):
+        return titans_mlp_chunked(st, *a, chunk_size=1)
+
+    (y_r, st_r), g_r = _grads(rec, (st, *x))
+    (y_c, st_c), g_c = _grads(chk, (st, *x))
+    _close(y_c, y_r, what="y")
+    _assert_tree_close(st_c, st_r, "state")
+    _assert_tree_close(g_c, g_r, "grad(state0,q,k,v,theta,eta,alpha)")
+
+
+def test_recurrent_equals_independent_per_token_reference():
+    """The scan forms equal a loop that materialises the weights and uses jax.grad (L_M = 1, 2)."""
+    B, T, H, K, V = 1, 19, 2, 8, 6
+    x = _inputs(2, B, T, H, K, V)
+    st = _mlp_state(4, B, H, (K, 10, V))  # K != V: no residual
+    y, st_r = _run(titans_mlp_recurrent, st, *x, read_before_write=True, grad_clip=None)
+    y_ref, w_ref, s_ref = _run(
+        ref.per_token_rule, st.weights, st.momentum, *x, read_before_write=True
+    )
+    _close(y, y_ref, what="mlp y")
+    _assert_tree_close((st_r.weights, st_r.momentum), (w_ref, s_ref), "mlp state")
+
+    M0, S0 = st.weights[0][..., :V], st.momentum[0][..., :V]
+    o, s = _run(titans_linear_recurrent, *x, initial_state=TitansLinearState(M0, S0))
+    o_ref, w_ref, s_ref = _run(ref.per_token_rule, (M0,), (S0,), *x)
+    _close(o, o_ref, what="linear o")
+    _assert_tree_close((s.M, s.S), (w_ref[0], s_ref[0]), "linear state")
+
+
+# --------------------------------------------------------------------------------------------------
+# chunked == slow chunk rule (gradients at chunk start), b ∈ {4, 16}, T not a multiple of b
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("b", [4, 16])
+@pytest.mark.parametrize("layers", [1, 2], ids=["L1", "L2"])
+def test_chunked_matches_slow_chunk_rule_values_and_grads(b, layers):
+    B, T, H, K, V, hid = 1, (23 if b == 4 else 37), 2, 12, 12, 16
+    rbw = b == 16  # cover both read orders without doubling the compile time
+    x = _inputs(5, B, T, H, K, V)
+    dims = (K, V) if layers == 1 else (K, hid, V)
+    st = _mlp_state(7, B, H, dims)
+    residual = layers >= 2
+
+    def fast(st, *a):
+        if layers == 1:
+            o, s = titans_linear_chunked(
+                *a, initial_state=TitansLinearState(st.weights[0], st.momentum[0]), chunk_size=b,
+                read_before_write=rbw,
+            )  # fmt: skip
+            return o, (s.M,), (s.S,)
+        y, s = titans_mlp_chunked(st, *a, chunk_size=b, read_before_write=rbw, grad_clip=None)
+        return y, s.weights, s.momentum
+
+    def slow(st, *a):
+        return ref.chunk_rule(
+            st.weights, st.momentum, *a, chunk_size=b, residual=residual, read_before_write=rbw
+        )
+
+    out_f, g_f = _grads(fast, (st, *x))
+    out_s, g_s = _grads(slow, (st, *x))
+    _assert_tree_close(out_f, out_s, "values (y, W, S)")
+    _assert_tree_close(g_f, g_s, "grads (state0, q, k, v, theta, eta, alpha)")
+
+
+@pytest.mark.parametrize("layers", [3, 4])
+def test_deep_memories_match_slow_chunk_rule(layers):
+    """L_M = 3, 4 with varied hidden sizes, SiLU vs GELU, clip binding, residual on (K == V)."""
+    B, T, H, D = 1, 21, 1, 6
+    x = _inputs(11, B, T, H, D, D)
+    x = (x[0], x[1], 3.0 * x[2], *x[3:])  # large values so the softclamp binds
+    dims = (D, 9, 7, D) if layers == 3 else (D, 9, 7, 5, D)
+    act = jax.nn.silu if layers == 3 else jax.nn.gelu
+    st = _mlp_state(13, B, H, dims)
+    kw = dict(chunk_size=8, activation=act)
+    y, s = _run(titans_mlp_chunked, st, *x, grad_clip=0.5, **kw)
+    y_ref, w_ref, s_ref = _run(
+        ref.chunk_rule, st.weights, st.momentum, *x, residual=True, grad_clip=0.5, **kw
+    )
+    _close(y, y_ref, what="y")
+    _assert_tree_close((s.weights, s.momentum), (w_ref, s_ref), "state")
+    # The clip matters here (otherwise this test would not pin it).
+    y_noclip, _ = _run(titans_mlp_chunked, st, *x, grad_clip=None, **kw)
+    assert float(jnp.max(jnp.abs(y_noclip - y))) > 1e-2
+
+
+def test_per_chunk_gates_equal_pooled_gates_in_slow_rule():
+    B, T, H, K, V = 2, 13, 1, 6, 5
+    q, k, v, th, et, al = _inputs(17, B, T, H, K, V)
+    M0 = 0.3 * _normal(0, (B, H, K, V))
+    o, s = _run(
+        titans_linear_chunked, q, k, v, th, et, al, initial_state=M0, chunk_size=4,
+        per_chunk_gates=True,
+    )  # fmt: skip
+    pooled = [titans_pool_gates(g, 4) for g in (th, et, al)]
+    np.testing.assert_allclose(pooled[0][:, 12], th[:, 12])  # the 1-token last chunk keeps its gate
+    np.testing.assert_allclose(pooled[1][:, 5], et[:, 4:8].mean(1), rtol=1e-6)
+    o_ref, w_ref, _ = _run(
+        ref.chunk_rule, (M0,), (jnp.zeros_like(M0),), q, k, v, *pooled, chunk_size=4
+    )
+    _close(o, o_ref, what="o")
+    _close(s.M, w_ref[0], what="M")
+
+
+# --------------------------------------------------------------------------------------------------
+# Mechanisms
+# --------------------------------------------------------------------------------------------------
+
+
+def _one_token(seed, B=2, H=2, K=6, V=6):
+    x = _inputs(seed, B, 1, H, K, V)
+    return tuple(a[:, 0] for a in x)
+
+
+def test_alpha_one_erases_memory():
+    """α_t = 1: M_t = S_t (the old memory is gone); with θ = η = 0 as well the memory is 0."""
+    q, k, v, th, et, _ = _one_token(20)
+    B, H, K, V = 2, 2, 6, 6
+    M = _normal(1, (B, H, K, V))
+    S = _normal(2, (B, H, K, V))
+    ones = jnp.ones((B, H))
+    _, st = _run(titans_linear_step, TitansLinearState(M, S), q, k, v, th, et, ones)
+    np.testing.assert_array_equal(st.M, st.S)
+    mst = _mlp_state(3, B, H, (K, 8, V), momentum_scale=1.0)
+    _, mnew = _run(titans_mlp_step, mst, q, k, v, th, et, ones)
+    for w, s in zip(mnew.weights, mnew.momentum, strict=True):
+        np.testing.assert_array_equal(w, s)
+    # Erase at t0: outputs after t0 do not depend on anything before (initial memory included).
+    # Chunked: t0 must end a chunk (inside a chunk, surprises are taken at the chunk-start memory).
+    T = 14
+    for fn, t0 in (
+        (titans_linear_recurrent, 6),
+        (functools.partial(titans_linear_chunked, chunk_size=4), 7),
+    ):
+        x = list(_inputs(21, 1, T, 1, K, V))
+        for i, val in ((3, 0.0), (4, 0.0), (5, 1.0)):  # theta, eta, alpha at t0
+            x[i] = x[i].at[:, t0].set(val)
+        M0 = _normal(3, (1, 1, K, V))
+        o1, s1 = _run(fn, *x, initial_state=M0)
+        x2 = [a.at[:, :t0].multiply(-2.0) if i < 3 else a for i, a in enumerate(x)]
+        o2, s2 = _run(fn, *x2, initial_state=5.0 * M0)
+        assert float(jnp.max(jnp.abs(o1[:, :t0] - o2[:, :t0]))) > 1e-2  # the past did change
+        np.testing.assert_array_equal(o1[:, t0], 0.0)  # M_t0 = 0
+        np.testing.assert_allclose(o1[:, t0:], o2[:, t0:], atol=1e-6)
+        np.testing.assert_allclose(s1.M, s2.M, atol=1e-6)
+
+
+def test_eta_zero_removes_momentum():
+    """η = 0: S_t = −θ_t u_t whatever S_{t-1} was (step and chunked, linear and MLP)."""
+    q, k, v, th, _, al = _one_token(30)
+    B, H, K, V = 2, 2, 6, 6
+    zero = jnp.zeros((B, H))
+    M = 0.5 * _normal(1, (B, H, K, V))
+    S = _normal(2, (B, H, K, V))
+    _, st = _run(titans_linear_step, TitansLinearState(M, S), q, k, v, th, zero, al)
+    u = k[..., :, None] * (jnp.einsum("bhk,bhkv->bhv", k, M) - v)[..., None, :]
+    np.testing.assert_allclose(st.S, -th[..., None, None] * u, atol=1e-6)
+    one = [a[:, None] for a in (q, k, v, th, zero, al)]
+    _, st_c = _run(titans_linear_chunked, *one, initial_state=TitansLinearState(M, S), chunk_size=4)
+    np.testing.assert_allclose(st_c.S, -th[..., None, None] * u, atol=1e-6)
+
+    mst = _mlp_state(3, B, H, (K, 8, V), momentum_scale=1.0)
+    _, mnew = _run(titans_mlp_step, mst, q, k, v, th, zero, al, grad_clip=None)
+    ug = jax.grad(lambda w: 0.5 * jnp.sum((titans_mlp_apply(w, k[:, None])[:, 0] - v) ** 2))(
+        mst.weights
+    )
+    for s, g in zip(mnew.momentum, ug, strict=True):
+        np.testing.assert_allclose(s, -th[..., None, None] * g, atol=1e-6)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_theta_zero_leaves_memory_unchanged(layers):
+    """θ = 0 with η = 0, α = 0: M_T = M_0 and y_t = M_0(q_t), recurrent and chunked."""
+    B, T, H, D = 2, 11, 2, 6
+    q, k, v, th, et, al = _inputs(40, B, T, H, D, D)
+    zero = jnp.zeros_like(th)
+    dims = (D, D) if layers == 1 else (D, 8, D)
+    st = _mlp_state(5, B, H, dims, momentum_scale=0.0)
+    for fn in (titans_mlp_recurrent, functools.partial(titans_mlp_chunked, chunk_size=4)):
+        y, new = _run(fn, st, q, k, v, zero, zero, zero)
+        for w0, w in zip(st.weights, new.weights, strict=True):
+            np.testing.assert_allclose(w, w0, atol=1e-7)
+        np.testing.assert_allclose(y, titans_mlp_apply(st.weights, q), atol=1e-6)
+    if layers == 1:  # the SPEC §0.1 linear API too
+        o, s = _run(titans_linear_chunked, q, k, v, zero, zero, zero, initial_state=st.weights[0])
+        np.testing.assert_allclose(s.M, st.weights[0], atol=1e-7)
+        np.testing.assert_allclose(o, titans_mlp_apply(st.weights, q), atol=1e-6)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_repeated_pair_is_recalled(layers):
+    """Writing one (k, v) pair again and again makes the memory return v for k."""
+    B, T, H, D = 1, 160, 2, 8
+    q, k, v, *_ = _inputs(50, B, 1, H, D, D)
+    k = jnp.repeat(k, T, axis=1)
+    v = jnp.repeat(v, T, axis=1)
+    g = lambda val: jnp.full((B, T, H), val)  # noqa: E731
+    if layers == 1:
+        o, s = _run(titans_linear_chunked, k, k, v, g(0.3), g(0.5), g(0.01), chunk_size=4)
+        recall = jnp.einsum("bhk,bhkv->bhv", k[:, 0], s.M)
+    else:
+        st = _mlp_state(6, B, H, (D, 16, D), momentum_scale=0.0)
+        o, s = _run(titans_mlp_recurrent, st, k, k, v, g(0.1), g(0.5), g(0.0))
+        recall = titans_mlp_apply(s.weights, k[:, :1])[:, 0]
+    err0 = float(jnp.linalg.norm(o[:, 0] - v[:, 0]))
+    err = float(jnp.linalg.norm(recall - v[:, 0]))
+    assert err < 0.02 * float(jnp.linalg.norm(v[:, 0])) and err < 0.05 * err0, (err, err0)
+    _close(o[:, -1], v[:, -1], tol=0.02, what="last read")
+
+
+@pytest.mark.parametrize("rbw", [False, True], ids=["read_after", "read_before"])
+def test_causality(rbw):
+    """Perturbing every input from t0 on (mid-chunk) leaves outputs before t0 unchanged; with
+    read_before_write, y_t0 does not depend on (k, v, gates) at t0 either."""
+    B, T, H, D, t0 = 1, 23, 2, 6, 10
+    x = _inputs(60, B, T, H, D, D)
+    st = _mlp_state(8, B, H, (D, 8, D))
+    kw = dict(chunk_size=8, read_before_write=rbw)
+    y1, _ = _run(titans_mlp_chunked, st, *x, **kw)
+    x2 = [a.at[:, t0:].multiply(0.5) for a in x]
+    y2, _ = _run(titans_mlp_chunked, st, *x2, **kw)
+    np.testing.assert_array_equal(y1[:, :t0], y2[:, :t0])
+    assert float(jnp.max(jnp.abs(y1[:, t0:] - y2[:, t0:]))) > 1e-3
+    x3 = [a if i == 0 else a.at[:, t0].multiply(0.5) for i, a in enumerate(x)]
+    y3, _ = _run(titans_mlp_chunked, st, *x3, **kw)
+    same = np.allclose(y1[:, t0], y3[:, t0], atol=1e-6)
+    assert same == rbw
+
+
+def test_softclamp_bounds_each_write():
+    """With grad_clip=c the first write has ‖S_1‖_F ≤ θ c even for a huge surprise."""
+    q, k, v, th, et, al = _one_token(70)
+    M = jnp.zeros((2, 2, 6, 6))
+    _, st = _run(titans_linear_step, M, q, k, 1e4 * v, th, et, al, grad_clip=2.0)
+    norms = jnp.linalg.norm(st.S, axis=(-2, -1))
+    assert bool(jnp.all(norms <= 2.0 * th + 1e-4)) and bool(jnp.all(norms > 1.9 * th))
+
+
+def test_bf16_inputs_keep_f32_state():
+    x = [a.astype(jnp.bfloat16) for a in _inputs(80, 1, 9, 1, 4, 4)]
+    o, s = _run(titans_linear_chunked, *x, chunk_size=4)
+    assert o.dtype == jnp.bfloat16 and s.M.dtype == jnp.float32 and s.S.dtype == jnp.float32
+    st = _mlp_state(1, 1, 1, (4, 8, 4))
+    y, ms = _run(titans_mlp_chunked, st, *x, chunk_size=4)
+    assert y.dtype == jnp.bfloat16 and all(w.dtype == jnp.float32 for w in ms.weights)
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory: no per-chunk gradient stacks; temp memory linear in T
+# --------------------------------------------------------------------------------------------------
+
+
+def _temp_bytes(T):
+    B, H, D, hid, b = 1, 2, 16, 32, 16
+    st = _mlp_state(0, B, H, (D, hid, D))
+    x = _inputs(0, B, T, H, D, D)
+
+    def loss(st, *a):
+        y, s = titans_mlp_chunked(st, *a, chunk_size=b)
+        return jnp.sum(y**2) + sum(jnp.sum(w) for w in s.weights)
+
+    f = jax.jit(jax.grad(loss, argnums=tuple(range(7))))
+    return f.lower(st, *x).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_fwd_bwd_temp_memory_is_linear_in_T():
+    small, large = _temp_bytes(256), _temp_bytes(1024)
+    assert large <= 5 * small, (small, large)
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_value_error_naming_the_argument():
+    q, k, v, th, et, al = _inputs(90, 2, 5, 2, 4, 3)
+    with pytest.raises(ValueError, match=r"theta must have shape \[B, T, H\]"):
+        titans_linear_recurrent(q, k, v, th[..., None], et, al)
+    with pytest.raises(ValueError, match=r"v must have shape \[B, T, H, V\]"):
+        titans_linear_chunked(q, k, v[:, :4], th, et, al)
+    with pytest.raises(ValueError, match=r"k must have shape"):
+        titans_linear_chunked(q, k[..., :3], v, th, et, al)
+    with pytest.raises(ValueError, match=r"initial_state.M must have shape \[B, H, K, V\]"):
+        titans_linear_chunked(q, k, v, th, et, al, initial_state=jnp.zeros((2, 2, 3, 4)))
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        titans_linear_chunked(q, k, v, th, et, al, chunk_size=0)
+    with pytest.raises(ValueError, match="grad_clip must be a positive"):
+        titans_linear_recurrent(q, k, v, th, et, al, grad_clip=-1.0)
+    with pytest.raises(ValueError, match=r"q_t must have shape \[B, H, D\]"):
+        titans_linear_step(
+            jnp.zeros((2, 2, 4, 3)), q, k[:, 0], v[:, 0], th[:, 0], et[:, 0], al[:, 0]
+        )
+    st = _mlp_state(0, 2, 2, (4, 8, 3))
+    with pytest.raises(ValueError, match=r"state.weights\[1\] must have shape \[2, 2, 8, 3\]"):
+        bad = TitansMLPState((st.weights[0], st.weights[1][..., :2]), st.momentum)
+        titans_mlp_chunked(bad, q, k, v, th, et, al)
+    with pytest.raises(ValueError, match=r"state.momentum\[0\] must have shape"):
+        titans_mlp_recurrent(TitansMLPState(st.weights, (st.momentum[0][:1], st.momentum[1])),
+                             q, k, v, th, et, al)  # fmt: skip
+    with pytest.raises(ValueError, match="residual=True needs K == V"):
+        titans_mlp_chunked(st, q, k, v, th, et, al, residual=True)
