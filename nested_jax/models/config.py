@@ -47,6 +47,8 @@ class ModelConfig:
     remat: bool = False  # rematerialise each block in the backward pass (jax.checkpoint)
     # HOLA cache options (read only by the `hola` mixer; SPEC §5)
     hola: _options.HolaOptions = dataclasses.field(default_factory=_options.HolaOptions)
+    # Titans memory / architecture options (read only by the `titans_*` mixers; SPEC §2)
+    titans: _options.TitansOptions = dataclasses.field(default_factory=_options.TitansOptions)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

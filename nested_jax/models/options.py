@@ -47,3 +47,73 @@ class HolaOptions:
 
 
 OPTION_SECTIONS["hola"] = HolaOptions
+
+
+@dataclass(frozen=True)
+class TitansOptions:
+    """Titans memory and architecture options (SPEC §2; ``model.titans.<field>``).
+
+    Read by the ``titans_lmm``, ``titans_mac``, ``titans_mag`` and ``titans_mal`` mixers.
+    """
+
+    memory_layers: int = 2  # L_M ∈ {1, 2, 3, 4}; 1 = matrix memory
+    memory_hidden: int = 0  # hidden width of an MLP memory (L_M ≥ 2); 0 -> 4 * head_dim
+    memory_chunk: int = 16  # chunk size b of titans_mlp_chunked (gradients at chunk start)
+    memory_impl: str = "chunked"  # chunked | recurrent (exact per-token rule)
+    read_before_write: bool = False  # read y_t = M_{t-1}(q_t) instead of M_t(q_t)
+    per_chunk_gates: bool = False  # θ, η, α mean-pooled per chunk (non-causal inside a chunk)
+    grad_clip: float = 10.0  # softclamp of the inner gradient norm; 0 = off
+    theta_init: float = 0.1  # initial inner learning rate θ (sets the gate bias)
+    eta_init: float = 0.9  # initial momentum η
+    alpha_init: float = 0.01  # initial forget gate α
+    persistent_tokens: int = 4  # N_p learned key/value tokens prepended to attention (MAC/MAG/MAL)
+    segment_len: int = 64  # N_s, MAC segment length (a multiple of memory_chunk when chunked)
+    window: int = 64  # sliding window of the MAG / MAL attention; 0 = global causal
+
+    def __post_init__(self) -> None:
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.memory_layers) or not 1 <= self.memory_layers <= 4:
+            raise ValueError(
+                f"TitansOptions.memory_layers: must be an int in 1..4, got {self.memory_layers!r}"
+            )
+        for name, low in (
+            ("memory_hidden", 0),
+            ("memory_chunk", 1),
+            ("persistent_tokens", 0),
+            ("segment_len", 1),
+            ("window", 0),
+        ):
+            value = getattr(self, name)
+            if not is_int(value) or value < low:
+                raise ValueError(f"TitansOptions.{name}: must be an int >= {low}, got {value!r}")
+        if self.memory_impl not in ("chunked", "recurrent"):
+            raise ValueError(
+                f"TitansOptions.memory_impl: unknown {self.memory_impl!r}; "
+                "expected one of ('chunked', 'recurrent')"
+            )
+        for name in ("read_before_write", "per_chunk_gates"):
+            if not isinstance(getattr(self, name), bool):
+                value = getattr(self, name)
+                raise ValueError(f"TitansOptions.{name}: expected bool, got {value!r}")
+        gc = self.grad_clip
+        if isinstance(gc, bool) or not isinstance(gc, int | float) or gc < 0:
+            raise ValueError(f"TitansOptions.grad_clip: must be a float >= 0, got {gc!r}")
+        for name in ("theta_init", "eta_init", "alpha_init"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+                raise ValueError(f"TitansOptions.{name}: must be in (0, 1), got {value!r}")
+        if self.memory_impl == "chunked" and self.segment_len % self.memory_chunk:
+            raise ValueError(
+                f"TitansOptions.segment_len: must be a multiple of memory_chunk="
+                f"{self.memory_chunk} (MAC segments hold whole memory chunks), "
+                f"got {self.segment_len}"
+            )
+
+    def resolved_memory_hidden(self, head_dim: int) -> int:
+        """Hidden width of the MLP memory: ``memory_hidden`` or ``4 * head_dim`` when 0."""
+        return self.memory_hidden or 4 * head_dim
+
+
+OPTION_SECTIONS["titans"] = TitansOptions

@@ -66,3 +66,11 @@ register_mixer("gdn", GatedDeltaNet)
 from nested_jax.layers.hola import HolaMixer  # noqa: E402  (HOLA, SPEC §5)
 
 register_mixer("hola", HolaMixer)
+
+from nested_jax.layers.titans import TitansLMM, TitansMAG, TitansMAL  # noqa: E402  (SPEC §2)
+from nested_jax.layers.titans_mac import TitansMAC  # noqa: E402
+
+register_mixer("titans_lmm", TitansLMM)
+register_mixer("titans_mac", TitansMAC)
+register_mixer("titans_mag", TitansMAG)
+register_mixer("titans_mal", TitansMAL)

@@ -1,0 +1,559 @@
+"""Titans sequence layers (SPEC §2): the neural memory branch, LMM, MAG and MAL mixers.
+
+The memory math lives in :mod:`nested_jax.core.titans_mlp` (``L_M = 1`` is the matrix memory of
+:mod:`nested_jax.core.titans`); this module wires it into NNX layers:
+
+- :class:`NeuralMemory`: learned initial memory ``M_0`` (per head, broadcast over the batch), the
+  data-dependent gates ``θ_t, η_t, α_t = σ(x W + b)`` per head, the chunked / recurrent sequence
+  form and an exact decode step (below).
+- :class:`MemoryBranch`: ``k, q = L2(silu(conv(x W)))``, ``v = silu(conv(x W_v))`` → memory →
+  per-head output ``[B, T, H, D]``.
+- :class:`TitansLMM` (``titans_lmm``): memory branch, SiLU-gated RMSNorm, output projection.
+- :class:`PersistentSWA`: causal (sliding-window) softmax attention with RoPE and ``N_p`` learned
+  persistent key/value tokens that every query sees.
+- :class:`TitansMAG` (``titans_mag``): ``o = RMSNorm(SWA(x)) ⊙ σ(RMSNorm(LMM(x)))`` per head.
+- :class:`TitansMAL` (``titans_mal``): ``o = SWA(LMM(x))``.
+- MAC lives in :mod:`nested_jax.layers.titans_mac`.
+
+Decoding equals the full forward. The chunked rule takes all gradients of a chunk at the chunk
+start, so a token's output depends on the state at the start of its chunk (aligned at position 0)
+and on the earlier tokens of the chunk. :class:`MemoryCache` therefore holds the state at the
+current chunk start plus a buffer of the chunk's tokens; each decode step re-runs the (causal)
+chunk over the buffer, reads its own row, and commits the state when the chunk is full. With
+``memory_impl="recurrent"`` (or ``memory_chunk=1``) the step is ``titans_mlp_step``.
+
+**Decisions / limitations.** ``per_chunk_gates`` mean-pools the gates over the *whole* chunk (the
+paper's option), which looks at later tokens of the chunk: such models train but cannot decode
+(``init_cache`` raises). Packed sequences (``segment_ids``): conv taps and attention reset exactly;
+the memory has no exact reset in the chunked core, so at a document start the layer sets ``η = 0``
+and ``α = 1`` (the previous document's memory and momentum are erased and the memory restarts near
+zero, not at the learned ``M_0``). Unpacked inputs (evaluation, decoding) are exact.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nested_jax.core.titans_mlp import (
+    TitansMLPState,
+    titans_mlp_apply,
+    titans_mlp_chunked,
+    titans_mlp_init_weights,
+    titans_mlp_recurrent,
+    titans_mlp_state,
+    titans_mlp_step,
+)
+from nested_jax.layers.attention import AttentionCache, attention_mask, softmax_attention
+from nested_jax.layers.common import check_rank, dense, partitioned
+from nested_jax.layers.conv import ShortConv
+from nested_jax.layers.deltanet import l2_normalize
+from nested_jax.layers.norm import GatedRMSNorm, RMSNorm
+from nested_jax.layers.rope import apply_rope
+
+__all__ = [
+    "MemoryCache",
+    "NeuralMemory",
+    "MemoryBranch",
+    "BranchCache",
+    "TitansLMM",
+    "PersistentSWA",
+    "TitansMAG",
+    "TitansMAL",
+    "MAGCache",
+    "MALCache",
+    "document_starts",
+    "scan_tokens",
+]
+
+
+def _logit(p: float) -> float:
+    return math.log(p) - math.log1p(-p)
+
+
+def document_starts(segment_ids: jax.Array | None, b: int, t: int) -> jax.Array | None:
+    """``bool [B, T]``: True where a packed document starts after position 0 (None without ids)."""
+    if segment_ids is None:
+        return None
+    if segment_ids.shape != (b, t):
+        raise ValueError(f"segment_ids: expected int [B, T] = {(b, t)}, got {segment_ids.shape}")
+    return jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))
+
+
+def scan_tokens(step, cache, x: jax.Array, positions: jax.Array):
+    """Runs ``step(cache, x_t [B, 1, d], pos_t [B, 1]) -> (y_t [B, 1, d'], cache)`` over T tokens.
+
+    The cache path of every Titans mixer is this per-token loop, so a prefill of any length and
+    token-by-token decoding follow the same exact rule.
+    """
+    if x.shape[1] == 1:
+        return step(cache, x, positions)
+
+    def body(c, xs):
+        xt, pt = xs
+        y, c = step(c, xt[:, None], pt[:, None])
+        return c, y[:, 0]
+
+    cache, y = jax.lax.scan(body, cache, (jnp.moveaxis(x, 1, 0), jnp.moveaxis(positions, 1, 0)))
+    return jnp.moveaxis(y, 0, 1), cache
+
+
+# --------------------------------------------------------------------------------------------------
+# The memory (outer parameters, gates, sequence and decode forms)
+# --------------------------------------------------------------------------------------------------
+
+
+class MemoryCache(NamedTuple):
+    """Decode state of one memory: the state at the current chunk start and the chunk's buffer.
+
+    Attributes:
+      weights, momentum: tuples of ``[B, H, d_l, d_{l+1}]`` f32, ``(M, S)`` at the chunk start.
+      q, k: ``[B, b, H, D]``; v: ``[B, b, H, D]``; theta, eta, alpha: ``[B, b, H]`` (the buffered
+        tokens of the current chunk, f32; slots ``≥ n`` are stale and never read).
+      n: int32 scalar, number of tokens of the current chunk already processed.
+    """
+
+    weights: tuple
+    momentum: tuple
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    theta: jax.Array
+    eta: jax.Array
+    alpha: jax.Array
+    n: jax.Array
+
+
+class NeuralMemory(nnx.Module):
+    """Titans memory ``M_θ`` of ``n_heads`` heads with key / value width ``head_dim`` (SPEC §2).
+
+    Outer parameters: the initial memory ``w{l} [H, d_l, d_{l+1}]`` (``d = (D, h, ..., h, D)``,
+    ``L_M`` layers; L_M = 1 is the matrix memory) and the gate map ``[θ, η, α] = σ(x W_g + b)``
+    (``W_g [d_in, 3H]``, biases at ``logit(theta_init / eta_init / alpha_init)``).
+    """
+
+    def __init__(self, d_in: int, n_heads: int, head_dim: int, opts, *, dtype, rngs: nnx.Rngs):
+        self.n_heads, self.head_dim, self.dtype = n_heads, head_dim, dtype
+        self.n_layers = opts.memory_layers
+        self.impl = opts.memory_impl
+        self.chunk = 1 if opts.memory_impl == "recurrent" else opts.memory_chunk
+        self.read_before_write = opts.read_before_write
+        self.per_chunk_gates = opts.per_chunk_gates
+        self.grad_clip = float(opts.grad_clip) or None
+        hidden = opts.resolved_memory_hidden(head_dim)
+        dims = (head_dim,) + (hidden,) * (self.n_layers - 1) + (head_dim,)
+        init = titans_mlp_init_weights(rngs.params(), n_heads, dims)
+        for i, w in enumerate(init):
+            setattr(self, f"w{i}", nnx.Param(partitioned(lambda *_, w=w: w, (None,) * 3)(None)))
+        self.gate_proj = dense(d_in, 3 * n_heads, ("embed", None), dtype=dtype, rngs=rngs)
+        bias = jnp.array([_logit(opts.theta_init), _logit(opts.eta_init), _logit(opts.alpha_init)])
+        self.gate_bias = nnx.Param(
+            partitioned(lambda *_: jnp.repeat(bias[:, None], n_heads, 1), (None, None))(None)
+        )
+
+    def initial_weights(self) -> tuple:
+        """The learned ``M_0``: tuple of ``[H, d_l, d_{l+1}]`` f32."""
+        return tuple(getattr(self, f"w{i}")[...] for i in range(self.n_layers))
+
+    def initial_state(self, batch_size: int) -> TitansMLPState:
+        """``(M_0 broadcast to [B, H, ...], S = 0)``."""
+        return titans_mlp_state(self.initial_weights(), batch_size)
+
+    def gates(self, x: jax.Array, starts: jax.Array | None = None):
+        """``θ, η, α [B, T, H]`` f32 from ``x [B, T, d_in]``; at document ``starts`` η=0, α=1."""
+        b, t, _ = x.shape
+        z = self.gate_proj(x).astype(jnp.float32).reshape(b, t, 3, self.n_heads)
+        g = jax.nn.sigmoid(z + self.gate_bias[...])
+        th, et, al = g[:, :, 0], g[:, :, 1], g[:, :, 2]
+        if starts is not None:
+            et = jnp.where(starts[..., None], 0.0, et)
+            al = jnp.where(starts[..., None], 1.0, al)
+        return th, et, al
+
+    def _kw(self):
+        return dict(read_before_write=self.read_before_write, grad_clip=self.grad_clip)
+
+    def __call__(self, q, k, v, theta, eta, alpha, *, state: TitansMLPState | None = None):
+        """Sequence form: ``(y [B, T, H, D] f32, final state)`` from ``q, k, v [B, T, H, D]`` and
+        gates ``[B, T, H]`` (state None → :meth:`initial_state`)."""
+        state = self.initial_state(q.shape[0]) if state is None else state
+        if self.impl == "recurrent":
+            return titans_mlp_recurrent(state, q, k, v, theta, eta, alpha, **self._kw())
+        return titans_mlp_chunked(
+            state, q, k, v, theta, eta, alpha, chunk_size=self.chunk,
+            per_chunk_gates=self.per_chunk_gates, **self._kw(),
+        )  # fmt: skip
+
+    def read(self, weights: tuple, z: jax.Array) -> jax.Array:
+        """``M*(z)``: read without update, ``z [B, T, H, D]`` → ``[B, T, H, D]`` f32."""
+        return titans_mlp_apply(weights, z.astype(jnp.float32))
+
+    def init_cache(self, batch_size: int) -> MemoryCache:
+        """Decode state at position 0 (``M_0``, zero momentum, empty chunk buffer)."""
+        if self.per_chunk_gates:
+            raise ValueError(
+                "ModelConfig.titans.per_chunk_gates: per-chunk gates pool over later tokens of the "
+                "chunk, so the model cannot decode token by token; use per_chunk_gates=false"
+            )
+        st = self.initial_state(batch_size)
+        b, h, d = self.chunk, self.n_heads, self.head_dim
+        z = jnp.zeros((batch_size, b, h, d), jnp.float32)
+        g = jnp.zeros((batch_size, b, h), jnp.float32)
+        return MemoryCache(st.weights, st.momentum, z, z, z, g, g, g, jnp.zeros((), jnp.int32))
+
+    def step(self, cache: MemoryCache, q, k, v, theta, eta, alpha, *, commit=None):
+        """One token: ``q, k, v [B, H, D]``, gates ``[B, H]`` → ``(y [B, H, D] f32, cache)``.
+
+        Equals row ``t`` of :meth:`__call__` (chunks aligned at position 0). ``commit`` (bool
+        scalar, optional) forces the chunk to close after this token (MAC segment ends; the
+        caller guarantees the chunk is then full).
+        """
+        f = lambda a: a.astype(jnp.float32)  # noqa: E731
+        q, k, v, theta, eta, alpha = map(f, (q, k, v, theta, eta, alpha))
+        if self.chunk == 1:
+            st = TitansMLPState(cache.weights, cache.momentum)
+            y, st = titans_mlp_step(st, q, k, v, theta, eta, alpha, **self._kw())
+            return y, cache._replace(weights=st.weights, momentum=st.momentum)
+        n = cache.n
+        put = lambda buf, a: jax.lax.dynamic_update_index_in_dim(buf, a, n, 1)  # noqa: E731
+        bufs = [put(cache.q, q), put(cache.k, k), put(cache.v, v)]
+        bufs += [put(cache.theta, theta), put(cache.eta, eta), put(cache.alpha, alpha)]
+        st = TitansMLPState(cache.weights, cache.momentum)
+        # Later slots hold stale tokens: rows ≤ n of the dual form never read them, and the final
+        # state is used only when every slot is filled by the current chunk.
+        ys, new = titans_mlp_chunked(st, *bufs, chunk_size=self.chunk, remat=False, **self._kw())
+        y = jax.lax.dynamic_index_in_dim(ys, n, 1, keepdims=False)
+        full = n == self.chunk - 1 if commit is None else commit
+        pick = lambda a, b: jnp.where(full, a, b)  # noqa: E731
+        w = jax.tree.map(pick, new.weights, cache.weights)
+        s = jax.tree.map(pick, new.momentum, cache.momentum)
+        return y, MemoryCache(w, s, *bufs, jnp.where(full, 0, n + 1).astype(jnp.int32))
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory branch: projections + memory
+# --------------------------------------------------------------------------------------------------
+
+
+class BranchCache(NamedTuple):
+    """Decode state of a :class:`MemoryBranch`: memory + conv states ``[B, W−1, H·D]``."""
+
+    memory: MemoryCache
+    conv_q: jax.Array
+    conv_k: jax.Array
+    conv_v: jax.Array
+
+
+class MemoryBranch(nnx.Module):
+    """``q, k = L2(silu(conv(x W_{q,k})))``, ``v = silu(conv(x W_v))``, gates from x, memory read.
+
+    Returns per-head outputs ``[B, T, H, D]`` (f32). SPEC §2 (LMM projections).
+    """
+
+    def __init__(self, d_model, n_heads, head_dim, opts, *, conv_size, dtype, rngs: nnx.Rngs):
+        self.n_heads, self.head_dim, self.dtype = n_heads, head_dim, dtype
+        hd = n_heads * head_dim
+        self.q_proj = dense(d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.k_proj = dense(d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.v_proj = dense(d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.q_conv = ShortConv(hd, conv_size, dtype=dtype, rngs=rngs)
+        self.k_conv = ShortConv(hd, conv_size, dtype=dtype, rngs=rngs)
+        self.v_conv = ShortConv(hd, conv_size, dtype=dtype, rngs=rngs)
+        self.memory = NeuralMemory(d_model, n_heads, head_dim, opts, dtype=dtype, rngs=rngs)
+
+    def init_cache(self, batch_size: int) -> BranchCache:
+        """Zero conv taps and the memory at position 0."""
+        return BranchCache(
+            self.memory.init_cache(batch_size),
+            self.q_conv.init_state(batch_size),
+            self.k_conv.init_state(batch_size),
+            self.v_conv.init_state(batch_size),
+        )
+
+    def _project(self, x, segment_ids=None, cache: BranchCache | None = None):
+        b, t, _ = x.shape
+        h, d = self.n_heads, self.head_dim
+        sq, sk, sv = (None,) * 3 if cache is None else cache[1:]
+        q, cq = self.q_conv(self.q_proj(x), state=sq, segment_ids=segment_ids)
+        k, ck = self.k_conv(self.k_proj(x), state=sk, segment_ids=segment_ids)
+        v, cv = self.v_conv(self.v_proj(x), state=sv, segment_ids=segment_ids)
+        q = l2_normalize(jax.nn.silu(q).reshape(b, t, h, d))
+        k = l2_normalize(jax.nn.silu(k).reshape(b, t, h, d))
+        v = jax.nn.silu(v).reshape(b, t, h, d).astype(jnp.float32)
+        return q, k, v, (cq, ck, cv)
+
+    def __call__(self, x, *, segment_ids=None):
+        """Full sequence from the learned ``M_0``: ``x [B, T, d]`` → ``[B, T, H, D]`` f32."""
+        b, t, _ = x.shape
+        q, k, v, _ = self._project(x, segment_ids)
+        gates = self.memory.gates(x, document_starts(segment_ids, b, t))
+        y, _ = self.memory(q, k, v, *gates)
+        return y
+
+    def step(self, cache: BranchCache, x_t):
+        """One token ``x_t [B, 1, d]`` → ``(y [B, 1, H, D] f32, cache)``."""
+        q, k, v, convs = self._project(x_t, None, cache)
+        th, et, al = self.memory.gates(x_t)
+        y, mem = self.memory.step(cache.memory, q[:, 0], k[:, 0], v[:, 0], th[:, 0], et[:, 0],
+                                  al[:, 0])  # fmt: skip
+        return y[:, None], BranchCache(mem, *convs)
+
+
+def _titans_args(cfg):
+    return dict(conv_size=cfg.conv_size, dtype=cfg.activation_dtype())
+
+
+class TitansLMM(nnx.Module):
+    """LMM mixer (SPEC §2 "LMM"): memory branch, ``RMSNorm(y) ⊙ silu(x W_g)`` per head, ``W_o``."""
+
+    def __init__(self, d_model, n_heads, head_dim, opts, *, conv_size=4, norm_eps=1e-6,
+                 dtype=jnp.float32, rngs: nnx.Rngs):  # fmt: skip
+        self.d_model, self.n_heads, self.head_dim, self.dtype = d_model, n_heads, head_dim, dtype
+        hd = n_heads * head_dim
+        self.branch = MemoryBranch(
+            d_model, n_heads, head_dim, opts, conv_size=conv_size, dtype=dtype, rngs=rngs
+        )
+        self.g_proj = dense(d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps, rngs=rngs)
+        self.o_proj = dense(hd, d_model, ("heads", "embed"), dtype=dtype, rngs=rngs)
+
+    @classmethod
+    def from_config(cls, cfg, *, rngs: nnx.Rngs):
+        """Build from a ModelConfig (registry ``titans_lmm``; options ``cfg.titans``)."""
+        return cls(cfg.d_model, cfg.n_heads, cfg.resolved_head_dim(), cfg.titans,
+                   norm_eps=cfg.norm_eps, rngs=rngs, **_titans_args(cfg))  # fmt: skip
+
+    def init_cache(self, batch_size: int, max_len: int) -> BranchCache:
+        """Decode state (size independent of ``max_len``)."""
+        del max_len
+        return self.branch.init_cache(batch_size)
+
+    def _out(self, x, y):
+        b, t, _ = x.shape
+        gate = self.g_proj(x).reshape(b, t, self.n_heads, self.head_dim)
+        o = self.o_norm(y.astype(self.dtype), gate)
+        return self.o_proj(o.reshape(b, t, self.n_heads * self.head_dim))
+
+    def __call__(self, x, *, positions=None, segment_ids=None, cache=None):
+        """Mixer protocol (``nested_jax.models.registry``): ``x [B, T, d]`` → ``(y, cache)``."""
+        check_rank("x", x, 3, "[B, T, d_model]")
+        x = x.astype(self.dtype)
+        if cache is None:
+            return self._out(x, self.branch(x, segment_ids=segment_ids)), None
+        if segment_ids is not None:
+            raise ValueError("segment_ids: packed segments cannot be combined with a cache")
+
+        def step(c, xt, pt):
+            y, c = self.branch.step(c, xt)
+            return self._out(xt, y), c
+
+        return scan_tokens(step, cache, x, _positions(positions, x))
+
+
+def _positions(positions, x):
+    b, t, _ = x.shape
+    if positions is None:
+        return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return positions
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention with persistent memory
+# --------------------------------------------------------------------------------------------------
+
+
+class PersistentSWA(nnx.Module):
+    """Causal softmax attention with RoPE, sliding ``window`` (0 = global) and ``N_p`` persistent
+    tokens (SPEC §2 "Persistent memory").
+
+    The persistent tokens are learned keys / values ``[N_p, H, D]`` (position-free, no RoPE) that
+    every query sees in addition to its window. Returns per-head outputs (no output projection).
+    """
+
+    def __init__(self, d_in, n_heads, head_dim, *, window, persistent, rope_theta, dtype, rngs):
+        if head_dim % 2:
+            raise ValueError(f"head_dim: RoPE needs an even head_dim, got {head_dim}")
+        self.n_heads, self.head_dim, self.window, self.n_persistent = (
+            n_heads, head_dim, window, persistent,
+        )  # fmt: skip
+        self.rope_theta, self.dtype = rope_theta, dtype
+        hd = n_heads * head_dim
+        self.q_proj = dense(d_in, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.k_proj = dense(d_in, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.v_proj = dense(d_in, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        init = partitioned(nnx.initializers.normal(1.0), (None, None, None))
+        shape = (max(persistent, 1), n_heads, head_dim)  # a dummy row when N_p = 0 (never read)
+        self.p_k = nnx.Param(init(rngs.params(), shape))
+        self.p_v = nnx.Param(init(rngs.params(), shape))
+
+    def init_cache(self, batch_size: int, max_len: int) -> AttentionCache:
+        """KV cache with ``max_len`` slots."""
+        shape = (batch_size, max_len, self.n_heads, self.head_dim)
+        z = jnp.zeros(shape, self.dtype)
+        return AttentionCache(z, z, jnp.zeros((), jnp.int32))
+
+    def qkv(self, x, positions):
+        """``q, k`` (RoPE at ``positions``) and ``v``, each ``[B, T, H, D]``."""
+        b, t, _ = x.shape
+        sh = (b, t, self.n_heads, self.head_dim)
+        q = apply_rope(self.q_proj(x).reshape(sh), positions, theta=self.rope_theta)
+        k = apply_rope(self.k_proj(x).reshape(sh), positions, theta=self.rope_theta)
+        return q, k, self.v_proj(x).reshape(sh)
+
+    def persistent_kv(self, b: int):
+        """Persistent ``k, v [B, N_p, H, D]`` (activation dtype)."""
+        f = (
+            lambda p: jnp.broadcast_to(  # noqa: E731
+                p[: self.n_persistent].astype(self.dtype), (b, self.n_persistent, *p.shape[1:])
+            )
+        )
+        return f(self.p_k[...]), f(self.p_v[...])
+
+    def attend(self, q, k, v, mask):
+        """``softmax_attention`` over ``[persistent ‖ k]`` (persistent keys always visible)."""
+        b, t = q.shape[:2]
+        pk, pv = self.persistent_kv(b)
+        k = jnp.concatenate([pk, k.astype(self.dtype)], axis=1)
+        v = jnp.concatenate([pv, v.astype(self.dtype)], axis=1)
+        mask = jnp.concatenate([jnp.ones((b, t, self.n_persistent), bool), mask], axis=2)
+        return softmax_attention(q, k, v, mask)
+
+    def __call__(self, x, *, positions, segment_ids=None, cache=None):
+        """``x [B, T, d]`` → ``(o [B, T, H, D], cache)``; the cache appends at ``cache.pos``."""
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x.astype(self.dtype), positions)
+        idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if cache is None:
+            mask = attention_mask(idx, idx, window=self.window, q_segment=segment_ids,
+                                  k_segment=segment_ids)  # fmt: skip
+            return self.attend(q, k, v, mask), None
+        pos = cache.pos
+        k_all = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, pos, 0, 0))
+        v_all = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, pos, 0, 0))
+        slots = jnp.broadcast_to(jnp.arange(k_all.shape[1], dtype=jnp.int32), (b, k_all.shape[1]))
+        mask = attention_mask(idx + pos, slots, window=self.window)
+        return self.attend(q, k_all, v_all, mask), AttentionCache(k_all, v_all, pos + t)
+
+
+def _swa(cfg, d_in, rngs):
+    o = cfg.titans
+    return PersistentSWA(
+        d_in, cfg.n_heads, cfg.resolved_head_dim(), window=o.window,
+        persistent=o.persistent_tokens, rope_theta=cfg.rope_theta, dtype=cfg.activation_dtype(),
+        rngs=rngs,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# MAG and MAL
+# --------------------------------------------------------------------------------------------------
+
+
+class MAGCache(NamedTuple):
+    """Decode state of MAG: memory branch + attention KV cache."""
+
+    branch: BranchCache
+    attn: AttentionCache
+
+
+class TitansMAG(nnx.Module):
+    """MAG mixer (SPEC §2 "MAG"): per head ``o = RMSNorm(SWA(x)) ⊙ σ(RMSNorm(LMM(x)))``, ``W_o``.
+
+    The attention (sliding window, persistent tokens) and the memory branch read the same input in
+    parallel; the memory output, normalised with its own gain, gates the normalised attention.
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        h, d = cfg.n_heads, cfg.resolved_head_dim()
+        self.n_heads, self.head_dim, self.dtype = h, d, cfg.activation_dtype()
+        self.branch = MemoryBranch(cfg.d_model, h, d, cfg.titans, rngs=rngs, **_titans_args(cfg))
+        self.attn = _swa(cfg, cfg.d_model, rngs)
+        self.attn_norm = RMSNorm(d, eps=cfg.norm_eps, names=(None,), rngs=rngs)
+        self.mem_norm = RMSNorm(d, eps=cfg.norm_eps, names=(None,), rngs=rngs)
+        self.o_proj = dense(h * d, cfg.d_model, ("heads", "embed"), dtype=self.dtype, rngs=rngs)
+
+    @classmethod
+    def from_config(cls, cfg, *, rngs: nnx.Rngs):
+        """Registry ``titans_mag``."""
+        return cls(cfg, rngs=rngs)
+
+    def init_cache(self, batch_size: int, max_len: int) -> MAGCache:
+        """Memory decode state + a ``max_len``-slot KV cache."""
+        return MAGCache(
+            self.branch.init_cache(batch_size), self.attn.init_cache(batch_size, max_len)
+        )
+
+    def _combine(self, a, m):
+        b, t = a.shape[:2]
+        gate = jax.nn.sigmoid(self.mem_norm(m.astype(jnp.float32)))
+        o = (self.attn_norm(a.astype(jnp.float32)) * gate).astype(self.dtype)
+        return self.o_proj(o.reshape(b, t, self.n_heads * self.head_dim))
+
+    def __call__(self, x, *, positions=None, segment_ids=None, cache=None):
+        """Mixer protocol: ``x [B, T, d]`` → ``(y [B, T, d], cache)``."""
+        check_rank("x", x, 3, "[B, T, d_model]")
+        x = x.astype(self.dtype)
+        positions = _positions(positions, x)
+        if cache is None:
+            a, _ = self.attn(x, positions=positions, segment_ids=segment_ids)
+            return self._combine(a, self.branch(x, segment_ids=segment_ids)), None
+        if segment_ids is not None:
+            raise ValueError("segment_ids: packed segments cannot be combined with a cache")
+
+        def step(c, xt, pt):
+            m, cb = self.branch.step(c.branch, xt)
+            a, ca = self.attn(xt, positions=pt, cache=c.attn)
+            return self._combine(a, m), MAGCache(cb, ca)
+
+        return scan_tokens(step, cache, x, positions)
+
+
+class MALCache(NamedTuple):
+    """Decode state of MAL: LMM layer + attention KV cache."""
+
+    lmm: BranchCache
+    attn: AttentionCache
+
+
+class TitansMAL(nnx.Module):
+    """MAL mixer (SPEC §2 "MAL"): ``y = LMM(x)`` (full LMM layer), ``o = SWA(y) W_o`` with
+    persistent tokens, inside one mixer."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        h, d = cfg.n_heads, cfg.resolved_head_dim()
+        self.n_heads, self.head_dim, self.dtype = h, d, cfg.activation_dtype()
+        self.lmm = TitansLMM.from_config(cfg, rngs=rngs)
+        self.attn = _swa(cfg, cfg.d_model, rngs)
+        self.o_proj = dense(h * d, cfg.d_model, ("heads", "embed"), dtype=self.dtype, rngs=rngs)
+
+    @classmethod
+    def from_config(cls, cfg, *, rngs: nnx.Rngs):
+        """Registry ``titans_mal``."""
+        return cls(cfg, rngs=rngs)
+
+    def init_cache(self, batch_size: int, max_len: int) -> MALCache:
+        """LMM decode state + a ``max_len``-slot KV cache."""
+        return MALCache(
+            self.lmm.init_cache(batch_size, max_len), self.attn.init_cache(batch_size, max_len)
+        )
+
+    def __call__(self, x, *, positions=None, segment_ids=None, cache=None):
+        """Mixer protocol: ``x [B, T, d]`` → ``(y [B, T, d], cache)``."""
+        check_rank("x", x, 3, "[B, T, d_model]")
+        x = x.astype(self.dtype)
+        b, t, _ = x.shape
+        positions = _positions(positions, x)
+        hd = self.n_heads * self.head_dim
+        if cache is None:
+            y, _ = self.lmm(x, segment_ids=segment_ids)
+            a, _ = self.attn(y, positions=positions, segment_ids=segment_ids)
+            return self.o_proj(a.reshape(b, t, hd)), None
+        if segment_ids is not None:
+            raise ValueError("segment_ids: packed segments cannot be combined with a cache")
+        y, cl = self.lmm(x, positions=positions, cache=cache.lmm)
+        a, ca = self.attn(y, positions=positions, cache=cache.attn)
+        return self.o_proj(a.reshape(b, t, hd)), MALCache(cl, ca)
