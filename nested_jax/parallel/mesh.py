@@ -141,6 +141,43 @@ def state_shardings(
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def _dict_keys(path) -> tuple:
+    return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def shardings_like_params(tree: Any, params: Any, param_shardings: Any, mesh: Mesh) -> Any:
+    """Shardings for a tree derived from the parameters (optimizer moments, EMA copies, ...).
+
+    A leaf whose key path ends with a parameter's dict path and has that parameter's shape gets
+    the parameter's sharding; anything else (counts, scalars, reshaped buffers) is replicated.
+    Works for any optimizer state layout (masked / partitioned transforms included) because it
+    matches by path and shape, not by tree structure.
+
+    Args:
+      tree: pytree of arrays or ``ShapeDtypeStruct`` (e.g. ``jax.eval_shape(tx.init, params)``).
+      params: the parameter pytree (nested dicts) the tree was derived from.
+      param_shardings: shardings with the structure of `params`.
+    Returns:
+      a pytree of ``NamedSharding`` with the structure of `tree`.
+    """
+    by_path = {}
+    for (path, p), sh in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_shardings), strict=True
+    ):
+        by_path[_dict_keys(path)] = (tuple(np.shape(p)), sh)
+    repl = NamedSharding(mesh, PartitionSpec())
+
+    def one(path, leaf):
+        keys = _dict_keys(path)
+        for start in range(len(keys)):
+            hit = by_path.get(keys[start:])
+            if hit is not None and hit[0] == tuple(np.shape(leaf)):
+                return hit[1]
+        return repl
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Sharding of a ``[batch, ...]`` array: batch split over (data, fsdp), the rest replicated."""
     spec = logical_to_mesh_spec(("batch",) + (None,) * (ndim - 1), None, mesh)

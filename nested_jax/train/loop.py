@@ -29,6 +29,7 @@ from nested_jax.parallel.mesh import (
     global_batch_from_local,
     make_mesh,
     replicated,
+    shardings_like_params,
     state_shardings,
 )
 from nested_jax.train.checkpoint import CHECKPOINT_DIR, Checkpointer, abstract_like
@@ -112,9 +113,7 @@ def init_train_setup(
     tx, schedule = build_optimizer(config.optimizer, config.train.steps)
     abs_opt = jax.eval_shape(tx.init, params)
     repl = replicated(mesh)
-    opt_sh = optax.tree_map_params(
-        tx, lambda _, s: s, abs_opt, param_sh, transform_non_params=lambda _: repl
-    )
+    opt_sh = shardings_like_params(abs_opt, params, param_sh, mesh)
     opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
     state = {
         "step": jax.device_put(jnp.zeros((), jnp.int32), repl),

@@ -134,3 +134,28 @@ def test_data_fsdp_mesh_matches_one_device_trajectory(model_name):
         losses[name] = np.array(out)
     assert np.all(np.isfinite(losses["1x1"]))
     np.testing.assert_allclose(losses["4x2"], losses["1x1"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["adamw", "m3"])
+def test_optimizer_state_shardings_follow_parameters(name):
+    from nested_jax.parallel.mesh import shardings_like_params
+    from nested_jax.train.config import OptimizerConfig
+    from nested_jax.train.optimizer import build_optimizer
+
+    mesh = make_mesh(MeshConfig(data=4, fsdp=2))
+    params = {"w": np.zeros((8, 6), np.float32), "b": np.zeros((6,), np.float32)}
+    shard = {"w": jax.sharding.NamedSharding(mesh, P("fsdp")), "b": batch_sharding(mesh, 1)}
+    tx, _ = build_optimizer(OptimizerConfig(name=name), 10)
+    abstract = jax.eval_shape(tx.init, params)
+    specs = jax.tree_util.tree_leaves_with_path(
+        shardings_like_params(abstract, params, shard, mesh)
+    )
+    shapes = jax.tree.leaves(abstract)
+    assert len(specs) == len(shapes)
+    for (path, sh), leaf in zip(specs, shapes, strict=True):
+        last = path[-1]
+        if isinstance(last, jax.tree_util.DictKey) and last.key == "w" and leaf.shape == (8, 6):
+            assert sh.spec == P("fsdp"), path  # moments of w are sharded like w
+        elif leaf.ndim == 0:
+            assert sh.spec == P(), path  # counts stay replicated
+    assert any(sh.spec == P("fsdp") for _, sh in specs)
