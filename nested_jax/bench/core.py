@@ -83,7 +83,7 @@ def _attention_grad():
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def run(seq_lens, B=1, H=4, D=64, chunk_size=64, repeats=5, attention=True) -> dict:
+def run(seq_lens, B=1, H=4, D=64, chunk_size=32, repeats=5, attention=True) -> dict:
     """All measurements; returns the results dict (keys as documented in the module docstring)."""
     t_start = time.perf_counter()
     results: dict = {}
@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=64, help="head dim (K = V)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument(
+        "--chunk-size", type=int, default=32, help="C for the chunked GDN (32: fastest here)"
+    )
     args = p.parse_args([] if argv is None else argv)
     seq_lens = [int(t) for t in args.seq_lens.split(",") if t]
     results = run(

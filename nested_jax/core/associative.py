@@ -418,14 +418,13 @@ def _rowdot(a, b):
 
 
 def _wy_forward(Q, K, V, beta, gamma, dc, S_init):
-    C, Kd_ = K.shape[-2], K.shape[-1]
-    QK_KK = jnp.concatenate([Q, K], axis=-2) @ _mT(K)  # [N,B,H,2C,C]
-    QK, KK = QK_KK[..., :C, :], QK_KK[..., C:, :]
+    KT = _mT(K)
+    QK, KK = Q @ KT, K @ KT
+    QK_KK = (QK, KK)
     A = jnp.tril(beta[..., :, None] * KK * gamma, -1)
     T = _tri_inverse(A)
-    R = jnp.concatenate([K * (beta * dc)[..., None], V * beta[..., None]], axis=-1)
-    Y = T @ R  # [W | Ũ]
-    W, Ut = Y[..., :Kd_], Y[..., Kd_:]
+    W = T @ (K * (beta * dc)[..., None])
+    Ut = T @ (V * beta[..., None])
     Kdec = K * gamma[..., -1, :][..., None]  # K ⊙ e^{b_C − b_j}
     dl = dc[..., -1]
 
@@ -437,7 +436,7 @@ def _wy_forward(Q, K, V, beta, gamma, dc, S_init):
     S_final, (S_n, U) = lax.scan(body, S_init, (W, Ut, Kdec, dl))
     P = QK * gamma
     O = (Q * dc[..., None]) @ S_n + P @ U
-    return O, S_final, (T, Y, QK_KK, S_n, U)
+    return O, S_final, (T, W, Ut, QK_KK, S_n, U)
 
 
 @jax.custom_vjp
@@ -452,11 +451,9 @@ def _wy_core_fwd(Q, K, V, beta, gamma, dc, S_init):
 
 
 def _wy_core_bwd(res, cts):
-    Q, K, V, beta, gamma, dc, T, Y, QK_KK, S_n, U = res
+    Q, K, V, beta, gamma, dc, T, W, Ut, QK_KK, S_n, U = res
     dO, dS_final = cts
-    C, Kd_ = K.shape[-2], K.shape[-1]
-    QK, KK = QK_KK[..., :C, :], QK_KK[..., C:, :]
-    W = Y[..., :Kd_]
+    QK, KK = QK_KK
     kdec = gamma[..., -1, :]
     Kdec = K * kdec[..., None]
     dl = dc[..., -1]
@@ -480,10 +477,11 @@ def _wy_core_bwd(res, cts):
     dP = dO @ _mT(U)
     dKdec = U @ _mT(G)
     ddl = jnp.einsum("...kv,...kv->...", S_n, G)
-    dY = jnp.concatenate([-(dU @ _mT(S_n)), dU], axis=-1)  # [dW | dŨ]
-    dR = _mT(T) @ dY
-    dA = -jnp.tril(dR @ _mT(Y), -1)  # −Tᵀ dY Rᵀ Tᵀ = −dR Yᵀ, on A's support
-    dRk, dRv = dR[..., :Kd_], dR[..., Kd_:]
+    dW = -(dU @ _mT(S_n))
+    TT = _mT(T)
+    dRk, dRv = TT @ dW, TT @ dU  # dR = Tᵀ [dW | dŨ]
+    # dA = −Tᵀ dY Rᵀ Tᵀ = −dR Yᵀ with Y = [W | Ũ], on A's strictly lower support
+    dA = -jnp.tril(dRk @ _mT(W) + dRv @ _mT(Ut), -1)
 
     rk = _rowdot(dRk, K)
     dbeta = dc * rk + _rowdot(dRv, V) + _rowdot(dA, KK * gamma)
@@ -496,11 +494,10 @@ def _wy_core_bwd(res, cts):
     dgamma = dA * KK * beta[..., :, None] + dP * QK
     dgamma = dgamma.at[..., -1, :].add(_rowdot(dKdec, K))
 
-    dQK_KK = jnp.concatenate([dQK, dKK], axis=-2)  # [2C, C]
-    dQK_ = dQK_KK @ K  # rows: dQK K ; dKK K
-    dK = dQK_[..., C:, :] + _mT(dQK_KK) @ jnp.concatenate([Q, K], axis=-2)
+    dKKs = dKK + _mT(dKK)
+    dK = dKKs @ K + _mT(dQK) @ Q
     dK = dK + dRk * (beta * dc)[..., None] + dKdec * kdec[..., None]
-    dQ = dQK_[..., :C, :] + dQdc * dc[..., None]
+    dQ = dQK @ K + dQdc * dc[..., None]
     return dQ, dK, dV, dbeta, dgamma, ddc, dS_init
 
 
