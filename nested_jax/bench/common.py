@@ -104,9 +104,14 @@ def time_interleaved(
 def temp_bytes(jitted_fn, *args, **kwargs) -> int:
     """Peak temporary buffer bytes of ``jitted_fn(*args)`` as compiled by XLA.
 
+    ``jitted_fn`` may also be an already compiled executable (``jax.jit(f).lower(...).compile()``),
+    so a benchmark can time and measure the same compilation.
+
     ``jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes`` (arguments and
     outputs are not counted).
     """
+    if hasattr(jitted_fn, "memory_analysis"):  # already a compiled executable
+        return int(jitted_fn.memory_analysis().temp_size_in_bytes)
     if not hasattr(jitted_fn, "lower"):
         jitted_fn = jax.jit(jitted_fn)
     analysis = jitted_fn.lower(*args, **kwargs).compile().memory_analysis()

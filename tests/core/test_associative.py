@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax import ops
 from nested_jax.core import associative as A
 
 TOL = 1e-4
@@ -273,30 +272,6 @@ def test_dtypes_bf16_inputs_f32_state():
     o_r, S_r = A.gated_delta_recurrent(**xb)
     assert o_r.dtype == jnp.bfloat16 and S_r.dtype == jnp.float32
     np.testing.assert_allclose(S, S_r, atol=1e-4)
-
-
-def test_ops_dispatch_and_explicit_impl():
-    x, s0, _ = _data(11, *SHAPE)
-    for rule, op in (
-        ("linear_attention", ops.linear_attention),
-        ("delta_rule", ops.delta_rule),
-        ("gated_delta", ops.gated_delta),
-    ):
-        args = {
-            "linear_attention": (x["q"], x["k"], x["v"], x["g"]),
-            "delta_rule": (x["q"], x["k"], x["v"], x["beta"]),
-            "gated_delta": (x["q"], x["k"], x["v"], x["g"], x["beta"]),
-        }[rule]
-        o_r, S_r = op(*args, initial_state=s0, impl="recurrent")
-        o_c, S_c = op(*args, initial_state=s0, impl="chunked", chunk_size=16)
-        ref = _call(rule, "recurrent", x, s0=s0)
-        np.testing.assert_array_equal(o_r, ref[0])
-        _assert_close(o_c, o_r, f"{rule} o")
-        _assert_close(S_c, S_r, f"{rule} S")
-        with pytest.raises(ValueError, match="pallas"):
-            op(*args, impl="pallas")
-        with pytest.raises(ValueError, match="impl must be one of"):
-            op(*args, impl="fast")
 
 
 # ----- input validation --------------------------------------------------------------------
