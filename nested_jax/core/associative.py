@@ -413,8 +413,8 @@ def _rowdot(a, b):
 # Arrays are chunk-major ``[N, B, H, C, ·]``. Inputs: Q (scaled), K, V, β [N,B,H,C], Γ [N,B,H,C,C]
 # (decays e^{b_i − b_j} on the causal same-segment mask, zero elsewhere), dc [N,B,H,C] (coefficient
 # of the carried state for token i: e^{b_i}, zeroed after an in-chunk reset) and S_init [B,H,K,V].
-# The backward recomputes nothing expensive: it reuses T, Y = [W | Ũ], [QKᵀ; KKᵀ], the chunk-start
-# states S_n and U_n saved by the forward, and runs the state recurrence backwards (core/README.md).
+# The backward recomputes nothing expensive: it reuses T, W, Ũ, QKᵀ, KKᵀ, the chunk-start states
+# S_n and U_n saved by the forward, and runs the state recurrence backwards (core/README.md §2).
 
 
 def _wy_forward(Q, K, V, beta, gamma, dc, S_init):
@@ -646,10 +646,12 @@ def gated_delta_chunked(
     """Gated delta rule in WY/UT chunk form (SPEC §1; equals ``gated_delta_recurrent``).
 
     Per chunk (derivation in core/README.md): ``A = strict_tril(diag(β) K Kᵀ ⊙ Γ)``,
-    ``T = (I + A)^{-1}`` (forward substitution), ``W = T diag(β e^{b}) K``, ``Ũ = T diag(β) V``;
-    sequentially over chunks ``U_n = Ũ − W S_n``,
-    ``S_{n+1} = e^{b_C} S_n + (K ⊙ e^{b_C − b})ᵀ U_n``;
-    then ``O = (Q ⊙ e^{b}) S_n + (Q Kᵀ ⊙ Γ) U_n``.
+    ``T = (I + A)^{-1}`` (blockwise doubling over forward substitution; never powers of A),
+    ``W = T diag(β e^{b}) K``, ``Ũ = T diag(β) V``; sequentially over chunks ``U_n = Ũ − W S_n``,
+    ``S_{n+1} = e^{b_C} S_n + (K ⊙ e^{b_C − b})ᵀ U_n``; then
+    ``O = (Q ⊙ e^{b}) S_n + (Q Kᵀ ⊙ Γ) U_n``.
+    Gradients: a hand-written VJP that runs the state recurrence backwards (README §2); segment
+    resets fold into the masks of Γ (README §3).
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.

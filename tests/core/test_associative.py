@@ -274,6 +274,22 @@ def test_dtypes_bf16_inputs_f32_state():
     np.testing.assert_allclose(S, S_r, atol=1e-4)
 
 
+@pytest.mark.parametrize("C", [64, 37])
+def test_triangular_inverse_stable_in_f32(C):
+    # Correlated unit keys with β = 1: A = strict_tril(K Kᵀ) has entries near 1, where a power
+    # series in A would blow up like binomial coefficients; the blockwise inverse must not.
+    rng = np.random.default_rng(13)
+    base = rng.normal(size=(1, 16))
+    k = base + 0.05 * rng.normal(size=(C, 16))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    a = np.tril(k @ k.T, -1)
+    batch = np.stack([a, 0.5 * a, np.zeros_like(a)]).astype(np.float32)
+    got = np.asarray(jax.jit(A._tri_inverse)(batch))
+    ref = np.linalg.inv(np.eye(C) + batch.astype(np.float64))
+    np.testing.assert_allclose(got, ref, atol=1e-4 * max(1.0, np.abs(ref).max()))
+    np.testing.assert_array_equal(np.triu(got, 1), 0)
+
+
 # ----- input validation --------------------------------------------------------------------
 
 
