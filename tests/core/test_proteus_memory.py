@@ -24,6 +24,22 @@ from nested_jax.core.proteus_memory import (
     proteus_gated_delta_recurrent,
     proteus_gated_delta_step,
     proteus_spans,
+    proteus_titans_linear_chunked,
+    proteus_titans_linear_recurrent,
+    proteus_titans_linear_step,
+    proteus_titans_mlp_chunked,
+    proteus_titans_mlp_recurrent,
+    proteus_titans_mlp_step,
+)
+from nested_jax.core.titans import (
+    TitansLinearState,
+    TitansMLPState,
+    titans_linear_chunked,
+    titans_linear_recurrent,
+    titans_linear_step,
+    titans_mlp_chunked,
+    titans_mlp_recurrent,
+    titans_mlp_step,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -232,27 +248,37 @@ def test_gdn_chunked_equals_recurrent_values_and_grads():
     np.testing.assert_array_equal(np.asarray(gc[5])[..., locked, :], ws[..., locked, :])
 
 
-def test_gdn_long_call_with_open_tail_and_streaming():
+def _long_gdn():
     q, k, v, g, beta, S0 = gdn_inputs(B=1, T=100, H=1, K=8, V=5, seed=3)
     kw = dict(context_len=64, num_blocks=4)  # Δ = 16 = chunk: partial spans 16, 16, 16; tail 52
-    o_r, s_r = rec(q, k, v, g, beta, initial_state=S0, t0=0, **kw)
-    o_ref, st_ref = ref_proteus_gdn(q, k, v, g, beta, S0, 64, 4, 0)
+    return (q, k, v, g, beta), S0, kw
+
+
+def test_gdn_long_call_with_open_tail():
+    seq, S0, kw = _long_gdn()
+    o_r, s_r = rec(*seq, initial_state=S0, t0=0, **kw)
+    o_ref, st_ref = ref_proteus_gdn(*seq, S0, 64, 4, 0)
     np.testing.assert_allclose(o_r, o_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(s_r, st_ref[-1], rtol=1e-5, atol=1e-5)
-    o_c, s_c = chk(q, k, v, g, beta, initial_state=S0, t0=0, chunk_size=16, **kw)
+    o_c, s_c = chk(*seq, initial_state=S0, t0=0, chunk_size=16, **kw)
     np.testing.assert_allclose(o_c, o_r, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(s_c, s_r, rtol=1e-4, atol=1e-4)
-    # streaming: [0, 37) then [37, 100) carrying the state equals one call (both forms)
+
+
+# the chunked form's t0 is also covered (t0 = 5) by the chunked = recurrent test
+@pytest.mark.parametrize("form", ["recurrent", pytest.param("chunked", marks=pytest.mark.slow)])
+def test_gdn_streaming_with_offset(form):
+    """[0, 37) then [37, 100) carrying the state equals one call."""
+    seq, S0, kw = _long_gdn()
+    o_r, s_r = rec(*seq, initial_state=S0, t0=0, **kw)
+    fn = rec if form == "recurrent" else partial(chk, chunk_size=16)
     T1 = 37
-    first = tuple(x[:, :T1] for x in (q, k, v, g, beta))
-    second = tuple(x[:, T1:] for x in (q, k, v, g, beta))
-    for fn, extra in ((rec, {}), (chk, dict(chunk_size=16))):
-        o1, s1 = fn(*first, initial_state=S0, t0=0, **extra, **kw)
-        o2, s2 = fn(*second, initial_state=s1, t0=T1, **extra, **kw)
-        np.testing.assert_allclose(np.concatenate([o1, o2], 1), o_r, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(s2, s_r, rtol=1e-4, atol=1e-4)
-        # rows still locked after the first part (t = 37: 3 blocks) kept their bits
-        np.testing.assert_array_equal(np.asarray(s1)[..., 6:, :], S0[..., 6:, :])
+    o1, s1 = fn(*(x[:, :T1] for x in seq), initial_state=S0, t0=0, **kw)
+    o2, s2 = fn(*(x[:, T1:] for x in seq), initial_state=s1, t0=T1, **kw)
+    np.testing.assert_allclose(np.concatenate([o1, o2], 1), o_r, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(s2, s_r, rtol=1e-4, atol=1e-4)
+    # rows still locked after the first part (t = 37: 3 blocks of 2 rows open) kept their bits
+    np.testing.assert_array_equal(np.asarray(s1)[..., 6:, :], S0[..., 6:, :])
 
 
 def test_gdn_errors():
@@ -280,3 +306,281 @@ def test_gdn_errors():
         proteus_gated_delta_step(
             S0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], t=0, context_len=8, num_blocks=4
         )
+
+
+# --------------------------------------------------------------------------------------------------
+# Titans (L_M = 1 matrix memory and L_M = 2 MLP memory), momentum and decay on
+# --------------------------------------------------------------------------------------------------
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _silu_grad(x):
+    s = 1.0 / (1.0 + np.exp(-x))
+    return s * (1.0 + x * (1.0 - s))
+
+
+def ref_masks(t, N, E, dims):
+    """Open coordinates of every weight (L = 1: key rows; L = 2: hidden units) at position t."""
+    if len(dims) == 2:
+        return [np.broadcast_to(ref_open(t, N, E, dims[0])[:, None], dims)]
+    h = ref_open(t, N, E, dims[1])
+    return [np.broadcast_to(h[None, :], dims[:2]), np.broadcast_to(h[:, None], dims[1:])]
+
+
+def ref_grad(W, k, v, residual):
+    """∇ of ½‖M(k) − v‖² for M(z) = Wᵀz (L = 1) or z + W1ᵀ silu(W0ᵀ z) (L = 2)."""
+    if len(W) == 1:
+        return [np.outer(k, W[0].T @ k - v)]
+    h = W[0].T @ k
+    err = W[1].T @ _silu(h) + (k if residual else 0.0) - v
+    d0 = (W[1] @ err) * _silu_grad(h)
+    return [np.outer(k, d0), np.outer(_silu(h), err)]
+
+
+def ref_read(W, q, residual):
+    if len(W) == 1:
+        return W[0].T @ q
+    return W[1].T @ _silu(W[0].T @ q) + (q if residual else 0.0)
+
+
+def ref_proteus_titans(W0, S0, q, k, v, th, et, al, N, E, t0, chunk=1, rbw=False):
+    """float64 SPEC §2 + §4, per (b, h). Gradients are taken at the gated weights of the chunk
+    start, chunks restart at every Δ-boundary (chunk = 1: the exact per-token recurrence)."""
+    W0 = [np.asarray(w, np.float64) for w in W0]
+    S0 = [np.asarray(s, np.float64) for s in S0]
+    q, k, v, th, et, al = (np.asarray(x, np.float64) for x in (q, k, v, th, et, al))
+    B, T, H, K = q.shape
+    dims = (K, *(w.shape[-1] for w in W0))
+    residual = len(W0) == 2 and K == v.shape[-1]
+    y = np.zeros(v.shape)
+    Wf = [w.copy() for w in W0]
+    Sf = [s.copy() for s in S0]
+    for b in range(B):
+        for h in range(H):
+            W = [w[b, h].copy() for w in W0]
+            S = [s[b, h].copy() for s in S0]
+            start, kprev = 0, None
+            for i in range(T):
+                t = t0 + i + 1
+                ms = ref_masks(t, N, E, dims)
+                kk = min(E, 1 + (t - 1) // max(1, N // E))
+                if kk != kprev or (i - start) % chunk == 0:
+                    if kk != kprev:
+                        start, kprev = i, kk
+                    Wc = [np.where(m, w, 0.0) for m, w in zip(ms, W, strict=True)]  # grad point
+                u = ref_grad(Wc, k[b, i, h], v[b, i, h], residual)
+                Wold = [np.where(m, w, 0.0) for m, w in zip(ms, W, strict=True)]
+                S = [np.where(m, et[b, i, h] * s - th[b, i, h] * g, s)
+                     for m, s, g in zip(ms, S, u, strict=True)]  # fmt: skip
+                W = [np.where(m, (1 - al[b, i, h]) * w + s, w)
+                     for m, w, s in zip(ms, W, S, strict=True)]  # fmt: skip
+                Wread = Wold if rbw else [np.where(m, w, 0.0) for m, w in zip(ms, W, strict=True)]
+                y[b, i, h] = ref_read(Wread, q[b, i, h], residual)
+            for lst, new in ((Wf, W), (Sf, S)):
+                for j, x in enumerate(new):
+                    lst[j][b, h] = x
+    return y, Wf, Sf
+
+
+def titans_inputs(L, B=2, T=37, H=2, seed=0):
+    """L = 1: K = 10, V = 6. L = 2: K = V = 8 (residual memory), hidden 10 (blocks 2, 2, 2, 4)."""
+    rng = np.random.default_rng(seed)
+    K, V = (10, 6) if L == 1 else (8, 8)
+    q = rng.normal(size=(B, T, H, K)).astype(np.float32)
+    k = rng.normal(size=(B, T, H, K)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.normal(size=(B, T, H, V)).astype(np.float32)
+    th = rng.uniform(0.05, 0.3, size=(B, T, H)).astype(np.float32)
+    et = rng.uniform(0.5, 0.95, size=(B, T, H)).astype(np.float32)  # momentum on
+    al = rng.uniform(0.01, 0.2, size=(B, T, H)).astype(np.float32)  # decay on
+    dims = (K, V) if L == 1 else (K, 10, V)
+    W = tuple(
+        (rng.normal(size=(B, H, a, b)) * a**-0.5).astype(np.float32)
+        for a, b in zip(dims[:-1], dims[1:], strict=True)
+    )
+    S = tuple((0.1 * rng.normal(size=w.shape)).astype(np.float32) for w in W)  # momentum ≠ 0
+    return TitansMLPState(W, S), (q, k, v, th, et, al)
+
+
+NOCLIP = dict(grad_clip=None)
+mlp_rec = jax.jit(
+    proteus_titans_mlp_recurrent,
+    static_argnames=("context_len", "num_blocks", "t0", "read_before_write", "grad_clip"),
+)
+mlp_chk = jax.jit(
+    proteus_titans_mlp_chunked,
+    static_argnames=("context_len", "num_blocks", "t0", "chunk_size", "grad_clip"),
+)
+
+
+@pytest.mark.parametrize("L", [1, 2])
+def test_titans_recurrent_matches_reference_and_streams(L):
+    st, seq = titans_inputs(L)
+    for rbw in (False, True):
+        y, new = mlp_rec(st, *seq, t0=5, read_before_write=rbw, **N60, **NOCLIP)
+        y_ref, W_ref, S_ref = ref_proteus_titans(st.weights, st.momentum, *seq, 60, 4, 5, rbw=rbw)
+        np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+        for a, b in zip(new.weights + new.momentum, W_ref + S_ref, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # streaming: [0, 20) then [20, 37) carrying the state equals one call
+    y, new = mlp_rec(st, *seq, t0=5, **N60, **NOCLIP)
+    y1, s1 = mlp_rec(st, *(x[:, :20] for x in seq), t0=5, **N60, **NOCLIP)
+    y2, s2 = mlp_rec(s1, *(x[:, 20:] for x in seq), t0=25, **N60, **NOCLIP)
+    np.testing.assert_allclose(np.concatenate([y1, y2], 1), y, rtol=1e-6, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), s2, new)
+    if L == 1:  # the matrix-memory API is the same memory
+        y_lin, lin = jax.jit(partial(proteus_titans_linear_recurrent, t0=5, **N60))(
+            *seq, initial_state=TitansLinearState(st.weights[0], st.momentum[0])
+        )
+        np.testing.assert_allclose(y_lin, y, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(lin.M, new.weights[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("L", [1, 2])
+def test_titans_locked_coordinates_bit_identical_every_step(L):
+    st, seq = titans_inputs(L)
+    dims = (seq[0].shape[-1], *(w.shape[-1] for w in st.weights))
+
+    @jax.jit
+    def run(state):
+        def body(s, xs):
+            i, *tok = xs
+            if L == 1:
+                y, s = proteus_titans_linear_step(s, *tok, t=5 + i + 1, **N60)
+            else:
+                y, s = proteus_titans_mlp_step(s, *tok, t=5 + i + 1, **N60)
+            return s, s
+
+        tm = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731
+        return jax.lax.scan(body, state, (jnp.arange(37), *map(tm, seq)))[1]
+
+    init = TitansLinearState(st.weights[0], st.momentum[0]) if L == 1 else st
+    states = run(init)
+    leaves = [np.asarray(x) for x in jax.tree.leaves(states)]  # each [T, B, H, d, d']
+    firsts = [np.asarray(x) for x in jax.tree.leaves(init)]
+    n_locked = 0
+    for i in range(37):
+        ms = ref_masks(5 + i + 1, 60, 4, dims)
+        for j, (x, x0) in enumerate(zip(leaves, firsts, strict=True)):
+            m = ms[j % len(ms)]  # leaves: weights then momenta
+            prev = x0 if i == 0 else x[i - 1]
+            np.testing.assert_array_equal(x[i][..., ~m], prev[..., ~m])  # momentum and decay too
+            assert not np.allclose(x[i][..., m], prev[..., m])
+            n_locked += (~m).sum()
+    assert n_locked > 0
+
+
+def _titans_grads(fn, st, seq, **kw):
+    rng = np.random.default_rng(11)
+    wy = rng.normal(size=seq[2].shape).astype(np.float32)
+    ws = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), st)
+
+    def loss(state, *xs):
+        y, new = fn(state, *xs, **kw)
+        tree = sum(
+            jnp.sum(a * b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ws), strict=True)
+        )
+        return jnp.sum(y * wy) + tree, (y, new)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7)), has_aux=True))(st, *seq)
+
+
+def _lin(fn):
+    """The matrix-memory API with the MLP API's argument order (state first)."""
+
+    def call(state, *xs, **kw):
+        y, new = fn(*xs, initial_state=TitansLinearState(*state), **kw)
+        return y, (new.M, new.S)
+
+    return call
+
+
+@pytest.mark.parametrize("L", [1, 2])
+def test_titans_chunked_equals_recurrent_and_reference(L):
+    """L = 1 through the matrix-memory API, L = 2 through the MLP API."""
+    st, seq = titans_inputs(L, B=1, T=25)
+    if L == 1:
+        st0 = (st.weights[0], st.momentum[0])
+        rec_fn = _lin(proteus_titans_linear_recurrent)
+        chk_fn = _lin(proteus_titans_linear_chunked)
+    else:
+        st0, rec_fn, chk_fn = st, proteus_titans_mlp_recurrent, proteus_titans_mlp_chunked
+    kw = dict(t0=5, **N60, **(NOCLIP if L == 2 else {}))  # spans 10, 15
+    (_, (y_r, s_r)), g_r = _titans_grads(rec_fn, st0, seq, **kw)
+    # chunk_size = 1 is the recurrence (remat only changes what the backward pass recomputes)
+    (_, (y_c, s_c)), g_c = _titans_grads(chk_fn, st0, seq, chunk_size=1, remat=False, **kw)
+    np.testing.assert_allclose(y_c, y_r, rtol=1e-4, atol=1e-4)
+    for a, b in zip(jax.tree.leaves((s_c, g_c)), jax.tree.leaves((s_r, g_r)), strict=True):
+        scale = max(1.0, float(np.abs(b).max()))
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * scale)
+    # chunks of 4 inside each span: gradients at (gated) chunk starts, as the reference does it
+    y4, s4 = jax.jit(partial(chk_fn, chunk_size=4, **kw))(st0, *seq)
+    y_ref, W_ref, S_ref = ref_proteus_titans(st.weights, st.momentum, *seq, 60, 4, 5, chunk=4)
+    np.testing.assert_allclose(y4, y_ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(s4), jax.tree.leaves((W_ref, S_ref)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # coordinates still locked at the end of the call (t = 30: 2 blocks) kept their initial bits
+    dims = (seq[0].shape[-1], *(w.shape[-1] for w in st.weights))
+    ms = ref_masks(30, 60, 4, dims)
+    for j, (a, b) in enumerate(zip(jax.tree.leaves(s4), jax.tree.leaves(st0), strict=True)):
+        m = ms[j % len(ms)]
+        assert (~m).any()
+        np.testing.assert_array_equal(np.asarray(a)[..., ~m], b[..., ~m])
+
+
+def test_titans_single_block_and_beyond_context_are_the_backbone():
+    st, seq = titans_inputs(2, B=1, T=12)
+    lin0 = TitansLinearState(st.weights[0][..., :8], st.momentum[0][..., :8])
+    lin_seq = seq  # K = V = 8: a square matrix memory
+    for kw in (dict(context_len=60, num_blocks=1, t0=7), dict(context_len=60, num_blocks=4, t0=45)):
+        assert _same_jaxpr(
+            lambda s, *a, kw=kw: proteus_titans_mlp_recurrent(s, *a, **kw),
+            titans_mlp_recurrent, st, *seq,
+        )  # fmt: skip
+        assert _same_jaxpr(
+            lambda s, *a, kw=kw: proteus_titans_mlp_chunked(s, *a, chunk_size=4, **kw),
+            lambda s, *a: titans_mlp_chunked(s, *a, chunk_size=4), st, *seq,
+        )  # fmt: skip
+        assert _same_jaxpr(
+            lambda s, *a, kw=kw: proteus_titans_linear_recurrent(*a, initial_state=s, **kw),
+            lambda s, *a: titans_linear_recurrent(*a, initial_state=s), lin0, *lin_seq,
+        )  # fmt: skip
+        assert _same_jaxpr(
+            lambda s, *a, kw=kw: proteus_titans_linear_chunked(*a, initial_state=s, **kw),
+            lambda s, *a: titans_linear_chunked(*a, initial_state=s), lin0, *lin_seq,
+        )  # fmt: skip
+    tok = tuple(x[:, 0] for x in seq)
+    assert _same_jaxpr(
+        lambda s, *a: proteus_titans_mlp_step(s, *a, t=46, context_len=60, num_blocks=4),
+        titans_mlp_step, st, *tok,
+    )  # fmt: skip
+    assert _same_jaxpr(
+        lambda s, *a: proteus_titans_linear_step(s, *a, t=2, context_len=60, num_blocks=1),
+        titans_linear_step, lin0, *tok,
+    )  # fmt: skip
+    # beyond N with a traced position: the backbone's values
+    y, s = jax.jit(partial(proteus_titans_mlp_recurrent, **N60))(st, *seq, t0=jnp.int32(60))
+    y0, s0 = jax.jit(titans_mlp_recurrent)(st, *seq)
+    np.testing.assert_allclose(y, y0, rtol=1e-6, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), s, s0)
+
+
+def test_titans_errors():
+    st, seq = titans_inputs(2, B=1, T=4)
+    with pytest.raises(ValueError, match="activation"):
+        proteus_titans_mlp_recurrent(st, *seq, activation=jax.nn.sigmoid, **N60)
+    with pytest.raises(ValueError, match="hidden"):
+        proteus_titans_mlp_chunked(st, *seq, context_len=60, num_blocks=16)
+    st1, seq1 = titans_inputs(1, B=1, T=4)
+    with pytest.raises(ValueError, match="residual"):
+        proteus_titans_mlp_recurrent(st1, *seq1, residual=True, **N60)
+    with pytest.raises(ValueError, match="state"):
+        proteus_titans_mlp_recurrent(st.weights, *seq, **N60)
+    with pytest.raises(ValueError, match="t0"):
+        proteus_titans_linear_chunked(*seq1, t0=jnp.int32(1), **N60)
+    with pytest.raises(ValueError, match="theta"):
+        proteus_titans_linear_recurrent(*seq1[:3], seq1[3][:, :1], *seq1[4:], **N60)
