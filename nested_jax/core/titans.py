@@ -67,34 +67,31 @@ class TitansLinearState(NamedTuple):
     S: jax.Array
 
 
-def _state_of(fn: str, initial_state, B, H, K, V) -> TitansLinearState:
+def _state_of(fn: str, x, B, H, K, V, name: str = "initial_state") -> TitansLinearState:
     """None → zeros; a bare ``[B, H, K, V]`` array → ``(M, 0)``; a state tuple is checked."""
     f32 = jnp.float32
-    if initial_state is None:
+    if x is None:
         z = jnp.zeros((B, H, K, V), f32)
         return TitansLinearState(z, z)
-    if isinstance(initial_state, tuple) and len(initial_state) == 2:
-        M, S = initial_state
-    else:
-        M, S = initial_state, None
-    for name, x in (("initial_state.M", M), ("initial_state.S", S)):
-        if x is None:
+    M, S = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
+    for nm, a in ((f"{name}.M", M), (f"{name}.S", S)):
+        if a is None:
             continue
-        if getattr(x, "shape", None) != (B, H, K, V):
-            shape = getattr(x, "shape", None)
+        shape = getattr(a, "shape", None)
+        if shape != (B, H, K, V):
             raise ValueError(
-                f"{fn}: {name} must have shape [B, H, K, V] = {(B, H, K, V)}, got {shape}"
+                f"{fn}: {nm} must have shape [B, H, K, V] = {(B, H, K, V)}, got {shape}"
             )
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{fn}: {name} must have a floating dtype, got {x.dtype}")
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"{fn}: {nm} must have a floating dtype, got {a.dtype}")
     M = M.astype(f32)
     return TitansLinearState(M, jnp.zeros_like(M) if S is None else S.astype(f32))
 
 
-def _linear_step_math(state, q, k, v, th, et, al, rbw, grad_clip):
-    """One token in f32: ``q, k [B,H,K]``, ``v [B,H,V]``, gates ``[B,H]``."""
+def _linear_step_math(state, q, k, v, th, et, al, rbw, grad_clip, anchor=None):
+    """One token in f32: ``q, k [B,H,K]``, ``v [B,H,V]``, gates ``[B,H]``; surprise at anchor."""
     M, S = state
-    err = jnp.einsum("bhk,bhkv->bhv", k, M) - v
+    err = jnp.einsum("bhk,bhkv->bhv", k, M if anchor is None else anchor) - v
     if grad_clip is not None:
         sq = jnp.sum(k * k, -1) * jnp.sum(err * err, -1)
         th = th * _softclamp_factor(sq, grad_clip)
@@ -116,6 +113,7 @@ def titans_linear_step(
     *,
     read_before_write: bool = False,
     grad_clip: float | None = None,
+    anchor=None,
 ):
     """One token of the Titans matrix memory (SPEC §2 with L_M = 1, SPEC §0.1).
 
@@ -123,11 +121,16 @@ def titans_linear_step(
     ``M_t = (1 − α_t) M_{t-1} + S_t``, ``o_t = M_tᵀ q_t`` (``M_{t-1}ᵀ q_t`` with
     ``read_before_write``).
 
+    Decoding consistently with ``titans_linear_chunked(chunk_size=b)``: pass ``anchor`` = ``M`` at
+    the start of the current chunk (set ``anchor = state.M`` before every token whose position is
+    a multiple of b); the surprise is then ``k_t (anchorᵀ k_t − v_t)ᵀ``, exactly the chunk rule.
+
     Args:
       state: ``TitansLinearState(M, S)`` or a bare ``M`` (zero momentum), ``[B, H, K, V]``.
       q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; theta_t, eta_t, alpha_t: ``[B, H]``.
       read_before_write: read with ``M_{t-1}``.
       grad_clip: softclamp threshold for ``‖u‖`` (None: off, the default).
+      anchor: optional ``[B, H, K, V]``: take the surprise at this memory (chunk rule).
 
     Returns:
       ``(o_t [B, H, V] in v_t's dtype, TitansLinearState f32)``.
@@ -138,11 +141,14 @@ def titans_linear_step(
     )
     if state is None:
         raise ValueError(f"{fn}: state must be a TitansLinearState(M, S) of [B, H, K, V], got None")
-    st = _state_of(fn, state, B, H, K, V)
+    st = _state_of(fn, state, B, H, K, V, name="state")
     f = lambda x: x.astype(jnp.float32)  # noqa: E731
+    if anchor is not None:
+        anchor = _state_of(fn, anchor, B, H, K, V, name="anchor").M
     o, st = _linear_step_math(
-        st, f(q_t), f(k_t), f(v_t), f(theta_t), f(eta_t), f(alpha_t), read_before_write, grad_clip
-    )
+        st, f(q_t), f(k_t), f(v_t), f(theta_t), f(eta_t), f(alpha_t), read_before_write,
+        grad_clip, anchor,
+    )  # fmt: skip
     return o.astype(v_t.dtype), st
 
 

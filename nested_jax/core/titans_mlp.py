@@ -285,15 +285,18 @@ def titans_mlp_state(weights, batch_size: int | None = None) -> TitansMLPState:
 # --------------------------------------------------------------------------------------------------
 
 
-def _step_math(state, q, k, v, th, et, al, activation, residual, rbw, grad_clip):
-    """One token for all (B, H) in f32. ``q, k [B,H,K]``, ``v [B,H,V]``, gates ``[B,H]``."""
+def _step_math(state, q, k, v, th, et, al, activation, residual, rbw, grad_clip, anchor=None):
+    """One token for all (B, H) in f32. ``q, k [B,H,K]``, ``v [B,H,V]``, gates ``[B,H]``.
+
+    The surprise is taken at ``anchor`` when given (the chunk rule), else at the current weights.
+    """
     W, S = state
 
     def loss(ws):  # sum over (B, H) of independent losses → per-(b, h) gradients
         out, _, _ = _forward(ws, k[..., None, :], activation, residual)
         return 0.5 * jnp.sum(jnp.square(out[..., 0, :] - v))
 
-    u = jax.grad(loss)(W)
+    u = jax.grad(loss)(W if anchor is None else anchor)
     if grad_clip is not None:
         sq = sum(jnp.sum(jnp.square(g), axis=(-2, -1)) for g in u)
         th = th * _softclamp_factor(sq, grad_clip)
@@ -337,6 +340,7 @@ def titans_mlp_step(
     residual=None,
     read_before_write: bool = False,
     grad_clip: float | None = DEFAULT_MLP_GRAD_CLIP,
+    anchor=None,
 ):
     """One token of the Titans memory update and read (SPEC §2).
 
@@ -344,12 +348,18 @@ def titans_mlp_step(
     ``M_t = (1 − α_t) M_{t-1} + S_t``, ``y_t = M_t(q_t)`` (``M_{t-1}(q_t)`` with
     ``read_before_write``).
 
+    Decoding consistently with ``titans_mlp_chunked(chunk_size=b)``: pass ``anchor`` = the weights
+    at the start of the current chunk (set ``anchor = state.weights`` before every token whose
+    position is a multiple of b); the surprise is then ``∇ℓ(anchor; k_t, v_t)``, which is exactly
+    the chunk rule, so token-by-token decoding equals the chunked forward.
+
     Args:
       state: ``TitansMLPState`` with ``W_l, S_l [B, H, d_l, d_{l+1}]``.
       q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; theta_t, eta_t, alpha_t: ``[B, H]``.
       activation, residual: the memory architecture (see ``titans_mlp_apply``).
       read_before_write: read with ``M_{t-1}``.
       grad_clip: softclamp threshold for ``‖u‖`` (None: off).
+      anchor: optional tuple like ``state.weights``: take the surprise there (chunk rule).
 
     Returns:
       ``(y_t [B, H, V] in v_t's dtype, new TitansMLPState f32)``.
@@ -361,9 +371,12 @@ def titans_mlp_step(
     _check_state(fn, state, B, H, K, V)
     res = _resolve_residual(fn, residual, len(state.weights), K, V)
     f = lambda x: x.astype(jnp.float32)  # noqa: E731
+    if anchor is not None:
+        _validate_weights(fn, "anchor", anchor, B, H, K, V)
+        anchor = tuple(f(w) for w in anchor)
     y, new = _step_math(
         _f32_state(state), f(q_t), f(k_t), f(v_t), f(theta_t), f(eta_t), f(alpha_t),
-        activation, res, read_before_write, grad_clip,
+        activation, res, read_before_write, grad_clip, anchor,
     )  # fmt: skip
     return y.astype(v_t.dtype), new
 
