@@ -323,11 +323,18 @@ def _silu_grad(x):
 
 
 def ref_masks(t, N, E, dims):
-    """Open coordinates of every weight (L = 1: key rows; L = 2: hidden units) at position t."""
-    if len(dims) == 2:
+    """Open coordinates of every weight at position t: L = 1 key rows; L ≥ 2 hidden units (a
+    middle weight is open where both of its units are)."""
+    L = len(dims) - 1
+    if L == 1:
         return [np.broadcast_to(ref_open(t, N, E, dims[0])[:, None], dims)]
-    h = ref_open(t, N, E, dims[1])
-    return [np.broadcast_to(h[None, :], dims[:2]), np.broadcast_to(h[:, None], dims[1:])]
+    hid = [ref_open(t, N, E, d) for d in dims[1:-1]]
+    out = []
+    for i in range(L):
+        rows = hid[i - 1] if i > 0 else np.ones(dims[i], bool)
+        cols = hid[i] if i < L - 1 else np.ones(dims[i + 1], bool)
+        out.append(rows[:, None] & cols[None, :])
+    return out
 
 
 def ref_grad(W, k, v, residual):
@@ -386,7 +393,8 @@ def ref_proteus_titans(W0, S0, q, k, v, th, et, al, N, E, t0, chunk=1, rbw=False
 
 
 def titans_inputs(L, B=2, T=37, H=2, seed=0):
-    """L = 1: K = 10, V = 6. L = 2: K = V = 8 (residual memory), hidden 10 (blocks 2, 2, 2, 4)."""
+    """L = 1: K = 10, V = 6. L ≥ 2: K = V = 8 (residual memory), hidden 10 (blocks 2, 2, 2, 4)
+    and, for L = 3, 12."""
     rng = np.random.default_rng(seed)
     K, V = (10, 6) if L == 1 else (8, 8)
     q = rng.normal(size=(B, T, H, K)).astype(np.float32)
@@ -397,7 +405,7 @@ def titans_inputs(L, B=2, T=37, H=2, seed=0):
     th = rng.uniform(0.05, 0.3, size=(B, T, H)).astype(np.float32)
     et = rng.uniform(0.5, 0.95, size=(B, T, H)).astype(np.float32)  # momentum on
     al = rng.uniform(0.01, 0.2, size=(B, T, H)).astype(np.float32)  # decay on
-    dims = (K, V) if L == 1 else (K, 10, V)
+    dims = {1: (K, V), 2: (K, 10, V), 3: (K, 10, 12, V)}[L]
     W = tuple(
         (rng.normal(size=(B, H, a, b)) * a**-0.5).astype(np.float32)
         for a, b in zip(dims[:-1], dims[1:], strict=True)
@@ -420,14 +428,13 @@ mlp_chk = jax.jit(
 @pytest.mark.parametrize("L", [1, 2])
 def test_titans_recurrent_matches_reference_and_streams(L):
     st, seq = titans_inputs(L)
-    for rbw in (False, True):
+    for rbw in (True, False):
         y, new = mlp_rec(st, *seq, t0=5, read_before_write=rbw, **N60, **NOCLIP)
         y_ref, W_ref, S_ref = ref_proteus_titans(st.weights, st.momentum, *seq, 60, 4, 5, rbw=rbw)
         np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
         for a, b in zip(new.weights + new.momentum, W_ref + S_ref, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    # streaming: [0, 20) then [20, 37) carrying the state equals one call
-    y, new = mlp_rec(st, *seq, t0=5, **N60, **NOCLIP)
+    # streaming: [0, 20) then [20, 37) carrying the state equals one call (y, new: rbw = False)
     y1, s1 = mlp_rec(st, *(x[:, :20] for x in seq), t0=5, **N60, **NOCLIP)
     y2, s2 = mlp_rec(s1, *(x[:, 20:] for x in seq), t0=25, **N60, **NOCLIP)
     np.testing.assert_allclose(np.concatenate([y1, y2], 1), y, rtol=1e-6, atol=1e-6)
@@ -440,7 +447,7 @@ def test_titans_recurrent_matches_reference_and_streams(L):
         np.testing.assert_allclose(lin.M, new.weights[0], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("L", [1, 2])
+@pytest.mark.parametrize("L", [1, 2, 3])
 def test_titans_locked_coordinates_bit_identical_every_step(L):
     st, seq = titans_inputs(L)
     dims = (seq[0].shape[-1], *(w.shape[-1] for w in st.weights))
