@@ -61,6 +61,15 @@ def _value_and_grads(x, s0, seg, wo, ws, *, rule, form, chunk_size=None):
     return o, S, grads
 
 
+# Test programs are tiny: compile them with LLVM optimisations off (≈2.5x faster compiles here).
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def _run_value_and_grads(x, s0, seg, wo, ws, **static):
+    lowered = _value_and_grads.lower(x, s0, seg, wo, ws, **static)
+    return lowered.compile(_FAST_COMPILE)(x, s0, seg, wo, ws)
+
+
 def _assert_close(got, ref, what):
     got, ref = np.asarray(got), np.asarray(ref)
     assert got.shape == ref.shape, what
@@ -111,14 +120,12 @@ def _params():
 def test_chunked_equals_recurrent(rule, T, K, V, C, init, segs):
     B, H = 2, 1
     x, s0, seg = _data(T + K + C, B, T, H, K, V, segments=segs)
-    s0 = s0 if init else jnp.zeros_like(s0)  # zero s0 still gets a gradient
     rng = np.random.default_rng(0)
     wo = rng.normal(size=(B, T, H, V)).astype(np.float32)
     ws = rng.normal(size=(B, H, K, V)).astype(np.float32)
-    ref = _value_and_grads(x, s0 if init else None, seg, wo, ws, rule=rule, form="recurrent")
-    got = _value_and_grads(
-        x, s0 if init else None, seg, wo, ws, rule=rule, form="chunked", chunk_size=C
-    )
+    s0 = s0 if init else None
+    ref = _run_value_and_grads(x, s0, seg, wo, ws, rule=rule, form="recurrent")
+    got = _run_value_and_grads(x, s0, seg, wo, ws, rule=rule, form="chunked", chunk_size=C)
     _assert_close(got[0], ref[0], "o")
     _assert_close(got[1], ref[1], "final state")
     for name in x:
@@ -195,7 +202,8 @@ def test_segment_reset_equals_separate_runs():
         o_p, S_p = A.gated_delta_recurrent(**part, initial_state=s0)
         np.testing.assert_allclose(o[:, lo:hi], o_p, atol=1e-6)
     np.testing.assert_allclose(S, S_p, atol=1e-6)
-    o_c, S_c = A.gated_delta_chunked(**x, initial_state=s0, segment_ids=seg, chunk_size=16)
+    chunked = jax.jit(functools.partial(A.gated_delta_chunked, chunk_size=16))
+    o_c, S_c = chunked(**x, initial_state=s0, segment_ids=seg)
     _assert_close(o_c, o, "o chunked")
     _assert_close(S_c, S, "S chunked")
 
