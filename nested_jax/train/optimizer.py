@@ -69,15 +69,7 @@ def _adamw(cfg: OptimizerConfig, lr: optax.Schedule) -> optax.GradientTransforma
     )
 
 
-def _m3(cfg: OptimizerConfig, lr: optax.Schedule) -> optax.GradientTransformation:
-    # Lazy: nested_jax.optim stays importable without the training stack (and vice versa).
-    from nested_jax.optim.m3 import m3_from_config
-
-    return m3_from_config(cfg, lr)
-
-
 register_optimizer("adamw", _adamw)
-register_optimizer("m3", _m3)  # SPEC §3.5; options in optimizer.extra (see m3_from_config)
 # M3 (SPEC §3.5): matrices → M3, the rest → AdamW; options via optimizer.extra (see m3_from_config).
 register_optimizer("m3", m3_from_config)
 

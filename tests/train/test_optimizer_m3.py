@@ -7,7 +7,6 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 from train_helpers import tiny_overrides
 
@@ -72,14 +71,6 @@ def test_m3_train_step_three_finite_steps():
     assert losses[-1] < losses[0]  # same batch three times: the loss must go down
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "train/loop.py init_train_setup: optax.tree_map_params(..., param_sh) fails on "
-        "optax.partition states (MaskedNode leaves); fix: pass is_leaf=MaskedNode and keep "
-        "MaskedNode leaves. Remove this mark when loop.py is fixed."
-    ),
-)
 def test_m3_config_trains_three_finite_steps(corpus, data_dir, tmp_path):
     extra = {
         "optimizer.name": "m3",

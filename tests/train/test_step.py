@@ -78,20 +78,6 @@ def test_optimizer_registry_accepts_new_names():
         build_optimizer(OptimizerConfig(extra={"beta": 1.0}), 10)
 
 
-def test_m3_is_registered_and_reads_extra_options():
-    cfg = load_config(
-        [], ["optimizer.name=m3", "optimizer.extra={ns_steps: 3}", "optimizer.warmup_steps=0"]
-    )
-    tx, _ = build_optimizer(cfg.optimizer, 10)
-    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
-    grads = {"w": jnp.full((4, 3), 0.5), "b": jnp.ones(3)}
-    updates, _ = tx.update(grads, tx.init(params), params)
-    assert all(np.all(np.isfinite(u)) and np.any(u != 0) for u in jax.tree.leaves(updates))
-    bad = load_config([], ["optimizer.name=m3", "optimizer.extra={nope: 1}"])
-    with pytest.raises(ValueError, match="optimizer.extra"):
-        build_optimizer(bad.optimizer, 10)
-
-
 def _synthetic_batch(seed: int, b: int = 8, t: int = 32, vocab: int = 257) -> dict:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, 256, size=(b, t + 1)).astype(np.int32)
