@@ -80,7 +80,7 @@ def test_m3_config_trains_three_finite_steps(corpus, data_dir, tmp_path):
     }
     cfg = load_config([], tiny_overrides(corpus, data_dir, **extra))
     assert cfg.optimizer.name == "m3"
-    summary = train_and_evaluate(cfg, tmp_path / "run")
+    summary = train_and_evaluate(cfg, tmp_path / "run", devices=jax.devices()[:1])
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["steps"] == 3 and saved["skipped_steps"] == 0
     assert np.isfinite(summary["final_train_loss"]) and np.isfinite(summary["val_loss"])
