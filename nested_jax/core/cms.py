@@ -335,24 +335,26 @@ def cms_forward(levels, x, *, variant: str = "sequential", mix_logits=None):
 # online mode
 
 
-def surprise_from_loss(loss_fn: Callable) -> Callable:
+def surprise_from_loss(loss_fn: Callable, *, stop_gradient: bool = False) -> Callable:
     """A ``delta_fn`` from a per-token loss: ``δ_t = ∂L_t/∂y_t`` (SPEC §3.3 local surprise).
 
     Args:
       loss_fn: ``(y [B, c, d], side) -> L [B, c]`` per-token losses (e.g. the next-token
         cross-entropy of ``head(y)`` against the targets in ``side``; token ``t``'s loss must depend
         on ``y_t`` only). A scalar return is used as is (then it should be a sum over tokens).
+      stop_gradient: cut the outer gradient through ``δ``'s dependence on ``y`` (a first-order
+        meta-gradient). Default False: the online writes are differentiated exactly (second
+        order through the loss), as the rest of the library differentiates through its writes.
 
     Returns:
-      ``delta_fn(y, side) -> δ [B, c, d]`` = ``∂(Σ_t L_t)/∂y``, no gradient flowing into it from
-      the outer loss through ``y`` (the surprise is a signal, like a target).
+      ``delta_fn(y, side) -> δ [B, c, d]`` = ``∂(Σ_t L_t)/∂y``.
     """
 
     def delta_fn(y, side):
         def total(yy):
             return jnp.sum(loss_fn(yy, side))
 
-        return jax.grad(total)(lax.stop_gradient(y))
+        return jax.grad(total)(lax.stop_gradient(y) if stop_gradient else y)
 
     return delta_fn
 

@@ -70,7 +70,7 @@ def tree_sub(a, b):
 @partial(jax.jit, static_argnames="variant")
 def ref_token(lvs, xt, tt, dt, mix, variant):
     yt = ref_cms(lvs, xt, variant, mix)
-    dl = jax.lax.stop_gradient((yt - tt) if dt is None else dt)
+    dl = (yt - tt) if dt is None else dt  # surprise_from_loss differentiates through δ(y)
     grads = jax.grad(lambda L: jnp.vdot(ref_cms(L, xt, variant, mix), dl))(lvs)
     return yt, grads
 
@@ -260,6 +260,15 @@ def test_gradients_through_online_updates_match_hand_loop():
     g_ref = jax.grad(loss_ref)(levels)
     assert_tree_close(g, g_ref, tol=1e-4)
     assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree.leaves(g))
+
+    # stop_gradient=True drops the second-order path through δ(y): a different meta-gradient
+    first = surprise_from_loss(sq_loss, stop_gradient=True)
+    g1 = jax.grad(
+        lambda lv: jnp.sum(
+            jnp.sin(cms_online(lv, x, periods=periods, delta_fn=first, side=tgt, lr=lrs)[0])
+        )
+    )(levels)
+    assert tree_changed(g1, g)
 
 
 def test_independent_weights_sum_to_one_and_forward():
