@@ -31,9 +31,11 @@ from nested_jax.core.titans_mlp import (
     DEFAULT_MLP_GRAD_CLIP,
     TitansMLPState,
     _chunked_core,
+    _segment_resets,
     _softclamp_factor,
     _validate_chunk_size,
     _validate_common,
+    _validate_segment_ids,
     titans_mlp_apply,
     titans_mlp_chunked,
     titans_mlp_init_weights,
@@ -163,6 +165,7 @@ def titans_linear_recurrent(
     initial_state=None,
     read_before_write: bool = False,
     grad_clip: float | None = None,
+    segment_ids=None,
 ):
     """Titans matrix memory token by token (``lax.scan`` of ``titans_linear_step``; ground truth).
 
@@ -173,20 +176,28 @@ def titans_linear_recurrent(
       initial_state: None (zeros), ``TitansLinearState(M, S)`` or a bare ``M``, ``[B, H, K, V]``.
       read_before_write: read ``o_t = M_{t-1}ᵀ q_t``.
       grad_clip: softclamp threshold for ``‖u_t‖`` (None: off, the default).
+      segment_ids: optional ``[B, T]`` int (packed sequences, SPEC §0): the state resets to
+        ``initial_state`` before the first token of every segment after the first.
 
     Returns:
       ``(o [B, T, H, V] in v's dtype, TitansLinearState(M, S) f32 [B, H, K, V])``.
     """
     fn = "titans_linear_recurrent"
     B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
-    st = _state_of(fn, initial_state, B, H, K, V)
+    _validate_segment_ids(fn, segment_ids, B, T)
+    st0 = _state_of(fn, initial_state, B, H, K, V)
     tm = lambda x: jnp.moveaxis(x, 1, 0).astype(jnp.float32)  # noqa: E731
+    resets = None if segment_ids is None else tm(_segment_resets(segment_ids))
 
     def body(s, xs):
+        *xs, r = xs
+        if r is not None:
+            s = jax.tree.map(lambda a, b: jnp.where(r[:, None, None, None] > 0, b, a), s, st0)
         o, s = _linear_step_math(s, *xs, read_before_write, grad_clip)
         return s, o
 
-    st, o = lax.scan(body, st, tuple(map(tm, (q, k, v, theta, eta, alpha))))
+    xs = tuple(map(tm, (q, k, v, theta, eta, alpha))) + (resets,)
+    st, o = lax.scan(body, st0, xs)
     return jnp.moveaxis(o, 0, 1).astype(v.dtype), st
 
 
@@ -204,6 +215,7 @@ def titans_linear_chunked(
     grad_clip: float | None = None,
     per_chunk_gates: bool = False,
     remat: bool = True,
+    segment_ids=None,
 ):
     """Titans matrix memory in chunks (SPEC §2 parallel form with L_M = 1; SPEC §0.1 signature).
 
@@ -221,6 +233,8 @@ def titans_linear_chunked(
       grad_clip: softclamp threshold for ``‖u_t‖`` (None: off, the default).
       per_chunk_gates: θ, η, α replaced by their per-chunk means (``titans_pool_gates``).
       remat: recompute each chunk in the backward pass (saves only ``(M, S)`` per chunk).
+      segment_ids: optional ``[B, T]`` int: resets to ``initial_state`` at segment starts (see
+        ``titans_mlp_chunked``).
 
     Returns:
       ``(o [B, T, H, V] in v's dtype, TitansLinearState(M, S) f32 [B, H, K, V])``.
@@ -228,10 +242,12 @@ def titans_linear_chunked(
     fn = "titans_linear_chunked"
     B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
     _validate_chunk_size(fn, chunk_size)
+    _validate_segment_ids(fn, segment_ids, B, T)
     st = _state_of(fn, initial_state, B, H, K, V)
     o, (W, S) = _chunked_core(
         (st.M,), (st.S,), q, k, v, theta, eta, alpha,
         chunk_size=chunk_size, activation=None, residual=False, rbw=read_before_write,
         grad_clip=grad_clip, per_chunk_gates=per_chunk_gates, remat=remat,
+        segment_ids=segment_ids,
     )  # fmt: skip
     return o.astype(v.dtype), TitansLinearState(W[0], S[0])

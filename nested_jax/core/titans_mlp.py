@@ -147,6 +147,17 @@ def _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token: bool)
     return B, T, H, K, v.shape[-1]
 
 
+def _validate_segment_ids(fn, segment_ids, B, T):
+    if segment_ids is None:
+        return
+    if _shape(segment_ids) != (B, T):
+        raise ValueError(
+            f"{fn}: segment_ids must have shape [B, T] = {(B, T)}, got {_shape(segment_ids)}"
+        )
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"{fn}: segment_ids must have an integer dtype, got {segment_ids.dtype}")
+
+
 def _validate_chunk_size(fn, chunk_size):
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise ValueError(f"{fn}: chunk_size must be a positive int, got {chunk_size!r}")
@@ -394,6 +405,7 @@ def titans_mlp_recurrent(
     residual=None,
     read_before_write: bool = False,
     grad_clip: float | None = DEFAULT_MLP_GRAD_CLIP,
+    segment_ids=None,
 ):
     """Titans memory over a sequence token by token (``lax.scan`` of the step; ground truth).
 
@@ -402,6 +414,8 @@ def titans_mlp_recurrent(
         ``titans_mlp_state``), arrays ``[B, H, d_l, d_{l+1}]``.
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; theta, eta, alpha: ``[B, T, H]``.
       activation, residual, read_before_write, grad_clip: as ``titans_mlp_step``.
+      segment_ids: optional ``[B, T]`` int (packed sequences, SPEC §0): the state resets to
+        ``state`` before the first token of every segment after the first.
 
     Returns:
       ``(y [B, T, H, V] in v's dtype, final TitansMLPState f32)``.
@@ -409,14 +423,21 @@ def titans_mlp_recurrent(
     fn = "titans_mlp_recurrent"
     B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
     _check_state(fn, state, B, H, K, V)
+    _validate_segment_ids(fn, segment_ids, B, T)
     res = _resolve_residual(fn, residual, len(state.weights), K, V)
     tm = lambda x: jnp.moveaxis(x, 1, 0).astype(jnp.float32)  # noqa: E731
+    st0 = _f32_state(state)
+    resets = None if segment_ids is None else tm(_segment_resets(segment_ids))
 
     def body(st, xs):
+        *xs, r = xs
+        if r is not None:
+            st = jax.tree.map(lambda a, b: jnp.where(r[:, None, None, None] > 0, b, a), st, st0)
         y, st = _step_math(st, *xs, activation, res, read_before_write, grad_clip)
         return st, y
 
-    st, y = lax.scan(body, _f32_state(state), tuple(map(tm, (q, k, v, theta, eta, alpha))))
+    xs = tuple(map(tm, (q, k, v, theta, eta, alpha))) + (resets,)
+    st, y = lax.scan(body, st0, xs)
     return jnp.moveaxis(y, 0, 1).astype(v.dtype), st
 
 
@@ -456,46 +477,79 @@ def _coefficients(eta, alpha):
     return A, C, E, peta, D
 
 
-def _chunk_body(carry, xs, *, activation, residual, rbw, grad_clip):
-    """One chunk for all (B, H). Carry ``(W, S)``; xs arrays ``[B, H, b, ...]`` and ``sel [b+1]``.
-
-    ``sel`` is the one-hot row of the chunk's last real token (< b only for a padded last chunk):
-    the final state is read from that row, so padding never touches the state.
-    """
-    W0, S0 = carry
-    q, k, v, th, et, al, sel = xs
-    out, inputs, pre = _forward(W0, k, activation, residual)
-    deltas = _backward(W0, pre, out - v, activation)
+def _surprise_factors(W, k, v, th, activation, residual, grad_clip):
+    """Rank-1 factors ``(a_l, δ_l)`` of every token's surprise at ``W``; θ with the softclamp."""
+    out, inputs, pre = _forward(W, k, activation, residual)
+    deltas = _backward(W, pre, out - v, activation)
     if grad_clip is not None:
         sq = sum(
             jnp.sum(jnp.square(a), -1) * jnp.sum(jnp.square(d), -1)
             for a, d in zip(inputs, deltas, strict=True)
         )
         th = th * _softclamp_factor(sq, grad_clip)
+    return inputs, deltas, th
+
+
+def _chunk_body(carry, xs, *, init, activation, residual, rbw, grad_clip):
+    """One chunk for all (B, H). Carry ``(W, S)``; xs arrays ``[B, H, b, ...]``, ``sel [b+1]``
+    and ``reset`` (``[B, 1, b]`` 0/1, or None).
+
+    ``sel`` is the one-hot row of the chunk's last real token (< b only for a padded last chunk):
+    the final state is read from that row, so padding never touches the state.
+
+    Resets (packed sequences): at a token with ``r_t = 1`` the state before it is ``init =
+    (W^i, S^i)``. With ``c = 1 − r`` this is the same unrolled recurrence with gates ``η c`` and
+    ``(1 − α) c`` plus sources ``(1 − c)(1 − α) W^i`` into M and ``(1 − c) η S^i`` into S, whose
+    coefficients are ``F = P^α (1−c)(1−α)``, ``G = D (1−c)η`` (into W) and ``Hs = P^η (1−c)η``
+    (into S). Tokens after a reset in the chunk take their surprise at ``W^i`` (the chunk start
+    of their document), the others at ``W⁰``.
+    """
+    W0, S0 = carry
+    q, k, v, th, et, al, sel, reset = xs
+    inputs, deltas, th_c = _surprise_factors(W0, k, v, th, activation, residual, grad_clip)
+    mats = list(zip(W0, S0, strict=True))
+    if reset is not None:
+        Wi, Si = init
+        after = (jnp.cumsum(reset, axis=-1) > 0)[..., None]  # token j is past a reset
+        in_i, de_i, th_i = _surprise_factors(Wi, k, v, th, activation, residual, grad_clip)
+        inputs = [jnp.where(after, x, y) for x, y in zip(in_i, inputs, strict=True)]
+        deltas = [jnp.where(after, x, y) for x, y in zip(de_i, deltas, strict=True)]
+        th_c = jnp.where(after[..., 0], th_i, th_c)
+        keep = 1.0 - reset
+        src_m, src_s = reset * (1.0 - al), reset * et
+        et, al = et * keep, 1.0 - (1.0 - al) * keep
+        mats = list(zip(W0, S0, Wi, Si, strict=True))
     A, C, E, peta, D = _coefficients(et, al)
+    coef_w, coef_s = [A, C], [jnp.zeros_like(E), E]  # coefficients of (W⁰, S⁰[, W^i, S^i])
+    if reset is not None:
+        palpha = _seg_prod(1.0 - al)[..., :, 1:]
+        coef_w += [
+            jnp.einsum("...ti,...i->...t", palpha, src_m),
+            jnp.einsum("...tj,...j->...t", D, src_s),
+        ]
+        coef_s += [jnp.zeros_like(E), jnp.einsum("...tj,...j->...t", peta, src_s)]
     rows = slice(0, -1) if rbw else slice(1, None)
-    Ar, Cr = A[..., rows, None], C[..., rows, None]
-    Dr = D[..., rows, :] * th[..., None, :]
+    Dr = D[..., rows, :] * th_c[..., None, :]
     z = q
-    for i, (w0, s0) in enumerate(zip(W0, S0, strict=True)):
+    for i, ms in enumerate(mats):
         za = jnp.einsum("...td,...jd->...tj", z, inputs[i])
-        h = (
-            Ar * jnp.einsum("...td,...de->...te", z, w0)
-            + Cr * jnp.einsum("...td,...de->...te", z, s0)
-            - jnp.einsum("...tj,...je->...te", Dr * za, deltas[i])
-        )
-        z = activation(h) if i < len(W0) - 1 else h
+        h = -jnp.einsum("...tj,...je->...te", Dr * za, deltas[i])
+        for c, m in zip(coef_w, ms, strict=True):
+            h = h + c[..., rows, None] * jnp.einsum("...td,...de->...te", z, m)
+        z = activation(h) if i < len(mats) - 1 else h
     y = z + q if residual else z
     # State after the chunk's last real token.
-    a_l = jnp.einsum("...t,t->...", A, sel)[..., None, None]
-    c_l = jnp.einsum("...t,t->...", C, sel)[..., None, None]
-    e_l = jnp.einsum("...t,t->...", E, sel)[..., None, None]
-    d_l = jnp.einsum("...tj,t->...j", D, sel) * th
-    p_l = jnp.einsum("...tj,t->...j", peta, sel) * th
+    last = lambda c: jnp.einsum("...t,t->...", c, sel)[..., None, None]  # noqa: E731
+    d_l = jnp.einsum("...tj,t->...j", D, sel) * th_c
+    p_l = jnp.einsum("...tj,t->...j", peta, sel) * th_c
     W_new, S_new = [], []
-    for w0, s0, a, d in zip(W0, S0, inputs, deltas, strict=True):
-        W_new.append(a_l * w0 + c_l * s0 - jnp.einsum("...jd,...j,...je->...de", a, d_l, d))
-        S_new.append(e_l * s0 - jnp.einsum("...jd,...j,...je->...de", a, p_l, d))
+    for ms, a, d in zip(mats, inputs, deltas, strict=True):
+        w = -jnp.einsum("...jd,...j,...je->...de", a, d_l, d)
+        s_ = -jnp.einsum("...jd,...j,...je->...de", a, p_l, d)
+        for cw, cs, m in zip(coef_w, coef_s, ms, strict=True):
+            w, s_ = w + last(cw) * m, s_ + last(cs) * m
+        W_new.append(w)
+        S_new.append(s_)
     return (tuple(W_new), tuple(S_new)), y
 
 
@@ -534,9 +588,15 @@ def _to_chunks(x, b, N):
     return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
 
 
+def _segment_resets(segment_ids):
+    """``[B, T]`` float 0/1: 1 where the state resets before token t (a new segment, t > 0)."""
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1).astype(jnp.float32)
+
+
 def _chunked_core(
     weights, momentum, q, k, v, theta, eta, alpha, *,
-    chunk_size, activation, residual, rbw, grad_clip, per_chunk_gates, remat,
+    chunk_size, activation, residual, rbw, grad_clip, per_chunk_gates, remat, segment_ids=None,
 ):  # fmt: skip
     """Shared chunked engine (validated inputs): ``(y [B,T,H,V] f32, (W, S) f32 tuples)``."""
     B, T, H, _ = q.shape
@@ -548,13 +608,16 @@ def _chunked_core(
         theta, eta, alpha = (_chunk_pool(x, b, T) for x in (theta, eta, alpha))
     last = jnp.minimum(b, T - b * jnp.arange(N))  # row index (1..b) of each chunk's last real token
     sel = jax.nn.one_hot(last, b + 1, dtype=f32)
-    xs = tuple(_to_chunks(x, b, N) for x in (q, k, v, theta, eta, alpha)) + (sel,)
+    reset = None
+    if segment_ids is not None:  # [B, T] → [N, B, 1, b]
+        reset = _to_chunks(_segment_resets(segment_ids)[:, :, None], b, N)
+    xs = tuple(_to_chunks(x, b, N) for x in (q, k, v, theta, eta, alpha)) + (sel, reset)
+    carry = (tuple(w.astype(f32) for w in weights), tuple(s.astype(f32) for s in momentum))
     body = lambda c, x: _chunk_body(  # noqa: E731
-        c, x, activation=activation, residual=residual, rbw=rbw, grad_clip=grad_clip
+        c, x, init=carry, activation=activation, residual=residual, rbw=rbw, grad_clip=grad_clip
     )
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    carry = (tuple(w.astype(f32) for w in weights), tuple(s.astype(f32) for s in momentum))
     carry, y = lax.scan(body, carry, xs)  # y [N, B, H, b, V]
     y = jnp.moveaxis(y, 0, 2).reshape(B, H, N * b, -1)[:, :, :T]
     return jnp.moveaxis(y, 1, 2), carry
@@ -576,6 +639,7 @@ def titans_mlp_chunked(
     grad_clip: float | None = DEFAULT_MLP_GRAD_CLIP,
     per_chunk_gates: bool = False,
     remat: bool = True,
+    segment_ids=None,
 ):
     """Titans memory in chunks of ``chunk_size`` (SPEC §2 parallel form, dual-form reads).
 
@@ -591,6 +655,11 @@ def titans_mlp_chunked(
       activation, residual, read_before_write, grad_clip: as ``titans_mlp_step``.
       per_chunk_gates: replace θ, η, α by their per-chunk means (``titans_pool_gates``).
       remat: recompute each chunk in the backward pass (saves only the carried state per chunk).
+      segment_ids: optional ``[B, T]`` int (packed sequences): the state resets to ``state`` at
+        every segment start; chunks stay aligned at position 0 and a token after a reset takes its
+        surprise at ``state.weights`` (the start of its document) instead of the chunk start. Each
+        segment then gets exactly what a separate call on it would give when it starts on a chunk
+        boundary (and the chunk rule on the global chunk grid otherwise).
 
     Returns:
       ``(y [B, T, H, V] in v's dtype, final TitansMLPState f32)``.
@@ -599,10 +668,12 @@ def titans_mlp_chunked(
     B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
     _validate_chunk_size(fn, chunk_size)
     _check_state(fn, state, B, H, K, V)
+    _validate_segment_ids(fn, segment_ids, B, T)
     res = _resolve_residual(fn, residual, len(state.weights), K, V)
     y, (W, S) = _chunked_core(
         state.weights, state.momentum, q, k, v, theta, eta, alpha,
         chunk_size=chunk_size, activation=activation, residual=res, rbw=read_before_write,
         grad_clip=grad_clip, per_chunk_gates=per_chunk_gates, remat=remat,
+        segment_ids=segment_ids,
     )  # fmt: skip
     return y.astype(v.dtype), TitansMLPState(W, S)

@@ -427,6 +427,65 @@ def test_bf16_inputs_keep_f32_state():
 
 
 # --------------------------------------------------------------------------------------------------
+# Packed sequences (segment_ids, SPEC §0)
+# --------------------------------------------------------------------------------------------------
+
+
+def _segments(T):
+    """Row 0: resets at 6 and 7 (two inside one chunk of 4); row 1: at 8 (a chunk start) and 20."""
+    seg = np.zeros((2, T), np.int32)
+    seg[0, 6:], seg[0, 7:] = 1, 2
+    seg[1, 8:], seg[1, 20:] = 1, 2
+    return jnp.asarray(seg)
+
+
+def test_segment_ids_chunked_matches_slow_chunk_rule_values_and_grads():
+    B, T, H, D, b = 2, 23, 1, 6, 4
+    x = _inputs(110, B, T, H, D, D)
+    st = _mlp_state(11, B, H, (D, 8, D))
+    seg = _segments(T)
+
+    def fast(st, *a):
+        y, s = titans_mlp_chunked(st, *a, chunk_size=b, grad_clip=None, segment_ids=seg)
+        return y, s.weights, s.momentum
+
+    def slow(st, *a):
+        return ref.chunk_rule(
+            st.weights, st.momentum, *a, chunk_size=b, residual=True, segment_ids=seg
+        )
+
+    out_f, g_f = _grads(fast, (st, *x))
+    out_s, g_s = _grads(slow, (st, *x))
+    _assert_tree_close(out_f, out_s, "values (y, W, S)")
+    _assert_tree_close(g_f, g_s, "grads (state0, q, k, v, theta, eta, alpha)")
+
+
+def test_segment_ids_reset_to_initial_state():
+    """A segment gives what a separate call on it gives: recurrent always; chunked when the
+    segment starts on a chunk boundary (row 1 restarts at t = 8); chunk_size=1 == recurrent."""
+    B, T, H, D, b = 2, 23, 2, 6, 4
+    x = _inputs(120, B, T, H, D, D)
+    seg = _segments(T)
+    M0 = _normal(12, (B, H, D, D), 0.3)
+    init = TitansLinearState(M0, _normal(13, (B, H, D, D), 0.1))
+    o_r, s_r = _run(titans_linear_recurrent, *x, initial_state=init, segment_ids=seg)
+    o_1, s_1 = _run(titans_linear_chunked, *x, initial_state=init, segment_ids=seg, chunk_size=1)
+    _close(o_1, o_r, what="chunk 1 vs recurrent o")
+    _assert_tree_close(s_1, s_r, "chunk 1 vs recurrent state")
+    o_c, s_c = _run(titans_linear_chunked, *x, initial_state=init, segment_ids=seg, chunk_size=b)
+    part = [a[1:, 8:20] for a in x]
+    init1 = TitansLinearState(M0[1:], init.S[1:])
+    o_sep, _ = _run(titans_linear_recurrent, *part, initial_state=init1)
+    _close(o_r[1:, 8:20], o_sep, what="recurrent segment [8, 20)")
+    o_sep, _ = _run(titans_linear_chunked, *part, initial_state=init1, chunk_size=b)
+    _close(o_c[1:, 8:20], o_sep, what="chunked segment [8, 20)")
+    _, s_sep = _run(titans_linear_recurrent, *(a[1:, 20:] for a in x), initial_state=init1)
+    _close(s_r.M[1:], s_sep.M, what="final M of the last segment")
+    with pytest.raises(ValueError, match=r"segment_ids must have shape \[B, T\]"):
+        titans_linear_chunked(*x, segment_ids=seg[:, :5])
+
+
+# --------------------------------------------------------------------------------------------------
 # Memory: no per-chunk gradient stacks; temp memory linear in T
 # --------------------------------------------------------------------------------------------------
 

@@ -33,8 +33,9 @@ def _grad(ws, k, v, activation, residual, grad_clip):
 
 
 def chunk_rule_single(
-    ws, ss, q, k, v, theta, eta, alpha, *, chunk_size, activation, residual, rbw, grad_clip
-):
+    ws, ss, q, k, v, theta, eta, alpha, reset=None, *,
+    chunk_size, activation, residual, rbw, grad_clip,
+):  # fmt: skip
     """One (batch, head): ``ws, ss`` lists of ``[d_in, d_out]``; ``q, k [T, K]``; gates ``[T]``.
 
     Python loop over chunks (the last one shorter, no padding). In each chunk: every surprise at the
@@ -44,23 +45,31 @@ def chunk_rule_single(
     """
     T = q.shape[0]
     ws, ss = list(ws), list(ss)
+    init = (list(ws), list(ss))
+    reset = jnp.zeros((T,), bool) if reset is None else reset
     ys = []
     for start in range(0, T, chunk_size):
         sl = slice(start, min(start + chunk_size, T))
-        w0 = list(ws)
-        us = jax.vmap(lambda kt, vt, w0=w0: _grad(w0, kt, vt, activation, residual, grad_clip))(
-            k[sl], v[sl]
+        grads = jax.vmap(
+            lambda kt, vt, w: _grad(w, kt, vt, activation, residual, grad_clip), (0, 0, None)
         )
+        us0 = grads(k[sl], v[sl], list(ws))  # at the chunk start
+        usi = grads(k[sl], v[sl], init[0])  # at the initial weights (document restarted here)
+        after = jnp.cumsum(reset[sl]) > 0
 
         def token(carry, xs):
             ws, ss = carry
-            u, qt, th, et, al = xs
+            u0, ui, aft, r, qt, th, et, al = xs
+            u = [jnp.where(aft, a, b) for a, b in zip(ui, u0, strict=True)]
+            ws = [jnp.where(r, a, b) for a, b in zip(init[0], ws, strict=True)]
+            ss = [jnp.where(r, a, b) for a, b in zip(init[1], ss, strict=True)]
             ss_new = [et * s - th * g for s, g in zip(ss, u, strict=True)]
             ws_new = [(1.0 - al) * w + s for w, s in zip(ws, ss_new, strict=True)]
             y = mlp(ws if rbw else ws_new, qt, activation, residual)
             return (ws_new, ss_new), y
 
-        (ws, ss), y = jax.lax.scan(token, (ws, ss), (us, q[sl], theta[sl], eta[sl], alpha[sl]))
+        xs = (us0, usi, after, reset[sl], q[sl], theta[sl], eta[sl], alpha[sl])
+        (ws, ss), y = jax.lax.scan(token, (ws, ss), xs)
         ys.append(y)
     return jnp.concatenate(ys), ws, ss
 
@@ -80,24 +89,32 @@ def chunk_rule(
     residual=False,
     read_before_write=False,
     grad_clip=None,
+    segment_ids=None,
 ):
     """Batched reference: weights/momentum tuples ``[B, H, d_in, d_out]``; q, k, v ``[B, T, H, D]``.
 
     Returns ``(y [B, T, H, V], weights, momentum)``. ``chunk_size=1`` is the exact per-token rule.
     """
 
-    def single(ws, ss, q, k, v, th, et, al):
+    def single(ws, ss, q, k, v, th, et, al, reset):
         return chunk_rule_single(
-            ws, ss, q, k, v, th, et, al,
+            ws, ss, q, k, v, th, et, al, reset,
             chunk_size=chunk_size, activation=activation, residual=residual,
             rbw=read_before_write, grad_clip=grad_clip,
         )  # fmt: skip
 
     # vmap over heads (axis 0 of per-batch [H, ...] states, axis 1 of [T, H, ...] inputs),
     # then over batch.
-    per_head = jax.vmap(single, in_axes=(0, 0, 1, 1, 1, 1, 1, 1), out_axes=(1, 0, 0))
+    B, T = q.shape[:2]
+    if segment_ids is None:
+        reset = jnp.zeros((B, T), bool)
+    else:  # a new segment starts at t > 0 where the id changes
+        reset = jnp.concatenate(
+            [jnp.zeros((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+        )
+    per_head = jax.vmap(single, in_axes=(0, 0, 1, 1, 1, 1, 1, 1, None), out_axes=(1, 0, 0))
     per_batch = jax.vmap(per_head, in_axes=0, out_axes=0)
-    y, ws, ss = per_batch(list(weights), list(momentum), q, k, v, theta, eta, alpha)
+    y, ws, ss = per_batch(list(weights), list(momentum), q, k, v, theta, eta, alpha, reset)
     return y, tuple(ws), tuple(ss)
 
 
