@@ -146,6 +146,7 @@ class NeuralMemory(nnx.Module):
         self.grad_clip = float(opts.grad_clip) or None
         hidden = opts.resolved_memory_hidden(head_dim)
         dims = (head_dim,) + (hidden,) * (self.n_layers - 1) + (head_dim,)
+        self.dims = dims
         init = titans_mlp_init_weights(rngs.params(), n_heads, dims)
         for i, w in enumerate(init):
             setattr(self, f"w{i}", nnx.Param(partitioned(lambda *_, w=w: w, (None,) * 3)(None)))
@@ -193,17 +194,30 @@ class NeuralMemory(nnx.Module):
         return titans_mlp_apply(weights, z.astype(jnp.float32))
 
     def init_cache(self, batch_size: int) -> MemoryCache:
-        """Decode state at position 0 (``M_0``, zero momentum, empty chunk buffer)."""
+        """Decode state at position 0: ``n = −1`` marks "not started" and the weights are zero
+        placeholders, because the LM shell builds caches from static attributes only (on the
+        layer-stacked module); the first :meth:`step` substitutes the learned ``M_0``."""
         if self.per_chunk_gates:
             raise ValueError(
                 "ModelConfig.titans.per_chunk_gates: per-chunk gates pool over later tokens of the "
                 "chunk, so the model cannot decode token by token; use per_chunk_gates=false"
             )
-        st = self.initial_state(batch_size)
+        ws = tuple(
+            jnp.zeros((batch_size, self.n_heads, a, b), jnp.float32)
+            for a, b in zip(self.dims[:-1], self.dims[1:], strict=True)
+        )
         b, h, d = self.chunk, self.n_heads, self.head_dim
         z = jnp.zeros((batch_size, b, h, d), jnp.float32)
         g = jnp.zeros((batch_size, b, h), jnp.float32)
-        return MemoryCache(st.weights, st.momentum, z, z, z, g, g, g, jnp.zeros((), jnp.int32))
+        return MemoryCache(ws, ws, z, z, z, g, g, g, jnp.full((), -1, jnp.int32))
+
+    def start(self, cache: MemoryCache) -> MemoryCache:
+        """``cache`` with ``(M_0, 0)`` substituted if it has not started (``n < 0``), ``n ≥ 0``."""
+        fresh = cache.n < 0
+        st = self.initial_state(cache.q.shape[0])
+        w = jax.tree.map(lambda a, o: jnp.where(fresh, a, o), st.weights, cache.weights)
+        s = jax.tree.map(lambda o: jnp.where(fresh, 0.0, o), cache.momentum)
+        return cache._replace(weights=w, momentum=s, n=jnp.maximum(cache.n, 0))
 
     def step(self, cache: MemoryCache, q, k, v, theta, eta, alpha, *, commit=None):
         """One token: ``q, k, v [B, H, D]``, gates ``[B, H]`` → ``(y [B, H, D] f32, cache)``.
@@ -214,6 +228,7 @@ class NeuralMemory(nnx.Module):
         """
         f = lambda a: a.astype(jnp.float32)  # noqa: E731
         q, k, v, theta, eta, alpha = map(f, (q, k, v, theta, eta, alpha))
+        cache = self.start(cache)
         if self.chunk == 1:
             st = TitansMLPState(cache.weights, cache.momentum)
             y, st = titans_mlp_step(st, q, k, v, theta, eta, alpha, **self._kw())

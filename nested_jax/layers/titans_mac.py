@@ -194,6 +194,12 @@ class TitansMAC(nnx.Module):
     def _step(self, c: MACCache, xt, pt):
         ns = self.segment_len
         p = c.pos % ns
+        # Before the first token the caches hold placeholders (built from static attributes):
+        # the memory substitutes M_0, and segment 0 retrieves from M_0 too.
+        c = c._replace(memory=self.memory.start(c.memory))
+        first = c.pos == 0
+        seg_w = jax.tree.map(lambda a, o: jnp.where(first, a, o), c.memory.weights, c.seg_weights)
+        c = c._replace(seg_weights=seg_w)
         qm, cq = self._retrieval_query(xt, state=c.conv_q)
         kh, vh = self._retrieved_kv(c.seg_weights, qm, pt)
         qx, kx, vx = self.attn.qkv(xt, pt)

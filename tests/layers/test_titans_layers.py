@@ -99,12 +99,13 @@ def test_causal(name):
 
 
 def _seg_weights_per_token(m, x):
-    """The retrieval state each token of the decode used (``M_{s-1}``, first memory layer)."""
+    """The retrieval state ``M_{s-1}`` (first memory layer) in the decode cache after each token;
+    inside a segment it is the state that token retrieved from."""
     cache = m.init_cache(B, x.shape[1])
     used = []
     for t in range(x.shape[1]):
-        used.append(np.asarray(cache.seg_weights[0]))
         _, cache = _cached(m, x[:, t : t + 1], cache, t)
+        used.append(np.asarray(cache.seg_weights[0]))
     return np.stack(used), cache
 
 
@@ -112,18 +113,18 @@ def test_mac_retrieval_depends_only_on_earlier_segments():
     m = _mixer("titans_mac")
     x = _x(t=24)  # three segments of 8
     w, _ = _seg_weights_per_token(m, x)
-    # One retrieval state per segment; segment 0 retrieves from the learned M_0.
+    # One retrieval state per segment (kept until its last token); segment 0 uses the learned M_0.
     for s in range(3):
-        assert np.array_equal(w[8 * s], w[8 * s + 7])
+        assert np.array_equal(w[8 * s], w[8 * s + 6])
     m0 = np.broadcast_to(np.asarray(m.memory.w0[...]), w[0].shape)
     np.testing.assert_array_equal(w[0], m0)
     assert not np.allclose(w[8], w[0]) and not np.allclose(w[16], w[8])
     # Perturbing segment 1 leaves the retrieval of segments 0 and 1 alone, changes segment 2's.
     x2 = x.at[:, 8:16].add(1.0)
     w2, _ = _seg_weights_per_token(m, x2)
-    np.testing.assert_array_equal(w2[:16], w[:16])
+    np.testing.assert_array_equal(w2[:15], w[:15])
     assert float(np.abs(w2[16] - w[16]).max()) > 1e-4
-    # And the forward agrees: outputs of segments 0 and the earlier tokens are unchanged.
+    # And the forward agrees: outputs of segment 0 are unchanged.
     y, y2 = _full(m, x), _full(m, x2)
     np.testing.assert_array_equal(np.asarray(y[:, :8]), np.asarray(y2[:, :8]))
 
