@@ -412,6 +412,81 @@ def _zero_taps(levels, x_c, variant):
     return tuple(taps)
 
 
+def _apply_boundaries(lv, acc, fire, variant):
+    """Levels whose period ends apply ``θ ← θ − accum`` and clear it; ``nested`` then resets."""
+
+    def sel(f, a, b):
+        return jax.tree.map(lambda u, v: jnp.where(f, u, v), a, b)
+
+    new_lv, out_acc = [], []
+    for j in range(len(lv)):
+        applied = jax.tree.map(lambda w, a: (w - a).astype(w.dtype), lv[j], acc[j])
+        new_lv.append(sel(fire[j], applied, lv[j]))
+        out_acc.append(sel(fire[j], jax.tree.map(jnp.zeros_like, acc[j]), acc[j]))
+    if variant == "nested":
+        for j in range(len(lv) - 2, -1, -1):  # top-down: a slow boundary cascades to faster ones
+            new_lv[j] = sel(fire[j + 1], new_lv[j + 1], new_lv[j])
+            out_acc[j] = sel(fire[j + 1], jax.tree.map(jnp.zeros_like, out_acc[j]), out_acc[j])
+    return tuple(new_lv), tuple(out_acc)
+
+
+def _validate_online(
+    levels,
+    x,
+    periods,
+    delta_fn,
+    delta,
+    side,
+    variant,
+    lr,
+    inner,
+    mix_logits,
+    initial_state,
+    remat_every,
+):
+    """Trace-time checks of :func:`cms_online`; returns the normalised inputs."""
+    _check_variant(variant)
+    if inner not in _INNER:
+        raise ValueError(f"inner must be one of {_INNER}, got {inner!r}")
+    if (delta_fn is None) == (delta is None):
+        raise ValueError("give exactly one of delta_fn (callable) or delta (array [B, T, d])")
+    if delta_fn is not None and not callable(delta_fn):
+        raise ValueError(f"delta_fn must be callable, got {type(delta_fn).__name__}")
+    x = jnp.asarray(x)
+    if x.ndim != 3:
+        raise ValueError(f"x must have shape [B, T, d], got {x.shape}")
+    B, T, _ = x.shape
+    if initial_state is None:
+        d = _check_levels(levels)
+        k = len(levels)
+        state = cms_initial_state(tuple(levels), B)
+    else:
+        if not isinstance(initial_state, CMSState):
+            raise ValueError("initial_state must be a CMSState")
+        d = _check_levels(initial_state.levels, batch=B)
+        k = len(initial_state.levels)
+        state = initial_state
+    x = _check_x(x, d)
+    periods = _check_periods(periods, k, variant)
+    mix_logits = _check_mix(mix_logits, k, variant)
+    lrs = _per_level("lr", lr, k)
+    if delta is not None:
+        delta = jnp.asarray(delta)
+        if delta.shape != x.shape:
+            raise ValueError(f"delta must have shape [B, T, d] = {x.shape}, got {delta.shape}")
+    if side is not None:
+        for leaf in jax.tree.leaves(side):
+            if jnp.ndim(leaf) < 2 or jnp.shape(leaf)[:2] != (B, T):
+                raise ValueError(
+                    f"side leaves must have shape [B={B}, T={T}, ...], got {jnp.shape(leaf)}"
+                )
+    if remat_every is not None and (
+        isinstance(remat_every, bool) or not isinstance(remat_every, int) or remat_every < 1
+    ):
+        raise ValueError(f"remat_every must be a positive int or None, got {remat_every!r}")
+    return x, state, periods, mix_logits, lrs, delta
+
+
 def cms_online(
     levels,
     x,
@@ -461,45 +536,22 @@ def cms_online(
     Returns:
       ``(y [B, T, d], CMSState)``, ``y`` in ``x``'s dtype (accumulators are f32).
     """
-    _check_variant(variant)
-    if inner not in _INNER:
-        raise ValueError(f"inner must be one of {_INNER}, got {inner!r}")
-    if (delta_fn is None) == (delta is None):
-        raise ValueError("give exactly one of delta_fn (callable) or delta (array [B, T, d])")
-    if delta_fn is not None and not callable(delta_fn):
-        raise ValueError(f"delta_fn must be callable, got {type(delta_fn).__name__}")
-    x = jnp.asarray(x)
-    if x.ndim != 3:
-        raise ValueError(f"x must have shape [B, T, d], got {x.shape}")
-    B, T, _ = x.shape
-    if initial_state is None:
-        d = _check_levels(levels)
-        k = len(levels)
-        state = cms_initial_state(tuple(levels), B)
-    else:
-        if not isinstance(initial_state, CMSState):
-            raise ValueError("initial_state must be a CMSState")
-        d = _check_levels(initial_state.levels, batch=B)
-        k = len(initial_state.levels)
-        state = initial_state
-    x = _check_x(x, d)
-    periods = _check_periods(periods, k, variant)
-    mix_logits = _check_mix(mix_logits, k, variant)
-    lrs = _per_level("lr", lr, k)
-    if delta is not None:
-        delta = jnp.asarray(delta)
-        if delta.shape != x.shape:
-            raise ValueError(f"delta must have shape [B, T, d] = {x.shape}, got {delta.shape}")
-    if side is not None:
-        for leaf in jax.tree.leaves(side):
-            if jnp.ndim(leaf) < 2 or jnp.shape(leaf)[:2] != (B, T):
-                raise ValueError(
-                    f"side leaves must have shape [B={B}, T={T}, ...], got {jnp.shape(leaf)}"
-                )
-    if remat_every is not None and (
-        isinstance(remat_every, bool) or not isinstance(remat_every, int) or remat_every < 1
-    ):
-        raise ValueError(f"remat_every must be a positive int or None, got {remat_every!r}")
+    x, state, periods, mix_logits, lrs, delta = _validate_online(
+        levels,
+        x,
+        periods,
+        delta_fn,
+        delta,
+        side,
+        variant,
+        lr,
+        inner,
+        mix_logits,
+        initial_state,
+        remat_every,
+    )
+    B, T, d = x.shape
+    k = len(periods)
     if T == 0:
         return x, state
 
@@ -566,19 +618,7 @@ def cms_online(
         complete = (inp["j"] + 1) * c <= off + T
         fire = [complete & (end_abs % p == 0) for p in periods_arr]
 
-        def sel(f, a, b):
-            return jax.tree.map(lambda u, v: jnp.where(f, u, v), a, b)
-
-        new_lv, out_acc = [], []
-        for j in range(k):
-            applied = jax.tree.map(lambda w, a: (w - a).astype(w.dtype), lv[j], new_acc[j])
-            new_lv.append(sel(fire[j], applied, lv[j]))
-            out_acc.append(sel(fire[j], jax.tree.map(jnp.zeros_like, new_acc[j]), new_acc[j]))
-        if variant == "nested":
-            for j in range(k - 2, -1, -1):  # top-down: a slow boundary cascades to faster levels
-                new_lv[j] = sel(fire[j + 1], new_lv[j + 1], new_lv[j])
-                out_acc[j] = sel(fire[j + 1], jax.tree.map(jnp.zeros_like, out_acc[j]), out_acc[j])
-        return (tuple(new_lv), tuple(out_acc)), y
+        return _apply_boundaries(lv, new_acc, fire, variant), y
 
     carry0 = (tuple(state.levels), tuple(state.accum))
     if remat_every is None:
