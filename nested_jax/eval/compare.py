@@ -185,7 +185,8 @@ def run_compare(
         f"Trained {first.train.steps} steps each on `{first.data.corpus}` (seq_len {seq_len}, "
         f"batch {first.data.batch_size}, seed {first.train.seed}); NIAH: depths "
         f"{list(first.eval.niah_depths)}, {first.eval.niah_per_cell} example(s) per depth and "
-        "length, passkey exact match.\n\n" + md
+        "length, passkey exact match. train tok/s is wall-clock under whatever else ran on the "
+        "machine (compare speed with `nested-jax bench hola`).\n\n" + md
     )
     return {"rows": rows, "markdown": md, "overrides": list(overrides)}
 
