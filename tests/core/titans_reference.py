@@ -38,24 +38,25 @@ def chunk_rule_single(
 ):  # fmt: skip
     """One (batch, head): ``ws, ss`` lists of ``[d_in, d_out]``; ``q, k [T, K]``; gates ``[T]``.
 
-    Python loop over chunks (the last one shorter, no padding). In each chunk: every surprise at the
-    chunk-start weights (``jax.grad`` per token), then momentum/decay token by token (``lax.scan``,
-    which only keeps compile time low) with the weights materialised, reads ``y_t = M_t(q_t)`` (or
-    ``M_{t-1}(q_t)``).
+    Chunk by chunk (the last one shorter, no padding): every surprise at the chunk-start weights
+    (``jax.grad`` per token), then momentum/decay token by token with the weights materialised,
+    reads ``y_t = M_t(q_t)`` (or ``M_{t-1}(q_t)``). With ``reset`` (``[T]`` bool), the state before
+    a reset token is the initial one and the chunk's later tokens take their surprise there. The
+    whole chunks go through one ``lax.scan`` and the tail chunk through the same function, which
+    only keeps compile time low.
     """
     T = q.shape[0]
-    ws, ss = list(ws), list(ss)
     init = (list(ws), list(ss))
     reset = jnp.zeros((T,), bool) if reset is None else reset
-    ys = []
-    for start in range(0, T, chunk_size):
-        sl = slice(start, min(start + chunk_size, T))
-        grads = jax.vmap(
-            lambda kt, vt, w: _grad(w, kt, vt, activation, residual, grad_clip), (0, 0, None)
-        )
-        us0 = grads(k[sl], v[sl], list(ws))  # at the chunk start
-        usi = grads(k[sl], v[sl], init[0])  # at the initial weights (document restarted here)
-        after = jnp.cumsum(reset[sl]) > 0
+    grads = jax.vmap(
+        lambda kt, vt, w: _grad(w, kt, vt, activation, residual, grad_clip), (0, 0, None)
+    )
+
+    def one_chunk(carry, xs):
+        q, k, v, th, et, al, rs = xs
+        us0 = grads(k, v, carry[0])  # at the chunk start
+        usi = grads(k, v, init[0])  # at the initial weights (a document restarted in the chunk)
+        after = jnp.cumsum(rs) > 0
 
         def token(carry, xs):
             ws, ss = carry
@@ -68,10 +69,19 @@ def chunk_rule_single(
             y = mlp(ws if rbw else ws_new, qt, activation, residual)
             return (ws_new, ss_new), y
 
-        xs = (us0, usi, after, reset[sl], q[sl], theta[sl], eta[sl], alpha[sl])
-        (ws, ss), y = jax.lax.scan(token, (ws, ss), xs)
+        return jax.lax.scan(token, carry, (us0, usi, after, rs, q, th, et, al))
+
+    xs = (q, k, v, theta, eta, alpha, reset)
+    n_full = (T // chunk_size) * chunk_size
+    carry, ys = init, []
+    if n_full:
+        split = lambda x: x[:n_full].reshape(-1, chunk_size, *x.shape[1:])  # noqa: E731
+        carry, y = jax.lax.scan(one_chunk, carry, tuple(map(split, xs)))
+        ys.append(y.reshape(n_full, -1))
+    if n_full < T:
+        carry, y = one_chunk(carry, tuple(x[n_full:] for x in xs))
         ys.append(y)
-    return jnp.concatenate(ys), ws, ss
+    return jnp.concatenate(ys), carry[0], carry[1]
 
 
 def chunk_rule(
