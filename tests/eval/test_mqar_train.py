@@ -1,0 +1,47 @@
+"""MQAR comparison (nested_jax.eval.mqar): runs end to end, sizes models, rejects bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nested_jax.eval import mqar
+
+
+def test_mqar_two_steps_one_model(tmp_path, capsys):
+    out = tmp_path / "mqar"
+    argv = ["--models", "gdn", "--steps", "2", "--seq-len", "16", "--num-kv-pairs", "2"]
+    argv += ["--vocab", "16", "--d-model", "16", "--n-layers", "1", "--batch-size", "4"]
+    argv += ["--eval-batches", "1", "--warmup-steps", "1", "--out", str(out)]
+    assert mqar.main(argv) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((out / "mqar.json").read_text())
+    md = (out / "mqar.md").read_text()
+    assert md in printed and "| gdn | 16 |" in md
+    assert result["chance"] == pytest.approx(1 / 8)
+    assert result["settings"]["steps"] == 2 and result["settings"]["vocab"] == 16
+    (row,) = result["rows"]
+    assert row["model"] == "gdn" and row["steps"] == 2 and row["params"] > 0
+    assert 0.0 <= row["accuracy"] <= 1.0
+    assert row["eval_queries"] == 4 * 2  # batch 4 × 2 queries per sequence
+    assert row["eval_loss"] > 0 and row["final_train_loss"] > 0
+
+
+def test_matched_d_model_is_closest_in_its_grid():
+    s = mqar.MqarSettings(seq_len=16, num_kv_pairs=2, vocab=16, d_model=32, n_layers=1)
+    target = mqar.count_params("gdn", s, 32)
+    d, n = mqar.matched_d_model("transformer", s, target)
+    assert d % (2 * s.n_heads) == 0 and n == mqar.count_params("transformer", s, d)
+    for other in (d - 2 * s.n_heads, d + 2 * s.n_heads):
+        if other > 0:
+            assert abs(mqar.count_params("transformer", s, other) - target) >= abs(n - target)
+
+
+def test_bad_inputs_fail_before_training(capsys):
+    assert mqar.main(["--models", "no_such_model", "--steps", "1"]) == 2
+    assert "no_such_model" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="seq_len"):
+        mqar.MqarSettings(seq_len=8, num_kv_pairs=8)
+    with pytest.raises(ValueError, match="d_model"):
+        mqar.MqarSettings(d_model=63, n_heads=2)
