@@ -15,12 +15,17 @@ _MODULES = (
     "dgd",
     "proteus",
     "hola",
+    "titans",
+    "proteus_memory",
+    "cms",
 )
 
 __all__: list[str] = []
 for _name in _MODULES:
     _module = import_module(f"nested_jax.core.{_name}")
-    for _symbol in _module.__all__:
+    # Upper-case constants (VARIANTS, EVICTIONS, ...) stay in their modules: at package level their
+    # meaning would be ambiguous.
+    for _symbol in (s for s in _module.__all__ if not s.isupper() and s not in __all__):
         globals()[_symbol] = getattr(_module, _symbol)
-    __all__ += list(_module.__all__)
+        __all__.append(_symbol)
 del _name, _module, _symbol
