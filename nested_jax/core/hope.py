@@ -1,0 +1,555 @@
+"""Hope: self-modifying Titans memories updated by Delta Gradient Descent (SPEC §3.2).
+
+Per head, with column vectors and head dim ``D``, every memory ``M_□`` (``□ ∈ {k, v, η, α,
+memory}``, plus ``q`` when ``adaptive_q``) is a 2-layer residual MLP::
+
+    M(z) = z + W_1 σ(W_2 z),      W_2 ∈ R^{h×D},  W_1 ∈ R^{D×h},  σ elementwise (default SiLU)
+
+The η and α memories end in a fixed (outer, not inner-adapted) readout to one scalar per head::
+
+    η_t = sigmoid(w_ηᵀ M_η(x_t) + b_η),      α_t = sigmoid(w_αᵀ M_α(x_t) + b_α)
+
+so their inner loss, like every other memory's, is on the ``D``-vector ``M(z)`` (the readout
+``HopeReadout`` is meta-learned by the caller). Per token (read before write)::
+
+    k_t = norm(M_{k,t-1}(x_t)),  v_t = M_{v,t-1}(x_t),  η_t, α_t as above
+    q_t = norm(q_in_t)     (q_in = W_q x from the caller; adaptive_q: norm(M_{q,t-1}(x_t)))
+    o_t = M_{memory,t-1}(q_t)
+    v̂_{□,t} = M_{□,t-1}(v_t)                     (stop_gradient_targets: option)
+    L̃_□ = ½‖M_□(k_t) − v̂_{□,t}‖²,  e = M_□(k_t) − v̂_{□,t}
+    per layer ℓ (SPEC §3.1), input x_ℓ and backpropagated signal g_ℓ = ∂L̃/∂y_ℓ:
+        W_1: x = σ(W_2 k_t),  g = e;      W_2: x = k_t,  g = σ'(W_2 k_t) ⊙ (W_1ᵀ e)
+        dgd=True:   u_t = −γ_t (W x + g) xᵀ,  γ_t = η_t / (1 + η_t ‖x‖²)  (step="paper": η/(1+η))
+        dgd=False:  u_t = −η_t g xᵀ
+        momentum:   S_t = μ S_{t-1} + u_t,  W_t = α_t W_{t-1} + S_t   (momentum=False: S_t = u_t)
+    i.e. without momentum W_t = W_{t-1}(α_t I − γ_t x xᵀ) − γ_t g xᵀ (eq. 88 with SM γ).
+
+Ablation flags (SPEC §3.2, Table 6): ``dgd=False`` (plain GD with retention), ``momentum``,
+``decay=False`` (α_t = 1 everywhere), ``inner_k/inner_v/inner_q`` (a non-adapting memory stays at
+its state; ``M_η``, ``M_α`` and ``M_memory`` always adapt). ``cms`` is the layer's business (§3.3).
+The short causal conv on q, k, v (SPEC §3.2) is also the layer's business.
+
+Chunked form (**Decision**, SPEC §3.2): chunk ``n`` uses the state at the end of chunk ``n−1``
+(``M_{□,0}``) to produce all projections, targets and signals (``x_ℓ``, ``g_ℓ``) of its tokens in
+parallel; then the chunk's updates are applied in order (``W x xᵀ`` of DGD uses the running weights
+``W_{t-1}``, as in SPEC §3.2's linear formula
+``M_t = M_{t-1}(α_t I − γ_t k kᵀ) − γ_t(M_0 k − v̂)kᵀ``).
+Two chunk sizes: ``chunk_other`` for the projection memories (k, v, η, α, q) and
+``chunk_memory`` for ``M_memory``; the larger must be a multiple of the smaller (the time axis is
+walked in chunks of the smaller one, and the larger group's chunk-start snapshot is refreshed
+every ``larger/smaller`` of them). **Decision (read):** ``o_t`` reads ``M_memory`` with its running
+weights ``M_{memory,t-1}`` (exact read-before-write at any chunk size; with chunk size 1 all of this
+is exactly per-token Hope). Everything is differentiable: gradients flow through the writes.
+
+Shapes: ``x, q`` ``[B, T, H, D]``; ``η, α`` ``[B, T, H]``; memory weights ``w1 [B, H, D, h]``,
+``w2 [B, H, h, D]`` (initial memories may omit ``B``). Arithmetic in f32 or wider.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nested_jax.core.associative import gated_delta_chunked
+from nested_jax.core.dgd import dgd_step_size
+
+__all__ = [
+    "MLPMemory",
+    "HopeMemories",
+    "HopeReadout",
+    "HopeState",
+    "hope_init_state",
+    "mlp_memory_apply",
+    "hope_step",
+    "hope_recurrent",
+    "hope_chunked",
+    "hope_linear_chunk_update",
+]
+
+_PROJ = ("k", "v", "eta", "alpha", "q")
+
+
+class MLPMemory(NamedTuple):
+    """Residual MLP ``M(z) = z + W_1 σ(W_2 z)``; ``w1 [.., H, D, h]``, ``w2 [.., H, h, D]``."""
+
+    w1: jax.Array
+    w2: jax.Array
+
+
+class HopeMemories(NamedTuple):
+    """The self-modifying memories (``q`` is ``None`` unless ``adaptive_q``)."""
+
+    k: MLPMemory
+    v: MLPMemory
+    eta: MLPMemory
+    alpha: MLPMemory
+    memory: MLPMemory
+    q: MLPMemory | None = None
+
+
+class HopeReadout(NamedTuple):
+    """Outer scalar readouts of ``M_η``, ``M_α``: ``*_w [H, D]``, ``*_b [H]``."""
+
+    eta_w: jax.Array
+    eta_b: jax.Array
+    alpha_w: jax.Array
+    alpha_b: jax.Array
+
+
+class HopeState(NamedTuple):
+    """Carried state: the memories ``[B, H, ...]`` and (``momentum=True``) their momenta."""
+
+    memories: HopeMemories
+    momentum: HopeMemories | None = None
+
+
+def _names(mems: HopeMemories):
+    return [n for n in HopeMemories._fields if getattr(mems, n) is not None]
+
+
+def mlp_memory_apply(mem: MLPMemory, z, activation: Callable = jax.nn.silu):
+    """``M(z) = z + W_1 σ(W_2 z)`` per head (SPEC §3.2).
+
+    Args:
+      mem: ``MLPMemory`` with ``w1 [B, H, D, h]``, ``w2 [B, H, h, D]``.
+      z: ``[B, N, H, D]`` (``N`` tokens read with the same weights).
+      activation: elementwise ``σ``.
+
+    Returns:
+      ``[B, N, H, D]``.
+    """
+    a = jnp.einsum("bhkd,bnhd->bnhk", mem.w2, z)
+    return z + jnp.einsum("bhdk,bnhk->bnhd", mem.w1, activation(a))
+
+
+def _l2norm(x, eps=1e-6):
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def hope_init_state(
+    memories: HopeMemories, batch_size: int, *, momentum: bool = False, dtype=jnp.float32
+) -> HopeState:
+    """Broadcast initial (meta-learned) memories to a batch and add zero momenta if asked.
+
+    Args:
+      memories: ``HopeMemories`` with ``w1 [H, D, h]``/``w2 [H, h, D]`` or already ``[B, ...]``.
+      batch_size: ``B``.
+      momentum: also create zero momentum buffers.
+      dtype: state dtype (f32 or wider).
+
+    Returns:
+      ``HopeState`` with every weight ``[B, H, ...]``.
+    """
+    if not isinstance(memories, HopeMemories):
+        raise ValueError(f"memories must be a HopeMemories, got {type(memories).__name__}")
+
+    def bcast(name, w, kind):
+        w = jnp.asarray(w, dtype)
+        if w.ndim == 3:
+            w = jnp.broadcast_to(w, (batch_size,) + w.shape)
+        if w.ndim != 4 or w.shape[0] != batch_size:
+            raise ValueError(
+                f"memories.{name}.{kind} must have shape [H, ., .] or [B={batch_size}, H, ., .], "
+                f"got {w.shape}"
+            )
+        return w
+
+    out = {}
+    for n in _names(memories):
+        m = getattr(memories, n)
+        out[n] = MLPMemory(bcast(n, m.w1, "w1"), bcast(n, m.w2, "w2"))
+    mems = HopeMemories(**out)
+    mom = jax.tree.map(jnp.zeros_like, mems) if momentum else None
+    return HopeState(mems, mom)
+
+
+def _validate(x, q, state, readout, adaptive_q, momentum):
+    x = jnp.asarray(x)
+    if x.ndim != 4:
+        raise ValueError(f"x must have shape [B, T, H, D], got {x.shape}")
+    B, T, H, D = x.shape
+    if not adaptive_q:
+        if q is None or jnp.shape(q) != x.shape:
+            raise ValueError(
+                f"q must have shape [B, T, H, D]={x.shape} (adaptive_q=False), got "
+                f"{None if q is None else jnp.shape(q)}"
+            )
+    if not isinstance(state, HopeState):
+        raise ValueError(f"state must be a HopeState, got {type(state).__name__}")
+    mems = state.memories
+    if adaptive_q and mems.q is None:
+        raise ValueError("state.memories.q must be an MLPMemory when adaptive_q=True, got None")
+    if momentum and state.momentum is None:
+        raise ValueError("state.momentum must be set when momentum=True (hope_init_state)")
+    hidden = None
+    for n in _names(mems):
+        m = getattr(mems, n)
+        w1, w2 = jnp.shape(m.w1), jnp.shape(m.w2)
+        if len(w1) != 4 or w1[:3] != (B, H, D):
+            raise ValueError(
+                f"state.memories.{n}.w1 must have shape [B={B}, H={H}, D={D}, h], got {w1}"
+            )
+        h = w1[3]
+        hidden = h if hidden is None else hidden
+        if w2 != (B, H, h, D):
+            raise ValueError(
+                f"state.memories.{n}.w2 must have shape [B, H, h, D]={(B, H, h, D)}, got {w2}"
+            )
+    for f in ("eta_w", "alpha_w"):
+        if jnp.shape(getattr(readout, f)) != (H, D):
+            raise ValueError(
+                f"readout.{f} must have shape [H, D]={(H, D)}, got {jnp.shape(getattr(readout, f))}"
+            )
+    for f in ("eta_b", "alpha_b"):
+        if jnp.shape(getattr(readout, f)) != (H,):
+            raise ValueError(
+                f"readout.{f} must have shape [H]={(H,)}, got {jnp.shape(getattr(readout, f))}"
+            )
+    return B, T, H, D
+
+
+def _signals(mem0: MLPMemory, k, v, activation, stop_gradient_targets):
+    """Layer inputs and signals of ``L̃ = ½‖M_0(k) − M_0(v)‖²`` at snapshot ``M_0``, all tokens."""
+    target = mlp_memory_apply(mem0, v, activation)
+    if stop_gradient_targets:
+        target = lax.stop_gradient(target)
+    a = jnp.einsum("bhkd,bnhd->bnhk", mem0.w2, k)
+    s, ds = jax.jvp(activation, (a,), (jnp.ones_like(a),))  # σ(a), σ'(a) (elementwise σ)
+    e = k + jnp.einsum("bhdk,bnhk->bnhd", mem0.w1, s) - target
+    g2 = ds * jnp.einsum("bhdk,bnhd->bnhk", mem0.w1, e)
+    # (x1, g1) for W_1 [D, h], (x2, g2) for W_2 [h, D]
+    return (s, e, k, g2)
+
+
+def _layer_update(W, S, x, g, lr, ret, mu, dgd, step):
+    """One in-order update of ``W [B, H, o, i]`` (SPEC §3.1); returns ``(W_new, S_new)``."""
+    outer = g[..., :, None] * x[..., None, :]
+    if dgd:
+        gamma = dgd_step_size(lr, x, step=step)[..., None, None]
+        Wx = jnp.einsum("bhoi,bhi->bho", W, x)
+        u = -gamma * (Wx[..., :, None] * x[..., None, :] + outer)
+    else:
+        u = -lr[..., None, None] * outer
+    if S is not None:
+        u = mu * S + u
+    return ret[..., None, None] * W + u, (u if S is not None else None)
+
+
+def _chunk_body(
+    state: HopeState,
+    snap_proj: HopeMemories,
+    snap_mem: MLPMemory,
+    x_c,
+    q_c,
+    valid_c,
+    readout: HopeReadout,
+    *,
+    cfg,
+):
+    """One chunk: parallel projections/targets/signals from snapshots, then in-order updates."""
+    act = cfg["activation"]
+    k = _l2norm(mlp_memory_apply(snap_proj.k, x_c, act))
+    v = mlp_memory_apply(snap_proj.v, x_c, act)
+    ye = mlp_memory_apply(snap_proj.eta, x_c, act)
+    eta = jax.nn.sigmoid(jnp.einsum("bnhd,hd->bnh", ye, readout.eta_w) + readout.eta_b)
+    if cfg["decay"]:
+        ya = mlp_memory_apply(snap_proj.alpha, x_c, act)
+        alpha = jax.nn.sigmoid(jnp.einsum("bnhd,hd->bnh", ya, readout.alpha_w) + readout.alpha_b)
+    else:
+        alpha = jnp.ones_like(eta)
+    if cfg["adaptive_q"]:
+        q = _l2norm(mlp_memory_apply(snap_proj.q, x_c, act))
+    else:
+        q = _l2norm(q_c)
+
+    adapt = ["eta", "alpha", "memory"]
+    adapt += [n for n in ("k", "v") if cfg["inner_" + n]]
+    if cfg["adaptive_q"] and cfg["inner_q"]:
+        adapt.append("q")
+    snaps = {n: (snap_mem if n == "memory" else getattr(snap_proj, n)) for n in adapt}
+    sig = {n: _signals(snaps[n], k, v, act, cfg["stop_gradient_targets"]) for n in adapt}
+
+    # time-major for the in-order scan
+    tm = lambda a: jnp.moveaxis(a, 1, 0)  # noqa: E731
+    xs = (tm(q), tm(eta), tm(alpha), tm(valid_c), {n: tuple(map(tm, sig[n])) for n in adapt})
+
+    def step(carry, inp):
+        mems, moms = carry
+        q_t, eta_t, alpha_t, valid_t, sig_t = inp
+        # read before write with the running weights
+        o_t = mlp_memory_apply(mems["memory"], q_t[:, None], act)[:, 0]
+        new_m, new_s = dict(mems), dict(moms)
+        for n in adapt:
+            x1, g1, x2, g2 = sig_t[n]
+            m = mems[n]
+            s = moms[n]
+            w1, s1 = _layer_update(
+                m.w1,
+                None if s is None else s.w1,
+                x1,
+                g1,
+                eta_t,
+                alpha_t,
+                cfg["mu"],
+                cfg["dgd"],
+                cfg["step"],
+            )
+            w2, s2 = _layer_update(
+                m.w2,
+                None if s is None else s.w2,
+                x2,
+                g2,
+                eta_t,
+                alpha_t,
+                cfg["mu"],
+                cfg["dgd"],
+                cfg["step"],
+            )
+            keep = lambda new, old: jnp.where(valid_t[:, None, None, None], new, old)  # noqa: E731
+            new_m[n] = MLPMemory(keep(w1, m.w1), keep(w2, m.w2))
+            if s is not None:
+                new_s[n] = MLPMemory(keep(s1, s.w1), keep(s2, s.w2))
+        return (new_m, new_s), o_t
+
+    mems0 = {n: getattr(state.memories, n) for n in _names(state.memories)}
+    moms0 = {n: (None if state.momentum is None else getattr(state.momentum, n)) for n in mems0}
+    (mems, moms), o = lax.scan(step, (mems0, moms0), xs)
+    new_state = HopeState(
+        HopeMemories(**mems), None if state.momentum is None else HopeMemories(**moms)
+    )
+    return jnp.moveaxis(o, 0, 1), new_state
+
+
+def _config(
+    activation,
+    dgd,
+    step,
+    momentum,
+    momentum_coef,
+    decay,
+    inner_k,
+    inner_v,
+    inner_q,
+    adaptive_q,
+    stop_gradient_targets,
+):
+    if step not in ("exact", "paper"):
+        raise ValueError(f"step must be 'exact' or 'paper', got {step!r}")
+    return dict(
+        activation=activation,
+        dgd=dgd,
+        step=step,
+        mu=momentum_coef if momentum else 0.0,
+        decay=decay,
+        inner_k=inner_k,
+        inner_v=inner_v,
+        inner_q=inner_q,
+        adaptive_q=adaptive_q,
+        stop_gradient_targets=stop_gradient_targets,
+    )
+
+
+_FLAGS_DOC = """
+      dgd: DGD step (True) or plain GD with retention ``αW − η g xᵀ`` (False).
+      step: ``"exact"`` (``γ = η/(1+η‖x‖²)``, default) or ``"paper"`` (``η/(1+η)``).
+      momentum: keep momenta ``S_t = μ S_{t−1} + u_t`` (needs ``state.momentum``).
+      momentum_coef: ``μ`` (scalar) when ``momentum``.
+      decay: False forces ``α_t = 1``.
+      inner_k, inner_v, inner_q: whether ``M_k``, ``M_v``, ``M_q`` adapt.
+      adaptive_q: ``q_t = norm(M_{q,t−1}(x_t))`` instead of ``norm(q_in)``.
+      stop_gradient_targets: stop the gradient through ``v̂ = M_0(v)``.
+      activation: elementwise ``σ`` of the memories."""
+
+
+def hope_chunked(
+    x,
+    q,
+    state: HopeState,
+    readout: HopeReadout,
+    *,
+    chunk_memory: int = 1,
+    chunk_other: int = 1,
+    dgd: bool = True,
+    step: str = "exact",
+    momentum: bool = False,
+    momentum_coef=0.9,
+    decay: bool = True,
+    inner_k: bool = True,
+    inner_v: bool = True,
+    inner_q: bool = True,
+    adaptive_q: bool = False,
+    stop_gradient_targets: bool = False,
+    activation: Callable = jax.nn.silu,
+):
+    (
+        """Chunk-wise Hope (SPEC §3.2 Decision); chunk sizes 1 = exact per-token Hope.
+
+    Args:
+      x: memory inputs ``[B, T, H, D]``.
+      q: ``W_q x`` ``[B, T, H, D]`` (ignored, may be None, when ``adaptive_q``).
+      state: ``HopeState`` (``hope_init_state``), weights ``[B, H, ...]``.
+      readout: ``HopeReadout`` of ``M_η``, ``M_α``.
+      chunk_memory: chunk size of ``M_memory``.
+      chunk_other: chunk size of the projection memories; ``max`` must be a multiple of ``min``.
+    """
+        + _FLAGS_DOC
+        + """
+
+    Returns:
+      ``(o [B, T, H, D], final HopeState)``.
+    """
+    )
+    B, T, H, D = _validate(x, q, state, readout, adaptive_q, momentum)
+    for name, c in (("chunk_memory", chunk_memory), ("chunk_other", chunk_other)):
+        if not isinstance(c, int) or c < 1:
+            raise ValueError(f"{name} must be a positive int, got {c!r}")
+    c, big = min(chunk_memory, chunk_other), max(chunk_memory, chunk_other)
+    if big % c:
+        raise ValueError(
+            f"chunk_memory={chunk_memory} and chunk_other={chunk_other}: the larger must be a "
+            "multiple of the smaller"
+        )
+    R = big // c
+    memory_is_big = chunk_memory > chunk_other
+    cfg = _config(
+        activation,
+        dgd,
+        step,
+        momentum,
+        momentum_coef,
+        decay,
+        inner_k,
+        inner_v,
+        inner_q,
+        adaptive_q,
+        stop_gradient_targets,
+    )
+    x = jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32))
+    q = x if adaptive_q else jnp.asarray(q, x.dtype)
+    N = -(-T // c)
+    pad = N * c - T
+    padt = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+    valid = padt(jnp.ones((B, T), bool))
+    resh = lambda a: jnp.moveaxis(a.reshape((B, N, c) + a.shape[2:]), 1, 0)  # noqa: E731
+    xs = (jnp.arange(N), resh(padt(x)), resh(padt(q)), resh(valid))
+
+    def proj_of(mems):
+        return mems._replace(memory=None)
+
+    big_of = (lambda m: m.memory) if memory_is_big else proj_of
+
+    def body(carry, inp):
+        st, snap_big = carry
+        n, x_c, q_c, v_c = inp
+        refresh = (n % R) == 0
+        snap_big = jax.tree.map(
+            lambda new, old: jnp.where(refresh, new, old), big_of(st.memories), snap_big
+        )
+        if memory_is_big:
+            snap_proj, snap_mem = proj_of(st.memories), snap_big
+        else:
+            snap_proj = snap_big if R > 1 else proj_of(st.memories)
+            snap_mem = st.memories.memory
+        o, st = _chunk_body(st, snap_proj, snap_mem, x_c, q_c, v_c, readout, cfg=cfg)
+        return (st, snap_big), o
+
+    (state, _), o = lax.scan(body, (state, big_of(state.memories)), xs)
+    o = jnp.moveaxis(o, 0, 1).reshape(B, N * c, H, D)[:, :T]
+    return o, state
+
+
+def hope_step(x_t, q_t, state: HopeState, readout: HopeReadout, **flags):
+    """One exact Hope token (SPEC §3.2): read ``o_t = M_{memory,t−1}(q_t)``, then write memories.
+
+    Args:
+      x_t, q_t: ``[B, H, D]`` (``q_t`` ignored when ``adaptive_q``).
+      state, readout: as in :func:`hope_chunked`.
+      **flags: the flags of :func:`hope_chunked` except the chunk sizes.
+
+    Returns:
+      ``(o_t [B, H, D], new HopeState)``.
+    """
+    x_t = jnp.asarray(x_t)
+    if x_t.ndim != 3:
+        raise ValueError(f"x_t must have shape [B, H, D], got {x_t.shape}")
+    qq = None if q_t is None else jnp.asarray(q_t)[:, None]
+    o, st = hope_chunked(x_t[:, None], qq, state, readout, chunk_memory=1, chunk_other=1, **flags)
+    return o[:, 0], st
+
+
+def hope_recurrent(x, q, state: HopeState, readout: HopeReadout, **flags):
+    """``lax.scan`` of :func:`hope_step` over time (the per-token ground truth, SPEC §3.2).
+
+    Args/Returns: as :func:`hope_chunked` with both chunk sizes 1.
+    """
+    x = jnp.asarray(x)
+    if x.ndim != 4:
+        raise ValueError(f"x must have shape [B, T, H, D], got {x.shape}")
+    adaptive_q = flags.get("adaptive_q", False)
+    _validate(x, q, state, readout, adaptive_q, flags.get("momentum", False))
+    qs = x if adaptive_q else jnp.asarray(q)
+
+    def body(st, inp):
+        x_t, q_t = inp
+        o_t, st = hope_step(x_t, q_t, st, readout, **flags)
+        return st, o_t
+
+    state, o = lax.scan(body, state, (jnp.moveaxis(x, 1, 0), jnp.moveaxis(qs, 1, 0)))
+    return jnp.moveaxis(o, 0, 1), state
+
+
+def hope_linear_chunk_update(
+    M0, k, v_hat, alpha, eta, *, step: str = "exact", chunk_size: int = 64
+):
+    """One Hope chunk of a linear memory ``y = M z`` through the gated delta kernel (SPEC §3.2).
+
+    ``M_t = M_{t−1}(α_t I − γ_t k_t k_tᵀ) − γ_t (M_0 k_t − v̂_t) k_tᵀ`` for ``t = 1..T`` (all
+    signals at the chunk-start ``M_0``; ``γ_t`` from :func:`dgd_step_size`). With ``S = Mᵀ`` this is
+    §1's gated delta rule with ``g = log α_t``, ``β_t = γ_t/α_t`` and values ``α_t(v̂_t − M_0 k_t)``,
+    computed by :func:`gated_delta_chunked` (β may exceed 1). Self-generated targets: ``v̂ = M_0 v``.
+
+    Args:
+      M0: ``[B, H, V, K]`` chunk-start memory.
+      k: ``[B, T, H, K]`` keys (the T tokens of one Hope chunk).
+      v_hat: ``[B, T, H, V]`` targets.
+      alpha: ``[B, T, H]`` retention in ``(0, 1]``.
+      eta: ``[B, T, H]`` inner rate.
+      step: ``"exact"`` or ``"paper"`` (SPEC §3.1).
+      chunk_size: the kernel's WY chunk length (any value; not the Hope chunk).
+
+    Returns:
+      ``M_T`` ``[B, H, V, K]`` (f32).
+    """
+    M0, k, v_hat = jnp.asarray(M0), jnp.asarray(k), jnp.asarray(v_hat)
+    if k.ndim != 4:
+        raise ValueError(f"k must have shape [B, T, H, K], got {k.shape}")
+    B, T, H, K = k.shape
+    if M0.ndim != 4 or M0.shape[0] != B or M0.shape[1] != H or M0.shape[3] != K:
+        raise ValueError(f"M0 must have shape [B={B}, H={H}, V, K={K}], got {M0.shape}")
+    V = M0.shape[2]
+    if v_hat.shape != (B, T, H, V):
+        raise ValueError(f"v_hat must have shape [B, T, H, V]={(B, T, H, V)}, got {v_hat.shape}")
+    for name, a in (("alpha", alpha), ("eta", eta)):
+        if jnp.shape(a) != (B, T, H):
+            raise ValueError(f"{name} must have shape [B, T, H]={(B, T, H)}, got {jnp.shape(a)}")
+    f32 = jnp.promote_types(jnp.result_type(M0, k, v_hat), jnp.float32)
+    M0, k, v_hat = M0.astype(f32), k.astype(f32), v_hat.astype(f32)
+    alpha, eta = jnp.asarray(alpha, f32), jnp.asarray(eta, f32)
+    gamma = dgd_step_size(eta, k, step=step)
+    M0k = jnp.einsum("bhvk,bthk->bthv", M0, k)
+    values = alpha[..., None] * (v_hat - M0k)
+    _, S = gated_delta_chunked(
+        k,
+        k,
+        values,
+        jnp.log(alpha),
+        gamma / alpha,
+        scale=1.0,
+        initial_state=jnp.swapaxes(M0, -1, -2),
+        chunk_size=chunk_size,
+    )
+    return jnp.swapaxes(S, -1, -2)

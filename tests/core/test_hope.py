@@ -1,0 +1,328 @@
+"""Hope self-modifying memories (SPEC §3.2): chunked == independent per-token reference (values and
+gradients), chunk semantics, linear chunk update == gated delta rule, one test per ablation flag."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nested_jax.core.associative import gated_delta_recurrent
+from nested_jax.core.dgd import dgd_update
+from nested_jax.core.hope import (
+    HopeMemories,
+    HopeReadout,
+    HopeState,
+    MLPMemory,
+    hope_chunked,
+    hope_init_state,
+    hope_linear_chunk_update,
+    hope_recurrent,
+)
+from tests.core.hope_reference import hope_reference
+
+B, T, H, D, HID = 2, 6, 2, 4, 3
+TOL = 2e-5
+
+
+def _setup(adaptive_q=False, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 16)
+    names = list(HopeMemories._fields[:5]) + (["q"] if adaptive_q else [])
+    mems = HopeMemories(
+        **{
+            n: MLPMemory(
+                0.2 * jax.random.normal(ks[i], (H, D, HID)),
+                0.2 * jax.random.normal(ks[i + 6], (H, HID, D)),
+            )
+            for i, n in enumerate(names)
+        }
+    )
+    ro = HopeReadout(
+        jax.random.normal(ks[12], (H, D)),
+        jnp.full((H,), -1.0),  # η ≈ 0.27: keeps decay=False runs finite at T=6
+        jax.random.normal(ks[13], (H, D)),
+        jnp.full((H,), 1.0),
+    )
+    x = jax.random.normal(ks[14], (B, T, H, D))
+    q = jax.random.normal(ks[15], (B, T, H, D))
+    return mems, ro, x, q
+
+
+def _ref(x, q, mems, ro, momentum=False, **flags):
+    st = hope_init_state(mems, B, momentum=momentum)
+    names = [n for n in HopeMemories._fields if getattr(mems, n) is not None]
+    rm = {n: tuple(getattr(st.memories, n)) for n in names}
+    rs = {n: tuple(getattr(st.momentum, n)) for n in names} if momentum else None
+    o, m, _ = hope_reference(x, q, rm, rs, tuple(ro), momentum=momentum, **flags)
+    return o, m
+
+
+def _ours(x, q, mems, ro, momentum=False, **flags):
+    st = hope_init_state(mems, B, momentum=momentum)
+    return hope_chunked(x, q, st, ro, momentum=momentum, **flags)
+
+
+def _close(a, b, tol=TOL):
+    """Max abs error ≤ tol relative to the reference's scale (SPEC §0)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.isfinite(b).all() and np.isfinite(a).all()
+    np.testing.assert_allclose(a, b, atol=tol * max(1.0, float(np.abs(b).max())), rtol=0)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {},
+        {"momentum": True, "momentum_coef": 0.7},
+        pytest.param(
+            {"adaptive_q": True, "step": "paper", "stop_gradient_targets": True, "decay": False},
+            marks=pytest.mark.slow,
+        ),
+        pytest.param({"dgd": False, "inner_k": False, "inner_v": False}, marks=pytest.mark.slow),
+    ],
+)
+def test_chunk1_equals_reference_values(flags):
+    mems, ro, x, q = _setup(adaptive_q=flags.get("adaptive_q", False))
+    o, st = jax.jit(lambda *a: _ours(*a, **flags))(x, q, mems, ro)
+    o_ref, m_ref = _ref(x, q, mems, ro, **flags)
+    _close(o, o_ref)
+    for n, (w1, w2) in m_ref.items():
+        _close(getattr(st.memories, n).w1, w1)
+        _close(getattr(st.memories, n).w2, w2)
+    o_rec, _ = hope_recurrent(
+        x, q, hope_init_state(mems, B, momentum=flags.get("momentum", False)), ro, **flags
+    )
+    _close(o_rec, o, 1e-6)
+
+
+@pytest.mark.parametrize(
+    "cm,co",
+    [
+        (2, 4),
+        (3, 1),
+        pytest.param(1, 2, marks=pytest.mark.slow),
+        pytest.param(4, 4, marks=pytest.mark.slow),
+    ],
+)
+def test_chunked_equals_reference_with_snapshots(cm, co):
+    """T=6 is not a multiple of 4: the padded tail must not touch the final state."""
+    mems, ro, x, q = _setup()
+    o, st = _ours(x, q, mems, ro, chunk_memory=cm, chunk_other=co)
+    o_ref, m_ref = _ref(x, q, mems, ro, chunk_memory=cm, chunk_other=co)
+    _close(o, o_ref)
+    for n, (w1, w2) in m_ref.items():
+        _close(getattr(st.memories, n).w1, w1)
+        _close(getattr(st.memories, n).w2, w2)
+    # chunking is a real approximation: it differs from per-token Hope
+    o1, _ = _ours(x, q, mems, ro)
+    assert float(jnp.abs(o1 - o).max()) > 1e-4
+
+
+def test_chunk1_equals_reference_gradients():
+    mems, ro, x, q = _setup(seed=1)
+    r = jax.random.normal(jax.random.PRNGKey(7), (B, T, H, D))
+
+    def loss_ours(x, q, mems, ro):
+        o, st = _ours(x, q, mems, ro, momentum=True, momentum_coef=0.5)
+        return jnp.sum(o * r) + jnp.sum(st.memories.memory.w1) + jnp.sum(st.memories.k.w2**2)
+
+    def loss_ref(x, q, mems, ro):
+        o, m = _ref(x, q, mems, ro, momentum=True, momentum_coef=0.5)
+        return jnp.sum(o * r) + jnp.sum(m["memory"][0]) + jnp.sum(m["k"][1] ** 2)
+
+    g_ours = jax.jit(jax.grad(loss_ours, argnums=(0, 1, 2, 3)))(x, q, mems, ro)
+    g_ref = (jax.grad(loss_ref, argnums=(0, 1, 2, 3)))(x, q, mems, ro)
+    flat_o, flat_r = jax.tree.leaves(g_ours), jax.tree.leaves(g_ref)
+    assert len(flat_o) == len(flat_r)
+    for a, b in zip(flat_o, flat_r, strict=True):
+        _close(a, b, 1e-4)
+    assert all(float(jnp.abs(a).max()) > 0 for a in flat_o)  # gradients flow through the writes
+
+
+def test_causality():
+    mems, ro, x, q = _setup()
+    o, _ = _ours(x, q, mems, ro, chunk_memory=2, chunk_other=4)
+    o2, _ = _ours(
+        x.at[:, 4:].add(1.0), q.at[:, 4:].add(1.0), mems, ro, chunk_memory=2, chunk_other=4
+    )
+    _close(o[:, :4], o2[:, :4], 0)
+    assert float(jnp.abs(o[:, 4:] - o2[:, 4:]).max()) > 1e-4
+
+
+# ------------------------------------------------ linear memories == gated delta rule
+
+
+@functools.partial(jax.jit, static_argnames="step")
+def _direct_linear(M0, k, v_hat, alpha, eta, step):
+    M = M0
+    M0k = jnp.einsum("bhvk,bthk->bthv", M0, k)
+    for t in range(k.shape[1]):
+        M = dgd_update(M, k[:, t], M0k[:, t] - v_hat[:, t], eta[:, t], alpha[:, t], step=step)
+    return M
+
+
+@pytest.mark.parametrize("step", ["exact", "paper"])
+def test_linear_chunk_update_equals_dgd_loop(step):
+    ks = jax.random.split(jax.random.PRNGKey(3), 6)
+    Bl, Tl, Hl, K, V = 2, 7, 3, 5, 6
+    M0 = jax.random.normal(ks[0], (Bl, Hl, V, K))
+    k = jax.random.normal(ks[1], (Bl, Tl, Hl, K)) * 0.6
+    v = jax.random.normal(ks[2], (Bl, Tl, Hl, K))
+    v_hat = jnp.einsum("bhvk,bthk->bthv", M0, v)  # self-generated targets M0 v
+    alpha = jax.nn.sigmoid(jax.random.normal(ks[3], (Bl, Tl, Hl)) + 2.0)
+    eta = 2.0 * jax.nn.sigmoid(jax.random.normal(ks[4], (Bl, Tl, Hl)))  # β = γ/α may exceed 1
+    got = hope_linear_chunk_update(M0, k, v_hat, alpha, eta, step=step, chunk_size=4)
+    _close(got, _direct_linear(M0, k, v_hat, alpha, eta, step), 1e-4)
+    # arbitrary targets too
+    vh2 = jax.random.normal(ks[5], (Bl, Tl, Hl, V))
+    got2 = hope_linear_chunk_update(M0, k, vh2, alpha, eta, step=step, chunk_size=3)
+    _close(got2, _direct_linear(M0, k, vh2, alpha, eta, step), 1e-4)
+
+
+def test_gated_delta_rule_is_a_linear_hope_chunk():
+    """The other way: any GDN run (k, v, g, β) is a Hope linear chunk with α = e^g,
+    γ = αβ (η = γ/(1 − γ‖k‖²)) and targets v̂ = M_0 k + v/α."""
+    ks = jax.random.split(jax.random.PRNGKey(4), 5)
+    Bl, Tl, Hl, K, V = 1, 9, 2, 6, 4
+    k = jax.random.normal(ks[0], (Bl, Tl, Hl, K))
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jax.random.normal(ks[1], (Bl, Tl, Hl, V))
+    g = -jax.nn.softplus(jax.random.normal(ks[2], (Bl, Tl, Hl)))
+    beta = 0.8 * jax.nn.sigmoid(jax.random.normal(ks[3], (Bl, Tl, Hl)))
+    S0 = jax.random.normal(ks[4], (Bl, Hl, K, V))
+    _, S = gated_delta_recurrent(k, k, v, g, beta, initial_state=S0)
+    M0 = jnp.swapaxes(S0, -1, -2)
+    alpha = jnp.exp(g)
+    gamma = alpha * beta
+    eta = gamma / (1.0 - gamma)  # ‖k‖ = 1
+    v_hat = jnp.einsum("bhvk,bthk->bthv", M0, k) + v / alpha[..., None]
+    _close(_direct_linear(M0, k, v_hat, alpha, eta, "exact"), jnp.swapaxes(S, -1, -2), 1e-4)
+    _close(hope_linear_chunk_update(M0, k, v_hat, alpha, eta), jnp.swapaxes(S, -1, -2), 1e-4)
+
+
+# ---------------------------------------------------------------- ablation flags
+
+
+def _moved(st0, st1, n):
+    a, b = getattr(st0.memories, n), getattr(st1.memories, n)
+    return float(jnp.abs(a.w1 - b.w1).max() + jnp.abs(a.w2 - b.w2).max()) > 1e-6
+
+
+@pytest.mark.parametrize("flag", ["inner_k", "inner_v", "inner_q"])
+def test_inner_flags_freeze_only_their_memory(flag):
+    adaptive_q = flag == "inner_q"
+    mems, ro, x, q = _setup(adaptive_q=adaptive_q)
+    st0 = hope_init_state(mems, B)
+    _, on = hope_chunked(x, q, st0, ro, adaptive_q=adaptive_q, chunk_other=2)
+    _, off = hope_chunked(x, q, st0, ro, adaptive_q=adaptive_q, chunk_other=2, **{flag: False})
+    name = flag.split("_")[1]
+    assert _moved(st0, on, name)
+    assert not _moved(st0, off, name)
+    for n in HopeMemories._fields:
+        if n != name and getattr(mems, n) is not None:
+            assert _moved(st0, off, n), n
+
+
+def test_dgd_false_is_plain_gd_with_retention():
+    """One token by hand: W_new = α W − η g xᵀ (no W x xᵀ term) vs DGD's α W − γ(W x + g) xᵀ."""
+    mems, ro, x, q = _setup()
+    x1, q1 = x[:, :1], q[:, :1]
+    st0 = hope_init_state(mems, B)
+    _, gd = hope_chunked(x1, q1, st0, ro, dgd=False)
+    _, dg = hope_chunked(x1, q1, st0, ro)
+    act = jax.nn.silu
+    m = lambda mm, z: (
+        z + jnp.einsum("bhdk,bhk->bhd", mm.w1, act(jnp.einsum("bhkd,bhd->bhk", mm.w2, z)))
+    )  # noqa: E731
+    M = st0.memories
+    k = m(M.k, x1[:, 0])
+    k = k / jnp.sqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)
+    v = m(M.v, x1[:, 0])
+    eta = jax.nn.sigmoid(jnp.einsum("bhd,hd->bh", m(M.eta, x1[:, 0]), ro.eta_w) + ro.eta_b)
+    alpha = jax.nn.sigmoid(jnp.einsum("bhd,hd->bh", m(M.alpha, x1[:, 0]), ro.alpha_w) + ro.alpha_b)
+    W1, W2 = M.memory
+    s = act(jnp.einsum("bhkd,bhd->bhk", W2, k))
+    e = m(M.memory, k) - m(M.memory, v)
+    expected = (
+        alpha[..., None, None] * W1 - eta[..., None, None] * e[..., :, None] * s[..., None, :]
+    )
+    _close(gd.memories.memory.w1, expected, 1e-5)
+    gamma = eta / (1 + eta * jnp.sum(s * s, -1))
+    W1s = jnp.einsum("bhdk,bhk->bhd", W1, s)
+    expected_dgd = (
+        alpha[..., None, None] * W1
+        - gamma[..., None, None] * (W1s + e)[..., :, None] * s[..., None, :]
+    )
+    _close(dg.memories.memory.w1, expected_dgd, 1e-5)
+    # and over a sequence it equals the reference's plain GD
+    o, st = _ours(x, q, mems, ro, dgd=False, chunk_memory=2)
+    o_ref, _ = _ref(x, q, mems, ro, dgd=False, chunk_memory=2)
+    _close(o, o_ref)
+
+
+def test_decay_false_gives_unit_retention():
+    mems, ro, x, q = _setup()
+    ro2 = ro._replace(alpha_w=-ro.alpha_w, alpha_b=ro.alpha_b - 2.0)
+    # decay=False: M_α's readout (hence α) no longer matters ...
+    o_off, _ = _ours(x, q, mems, ro, decay=False)
+    o_off2, _ = _ours(x, q, mems, ro2, decay=False)
+    _close(o_off, o_off2, 0)
+    # ... and it is α = 1: an α readout saturated at 1 (bias +1e4) with decay on gives the same run
+    o_one, _ = _ours(x, q, mems, ro._replace(alpha_w=0 * ro.alpha_w, alpha_b=ro.alpha_b + 1e4))
+    _close(o_off, o_one, 1e-6)
+    # with decay the α readout does matter
+    o_on, _ = _ours(x, q, mems, ro)
+    o_on2, _ = _ours(x, q, mems, ro2)
+    assert float(jnp.abs(o_on - o_on2).max()) > 1e-4
+
+
+def test_momentum_flag():
+    mems, ro, x, q = _setup()
+    o_plain, st_plain = _ours(x, q, mems, ro)
+    o_mu0, st_mu0 = _ours(x, q, mems, ro, momentum=True, momentum_coef=0.0)
+    _close(o_mu0, o_plain, 1e-6)
+    _close(st_mu0.memories.memory.w1, st_plain.memories.memory.w1, 1e-6)
+    o_mu, st_mu = _ours(x, q, mems, ro, momentum=True, momentum_coef=0.9)
+    # momenta start at zero: the first write (read at t=1) is identical, later ones differ
+    _close(o_mu[:, :2], o_plain[:, :2], 1e-6)
+    assert float(jnp.abs(o_mu[:, 2:] - o_plain[:, 2:]).max()) > 1e-4
+    assert isinstance(st_mu, HopeState) and st_mu.momentum is not None
+    assert st_plain.momentum is None
+
+
+# ---------------------------------------------------------------- validation
+
+
+def test_bad_shapes_raise_naming_the_argument():
+    mems, ro, x, q = _setup()
+    st = hope_init_state(mems, B)
+    with pytest.raises(ValueError, match="x must"):
+        hope_chunked(x[0], q, st, ro)
+    with pytest.raises(ValueError, match="q must"):
+        hope_chunked(x, q[:, :, :, :3], st, ro)
+    with pytest.raises(ValueError, match="chunk_memory"):
+        hope_chunked(x, q, st, ro, chunk_memory=3, chunk_other=2)
+    with pytest.raises(ValueError, match="chunk_other"):
+        hope_chunked(x, q, st, ro, chunk_other=0)
+    with pytest.raises(ValueError, match="readout.eta_w"):
+        hope_chunked(x, q, st, ro._replace(eta_w=ro.eta_w[:, :2]))
+    with pytest.raises(ValueError, match="state.memories.v.w2"):
+        bad = st.memories._replace(v=MLPMemory(st.memories.v.w1, st.memories.v.w2[..., :2]))
+        hope_chunked(x, q, st._replace(memories=bad), ro)
+    with pytest.raises(ValueError, match="state.memories.q"):
+        hope_chunked(x, None, st, ro, adaptive_q=True)
+    with pytest.raises(ValueError, match="state.momentum"):
+        hope_chunked(x, q, st, ro, momentum=True)
+    with pytest.raises(ValueError, match="memories.k.w1"):
+        hope_init_state(mems._replace(k=MLPMemory(mems.k.w1[0], mems.k.w2)), B)
+    M0 = jnp.zeros((1, 2, 3, 4))
+    k = jnp.zeros((1, 5, 2, 4))
+    with pytest.raises(ValueError, match="v_hat"):
+        hope_linear_chunk_update(
+            M0, k, jnp.zeros((1, 5, 2, 4)), jnp.ones((1, 5, 2)), jnp.ones((1, 5, 2))
+        )
+    with pytest.raises(ValueError, match="alpha"):
+        hope_linear_chunk_update(
+            M0, k, jnp.zeros((1, 5, 2, 3)), jnp.ones((1, 5)), jnp.ones((1, 5, 2))
+        )
