@@ -129,17 +129,20 @@ def test_chunked_equals_reference_with_snapshots(cm, co):
     assert float(jnp.abs(o1 - o).max()) > 1e-4
 
 
-def test_chunk1_equals_reference_gradients():
+@pytest.mark.parametrize(
+    "chunks", [{}, pytest.param({"chunk_memory": 2, "chunk_other": 1}, marks=pytest.mark.slow)]
+)
+def test_chunked_equals_reference_gradients(chunks):
     mems, ro, x, q = _setup(seed=1)
     x, q = x[:, :4], q[:, :4]  # 4 tokens keep the eager reference's backward pass cheap
     r = jax.random.normal(jax.random.PRNGKey(7), x.shape)
 
     def loss_ours(x, q, mems, ro):
-        o, st = _ours(x, q, mems, ro, momentum=True, momentum_coef=0.5)
+        o, st = _ours(x, q, mems, ro, momentum=True, momentum_coef=0.5, **chunks)
         return jnp.sum(o * r) + jnp.sum(st.memories.memory.w1) + jnp.sum(st.memories.k.w2**2)
 
     def loss_ref(x, q, mems, ro):
-        o, m = _ref(x, q, mems, ro, momentum=True, momentum_coef=0.5)
+        o, m = _ref(x, q, mems, ro, momentum=True, momentum_coef=0.5, **chunks)
         return jnp.sum(o * r) + jnp.sum(m["memory"][0]) + jnp.sum(m["k"][1] ** 2)
 
     g_ours = jax.jit(jax.grad(loss_ours, argnums=(0, 1, 2, 3)))(x, q, mems, ro)
