@@ -144,6 +144,7 @@ class NeuralMemory(nnx.Module):
         self.read_before_write = opts.read_before_write
         self.per_chunk_gates = opts.per_chunk_gates
         self.grad_clip = float(opts.grad_clip) or None
+        self.grad_horizon = opts.grad_horizon
         hidden = opts.resolved_memory_hidden(head_dim)
         dims = (head_dim,) + (hidden,) * (self.n_layers - 1) + (head_dim,)
         self.dims = dims
@@ -178,16 +179,47 @@ class NeuralMemory(nnx.Module):
     def _kw(self):
         return dict(read_before_write=self.read_before_write, grad_clip=self.grad_clip)
 
-    def __call__(self, q, k, v, theta, eta, alpha, *, state: TitansMLPState | None = None):
-        """Sequence form: ``(y [B, T, H, D] f32, final state)`` from ``q, k, v [B, T, H, D]`` and
-        gates ``[B, T, H]`` (state None → :meth:`initial_state`)."""
-        state = self.initial_state(q.shape[0]) if state is None else state
+    def _run(self, state, q, k, v, theta, eta, alpha):
         if self.impl == "recurrent":
             return titans_mlp_recurrent(state, q, k, v, theta, eta, alpha, **self._kw())
         return titans_mlp_chunked(
             state, q, k, v, theta, eta, alpha, chunk_size=self.chunk,
             per_chunk_gates=self.per_chunk_gates, **self._kw(),
         )  # fmt: skip
+
+    def __call__(self, q, k, v, theta, eta, alpha, *, state: TitansMLPState | None = None):
+        """Sequence form: ``(y [B, T, H, D] f32, final state)`` from ``q, k, v [B, T, H, D]`` and
+        gates ``[B, T, H]`` (state None → :meth:`initial_state`).
+
+        **Truncated backprop** (``grad_horizon = n > 0``, default 256): the sequence runs in
+        windows of ``n`` tokens (whole chunks, aligned at 0) and the carried memory state is a
+        ``stop_gradient`` between windows. Values are unchanged; gradients stop flowing through the
+        inner loop after ``n`` tokens. Measured: with the full horizon the backward of a 2–4 layer
+        memory overflows to inf/NaN at T = 2048–4096 (the inner update's Jacobian product grows
+        exponentially with T), while 512-token windows keep it finite.
+        """
+        state = self.initial_state(q.shape[0]) if state is None else state
+        n, t = self.grad_horizon, q.shape[1]
+        if not n or t <= n:
+            return self._run(state, q, k, v, theta, eta, alpha)
+        nw = t // n
+        xs = (q, k, v, theta, eta, alpha)
+        win = (
+            lambda a: jnp.moveaxis(  # noqa: E731
+                a[:, : nw * n].reshape(a.shape[0], nw, n, *a.shape[2:]), 1, 0
+            )
+        )
+
+        def body(st, x):
+            y, st = self._run(st, *x)
+            return jax.lax.stop_gradient(st), y
+
+        state, y = jax.lax.scan(body, state, tuple(win(a) for a in xs))
+        y = jnp.moveaxis(y, 0, 1).reshape(q.shape[0], nw * n, *y.shape[3:])
+        if nw * n < t:
+            y_r, state = self._run(state, *(a[:, nw * n :] for a in xs))
+            y = jnp.concatenate([y, y_r], axis=1)
+        return y, state
 
     def read(self, weights: tuple, z: jax.Array) -> jax.Array:
         """``M*(z)``: read without update, ``z [B, T, H, D]`` → ``[B, T, H, D]`` f32."""

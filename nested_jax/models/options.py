@@ -63,12 +63,13 @@ class TitansOptions:
     read_before_write: bool = False  # read y_t = M_{t-1}(q_t) instead of M_t(q_t)
     per_chunk_gates: bool = False  # θ, η, α mean-pooled per chunk (non-causal inside a chunk)
     grad_clip: float = 10.0  # softclamp of the inner gradient norm; 0 = off
-    theta_init: float = 0.1  # initial inner learning rate θ (sets the gate bias)
+    theta_init: float = 0.02  # initial inner lr θ; θ/(1−η) ≳ 1 makes the backward explode at T=4096
     eta_init: float = 0.9  # initial momentum η
     alpha_init: float = 0.01  # initial forget gate α
     persistent_tokens: int = 4  # N_p learned key/value tokens prepended to attention (MAC/MAG/MAL)
     segment_len: int = 64  # N_s, MAC segment length (a multiple of memory_chunk when chunked)
     window: int = 64  # sliding window of the MAG / MAL attention; 0 = global causal
+    grad_horizon: int = 256  # truncated backprop: memory state gradients stop every n tokens; 0=off
 
     def __post_init__(self) -> None:
         def is_int(v):
@@ -84,6 +85,7 @@ class TitansOptions:
             ("persistent_tokens", 0),
             ("segment_len", 1),
             ("window", 0),
+            ("grad_horizon", 0),
         ):
             value = getattr(self, name)
             if not is_int(value) or value < low:
@@ -109,6 +111,12 @@ class TitansOptions:
                 f"TitansOptions.segment_len: must be a multiple of memory_chunk="
                 f"{self.memory_chunk} (MAC segments hold whole memory chunks), "
                 f"got {self.segment_len}"
+            )
+
+        if self.memory_impl == "chunked" and self.grad_horizon % self.memory_chunk:
+            raise ValueError(
+                f"TitansOptions.grad_horizon: must be a multiple of memory_chunk="
+                f"{self.memory_chunk} (windows hold whole chunks), got {self.grad_horizon}"
             )
 
     def resolved_memory_hidden(self, head_dim: int) -> int:

@@ -50,15 +50,9 @@ def test_teacher_forced_decoding_equals_full_forward(name, opts):
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-4)
 
 
-def _train_setup(overrides, seq_len, batch_size=2):
+def _train_setup(overrides, seq_len, batch_size=2, paths=()):
     cfg = load_config(
-        [],
-        [
-            *overrides,
-            f"data.seq_len={seq_len}",
-            f"data.batch_size={batch_size}",
-            "optimizer.warmup_steps=0",
-        ],
+        list(paths), [*overrides, f"data.seq_len={seq_len}", f"data.batch_size={batch_size}"]
     )
     mesh = make_mesh(MeshConfig(data=1, fsdp=1), devices=jax.devices()[:1])
     return init_train_setup(cfg, mesh, token_bytes=np.ones(257, np.int32)), mesh
@@ -72,6 +66,7 @@ def test_training_step_is_finite_with_packed_segments(name):
             "model.d_model=32",
             "model.n_layers=1",
             "model.n_heads=2",
+            "optimizer.warmup_steps=0",
             "model.chunk_size=16",  # unused by Titans, but the trainer checks seq_len against it
             "model.titans.memory_chunk=4",
             "model.titans.segment_len=8",
@@ -116,13 +111,12 @@ def test_stability_four_layer_memory_long_context():
     seq = int(os.environ.get("TITANS_STABILITY_T", "4096"))
     setup, mesh = _train_setup(
         [
-            "model.name=titans_lmm",
             "model.titans.memory_layers=4",
-            "model.vocab_size=257",
             "model.chunk_size=16",
         ],
         seq_len=seq,
         batch_size=1,
+        paths=["configs/experiments/tiny_titans_lmm.yaml"],
     )
     text = np.frombuffer(
         open("configs/experiments/tiny_gdn.yaml", "rb").read() * (seq // 200 + 2), np.uint8
@@ -139,6 +133,9 @@ def test_stability_four_layer_memory_long_context():
             "loss_mask": np.ones((1, seq), np.float32),
         }
         state, m = setup.train_step(state, global_batch_from_local(batch, mesh))
+        if os.environ.get("TITANS_STABILITY_VERBOSE"):
+            bias = state["params"]["blocks"]["mixer"]["branch"]["memory"]["gate_bias"]
+            print(len(losses), float(m["loss"]), float(m["grad_norm"]), np.asarray(bias).round(2))
         assert bool(m["finite"]) and np.isfinite(float(m["loss"])), f"step {len(losses)}"
         losses.append(float(m["loss"]))
     print(f"stability: {steps} steps T={seq} in {time.time() - t0:.0f}s, loss {losses[0]:.3f} -> "
