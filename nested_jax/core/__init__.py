@@ -18,6 +18,7 @@ _MODULES = (
     "titans",
     "proteus_memory",
     "cms",
+    "hope",
 )
 
 __all__: list[str] = []
