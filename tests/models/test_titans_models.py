@@ -121,7 +121,7 @@ def test_stability_four_layer_memory_long_context():
     text = np.frombuffer(
         open("configs/experiments/tiny_gdn.yaml", "rb").read() * (seq // 200 + 2), np.uint8
     ).astype(np.int32)
-    state, losses, t0 = setup.state, [], time.time()
+    state, losses, norms, t0 = setup.state, [], [], time.time()
     rng = np.random.default_rng(0)
     for _ in range(steps):
         start = int(rng.integers(0, len(text) - seq - 1))
@@ -138,7 +138,8 @@ def test_stability_four_layer_memory_long_context():
             print(len(losses), float(m["loss"]), float(m["grad_norm"]), np.asarray(bias).round(2))
         assert bool(m["finite"]) and np.isfinite(float(m["loss"])), f"step {len(losses)}"
         losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
     print(f"stability: {steps} steps T={seq} in {time.time() - t0:.0f}s, loss {losses[0]:.3f} -> "
-          f"{losses[-1]:.3f}")  # fmt: skip
+          f"{losses[-1]:.3f} (min {min(losses):.3f}), max grad norm {max(norms):.3g}")  # fmt: skip
     assert all(np.isfinite(a).all() for a in jax.tree.leaves(state["params"]))
     assert losses[-1] < losses[0]
