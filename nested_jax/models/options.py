@@ -69,7 +69,7 @@ class TitansOptions:
     persistent_tokens: int = 4  # N_p learned key/value tokens prepended to attention (MAC/MAG/MAL)
     segment_len: int = 64  # N_s, MAC segment length (a multiple of memory_chunk when chunked)
     window: int = 64  # sliding window of the MAG / MAL attention; 0 = global causal
-    grad_horizon: int = 256  # truncated backprop: memory state gradients stop every n tokens; 0=off
+    grad_horizon: int = 64  # truncated backprop: memory state gradients stop every n tokens; 0=off
 
     def __post_init__(self) -> None:
         def is_int(v):
