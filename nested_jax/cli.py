@@ -1,7 +1,7 @@
 """`nested-jax` command line: `train | eval | generate | bench <name>`.
 
-Each sub-command lives in its own module and exposes `main(argv: list[str]) -> int`; this file only dispatches, so
-importing the CLI stays cheap and a broken sub-command cannot break the others.
+Each sub-command lives in its own module and exposes `main(argv: list[str]) -> int`; this file only
+dispatches, so importing the CLI stays cheap and a broken sub-command cannot break the others.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import importlib
 import sys
 
 COMMANDS = {
-    "train": ("nested_jax.train.main", "train a model: nested-jax train --config FILE --workdir DIR"),
-    "eval": ("nested_jax.eval.main", "evaluate the latest checkpoint: nested-jax eval --workdir DIR"),
-    "generate": ("nested_jax.train.generate", "sample text: nested-jax generate --workdir DIR --prompt TEXT"),
-    "bench": (None, "benchmarks: nested-jax bench {core,titans,hope,optim,hola} [--json]"),
+    "train": ("nested_jax.train.main", "train a model: --config FILE --workdir DIR"),
+    "eval": ("nested_jax.eval.main", "evaluate the latest checkpoint: --workdir DIR"),
+    "generate": ("nested_jax.train.generate", "sample text: --workdir DIR --prompt TEXT"),
+    "bench": (None, "benchmarks: bench {core,titans,optim,hola} [--json]"),
 }
-BENCHES = ("core", "titans", "hope", "optim", "hola")
+BENCHES = ("core", "titans", "optim", "hola")
 
 
 def _usage() -> str:

@@ -1,8 +1,9 @@
 """THE MATH of nested-jax: pure ``jnp`` functions over arrays and NamedTuple states.
 
-No Flax, no configs, no sharding: import these into your own JAX code (SPEC §0.1 lists the stable
-names). Shapes follow flash-linear-attention: ``[B, T, H, D]`` arrays, ``[B, T, H]`` gates (``g`` is a
-*log* decay), ``[B, H, K, V]`` matrix states; every sequence function returns ``(output, state)``.
+No Flax, no configs, no sharding: import these into your own JAX code (SPEC §0.1 lists the
+stable names). Shapes follow flash-linear-attention: ``[B, T, H, D]`` arrays, ``[B, T, H]`` gates
+(``g`` is a *log* decay), ``[B, H, K, V]`` matrix states; every sequence function returns
+``(output, state)``.
 
     from nested_jax.core import gated_delta_chunked, titans_linear_chunked, dgd_update
 """
