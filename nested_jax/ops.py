@@ -30,6 +30,14 @@ def _check_impl(op: str, impl: str) -> None:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
 
 
+def _dispatch(op: str, impl: str, args: tuple, chunk_size: int, **kw):
+    """Routes ``op`` to ``core.associative.<op>_recurrent`` or ``<op>_chunked`` by ``impl``."""
+    _check_impl(op, impl)
+    if impl == "recurrent":
+        return getattr(_assoc, f"{op}_recurrent")(*args, **kw)
+    return getattr(_assoc, f"{op}_chunked")(*args, chunk_size=chunk_size, **kw)
+
+
 def linear_attention(
     q,
     k,
@@ -57,11 +65,15 @@ def linear_attention(
     Returns:
       ``(o [B, T, H, V], final_state [B, H, K, V])``.
     """
-    _check_impl("linear_attention", impl)
-    kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids)
-    if impl == "recurrent":
-        return _assoc.linear_attention_recurrent(q, k, v, g, **kw)
-    return _assoc.linear_attention_chunked(q, k, v, g, chunk_size=chunk_size, **kw)
+    return _dispatch(
+        "linear_attention",
+        impl,
+        (q, k, v, g),
+        chunk_size,
+        scale=scale,
+        initial_state=initial_state,
+        segment_ids=segment_ids,
+    )
 
 
 def delta_rule(
@@ -88,11 +100,15 @@ def delta_rule(
     Returns:
       ``(o [B, T, H, V], final_state [B, H, K, V])``.
     """
-    _check_impl("delta_rule", impl)
-    kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids)
-    if impl == "recurrent":
-        return _assoc.delta_rule_recurrent(q, k, v, beta, **kw)
-    return _assoc.delta_rule_chunked(q, k, v, beta, chunk_size=chunk_size, **kw)
+    return _dispatch(
+        "delta_rule",
+        impl,
+        (q, k, v, beta),
+        chunk_size,
+        scale=scale,
+        initial_state=initial_state,
+        segment_ids=segment_ids,
+    )
 
 
 def gated_delta(
@@ -118,8 +134,12 @@ def gated_delta(
     Returns:
       ``(o [B, T, H, V], final_state [B, H, K, V])``.
     """
-    _check_impl("gated_delta", impl)
-    kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids)
-    if impl == "recurrent":
-        return _assoc.gated_delta_recurrent(q, k, v, g, beta, **kw)
-    return _assoc.gated_delta_chunked(q, k, v, g, beta, chunk_size=chunk_size, **kw)
+    return _dispatch(
+        "gated_delta",
+        impl,
+        (q, k, v, g, beta),
+        chunk_size,
+        scale=scale,
+        initial_state=initial_state,
+        segment_ids=segment_ids,
+    )
