@@ -75,15 +75,18 @@ class DeltaNet(nnx.Module):
         """Build from a :class:`nested_jax.models.config.ModelConfig` (registry entries
         ``deltanet``/``gdn``)."""
         return cls(
-            cfg.d_model,
-            cfg.n_heads,
-            cfg.resolved_head_dim(),
+            cfg.d_model, cfg.n_heads, cfg.resolved_head_dim(), **cls.shell_kwargs(cfg), rngs=rngs
+        )
+
+    @staticmethod
+    def shell_kwargs(cfg) -> dict:
+        """The keyword arguments every DeltaNet-family layer takes from a ``ModelConfig``."""
+        return dict(
             conv_size=cfg.conv_size,
             chunk_size=cfg.chunk_size,
             impl=cfg.impl,
             norm_eps=cfg.norm_eps,
             dtype=cfg.activation_dtype(),
-            rngs=rngs,
         )
 
     def init_cache(self, batch_size: int, max_len: int) -> DeltaCache:

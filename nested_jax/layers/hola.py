@@ -132,11 +132,7 @@ class HolaMixer(GatedDeltaNet):
             eviction=h.eviction,
             read_norm=h.read_norm,
             gate_init=h.gate_init,
-            conv_size=cfg.conv_size,
-            chunk_size=cfg.chunk_size,
-            impl=cfg.impl,
-            norm_eps=cfg.norm_eps,
-            dtype=cfg.activation_dtype(),
+            **cls.shell_kwargs(cfg),
             rngs=rngs,
         )
 
