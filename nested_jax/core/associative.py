@@ -231,7 +231,9 @@ def gated_delta_step(state, q_t, k_t, v_t, g_t, beta_t, *, scale=None):
 def _segment_resets(segment_ids, T):
     """``[B, T]`` bool: True where the state must be reset before processing token t."""
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
-    return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
+    # The first token never resets; built from the batch size so T = 1 (no pairs) works too.
+    first = jnp.zeros((segment_ids.shape[0], 1), bool)
+    return jnp.concatenate([first, change], axis=1)
 
 
 def _recurrent(q, k, v, g, beta, scale, initial_state, segment_ids, delta: bool):
