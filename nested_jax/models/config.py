@@ -49,6 +49,8 @@ class ModelConfig:
     hola: _options.HolaOptions = dataclasses.field(default_factory=_options.HolaOptions)
     # Titans memory / architecture options (read only by the `titans_*` mixers; SPEC §2)
     titans: _options.TitansOptions = dataclasses.field(default_factory=_options.TitansOptions)
+    # Proteus incremental memory activation (read by the GDN / Titans mixers; SPEC §4)
+    proteus: _options.ProteusOptions = dataclasses.field(default_factory=_options.ProteusOptions)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -126,3 +126,37 @@ class TitansOptions:
 
 
 OPTION_SECTIONS["titans"] = TitansOptions
+
+
+@dataclass(frozen=True)
+class ProteusOptions:
+    """Proteus incremental memory activation (SPEC §4; ``model.proteus.<field>``).
+
+    Read by the mixers whose memory Proteus wraps (GDN, Titans). The memory coordinates are split
+    into ``blocks`` (``E``) contiguous blocks; with training context ``N = context_len`` the first
+    ``k(t) = min(E, 1 + ⌊(t−1)/Δ⌋)`` blocks are open at 1-based position ``t`` (``Δ = ⌊N/E⌋``) and
+    everything is open beyond ``N``. ``blocks = 1`` is the plain backbone, bit for bit.
+    """
+
+    blocks: int = 1  # E; 1 = off (plain backbone). SPEC §4 default for Proteus runs is 16
+    context_len: int = 0  # training context N; required > 0 when blocks > 1
+
+    def __post_init__(self) -> None:
+        for name, low in (("blocks", 1), ("context_len", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"ProteusOptions.{name}: must be an int >= {low}, got {value!r}")
+        if self.blocks > 1 and self.context_len < 1:
+            raise ValueError(
+                f"ProteusOptions.context_len: must be > 0 (the training context N, e.g. "
+                f"data.seq_len) when blocks > 1, got {self.context_len} "
+                f"(set model.proteus.context_len)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """True when Proteus gates the memory (``blocks > 1``)."""
+        return self.blocks > 1
+
+
+OPTION_SECTIONS["proteus"] = ProteusOptions
