@@ -1,6 +1,29 @@
 """DeltaNet mixer (SPEC §1): short conv + SiLU on q, k, v, L2-normalised q, k, β = σ(W_β x), delta
 rule,
 SiLU-gated RMSNorm output. :class:`nested_jax.layers.gdn.GatedDeltaNet` adds the decay ``g``.
+
+**Proteus** (SPEC §4; ``model.proteus.blocks = E > 1``, ``model.proteus.context_len = N``): the key
+rows of the memory ``S [B, H, K, V]`` are split into ``E`` contiguous blocks and at the 1-based
+position ``t`` only the first ``k(t) = min(E, 1 + ⌊(t−1)/Δ⌋)`` are open (``Δ = ⌊N/E⌋``; fully open
+beyond ``N``). The layer implements it by masking the L2-normalised query and key with the key-row
+mask ``g_t`` and running the plain backbone kernel (chunked, recurrent or the decode step):
+
+- **Why this equals** ``core.proteus_memory.proteus_gated_delta_*``: the memory starts at zero
+  (``init_cache``, and every segment reset) and ``k(t)`` never decreases, so a row locked at ``t``
+  was locked at every earlier position and is still exactly zero. Then ``g_t ⊙ S_{t-1} = S_{t-1}``,
+  ``(g_t ⊙ S)ᵀ k = Sᵀ(g_t ⊙ k)``, a masked key writes no locked row (the decay scales zeros) and
+  ``(g_t ⊙ S_t)ᵀ q = S_tᵀ(g_t ⊙ q)``: the backbone on ``(g ⊙ q, g ⊙ k)`` is the Proteus recurrence
+  (tested against the core functions to rounding). It needs no static spans, so it runs at the
+  backbone's speed and takes a per-token (traced) position.
+- **Positions** ``t = positions + 1`` with the mixer protocol's ``positions`` (the LM passes the
+  cache position for decoding, ``t0 = cache.pos``, and the position inside the document for packed
+  rows). Called without ``positions`` the layer uses the position in the row (inside the document
+  with ``segment_ids``); with a cache ``positions`` is then required.
+- **Decision — packed rows** (``segment_ids``): each document runs its own schedule from ``t = 1``
+  (positions restart at a document start, where the backbone also resets the memory), i.e. a packed
+  row gives every document exactly the output it would get alone. Training on packed data thus sees
+  the same schedule as unpacked training on documents of the same lengths.
+- ``E = 1`` (default) does not touch q or k: the plain backbone, bit for bit.
 """
 
 from __future__ import annotations
@@ -13,9 +36,11 @@ from flax import nnx
 
 from nested_jax import ops
 from nested_jax.core import associative
+from nested_jax.core.proteus import proteus_active_blocks, proteus_block_ids
 from nested_jax.layers.common import check_rank, dense
 from nested_jax.layers.conv import ShortConv
 from nested_jax.layers.norm import GatedRMSNorm
+from nested_jax.layers.rope import segment_positions
 
 
 class DeltaCache(NamedTuple):
@@ -41,6 +66,9 @@ class DeltaNet(nnx.Module):
 
     ``q, k = L2(silu(conv(x W_q|k)))``, ``v = silu(conv(x W_v))``, ``β = σ(x W_β)``,
     ``y = (RMSNorm(o) ⊙ silu(x W_g)) W_o``. With ``K = V = head_dim``.
+
+    ``proteus_blocks = E > 1`` with ``proteus_context_len = N`` gates the key rows of the memory
+    with the Proteus schedule (SPEC §4; module docstring). ``E = 1`` is the plain layer.
     """
 
     def __init__(
@@ -54,8 +82,28 @@ class DeltaNet(nnx.Module):
         impl: str = "chunked",
         norm_eps: float = 1e-6,
         dtype=jnp.float32,
+        proteus_blocks: int = 1,
+        proteus_context_len: int = 0,
         rngs: nnx.Rngs,
     ):
+        for name, value, low in (
+            ("proteus_blocks", proteus_blocks, 1),
+            ("proteus_context_len", proteus_context_len, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
+        if proteus_blocks > 1:
+            if proteus_context_len < 1:
+                raise ValueError(
+                    f"proteus_context_len: must be > 0 (training context N) when proteus_blocks="
+                    f"{proteus_blocks} > 1, got {proteus_context_len}"
+                )
+            if head_dim < proteus_blocks:
+                raise ValueError(
+                    f"proteus_blocks: {proteus_blocks} blocks of key rows need head_dim >= "
+                    f"proteus_blocks, got head_dim={head_dim}"
+                )
+        self.proteus_blocks, self.proteus_context_len = proteus_blocks, proteus_context_len
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
         self.conv_size, self.chunk_size, self.impl, self.dtype = conv_size, chunk_size, impl, dtype
         hd = n_heads * head_dim
@@ -75,8 +123,18 @@ class DeltaNet(nnx.Module):
         """Build from a :class:`nested_jax.models.config.ModelConfig` (registry entries
         ``deltanet``/``gdn``)."""
         return cls(
-            cfg.d_model, cfg.n_heads, cfg.resolved_head_dim(), **cls.shell_kwargs(cfg), rngs=rngs
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.resolved_head_dim(),
+            **cls.shell_kwargs(cfg),
+            **cls.proteus_kwargs(cfg),
+            rngs=rngs,
         )
+
+    @staticmethod
+    def proteus_kwargs(cfg) -> dict:
+        """``proteus_blocks`` / ``proteus_context_len`` from ``cfg.proteus`` (SPEC §4)."""
+        return dict(proteus_blocks=cfg.proteus.blocks, proteus_context_len=cfg.proteus.context_len)
 
     @staticmethod
     def shell_kwargs(cfg) -> dict:
@@ -105,6 +163,37 @@ class DeltaNet(nnx.Module):
         del x
         return None
 
+    def _proteus_qk(self, q, k, positions, segment_ids, cache):
+        """Masks ``q, k [B, T, H, K]`` with the Proteus key-row mask ``g_t`` (SPEC §4).
+
+        ``t = positions + 1``; without ``positions``: the position in the row / the document.
+        Identity (the same arrays) when ``proteus_blocks == 1``.
+        """
+        if self.proteus_blocks == 1:
+            return q, k
+        b, t, _, kd = q.shape
+        if positions is None:
+            if cache is not None:
+                raise ValueError(
+                    "positions: required with a cache when Proteus is on (proteus_blocks > 1): "
+                    "the block schedule needs the cache position"
+                )
+            positions = segment_positions(segment_ids, b, t)
+        elif getattr(positions, "shape", None) != (b, t) or not jnp.issubdtype(
+            positions.dtype, jnp.integer
+        ):
+            raise ValueError(
+                f"positions: expected int [B, T] = {(b, t)}, got "
+                f"{getattr(positions, 'dtype', None)} {getattr(positions, 'shape', None)}"
+            )
+        active = proteus_active_blocks(
+            positions + 1, self.proteus_context_len, self.proteus_blocks
+        )  # [B, T]
+        ids = jnp.asarray(proteus_block_ids(kd, self.proteus_blocks))
+        is_open = (ids < active[..., None])[:, :, None, :]  # [B, T, 1, K]
+        zero = jnp.zeros((), q.dtype)
+        return jnp.where(is_open, q, zero), jnp.where(is_open, k, zero)
+
     def _rule(self, q, k, v, g, beta, *, state, segment_ids, single_step: bool):
         """The memory recurrence: one exact step when decoding a single token, else ``ops`` over
         T."""
@@ -132,7 +221,9 @@ class DeltaNet(nnx.Module):
     ) -> tuple[jax.Array, DeltaCache | None]:
         """Args:
           x: ``[B, T, d_model]``.
-          positions: unused (the recurrence is position-free); part of the mixer protocol.
+          positions: optional ``int [B, T]`` 0-based token positions (the LM's: cache position
+            when decoding, position in the document with ``segment_ids``); read only by Proteus
+            (``proteus_blocks > 1``), which then needs them with a cache.
           segment_ids: optional ``[B, T]``: conv taps and the memory reset at segment starts.
           cache: optional :class:`DeltaCache` to continue from; with ``T == 1`` the exact step form
           runs.
@@ -140,7 +231,6 @@ class DeltaNet(nnx.Module):
         Returns:
           ``(y [B, T, d_model], new_cache or None)``.
         """
-        del positions
         check_rank("x", x, 3, "[B, T, d_model]")
         b, t, _ = x.shape
         h, d = self.n_heads, self.head_dim
@@ -154,6 +244,7 @@ class DeltaNet(nnx.Module):
         q = l2_normalize(jax.nn.silu(q).reshape(b, t, h, d))
         k = l2_normalize(jax.nn.silu(k).reshape(b, t, h, d))
         v = jax.nn.silu(v).reshape(b, t, h, d).astype(jnp.float32)
+        q, k = self._proteus_qk(q, k, positions, segment_ids, c)
         beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
         g = self._log_decay(x)
         o, s = self._rule(
