@@ -50,6 +50,7 @@ __all__ = [
     "init_stream",
     "stream_tokens",
     "stream_model",
+    "model_with_fast",
     "save_stream_state",
     "load_stream_state",
 ]
@@ -311,34 +312,203 @@ def _as_tree(state: StreamState) -> dict:
     }
 
 
-def save_stream_state(path: str | Path, state: StreamState) -> Path:
-    """Write ``state`` as an orbax checkpoint directory ``path`` (must not exist yet)."""
+def model_with_fast(model: nnx.Module, fast: dict) -> nnx.Module:
+    """A copy of the nnx LM whose CMS level weights are a stream's fast weights."""
+    if not fast:
+        return model
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    state_def = jax.tree.structure(params)
+    pure = _with_fast(nnx.to_pure_dict(params), fast)
+    from nested_jax.train.step import params_to_state
+
+    return nnx.merge(graphdef, params_to_state(pure, state_def), rest)
+
+
+_META = "stream.json"
+
+
+def _replicated_like(params: Any):
+    """A replicated ``NamedSharding`` on the mesh of the parameters (None when not on a mesh)."""
+    leaf = jax.tree.leaves(params)[0]
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return None
+
+
+def save_stream_state(
+    path: str | Path, state: StreamState, *, periods: Sequence[int] | None = None
+) -> Path:
+    """Write ``state`` to the new directory ``path``: ``state/`` (orbax) + ``stream.json`` (what
+    is needed to rebuild its structure: capacity, rows, CMS periods). Nothing is overwritten."""
+    import json
+
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
     if path.exists():
         raise ValueError(f"path: {path} exists; choose a new directory (nothing is overwritten)")
+    rows = int(jax.tree.leaves(state.cache.layers)[0].shape[1]) if state.cache.layers else 1
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(path, _as_tree(state))
+        ckpt.save(path / "state", _as_tree(state))
         ckpt.wait_until_finished()
+    meta = {
+        "pos": int(state.pos),
+        "capacity": int(state.capacity),
+        "rows": rows,
+        "periods": None if periods is None else list(periods),
+    }
+    (path / _META).write_text(json.dumps(meta, indent=2) + "\n")
     return path
 
 
-def load_stream_state(path: str | Path, like: StreamState) -> StreamState:
-    """Read a state written by :func:`save_stream_state`; ``like`` (e.g. a fresh
-    :func:`init_stream` of the same model) gives the structure. One-line ``ValueError`` when
+def load_stream_state(
+    path: str | Path, model_init_cache: Callable[[int, int], Any], params: Any
+) -> tuple[StreamState, tuple[int, ...] | None]:
+    """Read a state written by :func:`save_stream_state` for the LM (``model.init_cache`` and its
+    parameters give the structure). Returns ``(state, periods)``. One-line ``ValueError`` when
     the directory is missing, unreadable or from another model."""
+    import json
+
     import orbax.checkpoint as ocp
 
     from nested_jax.train.checkpoint import abstract_like
 
     path = Path(path).absolute()
-    if not path.is_dir():
-        raise ValueError(f"path: no stream state at {path}")
+    if not (path / _META).is_file():
+        raise ValueError(f"path: no stream state at {path} (missing {_META})")
     try:
+        meta = json.loads((path / _META).read_text())
+        periods = None if meta["periods"] is None else tuple(meta["periods"])
+        like = init_stream(
+            model_init_cache,
+            params,
+            batch_size=meta["rows"],
+            capacity=meta["capacity"],
+            periods=periods,
+        )
+        target = abstract_like(_as_tree(like))
+        sharding = _replicated_like(params)
+        if sharding is not None:  # restore onto the devices of the (sharded) parameters
+            target = jax.tree.map(lambda a: a.update(sharding=sharding), target)
         with ocp.StandardCheckpointer() as ckpt:
-            tree = ckpt.restore(path, abstract_like(_as_tree(like)))
-    except Exception as err:  # orbax raises many types for truncated / foreign files
+            tree = ckpt.restore(path / "state", target)
+    except Exception as err:  # orbax / json raise many types for truncated or foreign files
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"path: cannot read the stream state at {path}: {first}") from None
-    return StreamState(**tree)
+    return StreamState(**tree), periods
+
+
+def stream_text_tokens(trained, source: str) -> np.ndarray:
+    """Token ids ``[1, N]`` of a stream: ``"val"`` (the run's validation documents, separated as
+    in training) or a UTF-8 text file path. One-line ``ValueError`` for a missing/empty file."""
+    tok = trained.tokenizer
+    if source == "val":
+        docs = list(trained.bundle.val_docs or trained.bundle.train_docs)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"stream: no such file {path}")
+        docs = [path.read_text(encoding="utf-8", errors="replace")]
+    bos = getattr(tok, "bos_id", None)
+    ids: list[int] = []
+    for doc in docs:
+        ids += ([bos] if bos is not None else []) + list(tok.encode(doc))
+    if len(ids) < 2:
+        raise ValueError(f"stream: {source!r} holds fewer than 2 tokens")
+    return np.asarray([ids], np.int32)
+
+
+def segment_report(ce, target_ids, token_bytes, segments: int) -> list[dict]:
+    """Mean loss and bits/byte over ``segments`` equal consecutive parts of a stream (how the loss
+    moves as the memories / CMS levels adapt). ``ce``, ``target_ids``: ``[1, N]``."""
+    ce, tgt = np.asarray(ce)[0], np.asarray(target_ids)[0]
+    nbytes = np.asarray(token_bytes)[tgt]
+    bounds = np.linspace(0, len(ce), min(segments, len(ce)) + 1).astype(int)
+    rows = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        nb = float(nbytes[a:b].sum())
+        rows.append(
+            {
+                "tokens": [int(a), int(b)],
+                "loss": float(ce[a:b].mean()),
+                "bits_per_byte": float(ce[a:b].sum() / math.log(2) / nb) if nb else float("nan"),
+            }
+        )
+    return rows
+
+
+def run_stream(trained, args) -> dict:
+    """``nested-jax eval --stream``: stream a text through a trained run, return a report dict."""
+    from tqdm import tqdm
+
+    toks = stream_text_tokens(trained, args.stream)
+    if args.max_tokens:
+        toks = toks[:, : args.max_tokens + 1]
+    inputs, targets = toks[:, :-1], toks[:, 1:]
+    model = trained.model()
+    apply_fn, params = stream_model(model)
+    periods = tuple(args.cms_periods) if args.cms_periods else None
+    if args.state_in:
+        state, saved_periods = load_stream_state(args.state_in, model.init_cache, params)
+        if args.cms_periods and saved_periods != periods:
+            raise ValueError(f"cms_periods: the saved stream uses {saved_periods}, got {periods}")
+        periods = saved_periods
+    else:
+        capacity = args.capacity or inputs.shape[1] + 4096  # room to continue (generate)
+        state = init_stream(model.init_cache, params, capacity=capacity, periods=periods)
+    start = int(state.pos)
+    bar = tqdm(total=inputs.shape[1], unit="tok", desc="stream", leave=False)
+    seen = [0]
+
+    def progress(done):
+        bar.update(done - seen[0])
+        seen[0] = done
+
+    ce, state = stream_tokens(
+        apply_fn,
+        params,
+        state,
+        inputs,
+        targets,
+        periods=periods,
+        lr=args.cms_lr,
+        chunk=args.chunk,
+        progress=progress,
+    )
+    bar.close()
+    saved = None
+    if args.state_out:
+        saved = str(save_stream_state(args.state_out, state, periods=periods))
+    return {
+        "workdir": str(trained.workdir),
+        "step": trained.step,
+        "model": trained.config.model.name,
+        "stream": args.stream,
+        "start_pos": start,
+        "end_pos": int(state.pos),
+        "online_cms": {"periods": list(periods), "lr": args.cms_lr} if periods else None,
+        "segments": segment_report(ce, targets, trained.tokenizer.token_bytes, args.segments),
+        "state_out": saved,
+    }
+
+
+def stream_markdown(report: dict) -> str:
+    """The stream report as a Markdown table (loss per consecutive segment of the stream)."""
+    cms = report["online_cms"]
+    how = f"online CMS periods {cms['periods']}, lr {cms['lr']:g}" if cms else "memories only"
+    lines = [
+        f"# Stream of `{report['stream']}` through `{report['workdir']}` "
+        f"(model `{report['model']}`, step {report['step']}; {how})",
+        "",
+        f"positions {report['start_pos']} → {report['end_pos']}",
+        "",
+        "| tokens | loss (nats/token) | bits/byte |",
+        "|---|---:|---:|",
+    ]
+    for row in report["segments"]:
+        a, b = row["tokens"]
+        lines.append(f"| {a}–{b} | {row['loss']:.4f} | {row['bits_per_byte']:.4f} |")
+    if report["state_out"]:
+        lines += ["", f"stream state saved to {report['state_out']}"]
+    return "\n".join(lines) + "\n"

@@ -8,6 +8,13 @@ validation split) and a needle-in-a-haystack accuracy grid (``eval.niah_lengths`
 ``eval.niah_depths``, ``eval.niah_per_cell`` examples per cell, teacher-forced exact match of the
 passkey), writes ``workdir/eval_report.json`` and ``workdir/eval_report.md`` and prints the
 Markdown. The workdir is only read (plus the two report files).
+
+Continual mode (``nested_jax.eval.continual``): ``--stream val|FILE`` runs a long text through the
+model once, carrying every memory across the whole stream (and, with ``--cms-periods``, updating
+the CMS levels online at those periods), and reports the loss per consecutive segment;
+``--state-in`` / ``--state-out`` resume and save the stream state (an orbax checkpoint), so a
+stream can be continued across calls (and by ``nested-jax generate --state-in``). Writes
+``workdir/stream_report.{json,md}``.
 """
 
 from __future__ import annotations
@@ -36,6 +43,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a field of the saved config, e.g. --set eval.niah_per_cell=8",
     )
+    s = p.add_argument_group("continual stream (instead of the standard report)")
+    s.add_argument("--stream", help="'val' (the validation documents) or a UTF-8 text file")
+    s.add_argument("--max-tokens", type=int, default=0, help="stream at most this many tokens")
+    s.add_argument(
+        "--cms-periods",
+        type=int,
+        nargs="+",
+        help="update the CMS levels online, level l every C_l tokens (one period per level)",
+    )
+    s.add_argument("--cms-lr", type=float, default=1e-3, help="online CMS learning rate")
+    s.add_argument("--chunk", type=int, default=256, help="tokens per model call (memories only)")
+    s.add_argument(
+        "--capacity", type=int, default=0, help="cache positions (default: stream + 4096)"
+    )
+    s.add_argument("--state-in", help="continue from a saved stream state directory")
+    s.add_argument("--state-out", help="save the stream state to this new directory")
+    s.add_argument("--segments", type=int, default=8, help="report rows (default 8)")
     return p
 
 
@@ -162,7 +186,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trained = load_trained(args.workdir, args.overrides)
-        report = run_eval(trained)
+        if args.stream:
+            from nested_jax.eval.continual import run_stream, stream_markdown
+
+            report = run_stream(trained, args)
+            name, md = "stream_report", stream_markdown(report)
+        else:
+            report = run_eval(trained)
+            name, md = "eval_report", report_markdown(report)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -170,9 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
     workdir = Path(args.workdir)
-    (workdir / "eval_report.json").write_text(json.dumps(_json_safe(report), indent=2) + "\n")
-    md = report_markdown(report)
-    (workdir / "eval_report.md").write_text(md)
+    (workdir / f"{name}.json").write_text(json.dumps(_json_safe(report), indent=2) + "\n")
+    (workdir / f"{name}.md").write_text(md)
     print(md, end="")
     return 0
 

@@ -23,10 +23,11 @@ def _sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k"))
-def _generate(graphdef, state, prompt, rng, *, max_new_tokens, temperature, top_k):
+def _generate(graphdef, state, prompt, rng, cache, *, max_new_tokens, temperature, top_k):
     model = nnx.merge(graphdef, state)
     b, p = prompt.shape
-    cache = model.init_cache(b, p + max_new_tokens)
+    if cache is None:
+        cache = model.init_cache(b, p + max_new_tokens)
     logits, cache = model(prompt, cache=cache)
     keys = jax.random.split(rng, max_new_tokens)
     first = _sample(logits[:, -1], keys[0], temperature, top_k)
@@ -37,8 +38,11 @@ def _generate(graphdef, state, prompt, rng, *, max_new_tokens, temperature, top_
         nxt = _sample(lg[:, -1], key, temperature, top_k)
         return (nxt, c), nxt
 
-    (_, _), rest = jax.lax.scan(step, (first, cache), keys[1:])
-    return jnp.concatenate([prompt, first[:, None], rest.T.astype(jnp.int32)], axis=1)
+    (last, cache), rest = jax.lax.scan(step, (first, cache), keys[1:])
+    # The last sampled token is not yet in the cache: feed it so the returned state has read
+    # every token of the output (a continued stream then starts after it).
+    _, cache = model(last[:, None], cache=cache)
+    return jnp.concatenate([prompt, first[:, None], rest.T.astype(jnp.int32)], axis=1), cache
 
 
 def generate(
@@ -49,7 +53,9 @@ def generate(
     rng: jax.Array,
     temperature: float = 1.0,
     top_k: int | None = None,
-) -> jax.Array:
+    cache=None,
+    return_cache: bool = False,
+):
     """Sample ``max_new_tokens`` tokens after ``prompt``.
 
     The prompt is run once through the full (chunked / parallel) forward into a fresh cache of
@@ -65,9 +71,14 @@ def generate(
       rng: a JAX PRNG key.
       temperature: softmax temperature; ``0`` means greedy (argmax).
       top_k: keep only the ``top_k`` most likely tokens (None = all).
+      cache: continue from this :class:`~nested_jax.models.lm.LMCache` (e.g. a stream's memories,
+        ``nested_jax.eval.continual``) instead of a fresh one; it must have room for
+        ``P + max_new_tokens`` more positions.
+      return_cache: also return the decode state after every output token has been read.
 
     Returns:
-      ``int32 [B, P + max_new_tokens]``: the prompt followed by the sampled tokens.
+      ``int32 [B, P + max_new_tokens]``: the prompt followed by the sampled tokens (and the new
+      cache when ``return_cache``).
     """
     if prompt.ndim != 2 or prompt.shape[1] < 1 or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise ValueError(
@@ -81,14 +92,20 @@ def generate(
         raise ValueError(f"top_k: expected an int in [1, vocab_size], got {top_k!r}")
     prompt = prompt.astype(jnp.int32)
     if max_new_tokens == 0:
-        return prompt
+        if not return_cache:
+            return prompt
+        if cache is None:
+            cache = model.init_cache(prompt.shape[0], prompt.shape[1])
+        return prompt, model(prompt, cache=cache)[1]
     graphdef, state = nnx.split(model)
-    return _generate(
+    out, cache = _generate(
         graphdef,
         state,
         prompt,
         rng,
+        cache,
         max_new_tokens=max_new_tokens,
         temperature=float(temperature),
         top_k=top_k,
     )
+    return (out, cache) if return_cache else out

@@ -2,6 +2,12 @@
 
     nested-jax generate --workdir runs/tiny_gdn --prompt "It is a truth universally" \\
                         [--max-new-tokens 200] [--temperature 0.8] [--top-k 40] [--seed 0]
+                        [--state-in DIR] [--state-out DIR]
+
+``--state-in`` continues a saved stream (``nested-jax eval --stream ... --state-out DIR``): the
+prompt is read by the memories (and online CMS levels) the stream left behind. ``--state-out``
+saves the state after the prompt and the sampled tokens (generated tokens update the memories;
+CMS levels only learn from a stream with targets, so they are carried unchanged).
 """
 
 from __future__ import annotations
@@ -25,33 +31,66 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
+    p.add_argument("--state-in", help="continue from a saved stream state directory")
+    p.add_argument("--state-out", help="save the stream state to this new directory")
     return p
 
 
 def generate_text(
-    trained, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
+    trained,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    state_in: str | None = None,
+    state_out: str | None = None,
 ) -> str:
-    """The sampled continuation (text after the prompt) of `prompt` for a :class:`TrainedModel`."""
+    """The sampled continuation (text after the prompt) of `prompt` for a :class:`TrainedModel`,
+    optionally continuing / saving a stream state (:mod:`nested_jax.eval.continual`)."""
     import jax
 
+    from nested_jax.eval import continual
     from nested_jax.models import generate
 
     tok = trained.tokenizer
     ids = list(tok.encode(prompt))
-    # Training documents start after the separator/BOS id: start the prompt the same way.
+    # Training documents start after the separator/BOS id: start the prompt the same way (a
+    # continued stream already has its context).
     bos = getattr(tok, "bos_id", None)
-    if bos is not None:
+    if bos is not None and state_in is None:
         ids = [bos] + ids
     if not ids:
         raise ValueError("prompt: encodes to no tokens; give some text")
-    out = generate(
-        trained.model(),
+    model, cache, stream, periods = trained.model(), None, None, None
+    if state_in is not None:
+        _, params = continual.stream_model(model)
+        stream, periods = continual.load_stream_state(state_in, model.init_cache, params)
+        needed = int(stream.pos) + len(ids) + max_new_tokens
+        if needed > int(stream.capacity):
+            raise ValueError(
+                f"state_in: the stream holds {int(stream.capacity)} positions; {needed} needed"
+            )
+        model = continual.model_with_fast(model, stream.fast)
+        cache = stream.cache
+    out, cache = generate(
+        model,
         np.asarray([ids], np.int32),
         max_new_tokens,
         rng=jax.random.key(seed),
         temperature=temperature,
         top_k=top_k,
+        cache=cache,
+        return_cache=True,
     )
+    if state_out is not None:
+        if stream is None:
+            stream = continual.StreamState(
+                pos=cache.pos, capacity=cache.pos, cache=cache, fast={}, accum={}
+            )
+        stream = stream._replace(pos=cache.pos, cache=cache)
+        continual.save_stream_state(state_out, stream, periods=periods)
     return tok.decode(np.asarray(out)[0, len(ids) :].tolist())
 
 
@@ -74,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             temperature=args.temperature,
             top_k=args.top_k,
             seed=args.seed,
+            state_in=args.state_in,
+            state_out=args.state_out,
         )
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)

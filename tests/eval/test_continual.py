@@ -52,16 +52,18 @@ def test_stream_state_checkpoint_round_trip_resumes_exactly(tmp_path):
     ce_direct, _ = stream_tokens(apply_fn, params, mid, toks[:, 24:-1], toks[:, 25:], chunk=8)
 
     path = save_stream_state(tmp_path / "state", mid)
-    fresh = init_stream(model.init_cache, params, capacity=64)
-    back = load_stream_state(path, fresh)
-    assert int(back.pos) == 24
+    back, periods = load_stream_state(path, model.init_cache, params)
+    assert int(back.pos) == 24 and int(back.capacity) == 64 and periods is None
     ce_resumed, _ = stream_tokens(apply_fn, params, back, toks[:, 24:-1], toks[:, 25:], chunk=8)
     np.testing.assert_array_equal(ce_resumed, ce_direct)
 
     with pytest.raises(ValueError, match="exists"):
         save_stream_state(path, mid)  # never overwrites a saved state
     with pytest.raises(ValueError, match="no stream state"):
-        load_stream_state(tmp_path / "missing", fresh)
+        load_stream_state(tmp_path / "missing", model.init_cache, params)
+    (path / "state").rename(tmp_path / "moved")  # metadata without the arrays
+    with pytest.raises(ValueError, match="cannot read the stream state"):
+        load_stream_state(path, model.init_cache, params)
 
 
 def test_capacity_and_shape_errors_name_the_argument():

@@ -75,3 +75,30 @@ def test_train_rejects_a_bad_config_with_one_line(tmp_path, capsys):
 def test_eval_on_a_directory_without_a_run_fails_clearly(tmp_path, capsys):
     assert cli.main(["eval", "--workdir", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_eval_stream_then_generate_continues_the_saved_state(trained, tmp_path, capsys):
+    capsys.readouterr()
+    first, second = tmp_path / "s1", tmp_path / "s2"
+    argv = ["eval", "--workdir", str(trained), "--stream", "val", "--max-tokens", "150"]
+    assert cli.main(argv + ["--chunk", "64", "--segments", "3", "--state-out", str(first)]) == 0
+    report = json.loads((trained / "stream_report.json").read_text())
+    assert report["start_pos"] == 0 and report["end_pos"] == 150
+    assert [r["tokens"] for r in report["segments"]] == [[0, 50], [50, 100], [100, 150]]
+    assert all(0 < r["loss"] < 20 for r in report["segments"])
+    assert "memories only" in capsys.readouterr().out
+
+    gen = ["generate", "--workdir", str(trained), "--prompt", "The", "--max-new-tokens", "5"]
+    assert (
+        cli.main(gen + ["--temperature", "0", "--state-in", str(first), "--state-out", str(second)])
+        == 0
+    )
+    meta = json.loads((second / "stream.json").read_text())
+    assert meta["pos"] == 150 + 3 + 5  # stream + prompt bytes + sampled tokens
+
+    # The stream continues from the generated state; a missing state is one clear line.
+    assert cli.main(argv[:5] + ["--max-tokens", "20", "--state-in", str(second)]) == 0
+    assert json.loads((trained / "stream_report.json").read_text())["start_pos"] == 158
+    capsys.readouterr()
+    assert cli.main(argv + ["--state-in", str(tmp_path / "nope")]) == 1
+    assert "no stream state" in capsys.readouterr().err
