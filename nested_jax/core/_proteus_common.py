@@ -6,6 +6,9 @@ the public :func:`proteus_spans` is re-exported by ``core/proteus_memory.py``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -52,6 +55,17 @@ def _check_t0(fn: str, t0, B: int, name: str = "t0", low: int = 0) -> None:
         raise ValueError(
             f"{fn}: {name} must be an int or an integer array of shape [] or [B] = [{B}], got "
             f"{getattr(t0, 'dtype', type(t0).__name__)} {shape}"
+        )
+
+
+def _check_silent_at_zero(fn: str, activation: Callable) -> None:
+    """Refuses ``σ(0) ≠ 0``: hidden-unit blocks need a locked (zeroed) unit to output 0."""
+    with jax.ensure_compile_time_eval():
+        at0 = float(activation(jnp.zeros((), jnp.float32)))
+    if at0 != 0.0:
+        raise ValueError(
+            f"{fn}: activation must satisfy σ(0) = 0 (got {at0}) so that locked hidden units "
+            "of the gated memory are silent (SPEC §4 hidden-unit blocks)"
         )
 
 

@@ -41,6 +41,7 @@ from jax import lax
 from nested_jax.core._proteus_common import (
     _check_blocked,
     _check_schedule,
+    _check_silent_at_zero,
     _check_static_t0,
     _check_t0,
     _is_int,
@@ -389,13 +390,7 @@ def _mlp_setup(fn, state, q, context_len, num_blocks, t0, activation, residual):
         # a residual z + Wᵀz would read the unmasked query: masking q, k is only exact without it
         raise ValueError(f"{fn}: residual=True with L_M = 1 is not supported with num_blocks > 1")
     if L >= 2:
-        with jax.ensure_compile_time_eval():
-            at0 = float(activation(jnp.zeros((), jnp.float32)))
-        if at0 != 0.0:
-            raise ValueError(
-                f"{fn}: activation must satisfy σ(0) = 0 (got {at0}) so that locked hidden units "
-                "of the gated memory are silent (SPEC §4 hidden-unit blocks)"
-            )
+        _check_silent_at_zero(fn, activation)
     return n, e, dims
 
 

@@ -1,0 +1,275 @@
+"""Proteus-wrapped Hope memories: hidden-unit blocks of every MLP memory (SPEC §3.2, §4).
+
+Every memory of a ``HopeState`` (``k, v, η, α, memory`` and the optional ``q``) is a residual MLP
+``M(z) = z + W_1 σ(W_2 z)`` with ``w1 [B, H, D, h]`` and ``w2 [B, H, h, D]``. Its Proteus blocks
+are hidden units: columns of ``w1`` (last axis) and rows of ``w2`` (axis −2), split into ``E``
+contiguous blocks (remainder in the last block, ``core/proteus.py``). All memories share one
+schedule, and their momenta are gated like their weights. With training context ``N``,
+``Δ = max(1, ⌊N/E⌋)`` and the 1-based absolute position ``t = t0 + i + 1`` of local token ``i``::
+
+    M^{(g)}_{t-1} = g_t ⊙ M_{t-1}                     (every memory and momentum)
+    (o_t, cand)   = hope_step(x_t, q_t, M^{(g)}_{t-1})  (read o_t = M^{(g)}_{memory,t-1}(q_t),
+                                                        then projections, targets, DGD writes)
+    M_t           = where(g_t, cand, M_{t-1})          # locked coordinates keep their bits
+
+So the projections ``k, v, η, α`` (and ``q`` with ``adaptive_q``), the self-generated targets, the
+read and the write all use the gated memories. With ``σ(0) = 0`` (SiLU default, GELU, tanh, ReLU;
+anything else is refused) a locked hidden unit of ``M^{(g)}`` is silent: ``σ(W_2 z)`` is 0 there
+and ``W_1``'s column is 0, so it contributes nothing to any output, its DGD input ``σ(W_2 k)`` and
+signal ``σ'(W_2 k) ⊙ (W_1ᵀ e)`` are 0, and the candidate's locked coordinates are exactly 0
+(``α·0`` decay, ``μ·0`` momentum, zero write). The ``where`` then restores the previous bits.
+
+Forms (SPEC §0):
+
+- :func:`proteus_hope_step`: one token at position ``t`` (int or integer array ``[]``/``[B]``).
+- :func:`proteus_hope_recurrent`: ``lax.scan`` of the step (ground truth; ``t0`` may be traced).
+- :func:`proteus_hope_chunked`: static ``t0``. The mask is constant between Δ-boundaries, so time
+  is split into static spans (``proteus_spans``); each span is one ``hope_chunked`` call from the
+  gated state (locked coordinates stay exactly 0 inside it, so every token sees ``M^{(g)}``) and
+  the locked coordinates are put back with ``where``. **The chunk grid (both chunk sizes)
+  restarts at every Δ-boundary**: chunk-start snapshots are taken inside one mask. With both chunk
+  sizes 1 this is the recurrent form; when the chunk sizes divide ``Δ`` and ``t0`` the grid is
+  the global one. Spans are unrolled (one backbone call per span, at most ``E``): a Hope padding
+  token is not a no-op (its decay ``α`` still acts).
+
+Static dispatch: ``num_blocks == 1``, or a static ``t0`` with every position of the call past the
+last opening (``k(t0 + 1) = E``), calls the plain backbone, so the result is the backbone's bit for
+bit. ``segment_ids`` (packed rows) is refused: positions would have to restart per document.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nested_jax.core._proteus_common import (
+    _check_blocked,
+    _check_schedule,
+    _check_silent_at_zero,
+    _check_static_t0,
+    _check_t0,
+    _is_int,
+    _positions,
+    _run_spans_unrolled,
+    _statically_open,
+    proteus_spans,
+)
+from nested_jax.core.hope import (
+    HopeMemories,
+    HopeState,
+    MLPMemory,
+    hope_chunked,
+    hope_recurrent,
+    hope_step,
+)
+from nested_jax.core.proteus import (
+    proteus_active_blocks,
+    proteus_block_ids,
+    proteus_gate,
+    proteus_gated_update,
+)
+
+__all__ = [
+    "proteus_hope_masks",
+    "proteus_hope_step",
+    "proteus_hope_recurrent",
+    "proteus_hope_chunked",
+]
+
+
+def proteus_hope_masks(state: HopeState, active, num_blocks: int):
+    """Open coordinates of every weight and momentum of a Hope state (SPEC §4, hidden units).
+
+    Args:
+      state: ``HopeState`` with ``w1 [B, H, D, h]``, ``w2 [B, H, h, D]`` per memory (each
+        memory's own ``h ≥ E``).
+      active: number of open blocks, a Python int or an integer array ``[B]``.
+      num_blocks: ``E``.
+
+    Returns:
+      a pytree shaped like ``state`` (``None`` where it has ``None``) whose leaves are bool masks:
+      ``w1``: ``[1, h]`` (static ``active``) or ``[B, 1, 1, h]``; ``w2``: ``[h, 1]`` or
+      ``[B, 1, h, 1]``; broadcastable to the weights.
+    """
+
+    def masks(mem: MLPMemory) -> MLPMemory:
+        h = mem.w1.shape[-1]
+        ids = proteus_block_ids(h, num_blocks)
+        if _is_int(active):
+            m = ids < active  # numpy [h]: static masks stay constants
+            return MLPMemory(m[None, :], m[:, None])
+        m = jnp.asarray(ids) < active[:, None]  # [B, h]
+        return MLPMemory(m[:, None, None, :], m[:, None, :, None])
+
+    return jax.tree.map(masks, state, is_leaf=lambda x: isinstance(x, MLPMemory))
+
+
+def _check_hope(fn: str, x, state, context_len, num_blocks, per_token: bool, flags):
+    """Shared checks; returns ``(n, e, B)``. The backbone validates the rest (q, readout, flags)."""
+    n, e = _check_schedule(fn, context_len, num_blocks)
+    rank, shape = (3, "[B, H, D]") if per_token else (4, "[B, T, H, D]")
+    name = "x_t" if per_token else "x"
+    if getattr(x, "ndim", None) != rank:
+        raise ValueError(f"{fn}: {name} must have shape {shape}, got {getattr(x, 'shape', None)}")
+    if not isinstance(state, HopeState) or not isinstance(state.memories, HopeMemories):
+        raise ValueError(f"{fn}: state must be a HopeState (hope_init_state), got {type(state)}")
+    for mname in HopeMemories._fields:
+        mem = getattr(state.memories, mname)
+        if mem is None:
+            continue
+        if not isinstance(mem, MLPMemory) or getattr(mem.w1, "ndim", None) != 4:
+            raise ValueError(
+                f"{fn}: state.memories.{mname} must be an MLPMemory with w1 [B, H, D, h] (use "
+                "hope_init_state to add the batch axis)"
+            )
+        _check_blocked(fn, f"hidden size h of state.memories.{mname}", mem.w1.shape[-1], e)
+    if flags.get("segment_ids") is not None:
+        raise ValueError(
+            f"{fn}: segment_ids is not supported with Proteus (positions would have to restart per "
+            "document)"
+        )
+    return n, e, x.shape[0]
+
+
+def _gated(fn_name, state, active, e, activation, call):
+    """``call(M^{(g)}) -> (out, cand)``, then the locked coordinates of ``cand`` are restored."""
+    _check_silent_at_zero(fn_name, activation)
+    tree = proteus_hope_masks(state, active, e)
+    out, cand = call(proteus_gate(state, tree))
+    return out, proteus_gated_update(state, cand, tree)
+
+
+def proteus_hope_step(
+    x_t, q_t, state: HopeState, readout, *, t, context_len: int, num_blocks: int, **flags
+):
+    """One Hope token with Proteus hidden-unit blocks at 1-based position ``t`` (SPEC §3.2, §4).
+
+    ``(o_t, cand) = hope_step(x_t, q_t, g_t ⊙ M_{t-1})``, ``M_t = where(g_t, cand, M_{t-1})`` on
+    every memory's ``w1`` (columns), ``w2`` (rows) and momenta.
+
+    Args:
+      x_t, q_t: ``[B, H, D]`` (``q_t`` ignored, may be None, with ``adaptive_q``).
+      state: ``HopeState`` (``hope_init_state``), weights ``[B, H, ...]``.
+      readout: ``HopeReadout`` of ``M_η``, ``M_α``.
+      t: 1-based absolute position, a Python int ``≥ 1`` or an integer array ``[]`` / ``[B]``.
+      context_len: training context ``N``; num_blocks: ``E`` (every hidden size ``h ≥ E``).
+      **flags: the flags of ``hope_step`` (``dgd, step, momentum, momentum_coef, decay, inner_*,
+        adaptive_q, stop_gradient_targets, activation``); ``activation`` must have ``σ(0) = 0``.
+
+    Returns:
+      ``(o_t [B, H, D], new HopeState)``.
+    """
+    fn = "proteus_hope_step"
+    n, e, B = _check_hope(fn, x_t, state, context_len, num_blocks, True, flags)
+    _check_t0(fn, t, B, name="t (1-based)", low=1)
+    if _statically_open(t - 1 if _is_int(t) else t, n, e):
+        return hope_step(x_t, q_t, state, readout, **flags)
+    active = proteus_active_blocks(_positions(t, B), n, e)
+    return _gated(
+        fn, state, active, e, flags.get("activation", jax.nn.silu),
+        lambda s: hope_step(x_t, q_t, s, readout, **flags),
+    )  # fmt: skip
+
+
+def proteus_hope_recurrent(
+    x, q, state: HopeState, readout, *, context_len: int, num_blocks: int, t0=0, **flags
+):
+    """Hope with Proteus hidden-unit blocks, token by token (SPEC §3.2, §4; ground truth).
+
+    ``lax.scan`` of :func:`proteus_hope_step` at positions ``t = t0 + 1 … t0 + T``.
+
+    Args:
+      x: memory inputs ``[B, T, H, D]``; q: ``W_q x`` ``[B, T, H, D]`` (ignored, may be None, with
+        ``adaptive_q``).
+      state, readout: as :func:`proteus_hope_step`.
+      context_len: ``N``; num_blocks: ``E``, Python ints.
+      t0: tokens already seen: a Python int (static; enables the fully-open dispatch) or an integer
+        array ``[]`` / ``[B]`` (traced, e.g. ragged decoding).
+      **flags: as :func:`proteus_hope_step`.
+
+    Returns:
+      ``(o [B, T, H, D], final HopeState)``.
+    """
+    fn = "proteus_hope_recurrent"
+    n, e, B = _check_hope(fn, x, state, context_len, num_blocks, False, flags)
+    _check_t0(fn, t0, B)
+    if _statically_open(t0, n, e):
+        return hope_recurrent(x, q, state, readout, **flags)
+    activation = flags.get("activation", jax.nn.silu)
+    _check_silent_at_zero(fn, activation)
+    qs = x if flags.get("adaptive_q", False) else q
+    if qs is None or getattr(qs, "shape", None) != x.shape:
+        raise ValueError(
+            f"{fn}: q must have shape [B, T, H, D] = {x.shape} (adaptive_q=False), got "
+            f"{getattr(qs, 'shape', None)}"
+        )
+    pos0 = _positions(t0, B)
+
+    def body(st, xs):
+        i, x_t, q_t = xs
+        active = proteus_active_blocks(pos0 + i + 1, n, e)
+        o_t, st = _gated(
+            fn, st, active, e, activation, lambda s: hope_step(x_t, q_t, s, readout, **flags)
+        )
+        return st, o_t
+
+    tm = lambda a: jnp.moveaxis(jnp.asarray(a), 1, 0)  # noqa: E731
+    st, o = lax.scan(body, state, (jnp.arange(x.shape[1], dtype=jnp.int32), tm(x), tm(qs)))
+    return jnp.moveaxis(o, 0, 1), st
+
+
+def proteus_hope_chunked(
+    x,
+    q,
+    state: HopeState,
+    readout,
+    *,
+    context_len: int,
+    num_blocks: int,
+    t0: int = 0,
+    chunk_memory: int = 1,
+    chunk_other: int = 1,
+    **flags,
+):
+    """Chunk-wise Hope with Proteus hidden-unit blocks (SPEC §3.2 chunk Decision, §4).
+
+    Each span of constant mask ``g`` (``proteus_spans``) is one ``hope_chunked`` call from
+    ``g ⊙ M`` (weights and momenta), after which the locked coordinates are restored with
+    ``where``; a fully open span is a plain call. Both chunk grids restart at every Δ-boundary, so
+    chunk sizes 1 equal :func:`proteus_hope_recurrent`, and chunk sizes dividing ``Δ`` and ``t0``
+    give the global grid.
+
+    Args:
+      x, q: as :func:`proteus_hope_recurrent`.
+      state, readout: as :func:`proteus_hope_step`.
+      context_len: ``N``; num_blocks: ``E``, Python ints.
+      t0: tokens already seen (static Python int ``≥ 0``).
+      chunk_memory, chunk_other: as ``hope_chunked`` (the larger a multiple of the smaller).
+      **flags: as :func:`proteus_hope_step`.
+
+    Returns:
+      ``(o [B, T, H, D], final HopeState)``.
+    """
+    fn = "proteus_hope_chunked"
+    n, e, _ = _check_hope(fn, x, state, context_len, num_blocks, False, flags)
+    t0 = _check_static_t0(fn, t0)
+    kw = dict(chunk_memory=chunk_memory, chunk_other=chunk_other, **flags)
+    spans = proteus_spans(x.shape[1], t0, n, e)
+    if _statically_open(t0, n, e) or not spans:
+        return hope_chunked(x, q, state, readout, **kw)
+    activation = flags.get("activation", jax.nn.silu)
+    _check_silent_at_zero(fn, activation)
+    # validates q, readout, flags and chunk sizes once, with the backbone's messages
+    jax.eval_shape(lambda *a: hope_chunked(*a, **kw), x[:, :1], None if q is None else q[:, :1],
+                   state, readout)  # fmt: skip
+    adaptive_q = flags.get("adaptive_q", False)
+    seq = (x,) if adaptive_q else (x, q)
+
+    def call(s, xs):
+        return hope_chunked(xs[0], None if adaptive_q else xs[1], s, readout, **kw)
+
+    def span_fn(s, xs, active):
+        return _gated(fn, s, active, e, activation, lambda g: call(g, xs))
+
+    return _run_spans_unrolled(span_fn, call, state, seq, spans, e)
