@@ -47,6 +47,7 @@ Shapes: ``x, q`` ``[B, T, H, D]``; ``η, α`` ``[B, T, H]``; memory weights ``w1
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -67,6 +68,7 @@ __all__ = [
     "hope_step",
     "hope_recurrent",
     "hope_chunked",
+    "hope_decode_step",
     "hope_linear_chunk_update",
 ]
 
@@ -239,6 +241,32 @@ def _layer_update(W, S, x, g, lr, ret, mu, dgd, step):
     return ret[..., None, None] * W + u, (u if S is not None else None)
 
 
+def _project(snap: HopeMemories, x_c, q_c, readout: HopeReadout, cfg):
+    """``k, v, η, α, q`` of a chunk's tokens from the projection snapshots (SPEC §3.2)."""
+    act = cfg["activation"]
+    k = _l2norm(mlp_memory_apply(snap.k, x_c, act))
+    v = mlp_memory_apply(snap.v, x_c, act)
+    ye = mlp_memory_apply(snap.eta, x_c, act)
+    eta = jax.nn.sigmoid(jnp.einsum("bnhd,hd->bnh", ye, readout.eta_w) + readout.eta_b)
+    if cfg["decay"]:
+        ya = mlp_memory_apply(snap.alpha, x_c, act)
+        alpha = jax.nn.sigmoid(jnp.einsum("bnhd,hd->bnh", ya, readout.alpha_w) + readout.alpha_b)
+    else:
+        alpha = jnp.ones_like(eta)
+    if cfg["adaptive_q"]:
+        q = _l2norm(mlp_memory_apply(snap.q, x_c, act))
+    else:
+        q = _l2norm(q_c)
+    return k, v, eta, alpha, q
+
+
+def _pick(fresh, new, old):
+    """Per token ``[B, N]``: ``new`` where ``fresh`` else ``old`` (arrays ``[B, N, ...]``)."""
+    return jax.tree.map(
+        lambda a, b: jnp.where(fresh.reshape(fresh.shape + (1,) * (a.ndim - 2)), a, b), new, old
+    )
+
+
 def _chunk_body(
     state: HopeState,
     snap_proj: HopeMemories,
@@ -249,22 +277,22 @@ def _chunk_body(
     readout: HopeReadout,
     *,
     cfg,
+    resets=None,
 ):
-    """One chunk: parallel projections/targets/signals from snapshots, then in-order updates."""
+    """One chunk: parallel projections/targets/signals from snapshots, then in-order updates.
+
+    ``resets`` (packed rows) is ``(init HopeMemories [B, ...], reset_c, fresh_proj_c,
+    fresh_mem_c)`` with the flags ``[B, c]``: ``reset`` restarts the running state (memories and
+    momenta) before the token; ``fresh_*`` makes the token use the initial memories instead of the
+    chunk-start snapshot of that group.
+    """
     act = cfg["activation"]
-    k = _l2norm(mlp_memory_apply(snap_proj.k, x_c, act))
-    v = mlp_memory_apply(snap_proj.v, x_c, act)
-    ye = mlp_memory_apply(snap_proj.eta, x_c, act)
-    eta = jax.nn.sigmoid(jnp.einsum("bnhd,hd->bnh", ye, readout.eta_w) + readout.eta_b)
-    if cfg["decay"]:
-        ya = mlp_memory_apply(snap_proj.alpha, x_c, act)
-        alpha = jax.nn.sigmoid(jnp.einsum("bnhd,hd->bnh", ya, readout.alpha_w) + readout.alpha_b)
-    else:
-        alpha = jnp.ones_like(eta)
-    if cfg["adaptive_q"]:
-        q = _l2norm(mlp_memory_apply(snap_proj.q, x_c, act))
-    else:
-        q = _l2norm(q_c)
+    k, v, eta, alpha, q = _project(snap_proj, x_c, q_c, readout, cfg)
+    if resets is not None:
+        init, reset_c, fresh_proj, fresh_mem = resets
+        k, v, eta, alpha, q = _pick(
+            fresh_proj, _project(init, x_c, q_c, readout, cfg), (k, v, eta, alpha, q)
+        )
 
     adapt = ["eta", "alpha", "memory"]
     adapt += [n for n in ("k", "v") if cfg["inner_" + n]]
@@ -272,14 +300,27 @@ def _chunk_body(
         adapt.append("q")
     snaps = {n: (snap_mem if n == "memory" else getattr(snap_proj, n)) for n in adapt}
     sig = {n: _signals(snaps[n], k, v, act, cfg["stop_gradient_targets"]) for n in adapt}
+    if resets is not None:
+        for n in adapt:
+            fresh = fresh_mem if n == "memory" else fresh_proj
+            s_init = _signals(getattr(init, n), k, v, act, cfg["stop_gradient_targets"])
+            sig[n] = _pick(fresh, s_init, sig[n])
 
     # time-major for the in-order scan
     tm = lambda a: jnp.moveaxis(a, 1, 0)  # noqa: E731
-    xs = (tm(q), tm(eta), tm(alpha), tm(valid_c), {n: tuple(map(tm, sig[n])) for n in adapt})
+    rs = tm(reset_c) if resets is not None else jnp.zeros((q.shape[1],), bool)
+    xs = (tm(q), tm(eta), tm(alpha), tm(valid_c), rs, {n: tuple(map(tm, sig[n])) for n in adapt})
+    mems0 = {n: getattr(state.memories, n) for n in _names(state.memories)}
+    moms0 = {n: (None if state.momentum is None else getattr(state.momentum, n)) for n in mems0}
+    init_m = None if resets is None else {n: getattr(init, n) for n in mems0}
 
     def step(carry, inp):
         mems, moms = carry
-        q_t, eta_t, alpha_t, valid_t, sig_t = inp
+        q_t, eta_t, alpha_t, valid_t, reset_t, sig_t = inp
+        if init_m is not None:  # a document starts here: back to the initial memories
+            r = lambda a: reset_t.reshape(reset_t.shape + (1,) * (a.ndim - 1))  # noqa: E731
+            mems = jax.tree.map(lambda a, b: jnp.where(r(a), a, b), init_m, mems)
+            moms = jax.tree.map(lambda b: jnp.where(r(b), 0.0, b), moms)
         # read before write with the running weights
         o_t = mlp_memory_apply(mems["memory"], q_t[:, None], act)[:, 0]
         new_m, new_s = dict(mems), dict(moms)
@@ -287,36 +328,17 @@ def _chunk_body(
             x1, g1, x2, g2 = sig_t[n]
             m = mems[n]
             s = moms[n]
-            w1, s1 = _layer_update(
-                m.w1,
-                None if s is None else s.w1,
-                x1,
-                g1,
-                eta_t,
-                alpha_t,
-                cfg["mu"],
-                cfg["dgd"],
-                cfg["step"],
+            upd = functools.partial(
+                _layer_update, lr=eta_t, ret=alpha_t, mu=cfg["mu"], dgd=cfg["dgd"], step=cfg["step"]
             )
-            w2, s2 = _layer_update(
-                m.w2,
-                None if s is None else s.w2,
-                x2,
-                g2,
-                eta_t,
-                alpha_t,
-                cfg["mu"],
-                cfg["dgd"],
-                cfg["step"],
-            )
+            w1, s1 = upd(m.w1, None if s is None else s.w1, x1, g1)
+            w2, s2 = upd(m.w2, None if s is None else s.w2, x2, g2)
             keep = lambda new, old: jnp.where(valid_t[:, None, None, None], new, old)  # noqa: E731
             new_m[n] = MLPMemory(keep(w1, m.w1), keep(w2, m.w2))
             if s is not None:
                 new_s[n] = MLPMemory(keep(s1, s.w1), keep(s2, s.w2))
         return (new_m, new_s), o_t
 
-    mems0 = {n: getattr(state.memories, n) for n in _names(state.memories)}
-    moms0 = {n: (None if state.momentum is None else getattr(state.momentum, n)) for n in mems0}
     (mems, moms), o = lax.scan(step, (mems0, moms0), xs)
     new_state = HopeState(
         HopeMemories(**mems), None if state.momentum is None else HopeMemories(**moms)
@@ -365,6 +387,46 @@ _FLAGS_DOC = """
       activation: elementwise ``σ`` of the memories."""
 
 
+def _check_chunks(chunk_memory, chunk_other):
+    for name, c in (("chunk_memory", chunk_memory), ("chunk_other", chunk_other)):
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"{name} must be a positive int, got {c!r}")
+    c, big = min(chunk_memory, chunk_other), max(chunk_memory, chunk_other)
+    if big % c:
+        raise ValueError(
+            f"chunk_memory={chunk_memory} and chunk_other={chunk_other}: the larger must be a "
+            "multiple of the smaller"
+        )
+    return c, big
+
+
+def _initial(initial_memories, state: HopeState, B: int):
+    """The memories a document start resets to, ``[B, H, ...]`` (default: ``state.memories``)."""
+    if initial_memories is None:
+        return state.memories
+    init = hope_init_state(initial_memories, B).memories
+    if jax.tree.map(jnp.shape, init) != jax.tree.map(jnp.shape, state.memories):
+        raise ValueError(
+            "initial_memories must have the structure and shapes of state.memories "
+            f"(with or without B), got {jax.tree.map(jnp.shape, initial_memories)}"
+        )
+    return init
+
+
+def _segment_flags(segment_ids, B, T, chunk_memory, chunk_other):
+    """``reset, fresh_proj, fresh_mem`` ``bool [B, T]`` from packed ``segment_ids [B, T]``."""
+    if jnp.shape(segment_ids) != (B, T):
+        raise ValueError(
+            f"segment_ids must have shape [B, T]={(B, T)}, got {jnp.shape(segment_ids)}"
+        )
+    seg = jnp.asarray(segment_ids)
+    reset = jnp.pad(seg[:, 1:] != seg[:, :-1], ((0, 0), (1, 0)))
+    t = jnp.arange(T)
+    last = lax.cummax(jnp.where(reset, t, -1), axis=1)  # last document start ≤ t (−1: none)
+    fresh = lambda c: last >= (t // c) * c  # noqa: E731  (a start inside t's chunk)
+    return reset, fresh(chunk_other), fresh(chunk_memory)
+
+
 def hope_chunked(
     x,
     q,
@@ -384,9 +446,24 @@ def hope_chunked(
     adaptive_q: bool = False,
     stop_gradient_targets: bool = False,
     activation: Callable = jax.nn.silu,
+    segment_ids=None,
+    initial_memories: HopeMemories | None = None,
+    grad_horizon: int = 0,
+    remat: bool = False,
 ):
     (
         """Chunk-wise Hope (SPEC §3.2 Decision); chunk sizes 1 = exact per-token Hope.
+
+    Chunks are aligned at position 0 of ``x``. Token ``t`` of a group with chunk size ``C`` uses
+    the group's state just before position ``s = max(C⌊t/C⌋, start of t's document)`` as its
+    snapshot (0-based ``t``).
+
+    **Packed rows** (``segment_ids``, SPEC §0): where ``segment_ids[b, t] != segment_ids[b, t−1]``
+    (``t ≥ 1``) a document starts; just before that token the running memories become
+    ``initial_memories`` and the momenta zero, and for the rest of that chunk (of each group) the
+    initial memories are also the snapshot that produces projections, targets and signals. So every
+    document is processed exactly as if it were alone, with its first chunk cut short at the next
+    multiple of the chunk size. Position 0 is never a reset (it starts from ``state``).
 
     Args:
       x: memory inputs ``[B, T, H, D]``.
@@ -394,24 +471,29 @@ def hope_chunked(
       state: ``HopeState`` (``hope_init_state``), weights ``[B, H, ...]``.
       readout: ``HopeReadout`` of ``M_η``, ``M_α``.
       chunk_memory: chunk size of ``M_memory``.
-      chunk_other: chunk size of the projection memories; ``max`` must be a multiple of ``min``.
-    """
+      chunk_other: chunk size of the projection memories; ``max`` must be a multiple of ``min``."""
         + _FLAGS_DOC
         + """
+      segment_ids: optional int ``[B, T]`` document ids of packed rows.
+      initial_memories: the memories a document start resets to (``[H, ...]`` or ``[B, H, ...]``,
+        structure of ``state.memories``); default ``state.memories``.
+      grad_horizon: truncated backprop (values unchanged): the carried state is a
+        ``stop_gradient`` after every ``grad_horizon`` tokens (a multiple of the larger chunk
+        size); 0 = full backprop.
+      remat: rematerialise each chunk in the backward pass (``jax.checkpoint``).
 
     Returns:
       ``(o [B, T, H, D], final HopeState)``.
     """
     )
     B, T, H, D = _validate(x, q, state, readout, adaptive_q, momentum)
-    for name, c in (("chunk_memory", chunk_memory), ("chunk_other", chunk_other)):
-        if not isinstance(c, int) or c < 1:
-            raise ValueError(f"{name} must be a positive int, got {c!r}")
-    c, big = min(chunk_memory, chunk_other), max(chunk_memory, chunk_other)
-    if big % c:
+    c, big = _check_chunks(chunk_memory, chunk_other)
+    if isinstance(grad_horizon, bool) or not isinstance(grad_horizon, int) or grad_horizon < 0:
+        raise ValueError(f"grad_horizon must be an int >= 0, got {grad_horizon!r}")
+    if grad_horizon % big:
         raise ValueError(
-            f"chunk_memory={chunk_memory} and chunk_other={chunk_other}: the larger must be a "
-            "multiple of the smaller"
+            f"grad_horizon={grad_horizon} must be a multiple of "
+            f"max(chunk_memory, chunk_other)={big}"
         )
     R = big // c
     memory_is_big = chunk_memory > chunk_other
@@ -435,7 +517,15 @@ def hope_chunked(
     padt = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
     valid = padt(jnp.ones((B, T), bool))
     resh = lambda a: jnp.moveaxis(a.reshape((B, N, c) + a.shape[2:]), 1, 0)  # noqa: E731
-    xs = (jnp.arange(N), resh(padt(x)), resh(padt(q)), resh(valid))
+    flags = None
+    init = None
+    if segment_ids is not None:
+        init = _initial(initial_memories, state, B)
+        flags = tuple(
+            resh(padt(f)) for f in _segment_flags(segment_ids, B, T, chunk_memory, chunk_other)
+        )
+    xs = (jnp.arange(N), resh(padt(x)), resh(padt(q)), resh(valid), flags)
+    horizon = grad_horizon // c
 
     def proj_of(mems):
         return mems._replace(memory=None)
@@ -444,7 +534,7 @@ def hope_chunked(
 
     def body(carry, inp):
         st, snap_big = carry
-        n, x_c, q_c, v_c = inp
+        n, x_c, q_c, v_c, fl = inp
         refresh = (n % R) == 0
         snap_big = jax.tree.map(
             lambda new, old: jnp.where(refresh, new, old), big_of(st.memories), snap_big
@@ -454,12 +544,126 @@ def hope_chunked(
         else:
             snap_proj = snap_big if R > 1 else proj_of(st.memories)
             snap_mem = st.memories.memory
-        o, st = _chunk_body(st, snap_proj, snap_mem, x_c, q_c, v_c, readout, cfg=cfg)
+        resets = None if fl is None else (init, *fl)
+        o, st = _chunk_body(st, snap_proj, snap_mem, x_c, q_c, v_c, readout, cfg=cfg, resets=resets)
+        if horizon:
+            cut = (n + 1) % horizon == 0
+            st = jax.tree.map(lambda a: jnp.where(cut, lax.stop_gradient(a), a), st)
         return (st, snap_big), o
 
+    if remat:
+        body = jax.checkpoint(body)
     (state, _), o = lax.scan(body, (state, big_of(state.memories)), xs)
     o = jnp.moveaxis(o, 0, 1).reshape(B, N * c, H, D)[:, :T]
     return o, state
+
+
+def hope_decode_step(
+    x_t,
+    q_t,
+    state: HopeState,
+    snapshot: HopeMemories,
+    index,
+    readout: HopeReadout,
+    *,
+    chunk_memory: int = 1,
+    chunk_other: int = 1,
+    **flags,
+):
+    """One token of :func:`hope_chunked` (SPEC §3.2), for decoding: equal to row ``index``.
+
+    The chunked form needs, besides the running state, the chunk-start snapshots of each group.
+    With ``index`` the 0-based position of this token (chunks aligned at 0), a group's snapshot is
+    refreshed from the running state when ``index`` is a multiple of its chunk size; then the token
+    is one in-order step of :func:`hope_chunked`'s chunk body with those snapshots.
+
+    Args:
+      x_t, q_t: ``[B, H, D]`` (``q_t`` ignored, may be None, when ``adaptive_q``).
+      state: running ``HopeState``, weights ``[B, H, ...]``.
+      snapshot: ``HopeMemories`` of the same structure: the chunk-start snapshots (read only where
+        ``index`` is not a multiple of the group's chunk size; any value at ``index = 0``).
+      index: int scalar or ``[B]``: the token's position.
+      readout: ``HopeReadout``.
+      chunk_memory, chunk_other: as in :func:`hope_chunked`.
+      **flags: the ablation flags of :func:`hope_chunked` (``dgd``, ``step``, ``momentum``, ...).
+
+    Returns:
+      ``(o_t [B, H, D], new HopeState, new snapshot)``.
+    """
+    x_t = jnp.asarray(x_t)
+    if x_t.ndim != 3:
+        raise ValueError(f"x_t must have shape [B, H, D], got {x_t.shape}")
+    adaptive_q = flags.get("adaptive_q", False)
+    qq = None if (q_t is None or adaptive_q) else jnp.asarray(q_t)[:, None]
+    x = x_t[:, None]
+    B = _validate(x, qq, state, readout, adaptive_q, flags.get("momentum", False))[0]
+    _check_chunks(chunk_memory, chunk_other)
+    if not isinstance(snapshot, HopeMemories) or jax.tree.map(jnp.shape, snapshot) != jax.tree.map(
+        jnp.shape, state.memories
+    ):
+        raise ValueError(
+            "snapshot must be a HopeMemories with the shapes of state.memories, got "
+            f"{jax.tree.map(jnp.shape, snapshot)}"
+        )
+    index = jnp.asarray(index)
+    if index.shape not in ((), (B,)):
+        raise ValueError(f"index must be a scalar or have shape [B]={(B,)}, got {index.shape}")
+    opts = {k: flags.pop(k) for k in ("activation",) if k in flags}
+    cfg = _config(
+        opts.get("activation", jax.nn.silu),
+        flags.get("dgd", True),
+        flags.get("step", "exact"),
+        flags.get("momentum", False),
+        flags.get("momentum_coef", 0.9),
+        flags.get("decay", True),
+        flags.get("inner_k", True),
+        flags.get("inner_v", True),
+        flags.get("inner_q", True),
+        adaptive_q,
+        flags.get("stop_gradient_targets", False),
+    )
+    unknown = set(flags) - set(_FLAG_NAMES)
+    if unknown:
+        raise ValueError(f"flags: unknown keyword(s) {sorted(unknown)}")
+
+    def refresh(c, new, old):
+        r = (index % c) == 0
+        return jnp.where(r.reshape(r.shape + (1,) * (new.ndim - r.ndim)), new, old)
+
+    snap = {}
+    for n in _names(state.memories):
+        c = chunk_memory if n == "memory" else chunk_other
+        snap[n] = jax.tree.map(
+            functools.partial(refresh, c), getattr(state.memories, n), getattr(snapshot, n)
+        )
+    snapshot = HopeMemories(**snap)
+    x = jnp.asarray(x, jnp.promote_types(x.dtype, jnp.float32))
+    qq = x if adaptive_q else jnp.asarray(qq, x.dtype)
+    o, state = _chunk_body(
+        state,
+        snapshot._replace(memory=None),
+        snapshot.memory,
+        x,
+        qq,
+        jnp.ones((B, 1), bool),
+        readout,
+        cfg=cfg,
+    )
+    return o[:, 0], state, snapshot
+
+
+_FLAG_NAMES = (
+    "dgd",
+    "step",
+    "momentum",
+    "momentum_coef",
+    "decay",
+    "inner_k",
+    "inner_v",
+    "inner_q",
+    "adaptive_q",
+    "stop_gradient_targets",
+)
 
 
 def hope_step(x_t, q_t, state: HopeState, readout: HopeReadout, **flags):
