@@ -160,3 +160,80 @@ class ProteusOptions:
 
 
 OPTION_SECTIONS["proteus"] = ProteusOptions
+
+
+@dataclass(frozen=True)
+class HopeOptions:
+    """Hope self-modifying memory mixer (SPEC §3.2; ``model.hope.<field>``), read by ``hope``."""
+
+    chunk_memory: int = 16  # chunk size of M_memory (SPEC §3.2 two chunk sizes; 1 = per token)
+    chunk_other: int = 4  # chunk size of M_k, M_v, M_η, M_α (M_q); max must be a multiple of min
+    memory_hidden: int = 0  # hidden width h of every 2-layer residual memory; 0 -> head_dim
+    dgd: bool = True  # DGD inner step (False: plain GD with retention; Table 6 ablation)
+    step: str = "exact"  # DGD step size: exact (Sherman–Morrison γ) | paper (η/(1+η))
+    momentum: bool = True  # inner momentum S_t = μ S_{t−1} + u_t (Table 6 ablation)
+    momentum_coef: float = 0.9  # μ in [0, 1)
+    decay: bool = True  # data-dependent retention α_t (False: α = 1)
+    adaptive_q: bool = False  # q_t = M_q(x_t) (self-modifying) instead of q_t = W_q x_t
+    inner_k: bool = True  # M_k adapts in the inner loop
+    inner_v: bool = True  # M_v adapts in the inner loop
+    inner_q: bool = True  # M_q adapts (only with adaptive_q)
+    stop_gradient_targets: bool = False  # stop the outer gradient through v̂ = M_0(v)
+    norm_inputs: bool = True  # L2-normalise the per-head memory inputs x (k, q always are)
+    eta_init: float = 0.1  # initial inner rate η = σ(b_η)
+    alpha_init: float = 0.99  # initial retention α = σ(b_α)
+    memory_init: float = 0.1  # std of the initial W_1 times √h (W_2: std 1/√D); 0 = M(z) = z
+    readout_init: float = 0.02  # std of the η / α readout weights w_η, w_α
+    grad_horizon: int = 0  # truncated backprop every n tokens (multiple of the larger chunk); 0=off
+    remat: bool = False  # rematerialise each chunk of the memory scan in the backward pass
+
+    def __post_init__(self) -> None:
+        def bad_int(v, low):
+            return isinstance(v, bool) or not isinstance(v, int) or v < low
+
+        def bad_float(v):
+            return isinstance(v, bool) or not isinstance(v, int | float)
+
+        for name, low in (("chunk_memory", 1), ("chunk_other", 1), ("memory_hidden", 0),
+                          ("grad_horizon", 0)):  # fmt: skip
+            if bad_int(getattr(self, name), low):
+                raise ValueError(
+                    f"HopeOptions.{name}: must be an int >= {low}, got {getattr(self, name)!r}"
+                )
+        for name in ("dgd", "momentum", "decay", "adaptive_q", "inner_k", "inner_v", "inner_q",
+                     "stop_gradient_targets", "norm_inputs", "remat"):  # fmt: skip
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"HopeOptions.{name}: expected bool, got {getattr(self, name)!r}")
+        if self.step not in ("exact", "paper"):
+            raise ValueError(
+                f"HopeOptions.step: unknown {self.step!r}; expected one of ('exact', 'paper')"
+            )
+        small, big = sorted((self.chunk_memory, self.chunk_other))
+        if big % small:
+            raise ValueError(
+                f"HopeOptions.chunk_memory: chunk_memory={self.chunk_memory} and chunk_other="
+                f"{self.chunk_other}: the larger must be a multiple of the smaller"
+            )
+        if self.grad_horizon % big:
+            raise ValueError(
+                f"HopeOptions.grad_horizon: must be a multiple of max(chunk_memory, chunk_other)="
+                f"{big}, got {self.grad_horizon}"
+            )
+        mu = self.momentum_coef
+        if bad_float(mu) or not 0 <= mu < 1:
+            raise ValueError(f"HopeOptions.momentum_coef: must be in [0, 1), got {mu!r}")
+        for name in ("eta_init", "alpha_init"):
+            v = getattr(self, name)
+            if bad_float(v) or not 0 < v < 1:
+                raise ValueError(f"HopeOptions.{name}: must be in (0, 1), got {v!r}")
+        for name in ("memory_init", "readout_init"):
+            v = getattr(self, name)
+            if bad_float(v) or v < 0:
+                raise ValueError(f"HopeOptions.{name}: must be a float >= 0, got {v!r}")
+
+    def resolved_memory_hidden(self, head_dim: int) -> int:
+        """Hidden width ``h`` of the memories: ``memory_hidden`` or ``head_dim`` when 0."""
+        return self.memory_hidden or head_dim
+
+
+OPTION_SECTIONS["hope"] = HopeOptions

@@ -74,3 +74,7 @@ register_mixer("titans_lmm", TitansLMM)
 register_mixer("titans_mac", TitansMAC)
 register_mixer("titans_mag", TitansMAG)
 register_mixer("titans_mal", TitansMAL)
+
+from nested_jax.layers.hope import HopeMixer  # noqa: E402  (Hope, SPEC §3.2)
+
+register_mixer("hope", HopeMixer)

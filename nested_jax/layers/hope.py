@@ -1,0 +1,292 @@
+"""Hope sequence mixer ``hope`` (SPEC §3.2: self-modifying Titans with DGD-updated memories).
+
+Per head (``H`` heads of width ``D``)::
+
+    x_t = [L2](silu(conv4(x W_x)))        memory inputs (``norm_inputs``, default on)
+    q_t = silu(conv4(x W_q))              (adaptive_q: q_t = M_{q,t−1}(x_t); the core L2-normalises
+                                           q and k = M_{k,t−1}(x_t) itself)
+    o_t = M_{memory,t−1}(q_t), memories written by DGD      (``core.hope.hope_chunked``)
+    y_t = W_o [RMSNorm(o_t) ⊙ silu(x W_g)]_heads            (per-head gated RMSNorm, as GDN)
+
+Outer (meta-learned) parameters: the initial memories ``M_□ = (W_1 [H, D, h], W_2 [H, h, D])`` for
+``□ ∈ {k, v, η, α, memory}`` (+ ``q`` with ``adaptive_q``), broadcast over the batch, and the
+scalar readouts of ``M_η``, ``M_α`` (:class:`nested_jax.core.hope.HopeReadout`, biases at
+``logit(eta_init)``, ``logit(alpha_init)``). The CMS that follows the mixer in the Hope model is the
+LM shell's FFN (SPEC §3.3), not part of this layer.
+
+**Chunks.** ``chunk_other`` / ``chunk_memory`` (SPEC §3.2 Decision): chunk ``n`` produces its
+projections, targets and DGD signals from the memories at the end of chunk ``n−1``; chunks are
+aligned at the first token of the sequence.
+
+**Packed rows** (``segment_ids``): the conv taps and the memories reset at a document start; the
+memories restart at the learned initial memories (exact; see ``hope_chunked``).
+
+**Decoding** equals the full forward: :class:`HopeCache` holds the running state (memories and
+momenta), the chunk-start snapshots, the conv taps and the number ``n`` of tokens seen; every
+cached call runs :func:`nested_jax.core.hope.hope_decode_step` token by token (a prefill is the same
+exact per-token loop). ``init_cache`` builds zero placeholders from static attributes (the LM shell
+calls it on the layer-stacked module); the first step (``n = 0``) substitutes the learned initial
+memories.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nested_jax.core.hope import (
+    HopeMemories,
+    HopeReadout,
+    HopeState,
+    MLPMemory,
+    hope_chunked,
+    hope_decode_step,
+    hope_init_state,
+)
+from nested_jax.layers.common import check_rank, dense, partitioned
+from nested_jax.layers.conv import ShortConv
+from nested_jax.layers.deltanet import l2_normalize
+from nested_jax.layers.norm import GatedRMSNorm
+
+__all__ = ["HopeCache", "HopeMixer"]
+
+
+class HopeCache(NamedTuple):
+    """Decode state of one :class:`HopeMixer` layer.
+
+    Attributes:
+      state: running ``HopeState`` (memories ``[B, H, D, h] / [B, H, h, D]`` f32, momenta or None).
+      snapshot: ``HopeMemories`` of the same shapes: the chunk-start snapshots of both groups.
+      conv_x, conv_q: ``[B, W−1, H·D]`` conv taps (``conv_q`` has 0 channels with ``adaptive_q``).
+      n: int32 scalar, tokens processed so far (the next token's position; chunks align at 0).
+    """
+
+    state: HopeState
+    snapshot: HopeMemories
+    conv_x: jax.Array
+    conv_q: jax.Array
+    n: jax.Array
+
+
+def _logit(p: float) -> float:
+    return math.log(p) - math.log1p(-p)
+
+
+def _const(value):
+    return lambda *_: value
+
+
+class HopeMixer(nnx.Module):
+    """Hope mixer (SPEC §3.2), registry name ``hope``; options ``ModelConfig.hope``."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int,
+        opts=None,
+        *,
+        conv_size: int = 4,
+        norm_eps: float = 1e-6,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        from nested_jax.models.options import HopeOptions  # lazy: layers sit below models
+
+        opts = HopeOptions() if opts is None else opts
+        if not isinstance(opts, HopeOptions):
+            raise ValueError(f"opts: expected a HopeOptions, got {type(opts).__name__}")
+        self.d_model, self.n_heads, self.head_dim, self.dtype = d_model, n_heads, head_dim, dtype
+        self.opts = opts
+        self.conv_size = conv_size
+        self.hidden = h = opts.resolved_memory_hidden(head_dim)
+        self.names = HopeMemories._fields[:5] + (("q",) if opts.adaptive_q else ())
+        hd = n_heads * head_dim
+        self.x_proj = dense(d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.x_conv = ShortConv(hd, conv_size, dtype=dtype, rngs=rngs)
+        if not opts.adaptive_q:
+            self.q_proj = dense(d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
+            self.q_conv = ShortConv(hd, conv_size, dtype=dtype, rngs=rngs)
+        self.g_proj = dense(d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps, rngs=rngs)
+        self.o_proj = dense(hd, d_model, ("heads", "embed"), dtype=dtype, rngs=rngs)
+        # Initial memories: W_2 fan-in scaled, W_1 small so every memory starts near M(z) = z
+        # (the residual path), which keeps the inner loop's first steps well conditioned.
+        names3 = (None, None, None)
+        for n in self.names:
+            w1 = (
+                opts.memory_init
+                * h**-0.5
+                * jax.random.normal(rngs.params(), (n_heads, head_dim, h))
+            )
+            w2 = head_dim**-0.5 * jax.random.normal(rngs.params(), (n_heads, h, head_dim))
+            setattr(self, f"{n}_w1", nnx.Param(partitioned(_const(w1), names3)(None)))
+            setattr(self, f"{n}_w2", nnx.Param(partitioned(_const(w2), names3)(None)))
+        ro = opts.readout_init * head_dim**-0.5
+        for n, p in (("eta", opts.eta_init), ("alpha", opts.alpha_init)):
+            w = ro * jax.random.normal(rngs.params(), (n_heads, head_dim))
+            setattr(self, f"{n}_w", nnx.Param(partitioned(_const(w), (None, None))(None)))
+            b = jnp.full((n_heads,), _logit(p), jnp.float32)
+            setattr(self, f"{n}_b", nnx.Param(partitioned(_const(b), (None,))(None)))
+
+    @classmethod
+    def from_config(cls, cfg, *, rngs: nnx.Rngs):
+        """Build from a ``ModelConfig`` (registry ``hope``; options ``cfg.hope``, defaults when the
+        config has no ``hope`` section)."""
+        return cls(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.resolved_head_dim(),
+            getattr(cfg, "hope", None),
+            conv_size=cfg.conv_size,
+            norm_eps=cfg.norm_eps,
+            dtype=cfg.activation_dtype(),
+            rngs=rngs,
+        )
+
+    # ---------------------------------------------------------------- parameters as core pytrees
+
+    def initial_memories(self) -> HopeMemories:
+        """The learned initial memories, ``[H, D, h]`` / ``[H, h, D]`` f32."""
+        return HopeMemories(
+            **{
+                n: MLPMemory(getattr(self, f"{n}_w1")[...], getattr(self, f"{n}_w2")[...])
+                for n in self.names
+            }
+        )
+
+    def readout(self) -> HopeReadout:
+        """The outer η / α readouts."""
+        return HopeReadout(self.eta_w[...], self.eta_b[...], self.alpha_w[...], self.alpha_b[...])
+
+    def _flags(self) -> dict:
+        o = self.opts
+        return dict(
+            dgd=o.dgd,
+            step=o.step,
+            momentum=o.momentum,
+            momentum_coef=o.momentum_coef,
+            decay=o.decay,
+            inner_k=o.inner_k,
+            inner_v=o.inner_v,
+            inner_q=o.inner_q,
+            adaptive_q=o.adaptive_q,
+            stop_gradient_targets=o.stop_gradient_targets,
+        )
+
+    # ---------------------------------------------------------------- decode state
+
+    def init_cache(self, batch_size: int, max_len: int) -> HopeCache:
+        """Zero decode state (size independent of ``max_len``); only static attributes are read."""
+        del max_len
+        b, h, d, k = batch_size, self.n_heads, self.head_dim, self.hidden
+        zero = MLPMemory(jnp.zeros((b, h, d, k), jnp.float32), jnp.zeros((b, h, k, d), jnp.float32))
+        mems = HopeMemories(**{n: zero for n in self.names})
+        state = HopeState(mems, mems if self.opts.momentum else None)
+        conv_x = self.x_conv.init_state(batch_size)
+        conv_q = (
+            jnp.zeros((b, self.conv_size - 1, 0), self.dtype)
+            if self.opts.adaptive_q
+            else self.q_conv.init_state(batch_size)
+        )
+        return HopeCache(state, mems, conv_x, conv_q, jnp.zeros((), jnp.int32))
+
+    # ---------------------------------------------------------------- forward
+
+    def _inputs(self, x, segment_ids, cache: HopeCache | None):
+        """Per-head memory inputs and queries ``[B, T, H, D]`` f32 plus the new conv taps."""
+        b, t, _ = x.shape
+        h, d = self.n_heads, self.head_dim
+        sx = None if cache is None else cache.conv_x
+        xm, cx = self.x_conv(self.x_proj(x), state=sx, segment_ids=segment_ids)
+        xm = jax.nn.silu(xm.astype(jnp.float32)).reshape(b, t, h, d)
+        if self.opts.norm_inputs:
+            xm = l2_normalize(xm)
+        if self.opts.adaptive_q:
+            return xm, None, cx, (None if cache is None else cache.conv_q)
+        sq = None if cache is None else cache.conv_q
+        q, cq = self.q_conv(self.q_proj(x), state=sq, segment_ids=segment_ids)
+        q = jax.nn.silu(q.astype(jnp.float32)).reshape(b, t, h, d)
+        return xm, q, cx, cq
+
+    def _out(self, x, o):
+        b, t, _ = x.shape
+        gate = self.g_proj(x).reshape(b, t, self.n_heads, self.head_dim)
+        y = self.o_norm(o.astype(self.dtype), gate)
+        return self.o_proj(y.reshape(b, t, self.n_heads * self.head_dim))
+
+    def __call__(self, x, *, positions=None, segment_ids=None, cache: HopeCache | None = None):
+        """Mixer protocol (``nested_jax.models.registry``).
+
+        Args:
+          x: ``[B, T, d_model]``.
+          positions: unused (chunks align at the sequence start / ``cache.n``).
+          segment_ids: optional int ``[B, T]`` (packed rows; not with a cache).
+          cache: optional :class:`HopeCache` (every cached call is the exact per-token loop).
+
+        Returns:
+          ``(y [B, T, d_model], new cache or None)``.
+        """
+        del positions
+        check_rank("x", x, 3, "[B, T, d_model]")
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"x: expected shape [B, T, {self.d_model}], got {tuple(x.shape)}")
+        b, t, _ = x.shape
+        if segment_ids is not None and jnp.shape(segment_ids) != (b, t):
+            raise ValueError(
+                f"segment_ids: expected int [B, T] = {(b, t)}, got {jnp.shape(segment_ids)}"
+            )
+        if cache is not None and segment_ids is not None:
+            raise ValueError("segment_ids: packed segments cannot be combined with a cache")
+        x = x.astype(self.dtype)
+        o = self.opts
+        xm, q, cx, cq = self._inputs(x, segment_ids, cache)
+        init = self.initial_memories()
+        if cache is None:
+            state = hope_init_state(init, b, momentum=o.momentum)
+            out, _ = hope_chunked(
+                xm,
+                q,
+                state,
+                self.readout(),
+                chunk_memory=o.chunk_memory,
+                chunk_other=o.chunk_other,
+                segment_ids=segment_ids,
+                grad_horizon=o.grad_horizon,
+                remat=o.remat,
+                **self._flags(),
+            )
+            return self._out(x, out), None
+        return self._cached(x, xm, q, cx, cq, init, cache)
+
+    def _cached(self, x, xm, q, cx, cq, init, cache: HopeCache):
+        b = x.shape[0]
+        o = self.opts
+        fresh = hope_init_state(init, b, momentum=o.momentum)
+        started = cache.n > 0
+        state = jax.tree.map(lambda c, f: jnp.where(started, c, f), cache.state, fresh)
+        step = functools.partial(
+            hope_decode_step,
+            readout=self.readout(),
+            chunk_memory=o.chunk_memory,
+            chunk_other=o.chunk_other,
+            **self._flags(),
+        )
+
+        def body(carry, inp):
+            st, snap, n = carry
+            x_t, q_t = inp
+            o_t, st, snap = step(x_t, q_t, st, snap, n)
+            return (st, snap, n + 1), o_t
+
+        qs = jnp.moveaxis(xm if q is None else q, 1, 0)
+        (state, snap, n), out = jax.lax.scan(
+            body, (state, cache.snapshot, cache.n), (jnp.moveaxis(xm, 1, 0), qs)
+        )
+        y = self._out(x, jnp.moveaxis(out, 0, 1))
+        return y, HopeCache(state, snap, cx, cq, n)
