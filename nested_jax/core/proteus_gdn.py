@@ -181,12 +181,23 @@ def proteus_gated_delta_chunked(
 ):
     """GDN with Proteus key-row blocks in chunk form (SPEC §1, §4; equals the recurrent form).
 
-    On a span of constant mask ``g`` (``proteus_spans``) the open rows evolve exactly as a GDN with
-    keys ``g ⊙ k`` from ``g ⊙ S`` (``(g ⊙ S)ᵀ(g ⊙ k) = Sᵀ(g ⊙ k)``, and a masked key never writes a
-    locked row) and the locked rows are frozen, so each span is one ``gated_delta_chunked`` call on
-    ``(g ⊙ q, g ⊙ k)`` from ``g ⊙ S``, after which the locked rows are put back with ``where``.
-    A fully open span is a plain call. Spans shorter than ``chunk_size`` use their length as the
-    chunk size (no padding work).
+    One ``gated_delta_chunked`` call over the whole sequence, whatever ``E``:
+
+    - Every token uses masked keys and queries ``g_t ⊙ k_t``, ``g_t ⊙ q_t`` (``g_t`` static per
+      position). Then ``Sᵀ(g_t ⊙ k_t)`` reads only open rows and a masked key writes no locked
+      row, so the open rows evolve exactly as in the recurrent form.
+    - The call starts from ``g_{t0+1} ⊙ S_0``: rows locked at the start are 0, and a zero row that
+      is never written stays 0 under any decay, so it needs no freezing.
+    - A block opening inside the call must start from its frozen ``S_0`` rows: each of its rows
+      ``r`` is put back by one *injection token* right before the opening, ``k = e_r``, ``β = 1``,
+      ``g = 0``, ``v = S_0[r]``, ``q = 0`` (a delta step with a unit key replaces row ``r``, which
+      is 0 there, by ``v``: ``S + e_r (v − Sᵀe_r)ᵀ``). Its output is dropped. Without an
+      ``initial_state`` (zero) no injection is needed.
+    - Rows still locked at the end are restored from ``S_0`` with ``where`` (their exact bits).
+
+    So the cost is the backbone's on ``T + R`` tokens, ``R ≤ K`` the rows opened by injection
+    (0 from a zero state), with the backbone's full chunk parallelism. ``v`` is promoted to f32
+    when injections are needed (the backbone computes in f32; the output keeps ``v``'s dtype).
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.
@@ -194,7 +205,7 @@ def proteus_gated_delta_chunked(
       scale: multiplies q; default ``K ** -0.5``.
       initial_state: optional ``[B, H, K, V]``; zero when None.
       t0: tokens already seen (static Python int ``≥ 0``).
-      chunk_size: chunk length ``C`` (> 0); neither ``T`` nor the spans need be multiples of it.
+      chunk_size: chunk length ``C`` (> 0); ``T`` need not be a multiple of it.
 
     Returns:
       ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
@@ -211,77 +222,57 @@ def proteus_gated_delta_chunked(
         return gated_delta_chunked(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size
         )
-    S = (
-        jnp.zeros((B, H, K, V), jnp.float32)
-        if initial_state is None
-        else initial_state.astype(jnp.float32)
-    )
-    partial = [sp for sp in spans if sp[2] < e]
-    ids = jnp.asarray(proteus_block_ids(K, e))
-
-    def masked_span(S, xs, active, c):
-        """A span with ``active`` (static or traced) blocks open: GDN on masked q, k from g ⊙ S."""
-        qs, ks, vs, gs, bs = xs
-        m = ids < active  # [K]
-        o, X = gated_delta_chunked(
-            _zero_where(m, qs), _zero_where(m, ks), vs, gs, bs,
-            scale=scale, initial_state=_zero_where(m[:, None], S), chunk_size=c,
-        )  # fmt: skip
-        return jnp.where(m[:, None], X, S), o
-
-    seq = (q, k, v, g, beta)
-    end = partial[-1][1]
-    if len(partial) == 1:
-        S, o_part = masked_span(
-            S, tuple(x[:, :end] for x in seq), partial[0][2], min(chunk_size, end)
+    ids = proteus_block_ids(K, e)
+    active = np.concatenate([np.full(b - a, act) for a, b, act in spans])  # static k(t), [T]
+    tok_open = jnp.asarray(ids[None, :] < active[:, None])[None, :, None, :]  # [1, T, 1, K]
+    qm, km = _zero_where(tok_open, q), _zero_where(tok_open, k)
+    open_start = ids < spans[0][2]
+    open_end = ids < spans[-1][2]
+    if initial_state is None:
+        o, S = gated_delta_chunked(qm, km, v, g, beta, scale=scale, chunk_size=chunk_size)
+        return o, _zero_where(open_end[:, None], S)  # locked rows: exactly the zero start
+    S0 = initial_state.astype(jnp.float32)
+    s_start = _zero_where(open_start[:, None], S0)
+    if len(spans) == 1:  # nothing opens inside the call
+        o, S = gated_delta_chunked(
+            qm, km, v, g, beta, scale=scale, initial_state=s_start, chunk_size=chunk_size
         )
-    else:
-        S, o_part = _padded_span_scan(masked_span, S, seq, partial, chunk_size)
-    outs = [o_part]
-    if end < T:  # the fully open tail (at most one span, always last): the plain backbone
-        o_tail, S = gated_delta_chunked(
-            *(x[:, end:] for x in seq), scale=scale, initial_state=S,
-            chunk_size=min(chunk_size, T - end),
-        )  # fmt: skip
-        outs.append(o_tail)
-    return jnp.concatenate(outs, axis=1), S
+        return o, jnp.where(open_end[:, None], S, S0)
+    o, S = _gdn_with_injections(qm, km, v, g, beta, S0, s_start, spans, ids, scale, chunk_size)
+    return o, jnp.where(open_end[:, None], S, S0)
 
 
-def _padded_span_scan(span_fn, S, seq, spans, chunk_size):
-    """Runs ``span_fn`` over ``spans`` with one compiled body (``lax.scan`` over spans).
-
-    Every span is zero-padded at its end to the longest span length ``L``; a padding token has
-    ``k = v = q = 0``, ``g = 0``, ``β = 0`` and leaves a GDN state exactly as it is, so the carried
-    state is the unpadded one. Compile time then does not grow with the number of blocks.
-
-    Args:
-      span_fn: ``(S, xs, active, chunk_size) -> (S, o)`` on time-sliced ``xs`` ``[B, L, ...]``.
-      S: initial state.
-      seq: tuple of ``[B, T, ...]`` arrays.
-      spans: ``(start, end, active)`` static triples, contiguous from 0.
-      chunk_size: requested chunk size (capped at ``L``).
-
-    Returns:
-      ``(S, o)`` with ``o [B, end_of_last_span, ...]``.
-    """
-    lens = [b - a for a, b, _ in spans]
-    L = max(lens)
-    offs = np.arange(L)
-    idx = np.stack([np.minimum(a + offs, b - 1) for a, b, _ in spans])  # [P, L] (clipped: valid)
-    valid = jnp.asarray(offs[None, :] < np.asarray(lens)[:, None])  # [P, L]
-
-    def gather(x):  # [B, T, ...] -> [P, B, L, ...], zero on padding
-        xp = jnp.moveaxis(jnp.take(x, jnp.asarray(idx), axis=1), 1, 0)
-        v = valid.reshape(valid.shape[0], 1, L, *([1] * (x.ndim - 2)))
-        return _zero_where(v, xp)
-
-    active = jnp.asarray([act for _, _, act in spans], jnp.int32)
-    c = min(int(chunk_size), L)
-    S, o = lax.scan(
-        lambda s, xs: span_fn(s, xs[:-1], xs[-1], c), S, (*map(gather, seq), active)
-    )  # o [P, B, L, ...]
-    # back to time order: local t of span i sits at flat index i·L + (t − start_i)
-    flat = np.concatenate([i * L + np.arange(n) for i, n in enumerate(lens)])
-    o = jnp.moveaxis(o, 0, 1)
-    o = o.reshape(o.shape[0], -1, *o.shape[3:])
-    return S, jnp.take(o, jnp.asarray(flat), axis=1)
+def _gdn_with_injections(qm, km, v, g, beta, S0, s_start, spans, ids, scale, chunk_size):
+    """One ``gated_delta_chunked`` call with the rows of each newly opened block injected from
+    ``S0`` right before the block's first token (see :func:`proteus_gated_delta_chunked`)."""
+    B, _, H, K = qm.shape
+    vdt = jnp.promote_types(v.dtype, jnp.float32)
+    pieces = {name: [] for name in ("q", "k", "v", "g", "beta")}
+    real = []  # [start, end) of each span's real tokens in the extended sequence
+    n_ext = 0
+    prev = spans[0][2]
+    for a, b, act in spans:
+        rows = np.flatnonzero((ids >= prev) & (ids < act))  # opened by this span (static)
+        prev = act
+        R = rows.size
+        if R:
+            zeros = jnp.zeros((B, R, H), g.dtype)
+            onehot = jnp.asarray(np.eye(K, dtype=np.float32)[rows], km.dtype)  # [R, K]
+            pieces["q"].append(jnp.zeros((B, R, H, K), qm.dtype))
+            pieces["k"].append(jnp.broadcast_to(onehot[None, :, None, :], (B, R, H, K)))
+            pieces["v"].append(jnp.moveaxis(S0[:, :, rows, :], 2, 1).astype(vdt))  # [B, R, H, V]
+            pieces["g"].append(zeros)
+            pieces["beta"].append(jnp.ones((B, R, H), beta.dtype))
+            n_ext += R
+        for name, x in (("q", qm), ("k", km), ("v", v.astype(vdt)), ("g", g), ("beta", beta)):
+            pieces[name].append(x[:, a:b])
+        real.append((n_ext, n_ext + b - a))
+        n_ext += b - a
+    cat = {name: jnp.concatenate(p, axis=1) for name, p in pieces.items()}
+    o, S = gated_delta_chunked(
+        cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"],
+        scale=scale, initial_state=s_start, chunk_size=chunk_size,
+    )  # fmt: skip
+    # static slices, not a gather: the gather's transpose is a scatter that XLA constant-folds
+    o = jnp.concatenate([o[:, a:b] for a, b in real], axis=1)
+    return o.astype(v.dtype), S

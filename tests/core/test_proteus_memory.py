@@ -248,6 +248,34 @@ def test_gdn_chunked_equals_recurrent_values_and_grads():
     np.testing.assert_array_equal(np.asarray(gc[5])[..., locked, :], ws[..., locked, :])
 
 
+def test_gdn_chunked_from_zero_state_equals_recurrent_values_and_grads():
+    """No initial_state: the chunked form needs no injection tokens (locked rows stay 0)."""
+    q, k, v, g, beta, _ = gdn_inputs(T=37)
+    rng = np.random.default_rng(5)
+    wo = rng.normal(size=v.shape).astype(np.float32)
+    ws = rng.normal(size=(2, 2, 10, 6)).astype(np.float32)
+
+    def grads(fn, **kw):
+        def loss(*a):
+            o, S = fn(*a, t0=5, **N60, **kw)
+            return jnp.sum(o * wo) + jnp.sum(S * ws), (o, S)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True))(
+            q, k, v, g, beta
+        )
+
+    (_, (o_r, s_r)), gr = grads(proteus_gated_delta_recurrent)
+    for c in (16, 5):
+        (_, (o_c, s_c)), gc = grads(proteus_gated_delta_chunked, chunk_size=c)
+        np.testing.assert_allclose(o_c, o_r, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(s_c, s_r, rtol=1e-4, atol=1e-4)
+        for name, a, b in zip(("q", "k", "v", "g", "beta"), gc, gr, strict=True):
+            scale = max(1.0, float(np.abs(b).max()))
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * scale, err_msg=name)
+        locked = ~ref_open(5 + 37, 60, 4, 10)
+        assert not np.asarray(s_c)[..., locked, :].any()  # still the zero start, bit for bit
+
+
 def _long_gdn():
     q, k, v, g, beta, S0 = gdn_inputs(B=1, T=100, H=1, K=8, V=5, seed=3)
     kw = dict(context_len=64, num_blocks=4)  # Δ = 16 = chunk: partial spans 16, 16, 16; tail 52
