@@ -54,8 +54,12 @@ def _describe(cfg: Config) -> str:
     m = cfg.model
     if m.name == "hola":
         h = m.hola
-        return f"hola (w={h.window}, C={h.block_size}, eviction={h.eviction})"
-    return m.name
+        name = f"hola (w={h.window}, C={h.block_size}, eviction={h.eviction})"
+    else:
+        name = m.name
+    if m.proteus.blocks > 1:
+        name += f" + Proteus (E={m.proteus.blocks}, N={m.proteus.context_len})"
+    return name
 
 
 def check_same_recipe(configs: dict[str, Config]) -> None:
@@ -75,8 +79,25 @@ def check_same_recipe(configs: dict[str, Config]) -> None:
                 )
 
 
-def evaluate_trained(workdir: Path, multipliers: Sequence[int]) -> dict:
-    """Validation metrics + NIAH accuracy by length multiplier for a trained workdir."""
+def evaluate_trained(
+    workdir: Path, multipliers: Sequence[int], val_multipliers: Sequence[int] = ()
+) -> dict:
+    """Validation metrics + NIAH accuracy by length multiplier for a trained workdir.
+
+    Args:
+      workdir: a finished training run.
+      multipliers: NIAH lengths ``m × data.seq_len``.
+      val_multipliers: also the validation loss on windows of ``m × data.seq_len`` tokens
+        (``"val_by_length"``; the first ``eval.eval_batches`` batches of each length, so a longer
+        window covers more text).
+
+    Returns:
+      ``{step, params, val_loss, val_bits_per_byte, niah: {str(m): {length, accuracy,
+      examples}}}`` plus ``val_by_length: {str(m): {length, val_loss, val_bits_per_byte,
+      val_tokens}}`` when ``val_multipliers`` is not empty.
+    """
+    import dataclasses
+
     from nested_jax.data import pipeline
     from nested_jax.eval.main import niah_logits_fn
     from nested_jax.eval.tasks import niah_grid, score_niah
@@ -111,13 +132,37 @@ def evaluate_trained(workdir: Path, multipliers: Sequence[int]) -> dict:
     import numpy as np
 
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trained.params))
-    return {
+    out = {
         "step": trained.step,
         "params": n_params,
         "val_loss": val["val_loss"],
         "val_bits_per_byte": val["val_bits_per_byte"],
         "niah": by_length,
     }
+    if val_multipliers:
+        out["val_by_length"] = {}
+    for m in val_multipliers:
+        if m == 1:
+            v = val
+        else:
+            data = dataclasses.replace(cfg.data, seq_len=m * cfg.data.seq_len)
+            v = evaluate(
+                trained.setup,
+                trained.params,
+                pipeline.make_eval_batches(
+                    data,
+                    trained.tokenizer,
+                    trained.bundle.val_docs,
+                    max_batches=cfg.eval.eval_batches or None,
+                ),
+            )
+        out["val_by_length"][str(m)] = {
+            "length": m * cfg.data.seq_len,
+            "val_loss": v["val_loss"],
+            "val_bits_per_byte": v["val_bits_per_byte"],
+            "val_tokens": v["val_tokens"],
+        }
+    return out
 
 
 def markdown_table(rows: list[dict], multipliers: Sequence[int], seq_len: int) -> str:

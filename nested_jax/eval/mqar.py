@@ -15,6 +15,15 @@ Equal parameter count: with ``--match-params`` (default on) the first model fixe
 ``--d-model`` and every other model gets the ``d_model`` (a multiple of ``2 · n_heads``) whose total
 parameter count is closest to it; the table reports each count and its ratio to the first.
 
+Proteus (SPEC §4): a model ``<name>+proteus<E>`` (e.g. ``gdn+proteus16``) is the registered
+mixer ``<name>`` with ``model.proteus.blocks = E`` and ``context_len = --seq-len`` (the training
+length); it has the same parameters as ``<name>``.
+
+Length generalisation: ``--eval-multipliers 1 4`` scores every model on held-out batches of length
+``m × seq_len`` for each ``m`` (same ``num_kv_pairs`` and query-slot distribution, so a longer
+sequence has more filler); the ``accuracy`` / ``eval_loss`` fields are those at ``m = 1`` (or the
+first multiplier) and ``by_length`` holds every ``m``.
+
 Writes ``<out>/mqar.json`` (settings + one row per model) and ``<out>/mqar.md`` (the table) and
 prints the Markdown.
 """
@@ -56,6 +65,7 @@ class MqarSettings:
     power_a: float = 0.01  # query-slot distribution of make_mqar_batch
     seed: int = 0  # parameter init and training batches (eval uses seed + 10_000)
     match_params: bool = True  # adjust d_model of models 2.. to the first model's parameter count
+    eval_multipliers: tuple[int, ...] = (1,)  # evaluate at m × seq_len for each m
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "num_kv_pairs", "vocab", "batch_size", "d_model"):
@@ -70,6 +80,16 @@ class MqarSettings:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
         # make_mqar_batch validates the task sizes; fail before any training.
         make_mqar_batch(0, 1, self.seq_len, self.num_kv_pairs, self.vocab, self.power_a)
+        m = self.eval_multipliers
+        if (
+            not isinstance(m, tuple)
+            or not m
+            or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in m)
+            or len(set(m)) != len(m)
+        ):
+            raise ValueError(
+                f"eval_multipliers: expected a non-empty tuple of distinct positive ints, got {m!r}"
+            )
 
     @property
     def chance(self) -> float:
@@ -77,18 +97,43 @@ class MqarSettings:
         return 1.0 / (self.vocab - self.vocab // 2)
 
 
-def model_config(name: str, s: MqarSettings, d_model: int):
-    """The :class:`ModelConfig` of model ``name`` at width ``d_model`` for these settings."""
-    from nested_jax.models import ModelConfig
+PROTEUS_TAG = "+proteus"
 
+
+def parse_model(spec: str) -> tuple[str, int]:
+    """``"gdn"`` -> ``("gdn", 1)``; ``"gdn+proteus16"`` -> ``("gdn", 16)`` (Proteus blocks E).
+
+    Raises:
+      ValueError: naming ``models`` when the Proteus suffix is not a positive int.
+    """
+    if PROTEUS_TAG not in spec:
+        return spec, 1
+    name, _, blocks = spec.partition(PROTEUS_TAG)
+    if not blocks.isdigit() or int(blocks) < 1:
+        raise ValueError(
+            f"models: {spec!r}: expected <name>{PROTEUS_TAG}<E> with a positive int E "
+            f"(e.g. gdn{PROTEUS_TAG}16)"
+        )
+    return name, int(blocks)
+
+
+def model_config(name: str, s: MqarSettings, d_model: int):
+    """The :class:`ModelConfig` of model ``name`` (maybe ``<mixer>+proteus<E>``, see
+    :func:`parse_model`) at width ``d_model`` for these settings."""
+    from nested_jax.models import ModelConfig
+    from nested_jax.models.options import ProteusOptions
+
+    mixer, blocks = parse_model(name)
+    proteus = ProteusOptions(blocks=blocks, context_len=s.seq_len if blocks > 1 else 0)
     chunk = min(64, s.seq_len)
     return ModelConfig(
-        name=name,
+        name=mixer,
         vocab_size=s.vocab,
         d_model=d_model,
         n_layers=s.n_layers,
         n_heads=s.n_heads,
         chunk_size=chunk,
+        proteus=proteus,
     )
 
 
@@ -121,11 +166,11 @@ def matched_d_model(name: str, s: MqarSettings, target: int) -> tuple[int, int]:
     return best
 
 
-def _batches(s: MqarSettings, n: int, seed: int) -> list[dict]:
+def _batches(s: MqarSettings, n: int, seed: int, seq_len: int | None = None) -> list[dict]:
     rng = np.random.default_rng(seed)
+    t = s.seq_len if seq_len is None else seq_len
     return [
-        make_mqar_batch(rng, s.batch_size, s.seq_len, s.num_kv_pairs, s.vocab, s.power_a)
-        for _ in range(n)
+        make_mqar_batch(rng, s.batch_size, t, s.num_kv_pairs, s.vocab, s.power_a) for _ in range(n)
     ]
 
 
@@ -135,7 +180,9 @@ def train_and_score(name: str, s: MqarSettings, d_model: int, log_every: int = 5
     Returns:
       a row: ``model, d_model, params, steps, final_train_loss, eval_loss, accuracy,
       eval_queries, train_seconds`` (compilation included), ``tokens_per_s`` (steps after the
-      first).
+      first), ``by_length`` (``{str(m): {seq_len, accuracy, eval_loss, eval_queries}}`` for each
+      of ``s.eval_multipliers``; the top-level accuracy / eval_loss / eval_queries are those of
+      ``m = 1``, or of the first multiplier when 1 is not among them).
     """
     from nested_jax.models import build_model
     from nested_jax.train.config import OptimizerConfig
@@ -186,23 +233,34 @@ def train_and_score(name: str, s: MqarSettings, d_model: int, log_every: int = 5
             graphdef, jax.tree.unflatten(state_def, jax.tree.leaves(p)), rest
         )(tokens)[0]
     )
-    correct, total, loss_sum, tokens = 0.0, 0, 0.0, 0.0
-    for b in _batches(s, s.eval_batches, s.seed + 10_000):
-        n = int(b["loss_mask"].sum())
-        correct += mqar_accuracy(logits_fn(state["params"], b["inputs"]), b) * n
-        total += n
-        sums = eval_step(state["params"], rest, b)
-        loss_sum += float(sums["loss_sum"])
-        tokens += float(sums["tokens"])
+    by_length = {}
+    for m in s.eval_multipliers:
+        correct, total, loss_sum, tokens = 0.0, 0, 0.0, 0.0
+        # the same held-out seed at every length (batches differ in length, not in their source)
+        for b in _batches(s, s.eval_batches, s.seed + 10_000, m * s.seq_len):
+            n = int(b["loss_mask"].sum())
+            correct += mqar_accuracy(logits_fn(state["params"], b["inputs"]), b) * n
+            total += n
+            sums = eval_step(state["params"], rest, b)
+            loss_sum += float(sums["loss_sum"])
+            tokens += float(sums["tokens"])
+        by_length[str(m)] = {
+            "seq_len": m * s.seq_len,
+            "accuracy": correct / total,
+            "eval_loss": loss_sum / tokens,
+            "eval_queries": total,
+        }
+    ref = by_length["1" if 1 in s.eval_multipliers else str(s.eval_multipliers[0])]
     return {
         "model": name,
         "d_model": d_model,
         "params": n_params,
         "steps": s.steps,
         "final_train_loss": float(tail.mean()),
-        "eval_loss": loss_sum / tokens,
-        "accuracy": correct / total,
-        "eval_queries": total,
+        "eval_loss": ref["eval_loss"],
+        "accuracy": ref["accuracy"],
+        "eval_queries": ref["eval_queries"],
+        "by_length": by_length,
         "train_seconds": seconds,  # compilation included
         # steady-state training throughput (steps after the first); NaN with a single step
         "tokens_per_s": (
@@ -220,16 +278,31 @@ def markdown_table(rows: Sequence[dict], s: MqarSettings) -> str:
         f"{s.n_layers} layers × {s.n_heads} heads; accuracy on {s.eval_batches} held-out batches; "
         f"chance {s.chance:.4f} (1/{s.vocab - s.vocab // 2}).\n\n"
     )
+    extra = [m for m in s.eval_multipliers if m != 1]
+    if extra:
+        head = head.replace(
+            "\n\n",
+            f" Longer evaluations: {', '.join(f'{m}× (T={m * s.seq_len})' for m in extra)}, same "
+            "number of pairs.\n\n",
+            1,
+        )
+    cols = "".join(f" acc {m}× | loss {m}× |" for m in extra)
     lines = [
-        "| model | d_model | params | params / first | accuracy | × chance | eval loss "
-        "| train loss (last 10) | train tok/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | d_model | params | params / first | accuracy | × chance | eval loss |"
+        + cols
+        + " train loss (last 10) | train tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * len(extra) + "---:|---:|",
     ]
     for r in rows:
+        by = r["by_length"]
+        cells = "".join(
+            f" {by[str(m)]['accuracy']:.4f} | {by[str(m)]['eval_loss']:.4f} |" for m in extra
+        )
         lines.append(
             f"| {r['model']} | {r['d_model']} | {r['params']:,} | {r['params'] / base:.3f} "
-            f"| {r['accuracy']:.4f} | {r['accuracy'] / s.chance:.1f} | {r['eval_loss']:.4f} "
-            f"| {r['final_train_loss']:.4f} | {r['tokens_per_s']:.0f} |"
+            f"| {r['accuracy']:.4f} | {r['accuracy'] / s.chance:.1f} | {r['eval_loss']:.4f} |"
+            + cells
+            + f" {r['final_train_loss']:.4f} | {r['tokens_per_s']:.0f} |"
         )
     return head + "\n".join(lines) + "\n"
 
@@ -245,7 +318,7 @@ def run_mqar(models: Sequence[str], s: MqarSettings, out: str | Path | None = No
     if not models:
         raise ValueError("models: expected at least one model name")
     known = available_mixers()
-    unknown = [m for m in models if m not in known]
+    unknown = [m for m in models if parse_model(m)[0] not in known]
     if unknown:
         raise ValueError(f"models: unknown {unknown}; registered: {list(known)}")
     if len(set(models)) != len(models):
@@ -284,10 +357,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m nested_jax.eval.mqar",
         description="train registered LM-shell models on MQAR and compare their recall",
     )
-    p.add_argument("--models", nargs="+", required=True, help="registered model (mixer) names")
+    p.add_argument(
+        "--models",
+        nargs="+",
+        required=True,
+        help="registered model (mixer) names, optionally <name>+proteus<E> (e.g. gdn+proteus16)",
+    )
     defaults = MqarSettings()
     for f in dataclasses.fields(MqarSettings):
-        if f.name == "match_params":
+        if f.name in ("match_params", "eval_multipliers"):
             continue
         flag = "--" + ("vocab" if f.name == "vocab" else f.name.replace("_", "-"))
         p.add_argument(flag, type=type(getattr(defaults, f.name)), default=None, dest=f.name)
@@ -295,6 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-match-params",
         action="store_true",
         help="use --d-model for every model instead of matching the first model's parameters",
+    )
+    p.add_argument(
+        "--eval-multipliers",
+        nargs="+",
+        type=int,
+        default=None,
+        help="evaluate at these multiples of --seq-len (default: 1)",
     )
     p.add_argument("--out", default=None, help="directory for mqar.json and mqar.md")
     return p
@@ -305,8 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     values = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(MqarSettings)
-        if f.name != "match_params" and getattr(args, f.name) is not None
+        if f.name not in ("match_params", "eval_multipliers") and getattr(args, f.name) is not None
     }
+    if args.eval_multipliers is not None:
+        values["eval_multipliers"] = tuple(args.eval_multipliers)
     try:
         s = MqarSettings(match_params=not args.no_match_params, **values)
         out = run_mqar(args.models, s, args.out)

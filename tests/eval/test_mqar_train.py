@@ -45,3 +45,27 @@ def test_bad_inputs_fail_before_training(capsys):
         mqar.MqarSettings(seq_len=8, num_kv_pairs=8)
     with pytest.raises(ValueError, match="d_model"):
         mqar.MqarSettings(d_model=63, n_heads=2)
+
+
+def test_proteus_model_specs_and_longer_evaluation(tmp_path):
+    assert mqar.parse_model("gdn") == ("gdn", 1)
+    assert mqar.parse_model("gdn+proteus16") == ("gdn", 16)
+    with pytest.raises(ValueError, match="models"):
+        mqar.parse_model("gdn+proteusx")
+    s = mqar.MqarSettings(
+        steps=2, seq_len=16, num_kv_pairs=2, vocab=16, d_model=16, n_layers=1, batch_size=4,
+        eval_batches=1, warmup_steps=1, eval_multipliers=(1, 4), match_params=False,
+    )  # fmt: skip
+    cfg = mqar.model_config("gdn+proteus4", s, 16)
+    assert (cfg.name, cfg.proteus.blocks, cfg.proteus.context_len) == ("gdn", 4, 16)
+    assert mqar.count_params("gdn+proteus4", s, 16) == mqar.count_params("gdn", s, 16)
+    res = mqar.run_mqar(["gdn+proteus4"], s, tmp_path)
+    (row,) = res["rows"]
+    assert row["model"] == "gdn+proteus4"
+    assert {k: v["seq_len"] for k, v in row["by_length"].items()} == {"1": 16, "4": 64}
+    assert row["accuracy"] == row["by_length"]["1"]["accuracy"]
+    assert row["by_length"]["4"]["eval_queries"] == 4 * 2
+    assert "acc 4×" in res["markdown"] and "| gdn+proteus4 |" in res["markdown"]
+    for bad in ((), (0,), (1, 1)):
+        with pytest.raises(ValueError, match="eval_multipliers"):
+            mqar.MqarSettings(eval_multipliers=bad)
