@@ -14,6 +14,12 @@ from nested_jax.core.proteus_gdn import (
     proteus_gated_delta_recurrent,
     proteus_gated_delta_step,
 )
+from nested_jax.core.proteus_hope import (
+    proteus_hope_chunked,
+    proteus_hope_masks,
+    proteus_hope_recurrent,
+    proteus_hope_step,
+)
 from nested_jax.core.proteus_titans import (
     proteus_titans_linear_chunked,
     proteus_titans_linear_recurrent,
@@ -36,4 +42,8 @@ __all__ = [
     "proteus_titans_mlp_step",
     "proteus_titans_mlp_recurrent",
     "proteus_titans_mlp_chunked",
+    "proteus_hope_masks",
+    "proteus_hope_step",
+    "proteus_hope_recurrent",
+    "proteus_hope_chunked",
 ]
