@@ -21,15 +21,17 @@ All in one process (DESIGN.md "Benchmarks"):
    timed interleaved too. Losses: mean training loss of the last 10 steps and the held-out loss
    on ``--eval-batches`` fixed batches, in nats/token.
 2. **Proteus overhead** (SPEC §4): fwd+bwd tokens/s of ``proteus_gated_delta_chunked`` with
-   ``E = 16`` and ``E = 1`` (which dispatches to the backbone) and plain ``gated_delta_chunked`` at
-   ``T = --proteus-seq-len`` (context ``N = T``, so all 16 blocks open during the sequence), H=4,
-   K=V=64, interleaved.
+   ``E = 16`` from a zero state, ``E = 16`` from a nonzero ``initial_state`` (15 blocks re-enter
+   through injection tokens), ``E = 1`` (which dispatches to the backbone) and plain
+   ``gated_delta_chunked`` at ``T = --proteus-seq-len`` (context ``N = T``, so all 16 blocks open
+   during the sequence), H=4, K=V=64, interleaved. ``--proteus-only`` skips part 1.
 
 JSON keys (last stdout line with ``--json``): ``matmul_gflops``, ``steps``, ``data``; per
 optimizer ``o`` ∈ {adamw, muon, m3}: ``step_ms_{o}``, ``update_ms_{o}``,
 ``final_train_loss_{o}``, ``eval_loss_{o}``, ``lr_{o}``; ``step_time_{muon,m3}_over_adamw``,
-``update_time_{muon,m3}_over_adamw``; ``proteus_tokens_per_s_{E16,E1,gdn}``,
-``proteus_E16_over_E1_time``, ``proteus_E1_over_gdn_time``; ``wall_s``.
+``update_time_{muon,m3}_over_adamw``; ``proteus_tokens_per_s_{E16,E16_S0,E1,gdn}``,
+``proteus_E16_over_E1_time``, ``proteus_E16_S0_over_E1_time``, ``proteus_E1_over_gdn_time``;
+``wall_s`` (part 1's keys are absent with ``--proteus-only``).
 """
 
 from __future__ import annotations
@@ -255,37 +257,41 @@ def _plain_loss(graphdef, state_def, params, rest, batch):
 
 
 def proteus_overhead(T: int = 2048, B: int = 1, H: int = 4, D: int = 64, repeats: int = 5):
-    """fwd+bwd tokens/s of Proteus GDN with E=16 and E=1 and of plain GDN (interleaved)."""
+    """fwd+bwd tokens/s of Proteus GDN (E=16 from a zero and from a nonzero state, E=1) and of
+    plain GDN, interleaved; the gradient includes the initial state's where there is one."""
     from nested_jax.bench.core import _inputs
 
     q, k, v, g, beta = _inputs(T, B, H, D)
+    s0 = 0.1 * jax.random.normal(jax.random.PRNGKey(1), (B, H, D, D), jnp.float32)
 
-    def grad_of(fn):
-        def loss(q, k, v, g, beta):
-            o, S = fn(q, k, v, g, beta)
+    def grad_of(fn, with_state=False):
+        def loss(q, k, v, g, beta, s0):
+            o, S = fn(q, k, v, g, beta, initial_state=s0 if with_state else None)
             return jnp.sum(o) + jnp.sum(S)
 
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
 
+    e16 = functools.partial(proteus_gated_delta_chunked, context_len=T, num_blocks=16)
     fns = {
-        "E16": grad_of(
-            functools.partial(proteus_gated_delta_chunked, context_len=T, num_blocks=16)
-        ),
+        "E16": grad_of(e16),
+        "E16_S0": grad_of(e16, with_state=True),
         "E1": grad_of(functools.partial(proteus_gated_delta_chunked, context_len=T, num_blocks=1)),
         "gdn": grad_of(gated_delta_chunked),
     }
     times = time_interleaved(
-        {n: functools.partial(f, q, k, v, g, beta) for n, f in fns.items()},
+        {n: functools.partial(f, q, k, v, g, beta, s0) for n, f in fns.items()},
         repeats=repeats,
         warmup=1,
     )
     results = {f"proteus_tokens_per_s_{n}": B * T / t for n, t in times.items()}
     results["proteus_T"] = T
     results["proteus_E16_over_E1_time"] = times["E16"] / times["E1"]
+    results["proteus_E16_S0_over_E1_time"] = times["E16_S0"] / times["E1"]
     results["proteus_E1_over_gdn_time"] = times["E1"] / times["gdn"]
     progress(
-        f"[bench optim] Proteus GDN fwd+bwd T={T}: E=16 {B * T / times['E16']:.0f} tok/s, "
-        f"E=1 {B * T / times['E1']:.0f} tok/s, plain GDN {B * T / times['gdn']:.0f} tok/s "
+        f"[bench optim] Proteus GDN fwd+bwd T={T}: E=16 {B * T / times['E16']:.0f} tok/s "
+        f"(from a state {B * T / times['E16_S0']:.0f}), E=1 {B * T / times['E1']:.0f} tok/s, "
+        f"plain GDN {B * T / times['gdn']:.0f} tok/s "
         f"(E16/E1 time x{results['proteus_E16_over_E1_time']:.2f})"
     )
     return results
@@ -303,10 +309,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m3-slow-every", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--proteus-seq-len", type=int, default=2048)
+    p.add_argument(
+        "--proteus-only", action="store_true", help="only the Proteus overhead (skip optimizers)"
+    )
     args = p.parse_args([] if argv is None else argv)
     t0 = time.perf_counter()
     results: dict = {"matmul_gflops": matmul_gflops()}
     progress(f"[bench optim] f32 matmul: {results['matmul_gflops']:.1f} GFLOP/s")
+    if args.proteus_only:
+        results.update(proteus_overhead(T=args.proteus_seq_len, repeats=args.repeats))
+        results["wall_s"] = time.perf_counter() - t0
+        emit(results, args.json)
+        return 0
     results.update(
         compare_optimizers(
             steps=args.steps,
