@@ -13,9 +13,9 @@ COMMANDS = {
     "train": ("nested_jax.train.main", "train a model: --config FILE --workdir DIR"),
     "eval": ("nested_jax.eval.main", "evaluate the latest checkpoint: --workdir DIR"),
     "generate": ("nested_jax.train.generate", "sample text: --workdir DIR --prompt TEXT"),
-    "bench": (None, "benchmarks: bench {core,titans,optim,hola} [--json]"),
+    "bench": (None, "benchmarks: bench {core,titans,optim,hola,hope} [--json]"),
 }
-BENCHES = ("core", "titans", "optim", "hola")
+BENCHES = ("core", "titans", "optim", "hola", "hope")
 
 
 def _usage() -> str:
