@@ -31,7 +31,9 @@ class GatedDeltaNet(DeltaNet):
     """Gated DeltaNet (SPEC §1): ``S_t = α_t S_{t-1} + β_t k_t (v_t − α_t S_{t-1}ᵀ k_t)ᵀ``.
 
     Decay ``g_t = log α_t = −softplus(x W_a + dt_bias) · exp(A_log)`` per head; everything else as
-    :class:`DeltaNet`.
+    :class:`DeltaNet`, including Proteus key-row blocks (SPEC §4; ``proteus_blocks``,
+    ``proteus_context_len``, from ``model.proteus`` in ``from_config``): the layer then equals
+    ``core.proteus_memory.proteus_gated_delta_*`` (see ``nested_jax.layers.deltanet``).
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, *, rngs: nnx.Rngs, **kwargs):
