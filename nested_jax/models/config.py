@@ -15,6 +15,9 @@ from nested_jax.models import options as _options
 
 _IMPLS = ("chunked", "recurrent")
 _DTYPES = ("float32", "bfloat16")
+_FFNS = ("auto", "swiglu", "cms")
+# Models whose FFN is the Continuum Memory System when ``ffn = "auto"`` (SPEC §3.2, §3.4).
+CMS_MODELS = frozenset({"hope", "hope_attention"})
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,8 @@ class ModelConfig:
     head_dim: int = 0  # per-head width; 0 -> d_model // n_heads
     n_kv_heads: int = 0  # attention only (GQA): key/value heads; 0 -> n_heads
     mlp_hidden: int = 0  # SwiGLU hidden width; 0 -> 8/3 * d_model rounded up to a multiple of 32
+    # block FFN: swiglu | cms (SPEC §3.3, model.cms.*) | auto (cms for hope / hope_attention)
+    ffn: str = "auto"
     tie_embeddings: bool = True  # output head reuses the token embedding matrix
     conv_size: int = 4  # width of the causal depthwise short conv on q, k, v (DeltaNet / GDN)
     chunk_size: int = 64  # chunk length C of the chunked (WY/UT) recurrent kernels
@@ -51,6 +56,10 @@ class ModelConfig:
     titans: _options.TitansOptions = dataclasses.field(default_factory=_options.TitansOptions)
     # Proteus incremental memory activation (read by the GDN / Titans mixers; SPEC §4)
     proteus: _options.ProteusOptions = dataclasses.field(default_factory=_options.ProteusOptions)
+    # Hope self-modifying memory options (read only by the `hope` mixer; SPEC §3.2)
+    hope: _options.HopeOptions = dataclasses.field(default_factory=_options.HopeOptions)
+    # Continuum Memory System FFN (read when ffn resolves to cms; SPEC §3.3, §3.4)
+    cms: _options.CMSOptions = dataclasses.field(default_factory=_options.CMSOptions)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -100,6 +109,13 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.dtype: unknown {self.dtype!r}; expected one of {_DTYPES}"
             )
+        if self.ffn not in _FFNS:
+            raise ValueError(f"ModelConfig.ffn: unknown {self.ffn!r}; expected one of {_FFNS}")
+        if self.name == "hope_attention" and self.ffn == "swiglu":
+            raise ValueError(
+                "ModelConfig.ffn: hope_attention is attention + CMS and needs ffn=cms (or auto); "
+                "attention + SwiGLU is name=transformer"
+            )
         if self.rope_theta <= 0:
             raise ValueError(f"ModelConfig.rope_theta: must be positive, got {self.rope_theta}")
         if self.norm_eps <= 0:
@@ -120,6 +136,16 @@ class ModelConfig:
             return self.mlp_hidden
         hidden = -(-8 * self.d_model // 3)
         return -(-hidden // 32) * 32
+
+    def resolved_ffn(self) -> str:
+        """Block FFN: ``ffn``; ``auto`` = ``"cms"`` for :data:`CMS_MODELS`, else ``"swiglu"``."""
+        if self.ffn != "auto":
+            return self.ffn
+        return "cms" if self.name in CMS_MODELS else "swiglu"
+
+    def resolved_cms_hidden(self) -> int:
+        """Hidden width of each CMS level: ``cms.hidden`` or the SwiGLU width when 0."""
+        return self.cms.hidden or self.resolved_mlp_hidden()
 
     def activation_dtype(self):
         """The jnp dtype of activations (params are always float32)."""

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nested_jax.layers.cms import CMSFFN
 from nested_jax.layers.common import dense, partitioned
 from nested_jax.layers.mlp import SwiGLU
 from nested_jax.layers.norm import RMSNorm
@@ -37,14 +38,23 @@ class LMCache(NamedTuple):
 
 
 class Block(nnx.Module):
-    """``x + mixer(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))``."""
+    """``x + mixer(RMSNorm(x))`` then ``x + FFN(RMSNorm(x))``.
+
+    FFN: SwiGLU, or with ``cfg.resolved_ffn() == "cms"`` the CMS update ``CMS(z) − z``
+    (:class:`nested_jax.layers.cms.CMSFFN`, SPEC §3.3).
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         dtype = cfg.activation_dtype()
         self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.mixer = get_mixer(cfg.name).from_config(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
-        self.mlp = SwiGLU(cfg.d_model, cfg.resolved_mlp_hidden(), dtype=dtype, rngs=rngs)
+        if cfg.resolved_ffn() == "cms":
+            # CMSFFN returns CMS(z) − z, so the residual add below keeps one copy of the stream
+            # (SPEC §3.3, §3.4; see nested_jax.layers.cms).
+            self.mlp = CMSFFN.from_config(cfg, rngs=rngs)
+        else:
+            self.mlp = SwiGLU(cfg.d_model, cfg.resolved_mlp_hidden(), dtype=dtype, rngs=rngs)
 
     def __call__(self, x, *, positions, segment_ids=None, cache=None):
         """Args: ``x [B, T, d_model]``, ``positions [B, T]``, ``segment_ids``, one layer's

@@ -237,3 +237,69 @@ class HopeOptions:
 
 
 OPTION_SECTIONS["hope"] = HopeOptions
+
+
+@dataclass(frozen=True)
+class CMSOptions:
+    """Continuum Memory System used as the block FFN (SPEC §3.3, §3.4; ``model.cms.<field>``).
+
+    Read when ``model.ffn`` resolves to ``"cms"`` (the ``hope`` and ``hope_attention`` models).
+    ``periods`` gives one entry per level (``k = len(periods)``, level 1 = fastest). Its unit
+    depends on ``mode``: **optimizer steps** in ``pretrain`` (level ℓ's parameters take an outer
+    step every ``C^(ℓ)`` steps from the gradients accumulated since its last step), **tokens** in
+    ``online`` (the level learns from the local surprise at test time / in continual learning).
+    """
+
+    periods: tuple[int, ...] = (1, 4, 16)  # C^(1) < … < C^(k); pretrain: optimizer steps
+    variant: str = "sequential"  # sequential | nested | independent
+    hidden: int = 0  # per-level hidden width; 0 -> the SwiGLU rule (model.mlp_hidden or 8/3·d)
+    gated: bool = (
+        True  # SwiGLU levels (a transformer FFN copies in exactly); False = σ(xW_up)W_down
+    )
+    mode: str = "pretrain"  # pretrain (multi-frequency outer steps) | online (test-time updates)
+    accumulate: str = "sum"  # pretrain: sum | mean of the gradients over a level's period
+    online_lr: float = 1e-2  # online: inner learning rate η of every level
+    online_inner: str = "sgd"  # online: inner optimizer, sgd | dgd (SPEC §3.1)
+
+    def __post_init__(self) -> None:
+        p = self.periods
+        if (
+            not isinstance(p, tuple)
+            or not p
+            or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in p)
+        ):
+            raise ValueError(
+                f"CMSOptions.periods: must be a non-empty tuple of ints >= 1, got {p!r}"
+            )
+        if any(b <= a for a, b in zip(p, p[1:], strict=False)):
+            raise ValueError(f"CMSOptions.periods: must be strictly increasing, got {list(p)}")
+        variants = ("sequential", "nested", "independent")
+        if self.variant not in variants:
+            raise ValueError(
+                f"CMSOptions.variant: unknown {self.variant!r}; expected one of {variants}"
+            )
+        if self.variant == "nested" and any(b % a for a, b in zip(p, p[1:], strict=False)):
+            raise ValueError(
+                f"CMSOptions.periods: with variant=nested each period must divide the next, "
+                f"got {list(p)}"
+            )
+        h = self.hidden
+        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+            raise ValueError(f"CMSOptions.hidden: must be an int >= 0 (0 = default), got {h!r}")
+        if not isinstance(self.gated, bool):
+            raise ValueError(f"CMSOptions.gated: expected bool, got {self.gated!r}")
+        for name, allowed in (
+            ("mode", ("pretrain", "online")),
+            ("accumulate", ("sum", "mean")),
+            ("online_inner", ("sgd", "dgd")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"CMSOptions.{name}: unknown {getattr(self, name)!r}; expected one of {allowed}"
+                )
+        lr = self.online_lr
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
+            raise ValueError(f"CMSOptions.online_lr: must be a float > 0, got {lr!r}")
+
+
+OPTION_SECTIONS["cms"] = CMSOptions

@@ -75,6 +75,9 @@ register_mixer("titans_mac", TitansMAC)
 register_mixer("titans_mag", TitansMAG)
 register_mixer("titans_mal", TitansMAL)
 
+# Hope-Attention (SPEC §3.4): softmax attention; its CMS FFN comes from ModelConfig.ffn = auto/cms.
+register_mixer("hope_attention", Attention)
+
 from nested_jax.layers.hope import HopeMixer  # noqa: E402  (Hope, SPEC §3.2)
 
 register_mixer("hope", HopeMixer)

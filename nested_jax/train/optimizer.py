@@ -9,12 +9,14 @@ wraps every optimizer (``grad_clip > 0``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from nested_jax.optim.m3 import m3_from_config
+from nested_jax.optim.multifreq import level_labels_by_index, multi_frequency
 from nested_jax.train.config import OptimizerConfig
 
 OptimizerFactory = Callable[[OptimizerConfig, optax.Schedule], optax.GradientTransformation]
@@ -74,14 +76,75 @@ register_optimizer("adamw", _adamw)
 register_optimizer("m3", m3_from_config)
 
 
+def cms_level_of(params: Any) -> Any:
+    """Each parameter leaf's CMS level: ``ℓ`` for leaves under ``blocks/mlp/levels/ℓ``, else None.
+
+    ``level_labels_by_index("levels")`` restricted to the block FFN, so a mixer that happens to
+    hold a ``levels`` container of its own is never stepped at CMS periods.
+    """
+    labels = level_labels_by_index("levels")(params)
+
+    def keep(path, lab):
+        names = [getattr(e, "key", getattr(e, "name", None)) for e in path[:2]]
+        return lab if names == ["blocks", "mlp"] else None
+
+    return jax.tree_util.tree_map_with_path(keep, labels, is_leaf=lambda x: x is None)
+
+
+def cms_pretrain_periods(model: Any) -> tuple[int, ...] | None:
+    """The CMS level periods (optimizer steps) when ``model`` trains its CMS in pretrain mode.
+
+    Args:
+      model: a :class:`nested_jax.models.config.ModelConfig` or None.
+
+    Returns:
+      ``model.cms.periods`` when the block FFN is CMS and ``model.cms.mode == "pretrain"``, else
+      None (the optimizer is not wrapped).
+    """
+    if model is None or model.resolved_ffn() != "cms" or model.cms.mode != "pretrain":
+        return None
+    return tuple(model.cms.periods)
+
+
 def build_optimizer(
-    cfg: OptimizerConfig, total_steps: int
+    cfg: OptimizerConfig, total_steps: int, *, model: Any = None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """Returns ``(tx, schedule)``: clip_by_global_norm(grad_clip) then the registered optimizer."""
+    """Returns ``(tx, schedule)``: clip_by_global_norm(grad_clip) then the registered optimizer.
+
+    CMS pretrain mode (SPEC §3.3): when ``model`` (a ``ModelConfig``) has a CMS FFN with
+    ``cms.mode == "pretrain"``, the optimizer is wrapped by
+    :func:`nested_jax.optim.multifreq.multi_frequency` so the parameters of CMS level ℓ (every
+    leaf under ``.../levels/ℓ/...``) take a step only every ``cms.periods[ℓ]`` optimizer steps,
+    from the gradients accumulated since their last step (``cms.accumulate``: sum | mean); every
+    other parameter steps every step. The learning-rate schedule is applied *outside* the wrapper
+    (the registered optimizer is built with lr = 1, then scaled by ``schedule(step)``), so a level
+    that fires at global step n uses the global lr of step n rather than a schedule counted in its
+    own (rarer) steps, and warmup/decay mean the same for every level. This relies on the
+    registered optimizer applying its lr as a final linear scale (true for adamw and m3).
+    Gradient clipping acts on each step's raw gradient, before accumulation.
+
+    Args:
+      cfg: the optimizer section.
+      total_steps: the step at which the schedule's decay ends (train.steps).
+      model: optional ``ModelConfig``; only read for the CMS pretrain wrapping.
+    """
     if cfg.name not in OPTIMIZERS:
         raise ValueError(f"optimizer.name: unknown {cfg.name!r}; registered: {sorted(OPTIMIZERS)}")
     schedule = learning_rate_schedule(cfg, total_steps)
-    tx = OPTIMIZERS[cfg.name](cfg, schedule)
+    periods = cms_pretrain_periods(model)
+    if periods is None:
+        tx = OPTIMIZERS[cfg.name](cfg, schedule)
+    else:
+        inner = OPTIMIZERS[cfg.name](cfg, optax.constant_schedule(1.0))
+        tx = optax.chain(
+            multi_frequency(
+                inner,
+                level_of=cms_level_of,
+                periods=periods,
+                accumulate=model.cms.accumulate,
+            ),
+            optax.scale_by_schedule(schedule),
+        )
     if cfg.grad_clip > 0:
         tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
     return tx, schedule
