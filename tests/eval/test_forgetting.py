@@ -37,6 +37,16 @@ def test_nested_with_summed_rates_is_the_one_level_model():
     assert np.max(np.abs(mean["eval"] - one["eval"])) > 1e-3
 
 
+def test_pretraining_on_both_languages_lowers_the_initial_loss():
+    pre = dataclasses.replace(QUICK, pretrain_steps=20, pretrain_lr=1e-2)
+    one = run_arm(pre, Arm("k1"), seed=0)
+    assert np.mean(one["init"]) < np.mean(run_arm(QUICK, Arm("k1"), seed=0)["init"]) - 0.3
+    # nested pretrains its one output level and starts every level there: with summed rates it is
+    # still the one-level stream
+    nested = run_arm(pre, Arm("n", "nested", (1, 2, 4), "sum"), seed=0)
+    np.testing.assert_allclose(nested["eval"], one["eval"], rtol=1e-4, atol=1e-5)
+
+
 def test_summarize_definitions():
     # eval[p] = (loss_A, loss_B) after phase p; phases A, B, A, B.
     ev = np.array([[1.0, 5.0], [1.5, 2.0], [0.8, 2.6], [1.2, 1.0]])
@@ -91,7 +101,7 @@ def test_cli_quick_writes_tables_and_learns(tmp_path):
     assert k1["arm"]["periods"] == [1] and k3["arm"]["variant"] == "nested"
     assert len(k1["per_seed"]) == 2 and not k1["diverged"]
     # the online updates really learn: the current language ends below the untrained loss
-    assert k1["mean"]["current"] < np.mean(res["init"]) - 0.2
+    assert k1["mean"]["current"] < np.mean(k1["init"]) - 0.2
     v = res["verdict"]
     assert v["holds"] == (v["forget_A_k3"] < v["forget_A_k1"])
     md = (tmp_path / "forgetting.md").read_text()
@@ -113,3 +123,45 @@ def test_verdict_rejects_a_multi_level_first_arm():
     }
     with pytest.raises(ValueError, match="one-level"):
         verdict(res)
+
+
+# ---------------------------------------------------------------------------------------------
+# slow: the full-size measurements reported in the module docstring (4 seeds × 8 streams)
+
+FULL = StreamSettings()
+
+
+@pytest.mark.slow
+def test_acceptance_protocol_result_is_the_reported_one():
+    # The protocol fixed before measuring (nested, mean rates, periods (1,16,128), phase 256 × 8).
+    # Measured: the claim does NOT hold (three levels forget more, and learn far less). This pins
+    # the reported numbers so that the docstring/report cannot silently disagree with the code.
+    title, s, arms = experiments(False, StreamSettings.lr, StreamSettings.seeds)[0]
+    assert s == FULL and "acceptance" in title
+    res = compare(s, arms)
+    v = verdict(res)
+    k1, k3 = res["arms"]
+    assert k1["mean"]["current"] < np.mean(k1["init"]) - 1.0  # the one-level model does learn
+    assert v["forget_A_k1"] == pytest.approx(0.141, abs=0.02)
+    assert v["forget_A_k3"] == pytest.approx(0.281, abs=0.03)
+    assert v["holds"] is False
+    assert k3["mean"]["current"] > k1["mean"]["current"] + 1.0  # and it learns far less
+
+
+@pytest.mark.slow
+def test_equal_rate_grid_findings_as_reported():
+    # Same stream, SPEC "sum" rates (η_ℓ = η): independent (head-wise) levels forget less than
+    # one level and also less than a one-level model at a third of the rate while ending lower
+    # on the current language; sequential levels forget about three times more.
+    arms = [
+        Arm("k1"),
+        Arm("k1 lr/3", "sequential", (1,), "sum", 1.0 / 3),
+        Arm("k3 sequential sum (1, 16, 128)", "sequential", (1, 16, 128), "sum"),
+        Arm("k3 independent sum (1, 16, 128)", "independent", (1, 16, 128), "sum"),
+    ]
+    m = {a["arm"]["name"]: a["mean"] for a in compare(FULL, arms)["arms"]}
+    k1, k1_3 = m["k1"], m["k1 lr/3"]
+    seq, ind = m["k3 sequential sum (1, 16, 128)"], m["k3 independent sum (1, 16, 128)"]
+    assert ind["forget_A"] < k1["forget_A"] - 0.03
+    assert ind["forget_A"] < k1_3["forget_A"] - 0.02 and ind["current"] < k1_3["current"]
+    assert seq["forget_A"] > k1["forget_A"] + 0.2
