@@ -40,7 +40,7 @@ from nested_jax.data.config import DataConfig
 from nested_jax.models.config import ModelConfig
 
 # Models whose mixer has no chunked recurrence: `seq_len % chunk_size` is irrelevant for them.
-ATTENTION_ONLY_MODELS = frozenset({"transformer"})
+ATTENTION_ONLY_MODELS = frozenset({"transformer", "hope_attention"})
 
 
 class ConfigError(ValueError):

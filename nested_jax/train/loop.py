@@ -110,7 +110,7 @@ def init_train_setup(
     params, rest = jax.jit(init_params, out_shardings=(param_sh, rest_sh))()
     _check_leaf_order(state_def, abs_params, params)
 
-    tx, schedule = build_optimizer(config.optimizer, config.train.steps)
+    tx, schedule = build_optimizer(config.optimizer, config.train.steps, model=config.model)
     abs_opt = jax.eval_shape(tx.init, params)
     repl = replicated(mesh)
     opt_sh = shardings_like_params(abs_opt, params, param_sh, mesh)
@@ -194,6 +194,16 @@ def _check_mesh_batch(config: Config, mesh: jax.sharding.Mesh) -> None:
 _RESUME_FIXED = ("model.*", "optimizer.name", "data.tokenizer", "data.vocab_size", "data.corpus")
 
 
+def _with_defaults(saved: Any, default: Any) -> Any:
+    """``saved`` (a config dict) with the keys it lacks taken from ``default``, recursively."""
+    if not isinstance(saved, dict) or not isinstance(default, dict):
+        return saved
+    out = dict(default)
+    for k, v in saved.items():
+        out[k] = _with_defaults(v, default.get(k))
+    return out
+
+
 def check_resume_compatible(config: Config, workdir: Path) -> None:
     """Refuses to resume a workdir whose saved run used a different model / tokenizer / corpus.
 
@@ -209,7 +219,9 @@ def check_resume_compatible(config: Config, workdir: Path) -> None:
         return
     if not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
         return
-    saved, new = json.loads(saved_path.read_text()), config_to_dict(config)
+    new = config_to_dict(config)
+    # A field missing from an older saved config did not exist then: that run used its default.
+    saved = _with_defaults(json.loads(saved_path.read_text()), config_to_dict(Config()))
     for pattern in _RESUME_FIXED:
         section, name = pattern.split(".")
         names = new[section].keys() if name == "*" else [name]

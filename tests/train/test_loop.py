@@ -173,3 +173,21 @@ def test_sigterm_saves_a_checkpoint_and_stops_cleanly(corpus, data_dir, tmp_path
     assert summary["preempted"] and summary["steps"] == 2
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2]
     assert signal.getsignal(signal.SIGTERM) is before  # the previous handler is back
+
+
+def test_resume_check_fills_fields_an_older_saved_config_lacks(tmp_path):
+    from nested_jax.train.config import Config, config_to_dict
+    from nested_jax.train.loop import check_resume_compatible
+
+    cfg = Config()
+    old = config_to_dict(cfg)
+    del old["model"]["cms"]  # sections and fields added after the run was saved
+    del old["model"]["titans"]["grad_horizon"]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    check_resume_compatible(cfg, tmp_path)  # the old run used the defaults: compatible
+
+    old["model"]["titans"]["memory_layers"] = 3  # a real difference is still refused
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=r"^config error: model\.titans: "):
+        check_resume_compatible(cfg, tmp_path)
