@@ -102,6 +102,21 @@ def load_configs(paths: Sequence[str | Path], overrides: Sequence[str]) -> tuple
     return configs, notes
 
 
+def train_tokens_per_s(summary: dict, workdir: Path) -> float:
+    """Training throughput of a run: the summary's, or (a reused finished run reports NaN) the
+    last ``tokens_per_s`` logged in ``<workdir>/metrics.jsonl``."""
+    tok_s = summary.get("tokens_per_s", float("nan"))
+    if tok_s == tok_s:  # not NaN
+        return tok_s
+    path = workdir / "metrics.jsonl"
+    if path.is_file():
+        for line in reversed(path.read_text().splitlines()):
+            row = json.loads(line)
+            if row.get("kind") == "train" and "tokens_per_s" in row:
+                return float(row["tokens_per_s"])
+    return tok_s
+
+
 def markdown_table(rows: list[dict], multipliers: Sequence[int], lm_len: int, mqar_len) -> str:
     """One row per config: params, val loss / NIAH / MQAR accuracy at every multiplier."""
     head = ["config", "mixer", "E", "params"]
@@ -186,7 +201,7 @@ def run_table(
                 "mixer": cfg.model.name,
                 "blocks": cfg.model.proteus.blocks,
                 "context_len": cfg.model.proteus.context_len,
-                "tokens_per_s": summary["tokens_per_s"],
+                "tokens_per_s": train_tokens_per_s(summary, out / "lm" / name),
                 "wall_time_s": summary["wall_time_s"],
                 **ev,
             }

@@ -77,3 +77,12 @@ def test_one_command_end_to_end(tmp_path):
     md = (tmp_path / "proteus_table.md").read_text()
     assert "| tiny_gdn | gdn | 1 |" in md and "| tiny_gdn_proteus | gdn | 16 |" in md
     assert "MQAR acc 4× (128)" in md and "val loss 4× (512)" in md
+
+
+def test_reused_runs_report_the_logged_throughput(tmp_path):
+    assert proteus_table.train_tokens_per_s({"tokens_per_s": 5.0}, tmp_path) == 5.0
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"kind": "train", "tokens_per_s": 7.0}\n{"kind": "train", "tokens_per_s": 9.0}\n'
+        '{"kind": "eval", "val_loss": 1.0}\n'
+    )
+    assert proteus_table.train_tokens_per_s({"tokens_per_s": float("nan")}, tmp_path) == 9.0
