@@ -54,6 +54,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = [
@@ -156,6 +157,21 @@ def _validate_segment_ids(fn, segment_ids, B, T):
         )
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(f"{fn}: segment_ids must have an integer dtype, got {segment_ids.dtype}")
+
+
+def _validate_horizon(fn, grad_horizon, chunk_size):
+    if not isinstance(grad_horizon, int) or isinstance(grad_horizon, bool) or grad_horizon < 0:
+        raise ValueError(f"{fn}: grad_horizon must be an int >= 0, got {grad_horizon!r}")
+    if grad_horizon % chunk_size:
+        raise ValueError(
+            f"{fn}: grad_horizon must be a multiple of chunk_size={chunk_size} (the state is cut "
+            f"between chunks), got {grad_horizon}"
+        )
+
+
+def _stop_gradient_where(flag, tree):
+    """``tree`` with its gradient cut where the scalar bool ``flag`` is set (values unchanged)."""
+    return jax.tree.map(lambda a: jnp.where(flag, lax.stop_gradient(a), a), tree)
 
 
 def _validate_chunk_size(fn, chunk_size):
@@ -406,6 +422,8 @@ def titans_mlp_recurrent(
     read_before_write: bool = False,
     grad_clip: float | None = DEFAULT_MLP_GRAD_CLIP,
     segment_ids=None,
+    reset_state: TitansMLPState | None = None,
+    grad_horizon: int = 0,
 ):
     """Titans memory over a sequence token by token (``lax.scan`` of the step; ground truth).
 
@@ -415,7 +433,11 @@ def titans_mlp_recurrent(
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; theta, eta, alpha: ``[B, T, H]``.
       activation, residual, read_before_write, grad_clip: as ``titans_mlp_step``.
       segment_ids: optional ``[B, T]`` int (packed sequences, SPEC §0): the state resets to
-        ``state`` before the first token of every segment after the first.
+        ``reset_state`` before the first token of every segment after the first.
+      reset_state: the state a segment start resets to (default ``state``; a caller that carries
+        the state across calls passes the learned initial state here).
+      grad_horizon: truncated backprop, ``n ≥ 0``: the carried state is a ``stop_gradient``
+        before every position that is a positive multiple of n (values unchanged; 0 = off).
 
     Returns:
       ``(y [B, T, H, V] in v's dtype, final TitansMLPState f32)``.
@@ -424,19 +446,29 @@ def titans_mlp_recurrent(
     B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
     _check_state(fn, state, B, H, K, V)
     _validate_segment_ids(fn, segment_ids, B, T)
+    _validate_horizon(fn, grad_horizon, 1)
     res = _resolve_residual(fn, residual, len(state.weights), K, V)
     tm = lambda x: jnp.moveaxis(x, 1, 0).astype(jnp.float32)  # noqa: E731
     st0 = _f32_state(state)
+    if reset_state is not None:
+        _check_state(fn + " (reset_state)", reset_state, B, H, K, V)
+    st_r = st0 if reset_state is None else _f32_state(reset_state)
     resets = None if segment_ids is None else tm(_segment_resets(segment_ids))
+    cut = None
+    if grad_horizon:
+        t_idx = np.arange(T)
+        cut = jnp.asarray((t_idx % grad_horizon == 0) & (t_idx > 0))
 
     def body(st, xs):
-        *xs, r = xs
+        *xs, r, c = xs
+        if c is not None:
+            st = _stop_gradient_where(c, st)
         if r is not None:
-            st = jax.tree.map(lambda a, b: jnp.where(r[:, None, None, None] > 0, b, a), st, st0)
+            st = jax.tree.map(lambda a, b: jnp.where(r[:, None, None, None] > 0, b, a), st, st_r)
         y, st = _step_math(st, *xs, activation, res, read_before_write, grad_clip)
         return st, y
 
-    xs = tuple(map(tm, (q, k, v, theta, eta, alpha))) + (resets,)
+    xs = tuple(map(tm, (q, k, v, theta, eta, alpha))) + (resets, cut)
     st, y = lax.scan(body, st0, xs)
     return jnp.moveaxis(y, 0, 1).astype(v.dtype), st
 
@@ -490,9 +522,29 @@ def _surprise_factors(W, k, v, th, activation, residual, grad_clip):
     return inputs, deltas, th
 
 
+def _state_at(row_sel, mats, coef_w, coef_s, D, peta, th_c, inputs, deltas):
+    """``(W, S)`` tuples at the chunk row picked by the one-hot ``row_sel`` (``[b+1]`` or
+    ``[B, 1, b+1]``; row t = the state after the chunk's first t tokens) from the unrolled
+    recurrence ``W_t = Σ coef_w_t·m − Σ_j D_tj θ_j a_j δ_jᵀ`` (same for S with ``coef_s``,
+    ``P^η``)."""
+    pick = lambda c: jnp.sum(c * row_sel, -1)  # noqa: E731
+    last = lambda c: pick(c)[..., None, None]  # noqa: E731
+    d_l = jnp.sum(D * row_sel[..., :, None], -2) * th_c
+    p_l = jnp.sum(peta * row_sel[..., :, None], -2) * th_c
+    W_new, S_new = [], []
+    for ms, a, d in zip(mats, inputs, deltas, strict=True):
+        w = -jnp.einsum("...jd,...j,...je->...de", a, d_l, d)
+        s_ = -jnp.einsum("...jd,...j,...je->...de", a, p_l, d)
+        for cw, cs, m in zip(coef_w, coef_s, ms, strict=True):
+            w, s_ = w + last(cw) * m, s_ + last(cs) * m
+        W_new.append(w)
+        S_new.append(s_)
+    return tuple(W_new), tuple(S_new)
+
+
 def _chunk_body(carry, xs, *, init, activation, residual, rbw, grad_clip):
-    """One chunk for all (B, H). Carry ``(W, S)``; xs arrays ``[B, H, b, ...]``, ``sel [b+1]``
-    and ``reset`` (``[B, 1, b]`` 0/1, or None).
+    """One chunk for all (B, H). Carry ``(W, S)`` (``(W, S, W^a)`` for packed rows); xs arrays
+    ``[B, H, b, ...]``, ``sel [b+1]``, ``reset`` and ``bound`` (``[B, 1, b]`` 0/1, or None).
 
     ``sel`` is the one-hot row of the chunk's last real token (< b only for a padded last chunk):
     the final state is read from that row, so padding never touches the state.
@@ -501,17 +553,37 @@ def _chunk_body(carry, xs, *, init, activation, residual, rbw, grad_clip):
     (W^i, S^i)``. With ``c = 1 − r`` this is the same unrolled recurrence with gates ``η c`` and
     ``(1 − α) c`` plus sources ``(1 − c)(1 − α) W^i`` into M and ``(1 − c) η S^i`` into S, whose
     coefficients are ``F = P^α (1−c)(1−α)``, ``G = D (1−c)η`` (into W) and ``Hs = P^η (1−c)η``
-    (into S). Tokens after a reset in the chunk take their surprise at ``W^i`` (the chunk start
-    of their document), the others at ``W⁰``.
+    (into S).
+
+    Per-document chunk grid (packed rows): a document's chunks start at its own first token, as
+    in a separate run, while the scan runs on the row's grid. A token's surprise is taken at its
+    *anchor*, the weights at the start of its document-local chunk: ``W^i`` after a reset in this
+    chunk; ``W_r`` (the state after the chunk's first r tokens) at and after a document-local
+    chunk start at offset ``r > 0`` (``bound``); otherwise the carried ``W^a`` (the anchor of the
+    chunk's first token, which is ``W⁰`` when a document-local chunk starts with this chunk).
+    There is at most one such ``r`` per chunk (document-local starts are b apart) and no reset
+    before it, so ``W_r`` only needs the surprises at ``W^a``.
     """
-    W0, S0 = carry
-    q, k, v, th, et, al, sel, reset = xs
-    inputs, deltas, th_c = _surprise_factors(W0, k, v, th, activation, residual, grad_clip)
+    q, k, v, th, et, al, sel, reset, bound = xs
+    packed = reset is not None
+    if packed:
+        W0, S0, Wa = carry
+        bc = lambda f: f[:, :, None, None] > 0  # noqa: E731  [B, 1] flag → weights
+        Wa = tuple(jnp.where(bc(bound[..., 0]), w, a) for w, a in zip(W0, Wa, strict=True))
+    else:
+        W0, S0 = carry
+        Wa = W0
+    inputs, deltas, th_c = _surprise_factors(Wa, k, v, th, activation, residual, grad_clip)
     mats = list(zip(W0, S0, strict=True))
-    if reset is not None:
+    if packed:
         Wi, Si = init
         after = (jnp.cumsum(reset, axis=-1) > 0)[..., None]  # token j is past a reset
-        in_i, de_i, th_i = _surprise_factors(Wi, k, v, th, activation, residual, grad_clip)
+        # Most chunks of packed rows hold no document start: skip the second set of factors then.
+        in_i, de_i, th_i = lax.cond(
+            jnp.any(after),
+            lambda: _surprise_factors(Wi, k, v, th, activation, residual, grad_clip),
+            lambda: (inputs, deltas, th_c),
+        )
         inputs = [jnp.where(after, x, y) for x, y in zip(in_i, inputs, strict=True)]
         deltas = [jnp.where(after, x, y) for x, y in zip(de_i, deltas, strict=True)]
         th_c = jnp.where(after[..., 0], th_i, th_c)
@@ -521,13 +593,34 @@ def _chunk_body(carry, xs, *, init, activation, residual, rbw, grad_clip):
         mats = list(zip(W0, S0, Wi, Si, strict=True))
     A, C, E, peta, D = _coefficients(et, al)
     coef_w, coef_s = [A, C], [jnp.zeros_like(E), E]  # coefficients of (W⁰, S⁰[, W^i, S^i])
-    if reset is not None:
+    if packed:
         palpha = _seg_prod(1.0 - al)[..., :, 1:]
         coef_w += [
             jnp.einsum("...ti,...i->...t", palpha, src_m),
             jnp.einsum("...tj,...j->...t", D, src_s),
         ]
         coef_s += [jnp.zeros_like(E), jnp.einsum("...tj,...j->...t", peta, src_s)]
+        # A document-local chunk start at offset r > 0: anchor W_r for tokens r.. (until a reset).
+        bnd = bound.at[..., 0].set(0.0)
+        row_r = jnp.pad(bnd, [(0, 0)] * (bnd.ndim - 1) + [(0, 1)])  # token offset r ↔ row r
+
+        def with_bound():
+            W_r, _ = _state_at(row_r, mats, coef_w, coef_s, D, peta, th_c, inputs, deltas)
+            return _surprise_factors(W_r, k, v, th, activation, residual, grad_clip), W_r
+
+        (in_r, de_r, th_r), W_r = lax.cond(
+            jnp.any(bnd > 0), with_bound, lambda: ((inputs, deltas, th_c), Wa)
+        )
+        mid = ((jnp.cumsum(bnd, axis=-1) > 0) & ~after[..., 0])[..., None]
+        inputs = [jnp.where(mid, x, y) for x, y in zip(in_r, inputs, strict=True)]
+        deltas = [jnp.where(mid, x, y) for x, y in zip(de_r, deltas, strict=True)]
+        th_c = jnp.where(mid[..., 0], th_r, th_c)
+        # Anchor of the next chunk's first token: W^i after a reset here, else W_r, else W^a.
+        has_r, has_i = bc(jnp.sum(bnd, -1)), bc(jnp.sum(reset, -1))
+        Wa = tuple(
+            jnp.where(has_i, wi, jnp.where(has_r, wr, wa))
+            for wi, wr, wa in zip(Wi, W_r, Wa, strict=True)
+        )
     rows = slice(0, -1) if rbw else slice(1, None)
     Dr = D[..., rows, :] * th_c[..., None, :]
     z = q
@@ -539,18 +632,8 @@ def _chunk_body(carry, xs, *, init, activation, residual, rbw, grad_clip):
         z = activation(h) if i < len(mats) - 1 else h
     y = z + q if residual else z
     # State after the chunk's last real token.
-    last = lambda c: jnp.einsum("...t,t->...", c, sel)[..., None, None]  # noqa: E731
-    d_l = jnp.einsum("...tj,t->...j", D, sel) * th_c
-    p_l = jnp.einsum("...tj,t->...j", peta, sel) * th_c
-    W_new, S_new = [], []
-    for ms, a, d in zip(mats, inputs, deltas, strict=True):
-        w = -jnp.einsum("...jd,...j,...je->...de", a, d_l, d)
-        s_ = -jnp.einsum("...jd,...j,...je->...de", a, p_l, d)
-        for cw, cs, m in zip(coef_w, coef_s, ms, strict=True):
-            w, s_ = w + last(cw) * m, s_ + last(cs) * m
-        W_new.append(w)
-        S_new.append(s_)
-    return (tuple(W_new), tuple(S_new)), y
+    W_new, S_new = _state_at(sel, mats, coef_w, coef_s, D, peta, th_c, inputs, deltas)
+    return ((W_new, S_new, Wa) if packed else (W_new, S_new)), y
 
 
 def _chunk_pool(x, b, T):
@@ -594,11 +677,26 @@ def _segment_resets(segment_ids):
     return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1).astype(jnp.float32)
 
 
+def _local_chunk_starts(resets, b):
+    """``[B, T]`` float 0/1: 1 where a document-local chunk starts inside a document (its local
+    position is a positive multiple of b; the row's first document starts at position 0)."""
+    t = jnp.arange(resets.shape[1])
+    start = lax.cummax(jnp.where(resets > 0, t, 0), axis=1)
+    lp = t - start
+    return ((lp % b == 0) & (lp > 0)).astype(jnp.float32)
+
+
 def _chunked_core(
     weights, momentum, q, k, v, theta, eta, alpha, *,
     chunk_size, activation, residual, rbw, grad_clip, per_chunk_gates, remat, segment_ids=None,
+    reset_state=None, grad_horizon=0,
 ):  # fmt: skip
-    """Shared chunked engine (validated inputs): ``(y [B,T,H,V] f32, (W, S) f32 tuples)``."""
+    """Shared chunked engine (validated inputs): ``(y [B,T,H,V] f32, (W, S) f32 tuples)``.
+
+    ``reset_state``: ``(W, S)`` tuples a segment start resets to (default the initial carry);
+    ``grad_horizon``: cut the carried state's gradient before every chunk starting at a positive
+    multiple of it (a multiple of ``chunk_size``).
+    """
     B, T, H, _ = q.shape
     b = chunk_size
     N = -(-T // b)
@@ -608,19 +706,44 @@ def _chunked_core(
         theta, eta, alpha = (_chunk_pool(x, b, T) for x in (theta, eta, alpha))
     last = jnp.minimum(b, T - b * jnp.arange(N))  # row index (1..b) of each chunk's last real token
     sel = jax.nn.one_hot(last, b + 1, dtype=f32)
-    reset = None
-    if segment_ids is not None:  # [B, T] → [N, B, 1, b]
-        reset = _to_chunks(_segment_resets(segment_ids)[:, :, None], b, N)
-    xs = tuple(_to_chunks(x, b, N) for x in (q, k, v, theta, eta, alpha)) + (sel, reset)
     carry = (tuple(w.astype(f32) for w in weights), tuple(s.astype(f32) for s in momentum))
-    body = lambda c, x: _chunk_body(  # noqa: E731
-        c, x, init=carry, activation=activation, residual=residual, rbw=rbw, grad_clip=grad_clip
+    init = carry
+    if reset_state is not None:
+        init = tuple(tuple(a.astype(f32) for a in part) for part in reset_state)
+    xs = tuple(_to_chunks(x, b, N) for x in (q, k, v, theta, eta, alpha)) + (sel,)
+    cut = None
+    if grad_horizon:
+        starts = np.arange(N) * b
+        cut = jnp.asarray((starts % grad_horizon == 0) & (starts > 0))
+
+    def run(carry, xs):
+        body = lambda c, x: _chunk_body(  # noqa: E731
+            c, x, init=init, activation=activation, residual=residual, rbw=rbw,
+            grad_clip=grad_clip,
+        )  # fmt: skip
+        if remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        if cut is not None:
+            inner = body
+
+            def body(c, x):
+                return inner(_stop_gradient_where(x[-1], c), x[:-1])
+
+        carry, y = lax.scan(body, carry, xs + ((cut,) if cut is not None else ()))
+        y = jnp.moveaxis(y, 0, 2).reshape(B, H, N * b, -1)[:, :, :T]  # y [N, B, H, b, V]
+        return jnp.moveaxis(y, 1, 2), carry[:2]
+
+    if segment_ids is None:
+        return run(carry, xs + (None, None))
+    r = _segment_resets(segment_ids)
+    reset = _to_chunks(r[:, :, None], b, N)  # [B, T] → [N, B, 1, b]
+    bound = _to_chunks(_local_chunk_starts(r, b)[:, :, None], b, N)
+    # Rows without a document start (most rows of long documents) take the plain engine.
+    return lax.cond(
+        jnp.any(r > 0),
+        lambda: run((*carry, carry[0]), xs + (reset, bound)),  # + the anchor W^a of the grid
+        lambda: run(carry, xs + (None, None)),
     )
-    if remat:
-        body = jax.checkpoint(body, prevent_cse=False)
-    carry, y = lax.scan(body, carry, xs)  # y [N, B, H, b, V]
-    y = jnp.moveaxis(y, 0, 2).reshape(B, H, N * b, -1)[:, :, :T]
-    return jnp.moveaxis(y, 1, 2), carry
 
 
 def titans_mlp_chunked(
@@ -640,6 +763,8 @@ def titans_mlp_chunked(
     per_chunk_gates: bool = False,
     remat: bool = True,
     segment_ids=None,
+    reset_state: TitansMLPState | None = None,
+    grad_horizon: int = 0,
 ):
     """Titans memory in chunks of ``chunk_size`` (SPEC §2 parallel form, dual-form reads).
 
@@ -655,11 +780,18 @@ def titans_mlp_chunked(
       activation, residual, read_before_write, grad_clip: as ``titans_mlp_step``.
       per_chunk_gates: replace θ, η, α by their per-chunk means (``titans_pool_gates``).
       remat: recompute each chunk in the backward pass (saves only the carried state per chunk).
-      segment_ids: optional ``[B, T]`` int (packed sequences): the state resets to ``state`` at
-        every segment start; chunks stay aligned at position 0 and a token after a reset takes its
-        surprise at ``state.weights`` (the start of its document) instead of the chunk start. Each
-        segment then gets exactly what a separate call on it would give when it starts on a chunk
-        boundary (and the chunk rule on the global chunk grid otherwise).
+      segment_ids: optional ``[B, T]`` int (packed sequences): the state resets to
+        ``reset_state`` at every segment start, and each segment keeps its own chunk grid
+        (chunks of b tokens from its first token; a token's surprise is taken at the weights at
+        the start of its segment-local chunk). Every segment then gets exactly the outputs of a
+        separate call on it, wherever it starts in the row. Costs up to two more surprise
+        evaluations per chunk where a segment starts or a segment-local chunk starts mid-chunk
+        (skipped by ``lax.cond`` elsewhere).
+      reset_state: the state a segment start resets to (default ``state``; a caller that carries
+        the state across calls passes the learned initial state here).
+      grad_horizon: truncated backprop, a multiple of ``chunk_size`` (0 = off): the carried state
+        is a ``stop_gradient`` before every chunk starting at a positive multiple of it. Values
+        are unchanged; gradients stop flowing through the inner loop after that many tokens.
 
     Returns:
       ``(y [B, T, H, V] in v's dtype, final TitansMLPState f32)``.
@@ -669,11 +801,14 @@ def titans_mlp_chunked(
     _validate_chunk_size(fn, chunk_size)
     _check_state(fn, state, B, H, K, V)
     _validate_segment_ids(fn, segment_ids, B, T)
+    _validate_horizon(fn, grad_horizon, chunk_size)
+    if reset_state is not None:
+        _check_state(fn + " (reset_state)", reset_state, B, H, K, V)
     res = _resolve_residual(fn, residual, len(state.weights), K, V)
     y, (W, S) = _chunked_core(
         state.weights, state.momentum, q, k, v, theta, eta, alpha,
         chunk_size=chunk_size, activation=activation, residual=res, rbw=read_before_write,
         grad_clip=grad_clip, per_chunk_gates=per_chunk_gates, remat=remat,
-        segment_ids=segment_ids,
+        segment_ids=segment_ids, reset_state=reset_state, grad_horizon=grad_horizon,
     )  # fmt: skip
     return y.astype(v.dtype), TitansMLPState(W, S)

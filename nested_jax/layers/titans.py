@@ -25,9 +25,16 @@ chunk over the buffer, reads its own row, and commits the state when the chunk i
 **Decisions / limitations.** ``per_chunk_gates`` mean-pools the gates over the *whole* chunk (the
 paper's option), which looks at later tokens of the chunk: such models train but cannot decode
 (``init_cache`` raises). Packed sequences (``segment_ids``): conv taps and attention reset exactly;
-the memory has no exact reset in the chunked core, so at a document start the layer sets ``η = 0``
-and ``α = 1`` (the previous document's memory and momentum are erased and the memory restarts near
-zero, not at the learned ``M_0``). Unpacked inputs (evaluation, decoding) are exact.
+the memory uses the core's exact reset (``segment_ids`` of ``titans_mlp_chunked``): at every
+document start the memory and its momentum return to the learned ``(M_0, 0)``, so nothing of the
+previous document leaks into the next, and each document keeps its own chunk grid (chunks from
+its first token), so every document of a packed row gets exactly the outputs of a separate run,
+wherever it starts. Truncated backprop (``grad_horizon``) windows stay on the row's grid (this
+changes gradients only, never values).
+
+**Inner learning rate cap.** ``θ_t = theta_max · σ(x W_θ + b_θ)`` (``TitansOptions.theta_max``,
+default 0.1; the bias starts θ at ``theta_init``). Without the cap θ may drift towards 1 during
+training; with the softclamp ``grad_clip = c`` every write is then bounded by ``c·theta_max``.
 
 **Stability (measured, tiny LMM, L_M = 4, T = 4096).** With ``θ ≈ 0.1, η = 0.9`` (effective inner
 step ``θ/(1−η) ≈ 1`` on 16 stale gradients per chunk) the forward stays finite but the backward
@@ -74,22 +81,12 @@ __all__ = [
     "TitansMAL",
     "MAGCache",
     "MALCache",
-    "document_starts",
     "scan_tokens",
 ]
 
 
 def _logit(p: float) -> float:
     return math.log(p) - math.log1p(-p)
-
-
-def document_starts(segment_ids: jax.Array | None, b: int, t: int) -> jax.Array | None:
-    """``bool [B, T]``: True where a packed document starts after position 0 (None without ids)."""
-    if segment_ids is None:
-        return None
-    if segment_ids.shape != (b, t):
-        raise ValueError(f"segment_ids: expected int [B, T] = {(b, t)}, got {segment_ids.shape}")
-    return jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))
 
 
 def scan_tokens(step, cache, x: jax.Array, positions: jax.Array):
@@ -153,6 +150,7 @@ class NeuralMemory(nnx.Module):
         self.per_chunk_gates = opts.per_chunk_gates
         self.grad_clip = float(opts.grad_clip) or None
         self.grad_horizon = opts.grad_horizon
+        self.theta_max = float(opts.theta_max)
         hidden = opts.resolved_memory_hidden(head_dim)
         dims = (head_dim,) + (hidden,) * (self.n_layers - 1) + (head_dim,)
         self.dims = dims
@@ -160,7 +158,9 @@ class NeuralMemory(nnx.Module):
         for i, w in enumerate(init):
             setattr(self, f"w{i}", nnx.Param(partitioned(lambda *_, w=w: w, (None,) * 3)(None)))
         self.gate_proj = dense(d_in, 3 * n_heads, ("embed", None), dtype=dtype, rngs=rngs)
-        bias = jnp.array([_logit(opts.theta_init), _logit(opts.eta_init), _logit(opts.alpha_init)])
+        # θ = θ_max·σ(z + b_θ): the bias starts θ at theta_init whatever the cap.
+        th0 = opts.theta_init / opts.theta_max
+        bias = jnp.array([_logit(th0), _logit(opts.eta_init), _logit(opts.alpha_init)])
         self.gate_bias = nnx.Param(
             partitioned(lambda *_: jnp.repeat(bias[:, None], n_heads, 1), (None, None))(None)
         )
@@ -173,61 +173,42 @@ class NeuralMemory(nnx.Module):
         """``(M_0 broadcast to [B, H, ...], S = 0)``."""
         return titans_mlp_state(self.initial_weights(), batch_size)
 
-    def gates(self, x: jax.Array, starts: jax.Array | None = None):
-        """``θ, η, α [B, T, H]`` f32 from ``x [B, T, d_in]``; at document ``starts`` η=0, α=1."""
+    def gates(self, x: jax.Array):
+        """``θ, η, α [B, T, H]`` f32 from ``x [B, T, d_in]``: ``θ = θ_max·σ(·)``; η, α = σ(·)."""
         b, t, _ = x.shape
         z = self.gate_proj(x).astype(jnp.float32).reshape(b, t, 3, self.n_heads)
         g = jax.nn.sigmoid(z + self.gate_bias[...])
-        th, et, al = g[:, :, 0], g[:, :, 1], g[:, :, 2]
-        if starts is not None:
-            et = jnp.where(starts[..., None], 0.0, et)
-            al = jnp.where(starts[..., None], 1.0, al)
-        return th, et, al
+        return self.theta_max * g[:, :, 0], g[:, :, 1], g[:, :, 2]
 
     def _kw(self):
         return dict(read_before_write=self.read_before_write, grad_clip=self.grad_clip)
 
-    def _run(self, state, q, k, v, theta, eta, alpha):
-        if self.impl == "recurrent":
-            return titans_mlp_recurrent(state, q, k, v, theta, eta, alpha, **self._kw())
-        return titans_mlp_chunked(
-            state, q, k, v, theta, eta, alpha, chunk_size=self.chunk,
-            per_chunk_gates=self.per_chunk_gates, **self._kw(),
-        )  # fmt: skip
-
-    def __call__(self, q, k, v, theta, eta, alpha, *, state: TitansMLPState | None = None):
+    def __call__(self, q, k, v, theta, eta, alpha, *, state: TitansMLPState | None = None,
+                 segment_ids=None, reset_state: TitansMLPState | None = None):  # fmt: skip
         """Sequence form: ``(y [B, T, H, D] f32, final state)`` from ``q, k, v [B, T, H, D]`` and
         gates ``[B, T, H]`` (state None → :meth:`initial_state`).
 
-        **Truncated backprop** (``grad_horizon = n > 0``, default 64): the sequence runs in
-        windows of ``n`` tokens (whole chunks, aligned at 0) and the carried memory state is a
-        ``stop_gradient`` between windows. Values are unchanged; gradients stop flowing through the
-        inner loop after ``n`` tokens. Measured: with the full horizon the backward of a 2–4 layer
-        memory overflows to inf/NaN at T = 2048–4096 (the inner update's Jacobian product grows
-        exponentially with T), while 512-token windows keep it finite.
+        ``segment_ids [B, T]`` (packed rows): the core's exact reset — the memory and momentum
+        return to ``reset_state`` (default: the learned ``(M_0, 0)``) at every document start and
+        each document keeps its own chunk grid (see the module docstring).
+
+        **Truncated backprop** (``grad_horizon = n > 0``, default 64): the carried memory state is
+        a ``stop_gradient`` every ``n`` tokens (whole chunks, aligned at 0). Values are
+        unchanged; gradients stop flowing through the inner loop after ``n`` tokens. Measured:
+        with the full horizon the backward of a 2–4 layer memory overflows to inf/NaN at
+        T = 2048–4096 (the inner update's Jacobian product grows exponentially with T).
         """
-        state = self.initial_state(q.shape[0]) if state is None else state
-        n, t = self.grad_horizon, q.shape[1]
-        if not n or t <= n:
-            return self._run(state, q, k, v, theta, eta, alpha)
-        nw = t // n
-        xs = (q, k, v, theta, eta, alpha)
-        win = (
-            lambda a: jnp.moveaxis(  # noqa: E731
-                a[:, : nw * n].reshape(a.shape[0], nw, n, *a.shape[2:]), 1, 0
-            )
-        )
-
-        def body(st, x):
-            y, st = self._run(st, *x)
-            return jax.lax.stop_gradient(st), y
-
-        state, y = jax.lax.scan(body, state, tuple(win(a) for a in xs))
-        y = jnp.moveaxis(y, 0, 1).reshape(q.shape[0], nw * n, *y.shape[3:])
-        if nw * n < t:
-            y_r, state = self._run(state, *(a[:, nw * n :] for a in xs))
-            y = jnp.concatenate([y, y_r], axis=1)
-        return y, state
+        b = q.shape[0]
+        state = self.initial_state(b) if state is None else state
+        if segment_ids is not None and reset_state is None:
+            reset_state = self.initial_state(b)
+        kw = dict(segment_ids=segment_ids, reset_state=reset_state, grad_horizon=self.grad_horizon)
+        if self.impl == "recurrent":
+            return titans_mlp_recurrent(state, q, k, v, theta, eta, alpha, **kw, **self._kw())
+        return titans_mlp_chunked(
+            state, q, k, v, theta, eta, alpha, chunk_size=self.chunk,
+            per_chunk_gates=self.per_chunk_gates, **kw, **self._kw(),
+        )  # fmt: skip
 
     def read(self, weights: tuple, z: jax.Array) -> jax.Array:
         """``M*(z)``: read without update, ``z [B, T, H, D]`` → ``[B, T, H, D]`` f32."""
@@ -344,9 +325,12 @@ class MemoryBranch(nnx.Module):
     def __call__(self, x, *, segment_ids=None):
         """Full sequence from the learned ``M_0``: ``x [B, T, d]`` → ``[B, T, H, D]`` f32."""
         b, t, _ = x.shape
+        if segment_ids is not None and segment_ids.shape != (b, t):
+            raise ValueError(
+                f"segment_ids: expected int [B, T] = {(b, t)}, got {segment_ids.shape}"
+            )
         q, k, v, _ = self._project(x, segment_ids)
-        gates = self.memory.gates(x, document_starts(segment_ids, b, t))
-        y, _ = self.memory(q, k, v, *gates)
+        y, _ = self.memory(q, k, v, *self.memory.gates(x), segment_ids=segment_ids)
         return y
 
     def step(self, cache: BranchCache, x_t):

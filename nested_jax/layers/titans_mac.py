@@ -43,7 +43,6 @@ from nested_jax.layers.titans import (
     NeuralMemory,
     _positions,
     _swa,
-    document_starts,
     scan_tokens,
 )
 
@@ -126,13 +125,13 @@ class TitansMAC(nnx.Module):
         _, k, v = self.attn.qkv(tok, positions)
         return k, v
 
-    def _store_inputs(self, y, starts=None):
+    def _store_inputs(self, y):
         """Memory q', k', v' ``[B, t, H, D]`` and gates ``[B, t, H]`` projected from ``y``."""
         yf = y.reshape(*y.shape[:2], -1).astype(self.dtype)
         q = l2_normalize(jax.nn.silu(self._heads(self.mq_proj(yf))))
         k = l2_normalize(jax.nn.silu(self._heads(self.mk_proj(yf))))
         v = jax.nn.silu(self._heads(self.mv_proj(yf))).astype(jnp.float32)
-        return (q, k, v, *self.memory.gates(yf, starts))
+        return (q, k, v, *self.memory.gates(yf))
 
     def _gate(self, y, m):
         """(25) per head ``RMSNorm(y) ⊙ σ(RMSNorm(m))`` (before ``W_o``)."""
@@ -149,14 +148,16 @@ class TitansMAC(nnx.Module):
         ns = self.segment_len
         n_seg = -(-t // ns)
         pad = n_seg * ns - t
-        starts = document_starts(segment_ids, b, t)
+        packed = segment_ids is not None
+        if packed and segment_ids.shape != (b, t):
+            raise ValueError(
+                f"segment_ids: expected int [B, T] = {(b, t)}, got {segment_ids.shape}"
+            )
         qm, _ = self._retrieval_query(x, segment_ids)
         qx, kx, vx = self.attn.qkv(x, positions)
-        if segment_ids is None:
-            seg = jnp.zeros((b, t), jnp.int32)
-            starts = jnp.zeros((b, t), bool)
-        else:
-            seg = segment_ids.astype(jnp.int32)
+        seg = jnp.zeros((b, t), jnp.int32) if not packed else segment_ids.astype(jnp.int32)
+        # A document start anywhere in the row (t > 0); the first token never resets.
+        starts = jnp.pad(seg[:, 1:] != seg[:, :-1], ((0, 0), (1, 0)))
         # Pad to whole segments; padding is after every real token, so causality hides it.
         pos_p = jnp.concatenate(
             [positions, positions[:, -1:] + 1 + jnp.arange(pad, dtype=positions.dtype)], 1
@@ -172,20 +173,37 @@ class TitansMAC(nnx.Module):
         xs += (split(pos_p), split(seg), split(padt(starts)))
         i = jnp.arange(ns)
         causal = i[:, None] >= i[None, :]
+        init = self.memory.initial_state(b)
 
         def body(state, inp):
             qm_s, qx_s, kx_s, vx_s, pos_s, seg_s, st_s = inp
-            kh, vh = self._retrieved_kv(state.weights, qm_s, pos_s)  # retrieve (M_{s-1})
+            if packed:
+                # Exact reset (SPEC §0): a document starting at the segment's first token starts
+                # from (M_0, 0); one starting inside the segment is reset by the memory core, and
+                # its tokens retrieve from M_0 (the memory "before" their document) too.
+                first = st_s[:, 0][:, None, None, None]
+                state = jax.tree.map(lambda a, o: jnp.where(first, a, o), init, state)
+                kh, vh = self._retrieved_kv(state.weights, qm_s, pos_s)
+                kh0, vh0 = self._retrieved_kv(init.weights, qm_s, pos_s)
+                new_doc = (jnp.cumsum(st_s[:, 1:], axis=1) > 0)[:, :, None, None]
+                new_doc = jnp.pad(new_doc, ((0, 0), (1, 0), (0, 0), (0, 0)))
+                kh, vh = jnp.where(new_doc, kh0, kh), jnp.where(new_doc, vh0, vh)
+                seg_mem = seg_s
+            else:
+                kh, vh = self._retrieved_kv(state.weights, qm_s, pos_s)  # retrieve (M_{s-1})
+                seg_mem = None
             vis = causal[None] & (seg_s[:, :, None] == seg_s[:, None, :])
             mask = jnp.concatenate([vis, vis], axis=2)
             y = self.attn.attend(  # attend over [persistent ‖ h̃ ‖ x]
                 qx_s, jnp.concatenate([kh, kx_s], 1), jnp.concatenate([vh, vx_s], 1), mask
             )
-            m, state = self.memory(*self._store_inputs(y, st_s), state=state)  # store + read
+            m, state = self.memory(  # store + read
+                *self._store_inputs(y), state=state, segment_ids=seg_mem, reset_state=init
+            )
             return state, self._gate(y, m)
 
         body = jax.checkpoint(body, prevent_cse=False)
-        _, o = jax.lax.scan(body, self.memory.initial_state(b), xs)
+        _, o = jax.lax.scan(body, init, xs)
         o = jnp.moveaxis(o, 0, 1).reshape(b, n_seg * ns, self.n_heads, self.head_dim)[:, :t]
         return self._out(o)
 
@@ -228,8 +246,11 @@ class TitansMAC(nnx.Module):
         Args:
           x: ``[B, T, d_model]``.
           positions: ``[B, T]`` RoPE positions (default ``0..T−1``).
-          segment_ids: optional ``[B, T]`` packed documents (attention masked per document; memory
-            erased at document starts, see :mod:`nested_jax.layers.titans`). Not with a cache.
+          segment_ids: optional ``[B, T]`` packed documents: attention masked per document; the
+            memory resets exactly to ``(M_0, 0)`` at every document start and the tokens of a
+            document that started inside the current segment retrieve from ``M_0``. Segments stay
+            on the row's grid (aligned at 0), so a document gets exactly the outputs of a separate
+            run when it starts at a multiple of ``segment_len``. Not with a cache.
           cache: optional :class:`MACCache`; the tokens run one by one with the exact decode rule.
         """
         check_rank("x", x, 3, "[B, T, d_model]")

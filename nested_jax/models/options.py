@@ -65,6 +65,7 @@ class TitansOptions:
     per_chunk_gates: bool = False  # θ, η, α mean-pooled per chunk (non-causal inside a chunk)
     grad_clip: float = 10.0  # softclamp of the inner gradient norm; 0 = off
     theta_init: float = 0.02  # initial inner lr θ; θ/(1−η) ≳ 1 makes the backward explode at T=4096
+    theta_max: float = 0.1  # cap of the inner lr: θ_t = theta_max·σ(·) (bias starts θ at theta_init)
     eta_init: float = 0.9  # initial momentum η
     alpha_init: float = 0.01  # initial forget gate α
     persistent_tokens: int = 4  # N_p learned key/value tokens prepended to attention (MAC/MAG/MAL)
@@ -107,6 +108,14 @@ class TitansOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
                 raise ValueError(f"TitansOptions.{name}: must be in (0, 1), got {value!r}")
+        tm = self.theta_max
+        if isinstance(tm, bool) or not isinstance(tm, int | float) or not 0 < tm <= 1:
+            raise ValueError(f"TitansOptions.theta_max: must be in (0, 1], got {tm!r}")
+        if self.theta_init >= tm:
+            raise ValueError(
+                f"TitansOptions.theta_init: must be below theta_max={tm} "
+                f"(θ = theta_max·sigmoid(·)), got {self.theta_init}"
+            )
         if self.memory_impl == "chunked" and self.segment_len % self.memory_chunk:
             raise ValueError(
                 f"TitansOptions.segment_len: must be a multiple of memory_chunk="

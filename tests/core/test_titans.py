@@ -439,7 +439,34 @@ def _segments(T, last=20):
     return jnp.asarray(seg)
 
 
-def test_segment_ids_chunked_matches_slow_chunk_rule_values_and_grads():
+def _separate_segments(st, seg, *a, chunk_size):
+    """Reference for packed rows: every segment of every row run alone from the initial state
+    through the slow chunk rule (its own chunk grid), outputs concatenated; the final state is
+    that of the row's last segment."""
+    seg = np.asarray(seg)
+    ys, ws, ss = [], [], []
+    for r in range(seg.shape[0]):
+        starts = np.flatnonzero(seg[r, 1:] != seg[r, :-1]) + 1
+        cuts = [0, *(int(t) for t in starts), seg.shape[1]]
+        row = lambda x, r=r: x[r : r + 1]  # noqa: E731
+        parts = []
+        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+            y, w, s_ = ref.chunk_rule(
+                tuple(map(row, st.weights)), tuple(map(row, st.momentum)),
+                *(row(x)[:, lo:hi] for x in a), chunk_size=chunk_size, residual=True,
+            )  # fmt: skip
+            parts.append(y)
+        ys.append(jnp.concatenate(parts, 1))
+        ws.append(w)
+        ss.append(s_)
+    cat = lambda xs: tuple(jnp.concatenate(x, 0) for x in zip(*xs, strict=True))  # noqa: E731
+    return jnp.concatenate(ys, 0), cat(ws), cat(ss)
+
+
+def test_segment_ids_chunked_equals_separate_segments_values_and_grads():
+    """Packed rows: each segment gets exactly a separate run (own chunk grid, reset to the initial
+    state incl. momentum), wherever it starts: row 0 has two resets in one chunk (6 and 7, both
+    mid-chunk), row 1 one at a chunk start (8) and one mid-chunk (13)."""
     B, T, H, D, b = 2, 15, 1, 6, 4
     x = _inputs(110, B, T, H, D, D)
     st = _mlp_state(11, B, H, (D, 8, D))
@@ -450,9 +477,7 @@ def test_segment_ids_chunked_matches_slow_chunk_rule_values_and_grads():
         return y, s.weights, s.momentum
 
     def slow(st, *a):
-        return ref.chunk_rule(
-            st.weights, st.momentum, *a, chunk_size=b, residual=True, segment_ids=seg
-        )
+        return _separate_segments(st, seg, *a, chunk_size=b)
 
     out_f, g_f = _grads(fast, (st, *x))
     out_s, g_s = _grads(slow, (st, *x))
@@ -460,9 +485,38 @@ def test_segment_ids_chunked_matches_slow_chunk_rule_values_and_grads():
     _assert_tree_close(g_f, g_s, "grads (state0, q, k, v, theta, eta, alpha)")
 
 
+def test_segment_ids_reset_state_and_grad_horizon():
+    """``reset_state`` is the reset target (not the carried start state); ``grad_horizon`` keeps
+    values, cuts the gradient of early inputs on later outputs, and must be a chunk multiple."""
+    B, T, H, D, b = 2, 15, 1, 6, 4
+    x = _inputs(111, B, T, H, D, D)
+    st, st_r = _mlp_state(21, B, H, (D, 8, D)), _mlp_state(22, B, H, (D, 8, D))
+    seg = _segments(T, last=13)
+    y, _ = _run(titans_mlp_chunked, st, *x, chunk_size=b, segment_ids=seg, reset_state=st_r)
+    st_r1 = jax.tree.map(lambda a: a[1:], st_r)
+    y_ref, _ = _run(titans_mlp_chunked, st_r1, *(a[1:, 8:13] for a in x), chunk_size=b)
+    _close(y[1:, 8:13], y_ref, what="segment [8, 13) from reset_state")
+    y_rec, _ = _run(titans_mlp_recurrent, st, *x, segment_ids=seg, reset_state=st_r)
+    y_ref, _ = _run(titans_mlp_recurrent, st_r1, *(a[1:, 8:13] for a in x))
+    _close(y_rec[1:, 8:13], y_ref, what="recurrent segment [8, 13) from reset_state")
+    for fn, kw in ((titans_mlp_chunked, {"chunk_size": b}), (titans_mlp_recurrent, {})):
+
+        def last_out(k0, fn=fn, kw=kw, n=0):
+            k = x[1].at[:, 0].set(k0)
+            return fn(st, x[0], k, *x[2:], grad_horizon=n, **kw)[0][:, -1].sum()
+
+        g_cut = jax.grad(functools.partial(last_out, n=8))(x[1][:, 0])
+        g_full = jax.grad(last_out)(x[1][:, 0])
+        assert float(jnp.abs(g_cut).max()) == 0.0 and float(jnp.abs(g_full).max()) > 0.0
+        y_cut = fn(st, *x, grad_horizon=8, **kw)[0]
+        _close(y_cut, fn(st, *x, **kw)[0], tol=1e-6, what="grad_horizon values")
+    with pytest.raises(ValueError, match="grad_horizon must be a multiple of chunk_size"):
+        titans_mlp_chunked(st, *x, chunk_size=4, grad_horizon=6)
+
+
 def test_segment_ids_reset_to_initial_state():
-    """A segment gives what a separate call on it gives: recurrent always; chunked when the
-    segment starts on a chunk boundary (row 1 restarts at t = 8); chunk_size=1 == recurrent."""
+    """A segment gives what a separate call on it gives (recurrent and chunked, the chunked one
+    also for segments starting mid-chunk); chunk_size=1 == recurrent."""
     B, T, H, D, b = 2, 23, 2, 6, 4
     x = _inputs(120, B, T, H, D, D)
     seg = _segments(T)
@@ -481,6 +535,11 @@ def test_segment_ids_reset_to_initial_state():
     _close(o_c[1:, 8:20], o_sep, what="chunked segment [8, 20)")
     _, s_sep = _run(titans_linear_recurrent, *(a[1:, 20:] for a in x), initial_state=init1)
     _close(s_r.M[1:], s_sep.M, what="final M of the last segment")
+    part = [a[:1, 7:] for a in x]  # row 0: the segment starting mid-chunk at 7
+    init0 = TitansLinearState(M0[:1], init.S[:1])
+    o_sep, s_sep = _run(titans_linear_chunked, *part, initial_state=init0, chunk_size=b)
+    _close(o_c[:1, 7:], o_sep, what="chunked segment [7, 23) (mid-chunk start)")
+    _close(s_c.M[:1], s_sep.M, what="chunked final M of row 0")
     with pytest.raises(ValueError, match=r"segment_ids must have shape \[B, T\]"):
         titans_linear_chunked(*x, segment_ids=seg[:, :5])
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from nested_jax.layers.rope import segment_positions
 from nested_jax.models.config import ModelConfig
 from nested_jax.models.options import TitansOptions
 from nested_jax.models.registry import get_mixer
@@ -212,3 +213,92 @@ def test_grad_horizon_keeps_values_and_cuts_gradients():
     # Token 0 reaches token 20 only through the memory state (the short conv is 4 wide), so the
     # horizon cuts that gradient exactly.
     assert float(jnp.abs(g(m, x)).max()) == 0.0 and float(jnp.abs(g(m_full, x)).max()) > 0.0
+
+
+def _packed_vs_separate(m, x, cut, *, grads=False):
+    """Outputs (and optionally parameter gradients of a fixed random projection of them) of a
+    packed row ``[doc 1 = x[:, :cut] | doc 2 = x[:, cut:]]`` and of each document run alone."""
+    t = x.shape[1]
+    seg = jnp.asarray(np.repeat([[1] * cut + [2] * (t - cut)], B, 0), jnp.int32)
+    proj = jax.random.normal(jax.random.key(5), (B, t, D_MODEL))
+
+    pos = segment_positions(seg, B, t, 0)  # RoPE restarts per document, as the LM shell does
+
+    def packed(mod):
+        y = mod(x, positions=pos, segment_ids=seg)[0]
+        return jnp.sum(y * proj), y
+
+    def separate(mod):
+        y1 = mod(x[:, :cut], positions=_pos(0, cut))[0]
+        y2 = mod(x[:, cut:], positions=_pos(0, t - cut))[0]
+        y = jnp.concatenate([y1, y2], 1)
+        return jnp.sum(y * proj), y
+
+    if not grads:
+        return nnx.jit(lambda m: packed(m)[1])(m), nnx.jit(lambda m: separate(m)[1])(m)
+    vg = lambda f: nnx.jit(nnx.value_and_grad(f, has_aux=True))(m)  # noqa: E731
+    (_, yp), gp = vg(packed)
+    (_, ys), gs = vg(separate)
+    return yp, ys, gp, gs
+
+
+PACKED = [
+    # (mixer, options, document boundary): chunks of 4, MAC segments of 8, T = 21. Boundaries
+    # 7 and 9 are mid-chunk (each document keeps its own chunk grid); MAC segments stay on the
+    # row's grid, so its documents are exact when they start at a multiple of segment_len.
+    ("titans_lmm", {"memory_layers": 1}, 7),
+    ("titans_lmm", {"memory_layers": 2}, 9),
+    ("titans_mac", {}, 8),
+    pytest.param("titans_lmm", {"memory_layers": 1}, 12, marks=slow),
+    pytest.param("titans_lmm", {"memory_layers": 2, "memory_impl": "recurrent"}, 9, marks=slow),
+    pytest.param("titans_mag", {"memory_layers": 2}, 6, marks=slow),
+    pytest.param("titans_mal", {"memory_layers": 1}, 5, marks=slow),
+    pytest.param("titans_mac", {"memory_layers": 1, "memory_impl": "recurrent"}, 16, marks=slow),
+]
+
+
+@pytest.mark.parametrize("name,opts,cut", PACKED)
+def test_packed_row_equals_separate_documents(name, opts, cut):
+    """Exact memory reset (SPEC §0 packed sequences): each document of a packed row gets the
+    outputs and the parameter gradients of running it alone (full-horizon backprop, so the
+    truncation windows of the row and of the document agree)."""
+    m = _mixer(name, grad_horizon=0, **opts)
+    yp, ys, gp, gs = _packed_vs_separate(m, _x(), cut, grads=True)
+    np.testing.assert_allclose(np.asarray(yp), np.asarray(ys), rtol=1e-5, atol=1e-5)
+    flat_p, flat_s = jax.tree.leaves(gp), jax.tree.leaves(gs)
+    for a, b in zip(flat_p, flat_s, strict=True):
+        scale = max(float(jnp.abs(b).max()), 1e-3)
+        np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, atol=1e-5)
+    # The memory's learned M_0 is trained (the reset target is M_0, not a zero memory).
+    w0 = [v for path, v in jax.tree_util.tree_leaves_with_path(gp) if "'w0'" in str(path)]
+    assert len(w0) == 1 and float(jnp.abs(w0[0]).max()) > 0
+
+
+def test_packed_row_differs_from_carrying_the_memory_over():
+    """The reset matters: without segment_ids document 2 reads document 1's memory."""
+    m = _mixer("titans_lmm", memory_layers=1)
+    x = _x()
+    yp, ys = _packed_vs_separate(m, x, 8)
+    unpacked = _full(m, x)
+    assert float(jnp.abs(unpacked[:, 8:] - ys[:, 8:]).max()) > 1e-3
+    np.testing.assert_allclose(np.asarray(yp), np.asarray(ys), rtol=1e-5, atol=1e-5)
+
+
+def test_theta_max_caps_the_inner_learning_rate():
+    """``θ_t = theta_max·σ(·)`` (TitansOptions.theta_max): starts at theta_init, never above the
+    cap even for huge gate pre-activations; the other gates are unchanged."""
+    m = _mixer("titans_lmm", theta_max=0.05, theta_init=0.02)
+    mem = m.branch.memory
+    th, et, al = mem.gates(_x())
+    assert float(th.max()) < 0.05 and float(th.min()) > 0.0
+    big = mem.gates(1e4 * _x())[0]
+    assert float(big.max()) <= np.float32(0.05) and float(big.max()) > 0.049
+    mem.gate_proj.kernel[...] = jnp.zeros_like(mem.gate_proj.kernel[...])
+    th0, et0, al0 = mem.gates(_x())
+    np.testing.assert_allclose(np.asarray(th0), 0.02, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(et0), 0.9, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(al0), 0.01, rtol=1e-5)
+    with pytest.raises(ValueError, match="TitansOptions.theta_max"):
+        TitansOptions(theta_max=1.5)
+    with pytest.raises(ValueError, match="TitansOptions.theta_init"):
+        TitansOptions(theta_max=0.05, theta_init=0.1)

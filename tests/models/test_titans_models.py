@@ -103,43 +103,66 @@ def test_tiny_presets_build_and_run(variant):
     assert logits.shape == (2, 100, cfg.model.vocab_size)
 
 
+# Bound on the global (pre-clipping) gradient norm of the stability run. Measured: horizon 64,
+# 45 steps on synthetic bytes: max ~975; the first 25 steps of this test on the Austen rows: max
+# 1.24e4 (steps 0–7 stay below 2); with grad_horizon=256 the norm spiked to 1e6–1e10 and the
+# loss climbed back. 1e5 leaves ~8x over the largest healthy spike seen while catching the
+# runaway regime (the optimizer clips at 1.0, so such spikes would otherwise pass silently).
+STABILITY_MAX_GRAD_NORM = 1e5
+
+
 @pytest.mark.slow
 def test_stability_four_layer_memory_long_context():
-    """Issue 4 acceptance: tiny preset, ``memory_layers=4``, T=4096, default settings, 300 steps,
-    no NaN. ``TITANS_STABILITY_STEPS`` / ``TITANS_STABILITY_T`` shorten it for a quick look."""
+    """Issue 4 acceptance: tiny preset, ``memory_layers=4``, T=4096, default settings, 300 steps
+    on the preset's real training data (Austen chapters, byte tokens, packed rows with
+    ``segment_ids`` / ``loss_mask`` exactly as the trainer builds them).
+
+    Asserts: every step finite (loss, grad norm, parameters), max grad norm <
+    ``STABILITY_MAX_GRAD_NORM``, and the mean loss of the last 20 steps below that of the first
+    20. ``TITANS_STABILITY_STEPS`` / ``TITANS_STABILITY_T`` shorten it for a quick look;
+    ``TITANS_STABILITY_VERBOSE=1`` prints one line per step (flushed, for a log file).
+    """
+    from nested_jax.data import pipeline
+
     steps = int(os.environ.get("TITANS_STABILITY_STEPS", "300"))
     seq = int(os.environ.get("TITANS_STABILITY_T", "4096"))
-    setup, mesh = _train_setup(
+    verbose = bool(os.environ.get("TITANS_STABILITY_VERBOSE"))
+    cfg = load_config(
+        ["configs/experiments/tiny_titans_lmm.yaml"],
         [
             "model.titans.memory_layers=4",
             "model.chunk_size=16",
+            f"data.seq_len={seq}",
+            "data.batch_size=1",
         ],
-        seq_len=seq,
-        batch_size=1,
-        paths=["configs/experiments/tiny_titans_lmm.yaml"],
     )
-    text = np.frombuffer(
-        open("configs/experiments/tiny_gdn.yaml", "rb").read() * (seq // 200 + 2), np.uint8
-    ).astype(np.int32)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1), devices=jax.devices()[:1])
+    bundle = pipeline.prepare_data(cfg.data)
+    token_bytes = np.asarray(bundle.tokenizer.token_bytes)
+    token_bytes = np.pad(token_bytes, (0, cfg.model.vocab_size - token_bytes.shape[0]))
+    setup = init_train_setup(cfg, mesh, token_bytes=token_bytes)
+    batches = pipeline.make_train_iterator(
+        cfg.data, bundle.tokenizer, bundle.train_docs, process_index=0, process_count=1
+    )
     state, losses, norms, t0 = setup.state, [], [], time.time()
-    rng = np.random.default_rng(0)
-    for _ in range(steps):
-        start = int(rng.integers(0, len(text) - seq - 1))
-        toks = text[start : start + seq + 1][None]
-        batch = {
-            "inputs": toks[:, :-1],
-            "targets": toks[:, 1:],
-            "segment_ids": np.ones((1, seq), np.int32),
-            "loss_mask": np.ones((1, seq), np.float32),
-        }
+    for i in range(steps):
+        batch = next(batches)
         state, m = setup.train_step(state, global_batch_from_local(batch, mesh))
-        if os.environ.get("TITANS_STABILITY_VERBOSE"):
+        loss, norm = float(m["loss"]), float(m["grad_norm"])
+        if verbose:
             bias = state["params"]["blocks"]["mixer"]["branch"]["memory"]["gate_bias"]
-            print(len(losses), float(m["loss"]), float(m["grad_norm"]), np.asarray(bias).round(2))
-        assert bool(m["finite"]) and np.isfinite(float(m["loss"])), f"step {len(losses)}"
-        losses.append(float(m["loss"]))
-        norms.append(float(m["grad_norm"]))
+            docs = len(np.unique(batch["segment_ids"]))
+            print(f"step {i} loss {loss:.4f} grad_norm {norm:.4g} docs {docs} "
+                  f"t {time.time() - t0:.0f}s gate_bias {np.asarray(bias).round(2).tolist()}",
+                  flush=True)  # fmt: skip
+        assert bool(m["finite"]) and np.isfinite(loss) and np.isfinite(norm), f"step {i}"
+        losses.append(loss)
+        norms.append(norm)
+    first, last = float(np.mean(losses[:20])), float(np.mean(losses[-20:]))
     print(f"stability: {steps} steps T={seq} in {time.time() - t0:.0f}s, loss {losses[0]:.3f} -> "
-          f"{losses[-1]:.3f} (min {min(losses):.3f}), max grad norm {max(norms):.3g}")  # fmt: skip
+          f"{losses[-1]:.3f} (min {min(losses):.3f}; mean first 20 {first:.3f}, last 20 "
+          f"{last:.3f}), max grad norm {max(norms):.4g} at step {int(np.argmax(norms))}",
+          flush=True)  # fmt: skip
     assert all(np.isfinite(a).all() for a in jax.tree.leaves(state["params"]))
-    assert losses[-1] < losses[0]
+    assert max(norms) < STABILITY_MAX_GRAD_NORM, f"max grad norm {max(norms):.4g}"
+    assert last < first, (first, last)
