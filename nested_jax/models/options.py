@@ -194,7 +194,10 @@ class HopeOptions:
     memory_init: float = 0.1  # std of the initial W_1 times √h (W_2: std 1/√D); 0 = M(z) = z
     readout_init: float = 0.02  # std of the η / α readout weights w_η, w_α
     grad_horizon: int = 0  # truncated backprop every n tokens (multiple of the larger chunk); 0=off
-    remat: bool = False  # rematerialise each chunk of the memory scan in the backward pass
+    # rematerialise each chunk of the memory scan in the backward pass. Measured (core fwd+bwd,
+    # B=4, T=256, H=2, D=h=64, CPU): 1.6x faster and 4.9x less temp memory than storing the
+    # per-token weights of every chunk
+    remat: bool = True
 
     def __post_init__(self) -> None:
         def bad_int(v, low):
