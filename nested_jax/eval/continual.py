@@ -34,6 +34,7 @@ stream that would exceed it raises ``ValueError`` before running.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -162,7 +163,14 @@ def _token_loss(logits, targets):
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-def _make_chunk_fn(apply_fn, periods, lr, levels):
+def _level_name(name: str, level: int, levels_key: str) -> str:
+    """The path of the same leaf in CMS level ``level`` (``…/levels/<ℓ>/…`` rewritten)."""
+    parts = name.split("/")
+    i = parts.index(levels_key)
+    return "/".join(parts[: i + 1] + [str(level)] + parts[i + 2 :])
+
+
+def _make_chunk_fn(apply_fn, periods, lr, levels, variant, levels_key):
     """``(params, state, tokens [B, n], targets [B, n]) -> (ce [B, n], state)`` for one chunk that
     ends on the grid of ``gcd(periods)`` or is the trailing part of a call."""
 
@@ -178,15 +186,41 @@ def _make_chunk_fn(apply_fn, periods, lr, levels):
             return ce, st._replace(pos=st.pos + n, cache=cache)
         (_, (ce, cache)), grads = jax.value_and_grad(loss, has_aux=True)(st.fast)
         end = st.pos + n
+        fire = {name: end % periods[levels[name]] == 0 for name in st.fast}
         fast, accum = {}, {}
         for name, w in st.fast.items():
-            a = st.accum[name] + lr * grads[name]
-            fire = end % periods[levels[name]] == 0
-            fast[name] = jnp.where(fire, w - a, w)
-            accum[name] = jnp.where(fire, jnp.zeros_like(a), a)
+            # nested: only level 1 is read; every level learns from ∂L/∂θ_1 (first order, as
+            # core.cms) at its own period.
+            src = _level_name(name, 0, levels_key) if variant == "nested" else name
+            a = st.accum[name] + lr * grads[src]
+            fast[name] = jnp.where(fire[name], w - a, w)
+            accum[name] = jnp.where(fire[name], jnp.zeros_like(a), a)
+        if variant == "nested":  # top-down: a slow boundary resets every faster level to it
+            for j in range(len(periods) - 2, -1, -1):
+                for name in [m for m in fast if levels[m] == j]:
+                    slow = _level_name(name, j + 1, levels_key)
+                    fast[name] = jnp.where(fire[slow], fast[slow], fast[name])
+                    accum[name] = jnp.where(fire[slow], jnp.zeros_like(accum[name]), accum[name])
         return ce, StreamState(end, st.capacity, cache, fast, accum)
 
     return chunk
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted(apply_fn, periods, lr, levels, variant, levels_key):
+    """The jitted chunk step and its ``lax.scan`` over whole chunks, built once per setting (so
+    repeated calls on one stream do not recompile)."""
+    step = jax.jit(_make_chunk_fn(apply_fn, periods, lr, dict(levels), variant, levels_key))
+
+    @jax.jit
+    def run_whole(params, st, tok, tgt):  # [n, B, c] chunks in one lax.scan
+        def body(s, xs):
+            ce, s = step(params, s, *xs)
+            return s, ce
+
+        return jax.lax.scan(body, st, (tok, tgt))
+
+    return step, run_whole
 
 
 def _pieces(pos: int, length: int, c: int) -> list[tuple[int, int, int]]:
@@ -216,6 +250,7 @@ def stream_tokens(
     *,
     periods: Sequence[int] | None = None,
     lr: float = 1e-3,
+    variant: str = "sequential",
     chunk: int = 256,
     levels_key: str = "levels",
     progress: Callable[[int], None] | None = None,
@@ -230,6 +265,9 @@ def stream_tokens(
       tokens, targets: int ``[B, T]`` (targets = tokens shifted by one).
       periods: CMS periods in tokens when the state has fast weights, else None.
       lr: online learning rate ``η`` of every level.
+      variant: the model's CMS variant (``model.cms.variant``); ``"nested"`` reads only level 1,
+        feeds every level the first-order signal ``∂L/∂θ_1`` and resets faster levels to a slower
+        one at its boundaries (SPEC §3.3, as :func:`nested_jax.core.cms.cms_online`).
       chunk: tokens per call of the LM when no CMS level is online (memories only).
       levels_key: see :func:`fast_level_paths`.
       progress: called with the number of tokens done after each jitted piece.
@@ -256,19 +294,15 @@ def stream_tokens(
         levels = fast_level_paths(params, levels_key)
         periods = _check_periods(periods, levels)
         c = math.gcd(*periods)
+        if variant == "nested" and any(b % a for a, b in zip(periods, periods[1:], strict=False)):
+            raise ValueError(f"periods: nested CMS needs each period to divide the next: {periods}")
     else:
         levels, c = {}, chunk
     if isinstance(c, bool) or not isinstance(c, int) or c < 1:
         raise ValueError(f"chunk: expected a positive int, got {chunk!r}")
-    step = jax.jit(_make_chunk_fn(apply_fn, periods, lr, levels))
-
-    @jax.jit
-    def run_whole(params, st, tok, tgt):  # [n, B, c] chunks in one lax.scan
-        def body(s, xs):
-            ce, s = step(params, s, *xs)
-            return s, ce
-
-        return jax.lax.scan(body, st, (tok, tgt))
+    step, run_whole = _jitted(
+        apply_fn, periods, lr, tuple(sorted(levels.items())), variant, levels_key
+    )
 
     outs, done = [], 0
     for start, n, size in _pieces(pos if periods is not None else 0, t, c):
@@ -448,7 +482,15 @@ def run_stream(trained, args) -> dict:
     inputs, targets = toks[:, :-1], toks[:, 1:]
     model = trained.model()
     apply_fn, params = stream_model(model)
+    cms = trained.config.model.cms if trained.config.model.resolved_ffn() == "cms" else None
     periods = tuple(args.cms_periods) if args.cms_periods else None
+    if periods is None and cms is not None and cms.mode == "online":
+        periods = cms.periods  # a model configured for online CMS streams that way by default
+    lr = args.cms_lr if args.cms_lr is not None else (cms.online_lr if cms else 1e-3)
+    if periods is not None and cms is not None and cms.online_inner != "sgd":
+        raise ValueError(
+            f"model.cms.online_inner: streaming updates the levels by SGD, got {cms.online_inner!r}"
+        )
     if args.state_in:
         state, saved_periods = load_stream_state(args.state_in, model.init_cache, params)
         if args.cms_periods and saved_periods != periods:
@@ -472,7 +514,8 @@ def run_stream(trained, args) -> dict:
         inputs,
         targets,
         periods=periods,
-        lr=args.cms_lr,
+        lr=lr,
+        variant=cms.variant if cms is not None else "sequential",
         chunk=args.chunk,
         progress=progress,
     )
@@ -487,7 +530,7 @@ def run_stream(trained, args) -> dict:
         "stream": args.stream,
         "start_pos": start,
         "end_pos": int(state.pos),
-        "online_cms": {"periods": list(periods), "lr": args.cms_lr} if periods else None,
+        "online_cms": {"periods": list(periods), "lr": lr} if periods else None,
         "segments": segment_report(ce, targets, trained.tokenizer.token_bytes, args.segments),
         "state_out": saved,
     }

@@ -50,9 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--cms-periods",
         type=int,
         nargs="+",
-        help="update the CMS levels online, level l every C_l tokens (one period per level)",
+        help="update the CMS levels online, level l every C_l tokens (one period per level; "
+        "default: model.cms.periods when model.cms.mode=online)",
     )
-    s.add_argument("--cms-lr", type=float, default=1e-3, help="online CMS learning rate")
+    s.add_argument(
+        "--cms-lr", type=float, default=None, help="online CMS rate (default model.cms.online_lr)"
+    )
     s.add_argument("--chunk", type=int, default=256, help="tokens per model call (memories only)")
     s.add_argument(
         "--capacity", type=int, default=0, help="cache positions (default: stream + 4096)"

@@ -91,3 +91,87 @@ def test_pieces_cover_the_stream_on_the_absolute_grid():
             assert sum(n * s for _, n, s in ps) == length
             ends = [pos + st + n * s for st, n, s in ps[:-1]]
             assert all(e % 4 == 0 for e in ends)
+
+
+def _cms_model(variant="sequential", periods=(2, 4)):
+    from nested_jax.models.options import CMSOptions
+
+    cms = CMSOptions(periods=periods, variant=variant, hidden=16, mode="online")
+    cfg = ModelConfig(name="gdn", ffn="cms", cms=cms, **SMALL)
+    return build_model(cfg, rngs=nnx.Rngs(0))
+
+
+def _level_leaves(fast, level):
+    return {k: v for k, v in fast.items() if f"/levels/{level}/" in k}
+
+
+def test_online_cms_levels_change_only_at_their_period_boundaries():
+    model = _cms_model()
+    apply_fn, params = stream_model(model)
+    toks = _tokens(9, seed=1)
+    state = init_stream(model.init_cache, params, capacity=16, periods=(2, 4))
+    assert _level_leaves(state.fast, 0) and _level_leaves(state.fast, 1)
+    changed = []  # (level-0 changed, level-1 changed) after each token
+    for t in range(8):
+        prev = state.fast
+        _, state = stream_tokens(
+            apply_fn, params, state, toks[:, t : t + 1], toks[:, t + 1 : t + 2],
+            periods=(2, 4), lr=0.5,
+        )  # fmt: skip
+        changed.append(
+            tuple(
+                any(not np.array_equal(prev[k], state.fast[k]) for k in _level_leaves(prev, j))
+                for j in (0, 1)
+            )
+        )
+    # tokens consumed 1..8: level 0 (period 2) fires at 2, 4, 6, 8; level 1 (period 4) at 4, 8.
+    assert changed == [(False, False), (True, False), (False, False), (True, True)] * 2
+
+
+def test_online_cms_update_is_sgd_on_the_chunk_loss_and_resumes_across_calls():
+    model = _cms_model(periods=(4, 8))
+    apply_fn, params = stream_model(model)
+    toks = _tokens(12, seed=2)
+    state = init_stream(model.init_cache, params, capacity=16, periods=(4, 8))
+
+    # One chunk of c = 4 tokens: level 0 steps by -lr * d(sum of the chunk's CE)/d(theta_0).
+    def chunk_loss(fast):
+        from nested_jax.eval.continual import _token_loss, _with_fast
+
+        logits, _ = apply_fn(_with_fast(params, fast), jnp.asarray(toks[:, :4]), state.cache)
+        return _token_loss(logits, jnp.asarray(toks[:, 1:5])).sum()
+
+    grads = jax.grad(chunk_loss)(state.fast)
+    _, after = stream_tokens(
+        apply_fn, params, state, toks[:, :4], toks[:, 1:5], periods=(4, 8), lr=0.1
+    )
+    for k in _level_leaves(state.fast, 0):
+        np.testing.assert_allclose(after.fast[k], state.fast[k] - 0.1 * grads[k], atol=1e-6)
+    for k in _level_leaves(state.fast, 1):  # not at its boundary: accumulates only
+        np.testing.assert_array_equal(after.fast[k], state.fast[k])
+        np.testing.assert_allclose(after.accum[k], 0.1 * grads[k], atol=1e-6)
+
+    # A stream split at a multiple of c equals one call.
+    kw = dict(periods=(4, 8), lr=0.1)
+    ce_one, one = stream_tokens(apply_fn, params, state, toks[:, :-1], toks[:, 1:], **kw)
+    ce_a, mid = stream_tokens(apply_fn, params, state, toks[:, :4], toks[:, 1:5], **kw)
+    ce_b, two = stream_tokens(apply_fn, params, mid, toks[:, 4:-1], toks[:, 5:], **kw)
+    np.testing.assert_allclose(jnp.concatenate([ce_a, ce_b], 1), ce_one, rtol=1e-6, atol=1e-6)
+    for k in one.fast:
+        np.testing.assert_allclose(two.fast[k], one.fast[k], rtol=1e-6, atol=1e-7)
+
+
+def test_online_cms_nested_resets_the_fast_level_to_the_slow_one():
+    model = _cms_model(variant="nested", periods=(2, 4))
+    apply_fn, params = stream_model(model)
+    toks = _tokens(4, seed=4)
+    state = init_stream(model.init_cache, params, capacity=8, periods=(2, 4))
+    kw = dict(periods=(2, 4), lr=0.5, variant="nested")
+    _, s2 = stream_tokens(apply_fn, params, state, toks[:, :2], toks[:, 1:3], **kw)
+    _, s4 = stream_tokens(apply_fn, params, s2, toks[:, 2:4], toks[:, 3:5], **kw)
+    for k in _level_leaves(state.fast, 0):
+        slow = k.replace("/levels/0/", "/levels/1/")
+        assert not np.array_equal(s2.fast[k], state.fast[k])  # level 1 learned at token 2
+        np.testing.assert_array_equal(s2.fast[slow], state.fast[slow])  # level 2 not yet
+        assert not np.array_equal(s4.fast[slow], state.fast[slow])  # level 2 stepped at 4 ...
+        np.testing.assert_array_equal(s4.fast[k], s4.fast[slow])  # ... and level 1 reset to it
