@@ -41,6 +41,12 @@ every ``larger/smaller`` of them). **Decision (read):** ``o_t`` reads ``M_memory
 weights ``M_{memory,t-1}`` (exact read-before-write at any chunk size; with chunk size 1 all of this
 is exactly per-token Hope). Everything is differentiable: gradients flow through the writes.
 
+Packed rows (``segment_ids``, SPEC §0): at a document start the running memories become the
+initial memories and the momenta zero, and for the rest of that chunk (per group) the initial
+memories are also the snapshot, i.e. token ``t`` uses the state just before
+``max(C⌊t/C⌋, document start)``. Decoding: :func:`hope_decode_step` carries the snapshots and the
+position, so token-by-token decoding equals :func:`hope_chunked` row by row.
+
 Shapes: ``x, q`` ``[B, T, H, D]``; ``η, α`` ``[B, T, H]``; memory weights ``w1 [B, H, D, h]``,
 ``w2 [B, H, h, D]`` (initial memories may omit ``B``). Arithmetic in f32 or wider.
 """
