@@ -201,7 +201,9 @@ def train_and_score(name: str, s: MqarSettings, d_model: int, log_every: int = 5
         warmup_steps=min(s.warmup_steps, s.steps),
         weight_decay=s.weight_decay,
     )
-    tx, schedule = build_optimizer(ocfg, s.steps)
+    # model=cfg: CMS models (hope, hope_attention) get their pretrain-mode multi-frequency steps
+    # as in the training loop; a no-op for every other model.
+    tx, schedule = build_optimizer(ocfg, s.steps, model=cfg)
     step = jax.jit(make_train_step(graphdef, state_def, tx, schedule), donate_argnums=(0,))
     state = {
         "step": jnp.zeros((), jnp.int32),

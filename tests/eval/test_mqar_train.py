@@ -66,6 +66,48 @@ def test_proteus_model_specs_and_longer_evaluation(tmp_path):
     assert row["accuracy"] == row["by_length"]["1"]["accuracy"]
     assert row["by_length"]["4"]["eval_queries"] == 4 * 2
     assert "acc 4×" in res["markdown"] and "| gdn+proteus4 |" in res["markdown"]
+    assert (tmp_path / "models" / "gdn+proteus4.json").is_file()
+    again = mqar.run_mqar(["gdn+proteus4"], s, tmp_path)  # reused: identical row, no training
+    assert again["rows"] == res["rows"]
     for bad in ((), (0,), (1, 1)):
         with pytest.raises(ValueError, match="eval_multipliers"):
             mqar.MqarSettings(eval_multipliers=bad)
+
+
+_HOPE_SETTINGS = dict(
+    steps=2, seq_len=16, num_kv_pairs=2, vocab=16, d_model=16, n_layers=1, batch_size=2,
+    eval_batches=1, warmup_steps=1, match_params=False,
+)  # fmt: skip
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_hope_models_get_the_cms_pretrain_optimizer(monkeypatch):
+    # hope / hope_attention resolve ffn=auto to CMS; MQAR must hand the model config to
+    # build_optimizer so the CMS levels step at their periods, as in the training loop.
+    # The spy stops before any compilation, so this stays cheap.
+    from nested_jax.train import optimizer
+
+    seen = []
+
+    def spy(cfg, total_steps, *, model=None):
+        seen.append(optimizer.cms_pretrain_periods(model))
+        raise _Stop
+
+    monkeypatch.setattr(optimizer, "build_optimizer", spy)
+    s = mqar.MqarSettings(**_HOPE_SETTINGS)
+    for name in ("hope", "hope_attention", "gdn"):
+        with pytest.raises(_Stop):
+            mqar.train_and_score(name, s, 16)
+    assert seen == [(1, 4, 16), (1, 4, 16), None]
+
+
+@pytest.mark.slow
+def test_hope_models_train_end_to_end(tmp_path):
+    s = mqar.MqarSettings(**_HOPE_SETTINGS)
+    res = mqar.run_mqar(["hope", "hope_attention"], s, tmp_path)
+    assert [r["model"] for r in res["rows"]] == ["hope", "hope_attention"]
+    for r in res["rows"]:
+        assert r["final_train_loss"] > 0 and 0.0 <= r["accuracy"] <= 1.0
