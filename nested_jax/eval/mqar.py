@@ -25,7 +25,8 @@ sequence has more filler); the ``accuracy`` / ``eval_loss`` fields are those at 
 first multiplier) and ``by_length`` holds every ``m``.
 
 Writes ``<out>/mqar.json`` (settings + one row per model) and ``<out>/mqar.md`` (the table) and
-prints the Markdown.
+prints the Markdown. Each finished model is also kept in ``<out>/models/<model>.json`` and reused
+by a later run with identical settings and width.
 """
 
 from __future__ import annotations
@@ -331,8 +332,20 @@ def run_mqar(models: Sequence[str], s: MqarSettings, out: str | Path | None = No
         widths[name] = matched_d_model(name, s, target)[0] if s.match_params else s.d_model
     rows = []
     for name in models:
+        # a finished model with the same settings and width is reused (re-runs resume)
+        done = None if out is None else Path(out) / "models" / f"{name}.json"
+        key = {"settings": dataclasses.asdict(s), "d_model": widths[name]}
+        if done is not None and done.is_file():
+            saved = json.loads(done.read_text())
+            if saved.get("key") == json.loads(json.dumps(key)):
+                print(f"== {name}: reusing {done}", flush=True)
+                rows.append(saved["row"])
+                continue
         print(f"== {name}: d_model {widths[name]}, training {s.steps} steps", flush=True)
         row = train_and_score(name, s, widths[name])
+        if done is not None:
+            done.parent.mkdir(parents=True, exist_ok=True)
+            done.write_text(json.dumps({"key": key, "row": row}, indent=2) + "\n")
         print(
             f"== {name}: {row['params']:,} params, accuracy {row['accuracy']:.4f} "
             f"(chance {s.chance:.4f}), {row['train_seconds']:.0f} s",
