@@ -483,3 +483,29 @@ def test_packed_and_decode_validation():
         hope_decode_step(x[:, 0], q[:, 0], st, st.memories, jnp.zeros((3,), jnp.int32), ro)
     with pytest.raises(ValueError, match="x_t"):
         hope_decode_step(x[:, :2], q[:, 0], st, st.memories, 0, ro)
+
+
+@pytest.mark.slow  # four fwd+bwd compiles (~25 s CPU)
+def test_remat_keeps_no_per_token_weights():
+    """Compile-only check of the fwd+bwd temp memory (XLA ``memory_analysis``): with ``remat`` the
+    backward stores the state per chunk, not per token — added bytes per added token stay well
+    below one memory state (chunks of 8); without it they exceed one state per token."""
+    mems, ro, _, _ = _setup()
+    state_bytes = 5 * 2 * B * H * D * HID * 4
+
+    def slope(remat):
+        tb = []
+        for t in (32, 64):
+            z = jnp.ones((B, t, H, D))
+
+            def loss(mems, x):
+                st = hope_init_state(mems, B)
+                o, _ = hope_chunked(x, x, st, ro, chunk_memory=8, chunk_other=8, remat=remat)
+                return jnp.sum(o**2)
+
+            comp = jax.jit(jax.grad(loss)).lower(mems, z).compile()
+            tb.append(comp.memory_analysis().temp_size_in_bytes)
+        return (tb[1] - tb[0]) / 32 / state_bytes
+
+    assert slope(True) < 0.5
+    assert slope(False) > 1.0
