@@ -32,6 +32,18 @@ its first token), so every document of a packed row gets exactly the outputs of 
 wherever it starts. Truncated backprop (``grad_horizon``) windows stay on the row's grid (this
 changes gradients only, never values).
 
+**Proteus** (``model.proteus``, SPEC §4): with ``blocks = E > 1`` the memory coordinates (key
+rows for ``L_M = 1``, hidden units for ``L_M ≥ 2``) open block by block over the training context
+``N = context_len``; a token's position ``t`` is its 1-based position in the row (decoding: tokens
+already consumed + 1). The sequence form runs one memory call per span of constant mask
+(``proteus_spans``) from the gated state and puts the locked coordinates back
+(``proteus_gated_update``), as ``core.proteus_memory.proteus_titans_mlp_*`` do; decoding uses the
+per-token ``proteus_titans_mlp_step`` (recurrent) or gates each chunk's buffer (chunked; needs
+``memory_chunk`` to divide ``Δ = N // E``, since the forward's chunk grid restarts at every span).
+**Decision (packed rows):** the schedule follows the row position (the row is the training
+context) and the whole state, locked coordinates included, resets to ``(M_0, 0)`` at a document
+start. ``E = 1`` is the plain path, bit for bit. MAC does not support Proteus (ValueError).
+
 **Inner learning rate cap.** ``θ_t = theta_max · σ(x W_θ + b_θ)`` (``TitansOptions.theta_max``,
 default 0.1; the bias starts θ at ``theta_init``). Without the cap θ may drift towards 1 during
 training; with the softclamp ``grad_clip = c`` every write is then bounded by ``c·theta_max``.
@@ -54,6 +66,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nested_jax.core.proteus import proteus_active_blocks, proteus_gate, proteus_gated_update
+from nested_jax.core.proteus_memory import (
+    proteus_spans,
+    proteus_titans_mlp_masks,
+    proteus_titans_mlp_step,
+)
 from nested_jax.core.titans_mlp import (
     TitansMLPState,
     titans_mlp_apply,
@@ -120,6 +138,7 @@ class MemoryCache(NamedTuple):
       q, k: ``[B, b, H, D]``; v: ``[B, b, H, D]``; theta, eta, alpha: ``[B, b, H]`` (the buffered
         tokens of the current chunk, f32; slots ``≥ n`` are stale and never read).
       n: int32 scalar, number of tokens of the current chunk already processed.
+      t: int32 scalar, tokens consumed so far (the Proteus position of the next token is t + 1).
     """
 
     weights: tuple
@@ -131,6 +150,7 @@ class MemoryCache(NamedTuple):
     eta: jax.Array
     alpha: jax.Array
     n: jax.Array
+    t: jax.Array
 
 
 class NeuralMemory(nnx.Module):
@@ -139,9 +159,13 @@ class NeuralMemory(nnx.Module):
     Outer parameters: the initial memory ``w{l} [H, d_l, d_{l+1}]`` (``d = (D, h, ..., h, D)``,
     ``L_M`` layers; L_M = 1 is the matrix memory) and the gate map ``[θ, η, α] = σ(x W_g + b)``
     (``W_g [d_in, 3H]``, biases at ``logit(theta_init / eta_init / alpha_init)``).
+
+    ``proteus`` (``ProteusOptions`` or None): with ``blocks = E > 1`` the memory is gated by the
+    Proteus schedule (SPEC §4, see the module docstring); ``E = 1`` / None is the plain memory.
     """
 
-    def __init__(self, d_in: int, n_heads: int, head_dim: int, opts, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, d_in: int, n_heads: int, head_dim: int, opts, *, dtype, rngs: nnx.Rngs,
+                 proteus=None):  # fmt: skip
         self.n_heads, self.head_dim, self.dtype = n_heads, head_dim, dtype
         self.n_layers = opts.memory_layers
         self.impl = opts.memory_impl
@@ -154,6 +178,16 @@ class NeuralMemory(nnx.Module):
         hidden = opts.resolved_memory_hidden(head_dim)
         dims = (head_dim,) + (hidden,) * (self.n_layers - 1) + (head_dim,)
         self.dims = dims
+        self.p_blocks = 1 if proteus is None else proteus.blocks
+        self.p_context = 0 if proteus is None else proteus.context_len
+        if self.p_blocks > 1:
+            blocked = head_dim if self.n_layers == 1 else hidden
+            what = "head_dim (key rows)" if self.n_layers == 1 else "memory_hidden (hidden units)"
+            if blocked < self.p_blocks:
+                raise ValueError(
+                    f"ProteusOptions.blocks: {self.p_blocks} blocks need {what} >= blocks, "
+                    f"got {blocked}"
+                )
         init = titans_mlp_init_weights(rngs.params(), n_heads, dims)
         for i, w in enumerate(init):
             setattr(self, f"w{i}", nnx.Param(partitioned(lambda *_, w=w: w, (None,) * 3)(None)))
@@ -202,13 +236,57 @@ class NeuralMemory(nnx.Module):
         state = self.initial_state(b) if state is None else state
         if segment_ids is not None and reset_state is None:
             reset_state = self.initial_state(b)
+        if self.p_blocks > 1:
+            return self._proteus_forward(
+                state, (q, k, v, theta, eta, alpha), segment_ids, reset_state
+            )
+        return self._core(state, (q, k, v, theta, eta, alpha), segment_ids, reset_state)
+
+    def _core(self, state, xs, segment_ids, reset_state):
         kw = dict(segment_ids=segment_ids, reset_state=reset_state, grad_horizon=self.grad_horizon)
         if self.impl == "recurrent":
-            return titans_mlp_recurrent(state, q, k, v, theta, eta, alpha, **kw, **self._kw())
+            return titans_mlp_recurrent(state, *xs, **kw, **self._kw())
         return titans_mlp_chunked(
-            state, q, k, v, theta, eta, alpha, chunk_size=self.chunk,
-            per_chunk_gates=self.per_chunk_gates, **kw, **self._kw(),
+            state, *xs, chunk_size=self.chunk, per_chunk_gates=self.per_chunk_gates, **kw,
+            **self._kw(),
         )  # fmt: skip
+
+    def _proteus_forward(self, state, xs, segment_ids, reset_state):
+        """Proteus sequence form (SPEC §4) at row positions ``t = 1 … T``.
+
+        One core call per span of constant mask (``proteus_spans``), from the gated state, then
+        ``proteus_gated_update`` puts the locked coordinates back (the construction of
+        ``proteus_titans_mlp_chunked`` / ``_recurrent``, which this equals without segment_ids).
+        Packed rows: the schedule follows the row position; the whole state (locked coordinates
+        too) resets to ``reset_state`` at a document start, so nothing leaks across documents.
+        """
+        t = xs[0].shape[1]
+        packed = segment_ids is not None
+        if packed:
+            starts = segment_ids[:, 1:] != segment_ids[:, :-1]
+            starts = jnp.pad(starts, ((0, 0), (1, 0)))  # [B, T] bool, never at 0
+            bsel = lambda f: f[:, None, None, None]  # noqa: E731  [B] → weights
+            where_tree = lambda f, a, o: jax.tree.map(  # noqa: E731
+                lambda x, y: jnp.where(bsel(f), x, y), a, o
+            )
+        outs = []
+        for a, b, active in proteus_spans(t, 0, self.p_context, self.p_blocks):
+            part = [x[:, a:b] for x in xs]
+            seg = segment_ids[:, a:b] if packed else None
+            if packed and a > 0:  # a document starting exactly at the span start
+                state = where_tree(starts[:, a], reset_state, state)
+            if active == self.p_blocks:
+                y, state = self._core(state, part, seg, reset_state)
+            else:
+                tree, part = self._proteus_gate_inputs(active, part)
+                rs = None if reset_state is None else proteus_gate(reset_state, tree)
+                y, cand = self._core(proteus_gate(state, tree), part, seg, rs)
+                prev = state
+                if packed:  # a reset inside the span: the locked coordinates restart too
+                    prev = where_tree(jnp.any(starts[:, a + 1 : b], axis=1), reset_state, state)
+                state = proteus_gated_update(prev, cand, tree)
+            outs.append(y)
+        return jnp.concatenate(outs, axis=1), state
 
     def read(self, weights: tuple, z: jax.Array) -> jax.Array:
         """``M*(z)``: read without update, ``z [B, T, H, D]`` → ``[B, T, H, D]`` f32."""
@@ -227,10 +305,19 @@ class NeuralMemory(nnx.Module):
             jnp.zeros((batch_size, self.n_heads, a, b), jnp.float32)
             for a, b in zip(self.dims[:-1], self.dims[1:], strict=True)
         )
+        if self.p_blocks > 1 and self.chunk > 1:
+            delta = max(1, self.p_context // self.p_blocks)
+            if delta % self.chunk:
+                raise ValueError(
+                    f"TitansOptions.memory_chunk: decoding with Proteus needs memory_chunk to "
+                    f"divide the block length Δ = context_len // blocks = {delta} (the forward's "
+                    f"chunk grid restarts every Δ tokens), got {self.chunk}"
+                )
         b, h, d = self.chunk, self.n_heads, self.head_dim
         z = jnp.zeros((batch_size, b, h, d), jnp.float32)
         g = jnp.zeros((batch_size, b, h), jnp.float32)
-        return MemoryCache(ws, ws, z, z, z, g, g, g, jnp.full((), -1, jnp.int32))
+        i0 = jnp.zeros((), jnp.int32)
+        return MemoryCache(ws, ws, z, z, z, g, g, g, jnp.full((), -1, jnp.int32), i0)
 
     def start(self, cache: MemoryCache) -> MemoryCache:
         """``cache`` with ``(M_0, 0)`` substituted if it has not started (``n < 0``), ``n ≥ 0``."""
@@ -250,24 +337,59 @@ class NeuralMemory(nnx.Module):
         f = lambda a: a.astype(jnp.float32)  # noqa: E731
         q, k, v, theta, eta, alpha = map(f, (q, k, v, theta, eta, alpha))
         cache = self.start(cache)
+        proteus = self.p_blocks > 1
         if self.chunk == 1:
             st = TitansMLPState(cache.weights, cache.momentum)
-            y, st = titans_mlp_step(st, q, k, v, theta, eta, alpha, **self._kw())
-            return y, cache._replace(weights=st.weights, momentum=st.momentum)
+            if proteus:
+                y, st = proteus_titans_mlp_step(
+                    st, q, k, v, theta, eta, alpha, t=cache.t + 1, context_len=self.p_context,
+                    num_blocks=self.p_blocks, **self._kw(),
+                )  # fmt: skip
+            else:
+                y, st = titans_mlp_step(st, q, k, v, theta, eta, alpha, **self._kw())
+            return y, cache._replace(weights=st.weights, momentum=st.momentum, t=cache.t + 1)
         n = cache.n
         put = lambda buf, a: jax.lax.dynamic_update_index_in_dim(buf, a, n, 1)  # noqa: E731
         bufs = [put(cache.q, q), put(cache.k, k), put(cache.v, v)]
         bufs += [put(cache.theta, theta), put(cache.eta, eta), put(cache.alpha, alpha)]
         st = TitansMLPState(cache.weights, cache.momentum)
+        run_bufs, tree = bufs, None
+        if proteus:
+            # The chunk lies inside one Proteus span (memory_chunk divides Δ, checked in
+            # init_cache): gate the chunk-start state with the mask of the chunk's first token.
+            b = q.shape[0]
+            active = proteus_active_blocks(
+                jnp.broadcast_to(cache.t - n + 1, (b,)), self.p_context, self.p_blocks
+            )
+            tree, run_bufs = self._proteus_gate_inputs(active, bufs)
+            st = proteus_gate(st, tree)
         # Later slots hold stale tokens: rows ≤ n of the dual form never read them, and the final
         # state is used only when every slot is filled by the current chunk.
-        ys, new = titans_mlp_chunked(st, *bufs, chunk_size=self.chunk, remat=False, **self._kw())
+        ys, new = titans_mlp_chunked(
+            st, *run_bufs, chunk_size=self.chunk, remat=False, **self._kw()
+        )
+        if proteus:
+            new = proteus_gated_update(TitansMLPState(cache.weights, cache.momentum), new, tree)
         y = jax.lax.dynamic_index_in_dim(ys, n, 1, keepdims=False)
         full = n == self.chunk - 1 if commit is None else commit
         pick = lambda a, b: jnp.where(full, a, b)  # noqa: E731
         w = jax.tree.map(pick, new.weights, cache.weights)
         s = jax.tree.map(pick, new.momentum, cache.momentum)
-        return y, MemoryCache(w, s, *bufs, jnp.where(full, 0, n + 1).astype(jnp.int32))
+        n_new = jnp.where(full, 0, n + 1).astype(jnp.int32)
+        return y, MemoryCache(w, s, *bufs, n_new, cache.t + 1)
+
+    def _proteus_gate_inputs(self, active, xs):
+        """Masks (``TitansMLPState`` tree) for ``active`` open blocks and the inputs ``xs = (q, k,
+        ...)`` ``[B, T, H, D]`` with masked q, k for the matrix memory (key-row blocks)."""
+        masks = proteus_titans_mlp_masks(active, self.dims, self.p_blocks)
+        tree = TitansMLPState(masks, masks)
+        if self.n_layers == 1:  # key rows: (g ⊙ M)ᵀq = Mᵀ(g ⊙ q); masking k keeps ∇ on open rows
+            rows = masks[0][..., 0]  # static: [K]; traced: [B, 1, K]
+            rows = rows if rows.ndim == 1 else rows[:, :, None, :]
+            q, k, *rest = xs
+            zero = lambda a: jnp.where(rows, a, jnp.zeros((), a.dtype))  # noqa: E731
+            xs = [zero(q), zero(k), *rest]
+        return tree, list(xs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,7 +412,8 @@ class MemoryBranch(nnx.Module):
     Returns per-head outputs ``[B, T, H, D]`` (f32). SPEC §2 (LMM projections).
     """
 
-    def __init__(self, d_model, n_heads, head_dim, opts, *, conv_size, dtype, rngs: nnx.Rngs):
+    def __init__(self, d_model, n_heads, head_dim, opts, *, conv_size, dtype, rngs: nnx.Rngs,
+                 proteus=None):  # fmt: skip
         self.n_heads, self.head_dim, self.dtype = n_heads, head_dim, dtype
         hd = n_heads * head_dim
         self.q_proj = dense(d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
@@ -299,7 +422,9 @@ class MemoryBranch(nnx.Module):
         self.q_conv = ShortConv(hd, conv_size, dtype=dtype, rngs=rngs)
         self.k_conv = ShortConv(hd, conv_size, dtype=dtype, rngs=rngs)
         self.v_conv = ShortConv(hd, conv_size, dtype=dtype, rngs=rngs)
-        self.memory = NeuralMemory(d_model, n_heads, head_dim, opts, dtype=dtype, rngs=rngs)
+        self.memory = NeuralMemory(
+            d_model, n_heads, head_dim, opts, dtype=dtype, rngs=rngs, proteus=proteus
+        )
 
     def init_cache(self, batch_size: int) -> BranchCache:
         """Zero conv taps and the memory at position 0."""
@@ -343,26 +468,30 @@ class MemoryBranch(nnx.Module):
 
 
 def _titans_args(cfg):
-    return dict(conv_size=cfg.conv_size, dtype=cfg.activation_dtype())
+    return dict(
+        conv_size=cfg.conv_size, dtype=cfg.activation_dtype(), proteus=getattr(cfg, "proteus", None)
+    )
 
 
 class TitansLMM(nnx.Module):
     """LMM mixer (SPEC §2 "LMM"): memory branch, ``RMSNorm(y) ⊙ silu(x W_g)`` per head, ``W_o``."""
 
     def __init__(self, d_model, n_heads, head_dim, opts, *, conv_size=4, norm_eps=1e-6,
-                 dtype=jnp.float32, rngs: nnx.Rngs):  # fmt: skip
+                 dtype=jnp.float32, rngs: nnx.Rngs, proteus=None):  # fmt: skip
         self.d_model, self.n_heads, self.head_dim, self.dtype = d_model, n_heads, head_dim, dtype
         hd = n_heads * head_dim
         self.branch = MemoryBranch(
-            d_model, n_heads, head_dim, opts, conv_size=conv_size, dtype=dtype, rngs=rngs
-        )
+            d_model, n_heads, head_dim, opts, conv_size=conv_size, dtype=dtype, rngs=rngs,
+            proteus=proteus,
+        )  # fmt: skip
         self.g_proj = dense(d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
         self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps, rngs=rngs)
         self.o_proj = dense(hd, d_model, ("heads", "embed"), dtype=dtype, rngs=rngs)
 
     @classmethod
     def from_config(cls, cfg, *, rngs: nnx.Rngs):
-        """Build from a ModelConfig (registry ``titans_lmm``; options ``cfg.titans``)."""
+        """Build from a ModelConfig (registry ``titans_lmm``; options ``cfg.titans``, Proteus
+        ``cfg.proteus``)."""
         return cls(cfg.d_model, cfg.n_heads, cfg.resolved_head_dim(), cfg.titans,
                    norm_eps=cfg.norm_eps, rngs=rngs, **_titans_args(cfg))  # fmt: skip
 
