@@ -19,7 +19,6 @@ shell used), per sweep point ``sweep_tokens_per_s_cm{a}_co{b}`` and
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 
@@ -32,20 +31,11 @@ DEFAULT_SWEEP = ((1, 1), (4, 4), (16, 4), (16, 16), (64, 16))
 
 
 def hope_model_config(hope=None, **kw):
-    """``ModelConfig(name="hope", hope=hope, **kw)``.
-
-    While ``ModelConfig`` has no ``hope`` field the section is attached to the frozen instance,
-    which is what ``HopeMixer.from_config`` reads (``cfg.hope``).
-    """
+    """``ModelConfig(name="hope", hope=hope or HopeOptions(), **kw)``."""
     from nested_jax.models import ModelConfig
     from nested_jax.models.options import HopeOptions
 
-    hope = HopeOptions() if hope is None else hope
-    if "hope" in {f.name for f in dataclasses.fields(ModelConfig)}:
-        return ModelConfig(name="hope", hope=hope, **kw)
-    cfg = ModelConfig(name="hope", **kw)
-    object.__setattr__(cfg, "hope", hope)
-    return cfg
+    return ModelConfig(name="hope", hope=HopeOptions() if hope is None else hope, **kw)
 
 
 def _loss_program(cfg, B, T, vocab):

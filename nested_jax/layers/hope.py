@@ -136,13 +136,12 @@ class HopeMixer(nnx.Module):
 
     @classmethod
     def from_config(cls, cfg, *, rngs: nnx.Rngs):
-        """Build from a ``ModelConfig`` (registry ``hope``; options ``cfg.hope``, defaults when the
-        config has no ``hope`` section)."""
+        """Build from a ``ModelConfig`` (registry ``hope``; options ``cfg.hope``)."""
         return cls(
             cfg.d_model,
             cfg.n_heads,
             cfg.resolved_head_dim(),
-            getattr(cfg, "hope", None),
+            cfg.hope,
             conv_size=cfg.conv_size,
             norm_eps=cfg.norm_eps,
             dtype=cfg.activation_dtype(),

@@ -136,8 +136,7 @@ def test_registry_and_config():
     cfg = ModelConfig(name="hope", d_model=D_MODEL, n_heads=H)
     m = get_mixer("hope").from_config(cfg, rngs=nnx.Rngs(0))
     assert isinstance(m, HopeMixer) and m.head_dim == D_MODEL // H
-    want = getattr(cfg, "hope", HopeOptions())
-    assert m.opts == want
+    assert m.opts == cfg.hope == HopeOptions()
     names = {n for n, _ in nnx.state(m, nnx.Param).flat_state()}
     for n in ("k_w1", "memory_w2", "eta_w", "alpha_b"):
         assert any(n in str(p) for p in names), n

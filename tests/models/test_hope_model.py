@@ -1,8 +1,6 @@
 """The ``hope`` mixer in the LM shell (SPEC §3.2, §6): teacher-forced decoding == full forward
 logits across chunk ends of both chunk sizes, and a finite training step on packed batches."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,17 +13,10 @@ from tests.models.test_titans_models import _train_setup
 
 SMALL = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2)
 HOPE = HopeOptions(chunk_memory=8, chunk_other=4, memory_hidden=8)
-HAS_SECTION = "hope" in {f.name for f in dataclasses.fields(ModelConfig)}
 
 
 def _config(hope: HopeOptions, **kw) -> ModelConfig:
-    """``ModelConfig(name="hope", hope=...)``; until the shell has its ``hope`` field the section
-    is attached to the frozen instance (``HopeMixer.from_config`` reads ``cfg.hope``)."""
-    if HAS_SECTION:
-        return ModelConfig(name="hope", hope=hope, **kw)
-    cfg = ModelConfig(name="hope", **kw)
-    object.__setattr__(cfg, "hope", hope)
-    return cfg
+    return ModelConfig(name="hope", hope=hope, **kw)
 
 
 @nnx.jit
@@ -50,9 +41,8 @@ def test_teacher_forced_decoding_equals_full_forward():
 
 def test_training_step_is_finite_with_packed_segments():
     overrides = ["model.name=hope", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
-                 "optimizer.warmup_steps=0", "model.chunk_size=16"]  # fmt: skip
-    if HAS_SECTION:
-        overrides += ["model.hope.chunk_memory=8", "model.hope.chunk_other=4"]
+                 "optimizer.warmup_steps=0", "model.chunk_size=16",
+                 "model.hope.chunk_memory=8", "model.hope.chunk_other=4"]  # fmt: skip
     setup, mesh = _train_setup(overrides, seq_len=32)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, size=(2, 33)).astype(np.int32)
