@@ -87,8 +87,10 @@ def test_training_step_is_finite_with_packed_segments(name):
     assert bool(m["finite"]) and np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
     after = jax.tree.map(np.asarray, state["params"])
     assert all(np.isfinite(a).all() for a in jax.tree.leaves(after))
-    mem_before = before["blocks"]["mixer"]["memory"]
-    mem_after = after["blocks"]["mixer"]["memory"]
+    mixer_b, mixer_a = before["blocks"]["mixer"], after["blocks"]["mixer"]
+    if "branch" in mixer_b:  # MAG: the memory sits in the LMM branch (MAC: on the mixer)
+        mixer_b, mixer_a = mixer_b["branch"], mixer_a["branch"]
+    mem_before, mem_after = mixer_b["memory"], mixer_a["memory"]
     for name in ("w0", "w1", "gate_bias"):  # the memory's outer parameters are trained
         assert not np.array_equal(mem_before[name], mem_after[name]), name
 
