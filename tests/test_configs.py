@@ -112,6 +112,10 @@ def test_save_and_reload_from_workdir(tmp_path):
         (["mesh.data=-1", "mesh.fsdp=-1"], r"^mesh\.data: at most one"),
         (["model=3"], r"^model: expected a mapping"),
         (["train.steps"], r"--set train\.steps: expected KEY=VALUE"),
+        (
+            ["model.name=gdn", "model.proteus.blocks=4", "model.proteus.context_len=64"],
+            r"^model\.proteus\.context_len: 64 differs from data\.seq_len",
+        ),
     ],
 )
 def test_bad_configs_fail_with_the_field_named(overrides, message):

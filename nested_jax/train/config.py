@@ -254,6 +254,12 @@ def _check_combinations(cfg: Config) -> None:
             f"optimizer.name: unknown optimizer {cfg.optimizer.name!r}; "
             f"registered: {sorted(OPTIMIZERS)}"
         )
+    p = cfg.model.proteus
+    if p.blocks > 1 and p.context_len != cfg.data.seq_len:
+        raise ConfigError(
+            f"model.proteus.context_len: {p.context_len} differs from data.seq_len = "
+            f"{cfg.data.seq_len} (the training context N of the Proteus schedule, SPEC §4)"
+        )
     o = cfg.optimizer
     for name, value, ok, what in (
         ("lr", o.lr, o.lr > 0, "> 0"),
