@@ -90,14 +90,18 @@ def load_configs(paths: Sequence[str | Path], overrides: Sequence[str]) -> tuple
         name = Path(path).stem
         if name in configs:
             raise ValueError(f"configs: two configs named {name!r}")
-        cfg = load_config([path], overrides)
-        n = cfg.data.seq_len
-        if cfg.model.proteus.blocks > 1 and cfg.model.proteus.context_len != n:
+        # The config loader insists on context_len == data.seq_len for Proteus configs: read the
+        # length (and the configured N) with Proteus off, then load with N = the length.
+        plain = load_config([path], [*overrides, "model.proteus.blocks=1"])
+        n, given = plain.data.seq_len, plain.model.proteus.context_len
+        cfg = load_config([path], [*overrides, f"model.proteus.context_len={n}"])
+        if cfg.model.proteus.blocks == 1:  # Proteus off: keep the config exactly as written
+            cfg = load_config([path], overrides)
+        elif given != n:
             notes.append(
-                f"{name}: model.proteus.context_len {cfg.model.proteus.context_len} -> {n} "
+                f"{name}: model.proteus.context_len {given} -> {n} "
                 "(= data.seq_len, the training context)"
             )
-            cfg = load_config([path], [*overrides, f"model.proteus.context_len={n}"])
         configs[name] = cfg
     return configs, notes
 
