@@ -65,7 +65,7 @@ class TitansOptions:
     per_chunk_gates: bool = False  # θ, η, α mean-pooled per chunk (non-causal inside a chunk)
     grad_clip: float = 10.0  # softclamp of the inner gradient norm; 0 = off
     theta_init: float = 0.02  # initial inner lr θ; θ/(1−η) ≳ 1 makes the backward explode at T=4096
-    theta_max: float = 0.1  # cap of the inner lr: θ_t = theta_max·σ(·) (bias starts θ at theta_init)
+    theta_max: float = 0.1  # cap: θ_t = theta_max·σ(·), bias set so θ starts at theta_init
     eta_init: float = 0.9  # initial momentum η
     alpha_init: float = 0.01  # initial forget gate α
     persistent_tokens: int = 4  # N_p learned key/value tokens prepended to attention (MAC/MAG/MAL)
