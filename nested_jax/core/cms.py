@@ -71,6 +71,7 @@ __all__ = [
     "cms_initial_state",
     "cms_online",
     "surprise_from_loss",
+    "check_periods",
 ]
 
 VARIANTS = ("sequential", "nested", "independent")
@@ -105,16 +106,25 @@ def _check_variant(variant) -> None:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
-def _check_periods(periods, k: int, variant: str) -> tuple[int, ...]:
-    if not isinstance(periods, (tuple, list)):
-        raise ValueError(f"periods must be a tuple of positive ints, got {periods!r}")
+def check_periods(periods, k: int | None = None, variant: str | None = None) -> tuple[int, ...]:
+    """Validate CMS periods ``C^(1) < … < C^(k)`` (SPEC §3.3) and return them as a tuple.
+
+    Shared by the online core, the pretrain optimizer wrapper and LM streaming.
+
+    Args:
+      periods: a non-empty tuple/list of positive ints, strictly increasing.
+      k: the number of levels, when known (one period per level).
+      variant: ``"nested"`` also needs each period to divide the next.
+    """
+    if not isinstance(periods, (tuple, list)) or not periods:
+        raise ValueError(f"periods must be a non-empty tuple of positive ints, got {periods!r}")
     periods = tuple(periods)
     for p in periods:
         if isinstance(p, bool) or not isinstance(p, int) or p < 1:
             raise ValueError(f"periods must be positive ints, got {periods!r}")
     if any(b <= a for a, b in zip(periods, periods[1:], strict=False)):
         raise ValueError(f"periods must be strictly increasing (C^(1) < … < C^(k)), got {periods}")
-    if len(periods) != k:
+    if k is not None and len(periods) != k:
         raise ValueError(f"periods must have one entry per level ({k}), got {len(periods)}")
     if variant == "nested" and any(b % a for a, b in zip(periods, periods[1:], strict=False)):
         raise ValueError(
@@ -467,7 +477,7 @@ def _validate_online(
         k = len(initial_state.levels)
         state = initial_state
     x = _check_x(x, d)
-    periods = _check_periods(periods, k, variant)
+    periods = check_periods(periods, k, variant)
     mix_logits = _check_mix(mix_logits, k, variant)
     lrs = _per_level("lr", lr, k)
     if delta is not None:

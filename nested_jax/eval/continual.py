@@ -45,6 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nested_jax.core.cms import check_periods
+
 __all__ = [
     "StreamState",
     "fast_level_paths",
@@ -107,18 +109,17 @@ def _with_fast(params: Any, fast: dict) -> Any:
     return jax.tree_util.tree_map_with_path(swap, params)
 
 
-def _check_periods(periods, levels: dict[str, int]) -> tuple[int, ...] | None:
+def _check_periods(periods, levels: dict[str, int], variant=None) -> tuple[int, ...] | None:
+    """``periods`` validated against the model's CMS levels (None: memories only)."""
     if periods is None:
         return None
-    periods = tuple(periods)
-    if not periods or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in periods):
-        raise ValueError(f"periods: expected a non-empty tuple of positive ints, got {periods!r}")
     if not levels:
         raise ValueError("periods: the model has no CMS levels (no parameters under 'levels/<l>')")
     k = max(levels.values()) + 1
-    if len(periods) != k:
-        raise ValueError(f"periods: the model has {k} CMS levels, got {len(periods)} periods")
-    return periods
+    try:
+        return check_periods(periods, k, variant)
+    except ValueError as err:
+        raise ValueError(f"periods: {err}") from None
 
 
 def init_stream(
@@ -292,10 +293,8 @@ def stream_tokens(
         )
     if periods is not None:
         levels = fast_level_paths(params, levels_key)
-        periods = _check_periods(periods, levels)
+        periods = _check_periods(periods, levels, variant)
         c = math.gcd(*periods)
-        if variant == "nested" and any(b % a for a, b in zip(periods, periods[1:], strict=False)):
-            raise ValueError(f"periods: nested CMS needs each period to divide the next: {periods}")
     else:
         levels, c = {}, chunk
     if isinstance(c, bool) or not isinstance(c, int) or c < 1:

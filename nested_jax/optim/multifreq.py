@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from nested_jax.core.cms import check_periods
+
 __all__ = ["MultiFreqState", "multi_frequency", "level_labels_by_index"]
 
 _NONE = -1  # label of leaves updated every step
@@ -38,18 +40,6 @@ class MultiFreqState(NamedTuple):
     count: jax.Array  # int32 []: optimizer steps taken
     accum: Any  # per leaf: Σ g since the level's last step (optax.MaskedNode() for None leaves)
     inner_states: tuple  # group 0: leaves with level None; group ℓ+1: level ℓ
-
-
-def _check_periods(periods) -> tuple[int, ...]:
-    if not isinstance(periods, (tuple, list)) or not periods:
-        raise ValueError(f"periods must be a non-empty tuple of positive ints, got {periods!r}")
-    periods = tuple(periods)
-    for p in periods:
-        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-            raise ValueError(f"periods must be positive ints, got {periods!r}")
-    if any(b <= a for a, b in zip(periods, periods[1:], strict=False)):
-        raise ValueError(f"periods must be strictly increasing (C^(1) < … < C^(k)), got {periods}")
-    return periods
 
 
 def _labels(level_of, params, k: int):
@@ -124,7 +114,7 @@ def multi_frequency(
     Returns:
       ``optax.GradientTransformationExtraArgs`` with state :class:`MultiFreqState`.
     """
-    periods = _check_periods(periods)
+    periods = check_periods(periods)
     if accumulate not in ("sum", "mean"):
         raise ValueError(f"accumulate must be 'sum' or 'mean', got {accumulate!r}")
     k = len(periods)
