@@ -77,14 +77,6 @@ class TitansMAC(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         opts = cfg.titans
-        proteus = getattr(cfg, "proteus", None)
-        if proteus is not None and proteus.blocks > 1:
-            # The memory runs segment by segment inside a lax.scan (traced segment start), while
-            # the Proteus span split needs static positions; not wired for MAC.
-            raise ValueError(
-                f"ProteusOptions.blocks: titans_mac does not support Proteus (blocks > 1), got "
-                f"{proteus.blocks}; use titans_lmm / titans_mag / titans_mal"
-            )
         h, d = cfg.n_heads, cfg.resolved_head_dim()
         hd = h * d
         dtype = cfg.activation_dtype()

@@ -76,7 +76,8 @@ class ModelConfig:
             # n_layers).
             if not isinstance(value, expected) or (f.type != "bool" and isinstance(value, bool)):
                 raise ValueError(f"ModelConfig.{f.name}: expected {f.type}, got {value!r}")
-        from nested_jax.models.registry import available_mixers  # lazy: the registry imports layers
+        # lazy: the registry imports layers
+        from nested_jax.models.registry import available_mixers, mixer_option_sections
 
         if self.name not in available_mixers():
             raise ValueError(
@@ -116,6 +117,12 @@ class ModelConfig:
                 "ModelConfig.ffn: hope_attention is attention + CMS and needs ffn=cms (or auto); "
                 "attention + SwiGLU is name=transformer"
             )
+        if self.proteus.enabled and "proteus" not in self.read_option_sections():
+            readers = sorted(n for n in available_mixers() if "proteus" in mixer_option_sections(n))
+            raise ValueError(
+                f"ModelConfig.proteus.blocks: {self.proteus.blocks} blocks, but the {self.name!r} "
+                f"mixer has no Proteus option (it would train unchanged); Proteus mixers: {readers}"
+            )
         if self.rope_theta <= 0:
             raise ValueError(f"ModelConfig.rope_theta: must be positive, got {self.rope_theta}")
         if self.norm_eps <= 0:
@@ -142,6 +149,14 @@ class ModelConfig:
         if self.ffn != "auto":
             return self.ffn
         return "cms" if self.name in CMS_MODELS else "swiglu"
+
+    def read_option_sections(self) -> tuple[str, ...]:
+        """The option sections (``titans``, ``proteus``, ``cms``, ...) this model reads: its
+        mixer's (registry) plus ``cms`` when the block FFN is CMS. The others are inert."""
+        from nested_jax.models.registry import mixer_option_sections
+
+        cms = ("cms",) if self.resolved_ffn() == "cms" else ()
+        return mixer_option_sections(self.name) + cms
 
     def resolved_cms_hidden(self) -> int:
         """Hidden width of each CMS level: ``cms.hidden`` or the SwiGLU width when 0."""

@@ -24,17 +24,31 @@ from nested_jax.layers.deltanet import DeltaNet
 from nested_jax.layers.gdn import GatedDeltaNet
 
 _MIXERS: dict[str, type] = {}
+# ModelConfig option sections (``model.<section>``) each mixer reads: a resumed run may change the
+# others, since they cannot alter the parameters or the math (``train.loop.check_resume_compatible``).
+_OPTIONS: dict[str, tuple[str, ...]] = {}
 
 
-def register_mixer(name: str, cls: type, *, overwrite: bool = False) -> None:
+def register_mixer(
+    name: str, cls: type, *, options: tuple[str, ...] = (), overwrite: bool = False
+) -> None:
     """Make ``cls`` available as ``ModelConfig(name=name)``.
 
     Args:
       name: registry key (non-empty string).
       cls: a class following the mixer protocol in this module's docstring.
+      options: the ``ModelConfig`` option sections (``"titans"``, ``"proteus"``, ...) the mixer
+        reads; every name must be an option section.
       overwrite: allow replacing an existing entry (otherwise a duplicate name raises
       ``ValueError``).
     """
+    from nested_jax.models.options import OPTION_SECTIONS
+
+    unknown = sorted(set(options) - set(OPTION_SECTIONS))
+    if unknown:
+        raise ValueError(
+            f"options: unknown option sections {unknown}; known: {sorted(OPTION_SECTIONS)}"
+        )
     if not isinstance(name, str) or not name:
         raise ValueError(f"name: expected a non-empty string, got {name!r}")
     for attr in ("from_config", "init_cache", "__call__"):
@@ -43,6 +57,7 @@ def register_mixer(name: str, cls: type, *, overwrite: bool = False) -> None:
     if name in _MIXERS and not overwrite and _MIXERS[name] is not cls:
         raise ValueError(f"name: mixer {name!r} is already registered as {_MIXERS[name]!r}")
     _MIXERS[name] = cls
+    _OPTIONS[name] = tuple(options)
 
 
 def get_mixer(name: str) -> type:
@@ -54,30 +69,38 @@ def get_mixer(name: str) -> type:
         raise ValueError(f"name: unknown mixer {name!r}; known: {sorted(_MIXERS)}") from None
 
 
+def mixer_option_sections(name: str) -> tuple[str, ...]:
+    """The ``ModelConfig`` option sections the mixer ``name`` reads (``ValueError`` if unknown)."""
+    get_mixer(name)
+    return _OPTIONS[name]
+
+
 def available_mixers() -> tuple[str, ...]:
     """Names currently registered, sorted."""
     return tuple(sorted(_MIXERS))
 
 
 register_mixer("transformer", Attention)
-register_mixer("deltanet", DeltaNet)
-register_mixer("gdn", GatedDeltaNet)
+register_mixer("deltanet", DeltaNet, options=("proteus",))
+register_mixer("gdn", GatedDeltaNet, options=("proteus",))
 
 from nested_jax.layers.hola import HolaMixer  # noqa: E402  (HOLA, SPEC §5)
 
-register_mixer("hola", HolaMixer)
+register_mixer("hola", HolaMixer, options=("hola",))
 
 from nested_jax.layers.titans import TitansLMM, TitansMAG, TitansMAL  # noqa: E402  (SPEC §2)
 from nested_jax.layers.titans_mac import TitansMAC  # noqa: E402
 
-register_mixer("titans_lmm", TitansLMM)
-register_mixer("titans_mac", TitansMAC)
-register_mixer("titans_mag", TitansMAG)
-register_mixer("titans_mal", TitansMAL)
+register_mixer("titans_lmm", TitansLMM, options=("titans", "proteus"))
+# MAC has no Proteus option: its memory runs segment by segment inside a lax.scan (traced segment
+# start) while the Proteus span split needs static positions; ModelConfig refuses the combination.
+register_mixer("titans_mac", TitansMAC, options=("titans",))
+register_mixer("titans_mag", TitansMAG, options=("titans", "proteus"))
+register_mixer("titans_mal", TitansMAL, options=("titans", "proteus"))
 
 # Hope-Attention (SPEC §3.4): softmax attention; its CMS FFN comes from ModelConfig.ffn = auto/cms.
 register_mixer("hope_attention", Attention)
 
 from nested_jax.layers.hope import HopeMixer  # noqa: E402  (Hope, SPEC §3.2)
 
-register_mixer("hope", HopeMixer)
+register_mixer("hope", HopeMixer, options=("hope",))

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from nested_jax.models.options import OPTION_SECTIONS
 from nested_jax.parallel.mesh import (
     batch_sharding,
     global_batch_from_local,
@@ -208,7 +209,9 @@ def check_resume_compatible(config: Config, workdir: Path) -> None:
     """Refuses to resume a workdir whose saved run used a different model / tokenizer / corpus.
 
     Without this, the checkpoints would fail to restore and look corrupt. Other fields (steps,
-    learning rate, eval settings, ...) may change between runs.
+    learning rate, eval settings, ...) may change between runs, and so may the model option
+    sections the model does not read (``ModelConfig.read_option_sections``: a GDN run does not
+    care about ``model.hope``).
 
     Raises:
       ValueError: ``config error: <field>: ...`` naming the first differing field.
@@ -222,10 +225,13 @@ def check_resume_compatible(config: Config, workdir: Path) -> None:
     new = config_to_dict(config)
     # A field missing from an older saved config did not exist then: that run used its default.
     saved = _with_defaults(json.loads(saved_path.read_text()), config_to_dict(Config()))
+    inert = set(OPTION_SECTIONS) - set(config.model.read_option_sections())
     for pattern in _RESUME_FIXED:
         section, name = pattern.split(".")
         names = new[section].keys() if name == "*" else [name]
         for n in names:
+            if section == "model" and n in inert:
+                continue
             old_v, new_v = saved.get(section, {}).get(n), new[section][n]
             if old_v != new_v:
                 raise ValueError(

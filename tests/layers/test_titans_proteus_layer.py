@@ -152,7 +152,7 @@ def test_packed_rows_with_proteus():
 
 
 def test_proteus_option_checks():
-    with pytest.raises(ValueError, match="titans_mac does not support Proteus"):
+    with pytest.raises(ValueError, match="'titans_mac' mixer has no Proteus option"):
         _mixer("titans_mac")
     with pytest.raises(ValueError, match="ProteusOptions.blocks"):
         _mixer("titans_lmm", proteus=ProteusOptions(blocks=64, context_len=128), memory_layers=1)

@@ -77,6 +77,8 @@ def test_register_mixer_plugs_a_new_mixer_into_the_shell():
         register_mixer("gdn", _ScaledAttention)
     with pytest.raises(ValueError, match="cls"):
         register_mixer("broken", object)
+    with pytest.raises(ValueError, match=r"^options: unknown option sections \['titan'\]"):
+        register_mixer("test_typo", _ScaledAttention, options=("titan",))
 
 
 def _n_eqns(jaxpr) -> int:
