@@ -14,7 +14,7 @@ import numpy as np
 
 from nested_jax.core.proteus import proteus_active_blocks, proteus_block_len
 
-__all__ = ["proteus_spans"]
+__all__ = ["proteus_spans", "run_proteus_spans"]
 
 
 def _is_int(x) -> bool:
@@ -115,12 +115,70 @@ def _zero_where(mask, x):
     return jnp.where(mask, x, jnp.zeros((), x.dtype))
 
 
-def _run_spans_unrolled(span_fn, open_fn, state, seq, spans, e):
-    """Static loop over spans: ``span_fn(state, xs, active)`` while blocks are locked, then
-    ``open_fn(state, xs)`` on the fully open tail. Returns ``(concatenated outputs, state)``."""
+def _span_groups(spans, e: int) -> list[list[tuple[int, int, int]]]:
+    """Consecutive locked spans of one length form a group (one ``lax.scan``); the rest (a first
+    or last span of another length, the fully open tail) stand alone."""
+    groups: list[list[tuple[int, int, int]]] = []
+    for span in spans:
+        a, b, k = span
+        last = groups[-1][-1] if groups else None
+        if last is not None and k < e and last[2] < e and last[1] - last[0] == b - a:
+            groups[-1].append(span)
+        else:
+            groups.append([span])
+    return groups
+
+
+def run_proteus_spans(span_fn, open_fn, state, seq, spans, num_blocks: int):
+    """Runs a memory span by span under the Proteus schedule (SPEC §4).
+
+    ``span_fn(state, xs, active) -> (out, state)`` runs one span of constant mask whose ``active``
+    blocks are open (a Python int, or an int32 array ``[B]`` inside a scan), ``open_fn(state, xs)``
+    the fully open tail. Consecutive locked spans of one length (all spans ``Δ`` long but the first
+    and the last of a call, in general) run as one ``lax.scan`` with a traced ``active``, so the
+    program holds one span body instead of up to ``E`` copies. Measured on the tiny Titans LMM
+    with E = 16 (LM fwd+bwd, T = N = 128, batch 16, 2 loaded CPU cores, separate processes):
+    compile 58 s → 21 s, step 2.13 s → 1.67 s (E = 1: 12 s, 1.10 s). A padding token is not a
+    no-op in Titans or Hope (decay and momentum still act), hence the grouping by length instead
+    of padding every span to one length.
+
+    Args:
+      span_fn, open_fn: as above; ``xs`` is ``seq`` cut to the span (``[B, span, ...]`` each).
+      state: the memory state (a pytree; ``span_fn`` must return it with the same structure).
+      seq: tuple of arrays ``[B, T, ...]``.
+      spans: ``proteus_spans(T, t0, N, E)``.
+      num_blocks: ``E``.
+
+    Returns:
+      ``(out [B, T, ...], final state)``: the span outputs concatenated along time.
+    """
     outs = []
-    for a, b, active in spans:
-        xs = tuple(x[:, a:b] for x in seq)
-        o, state = open_fn(state, xs) if active == e else span_fn(state, xs, active)
-        outs.append(o)
+    for group in _span_groups(spans, num_blocks):
+        a, b, active = group[0]
+        if len(group) > 1:
+            out, state = _scan_spans(span_fn, state, seq, a, b - a, [k for *_, k in group])
+        elif active == num_blocks:
+            out, state = open_fn(state, tuple(x[:, a:b] for x in seq))
+        else:
+            out, state = span_fn(state, tuple(x[:, a:b] for x in seq), active)
+        outs.append(out)
     return jnp.concatenate(outs, axis=1), state
+
+
+def _scan_spans(span_fn, state, seq, start: int, length: int, actives: list[int]):
+    """``len(actives)`` spans of ``length`` tokens from ``start``, as one ``lax.scan``."""
+    n, batch = len(actives), seq[0].shape[0]
+
+    def split(x):  # [B, n·L, ...] → [n, B, L, ...]
+        x = x[:, start : start + n * length]
+        return jnp.moveaxis(x.reshape(batch, n, length, *x.shape[2:]), 1, 0)
+
+    def body(carry, inp):
+        xs, active = inp
+        out, carry = span_fn(carry, xs, active)
+        return carry, out
+
+    ks = jnp.broadcast_to(jnp.asarray(actives, jnp.int32)[:, None], (n, batch))
+    state, out = jax.lax.scan(body, state, (tuple(split(x) for x in seq), ks))
+    out = jnp.moveaxis(out, 0, 1)  # [n, B, L, ...] → [B, n, L, ...]
+    return out.reshape(batch, n * length, *out.shape[3:]), state

@@ -29,8 +29,8 @@ Forms (SPEC §0):
   the locked coordinates are put back with ``where``. **The chunk grid (both chunk sizes)
   restarts at every Δ-boundary**: chunk-start snapshots are taken inside one mask. With both chunk
   sizes 1 this is the recurrent form; when the chunk sizes divide ``Δ`` and ``t0`` the grid is
-  the global one. Spans are unrolled (one backbone call per span, at most ``E``): a Hope padding
-  token is not a no-op (its decay ``α`` still acts).
+  the global one. Spans of one length run as one ``lax.scan`` (``run_proteus_spans``); they are
+  grouped by length, never padded: a Hope padding token is not a no-op (its decay ``α`` acts).
 
 Static dispatch: ``num_blocks == 1``, or a static ``t0`` with every position of the call past the
 last opening (``k(t0 + 1) = E``), calls the plain backbone, so the result is the backbone's bit for
@@ -51,9 +51,9 @@ from nested_jax.core._proteus_common import (
     _check_t0,
     _is_int,
     _positions,
-    _run_spans_unrolled,
     _statically_open,
     proteus_spans,
+    run_proteus_spans,
 )
 from nested_jax.core.hope import (
     HopeMemories,
@@ -272,4 +272,4 @@ def proteus_hope_chunked(
     def span_fn(s, xs, active):
         return _gated(fn, s, active, e, activation, lambda g: call(g, xs))
 
-    return _run_spans_unrolled(span_fn, call, state, seq, spans, e)
+    return run_proteus_spans(span_fn, call, state, seq, spans, e)

@@ -2,13 +2,14 @@
 
 The wrappers live in ``core/proteus_gdn.py`` (gated delta rule, key-row blocks),
 ``core/proteus_titans.py`` (Titans matrix and MLP memories) and ``core/proteus_hope.py`` (Hope's
-MLP memories, hidden-unit blocks); the static span split :func:`proteus_spans` is shared. This
+MLP memories, hidden-unit blocks); the static span split :func:`proteus_spans` and the span
+runner :func:`run_proteus_spans` are shared. This
 module re-exports all of them so ``from nested_jax.core.proteus_memory import …`` keeps working.
 """
 
 from __future__ import annotations
 
-from nested_jax.core._proteus_common import proteus_spans
+from nested_jax.core._proteus_common import proteus_spans, run_proteus_spans
 from nested_jax.core.proteus_gdn import (
     proteus_gated_delta_chunked,
     proteus_gated_delta_recurrent,
@@ -32,6 +33,7 @@ from nested_jax.core.proteus_titans import (
 
 __all__ = [
     "proteus_spans",
+    "run_proteus_spans",
     "proteus_gated_delta_step",
     "proteus_gated_delta_recurrent",
     "proteus_gated_delta_chunked",

@@ -25,8 +25,9 @@ Forms: ``*_step``; ``*_recurrent`` (``lax.scan`` of the step; ``t0`` may be trac
 the gated state, then the locked coordinates are put back with ``where``. The Titans chunked form
 takes gradients at chunk starts, and **its chunk grid restarts at every Δ-boundary** (the mask
 changes there); with ``chunk_size = 1`` it equals the recurrent form, and when ``chunk_size``
-divides ``Δ`` and ``t0`` the grid is the global one. A Titans padding token is not a no-op
-(``M ← M + S``), so spans are unrolled (one backbone call per span, at most ``E``). Static
+divides ``Δ`` and ``t0`` the grid is the global one. Spans of one length run as one ``lax.scan``
+(``run_proteus_spans``); a Titans padding token is not a no-op (``M ← M + S``), so spans are
+grouped by length, never padded. Static
 dispatch as in ``core/proteus_gdn.py``: ``E = 1`` or fully open calls are the backbone bit for bit.
 """
 
@@ -46,10 +47,10 @@ from nested_jax.core._proteus_common import (
     _check_t0,
     _is_int,
     _positions,
-    _run_spans_unrolled,
     _statically_open,
     _zero_where,
     proteus_spans,
+    run_proteus_spans,
 )
 from nested_jax.core.proteus import (
     proteus_active_blocks,
@@ -136,6 +137,11 @@ def _key_open(active, K: int, e: int):
 def _state_rows(open_k):
     """Key mask ``[K]`` / ``[B, K]`` → broadcastable to ``[B, H, K, V]``."""
     return open_k[:, None] if open_k.ndim == 1 else open_k[:, None, :, None]
+
+
+def _seq_rows(open_k):
+    """Key mask ``[K]`` / ``[B, K]`` → broadcastable to a sequence ``[B, T, H, K]``."""
+    return open_k if open_k.ndim == 1 else open_k[:, None, None, :]
 
 
 def _token_rows(open_k):
@@ -316,12 +322,12 @@ def proteus_titans_linear_chunked(
         rows = _state_rows(open_k)
         qs, ks, *rest = xs
         o, cand = titans_linear_chunked(
-            _zero_where(open_k, qs), _zero_where(open_k, ks), *rest,
+            _zero_where(_seq_rows(open_k), qs), _zero_where(_seq_rows(open_k), ks), *rest,
             initial_state=proteus_gate(s, rows), chunk_size=chunk_size, **kw,
         )  # fmt: skip
         return o, proteus_gated_update(s, cand, rows)
 
-    return _run_spans_unrolled(span_fn, open_fn, st, (q, k, v, theta, eta, alpha), spans, e)
+    return run_proteus_spans(span_fn, open_fn, st, (q, k, v, theta, eta, alpha), spans, e)
 
 
 # MLP memory ------------------------------------------------------------------------------------
@@ -572,9 +578,9 @@ def proteus_titans_mlp_chunked(
         tree = TitansMLPState(masks, masks)
         qs, ks, *rest = xs
         if L == 1:
-            rows = masks[0][:, 0]  # [K]
+            rows = _seq_rows(_key_open(active, dims[0], e))
             qs, ks = _zero_where(rows, qs), _zero_where(rows, ks)
         o, cand = titans_mlp_chunked(proteus_gate(s, tree), qs, ks, *rest, **kw)
         return o, proteus_gated_update(s, cand, tree)
 
-    return _run_spans_unrolled(span_fn, open_fn, st, (q, k, v, theta, eta, alpha), spans, e)
+    return run_proteus_spans(span_fn, open_fn, st, (q, k, v, theta, eta, alpha), spans, e)

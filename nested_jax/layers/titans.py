@@ -36,13 +36,15 @@ changes gradients only, never values).
 rows for ``L_M = 1``, hidden units for ``L_M ≥ 2``) open block by block over the training context
 ``N = context_len``; a token's position ``t`` is its 1-based position in the row (decoding: tokens
 already consumed + 1). The sequence form runs one memory call per span of constant mask
-(``proteus_spans``) from the gated state and puts the locked coordinates back
-(``proteus_gated_update``), as ``core.proteus_memory.proteus_titans_mlp_*`` do; decoding uses the
-per-token ``proteus_titans_mlp_step`` (recurrent) or gates each chunk's buffer (chunked; needs
-``memory_chunk`` to divide ``Δ = N // E``, since the forward's chunk grid restarts at every span).
+(``proteus_spans``; spans of one length as one ``lax.scan``) from the gated state and puts the
+locked coordinates back (``proteus_gated_update``), as ``core.proteus_memory.proteus_titans_mlp_*``
+do; decoding uses the per-token ``proteus_titans_mlp_step`` (recurrent) or gates each chunk's
+buffer (chunked; needs ``memory_chunk`` to divide ``Δ = N // E``, since the forward's chunk grid
+restarts at every span).
 **Decision (packed rows):** the schedule follows the row position (the row is the training
 context) and the whole state, locked coordinates included, resets to ``(M_0, 0)`` at a document
-start. ``E = 1`` is the plain path, bit for bit. MAC does not support Proteus (ValueError).
+start. ``E = 1`` is the plain path, bit for bit. MAC has no Proteus option (``ModelConfig``
+refuses it).
 
 **Inner learning rate cap.** ``θ_t = theta_max · σ(x W_θ + b_θ)`` (``TitansOptions.theta_max``,
 default 0.1; the bias starts θ at ``theta_init``). Without the cap θ may drift towards 1 during
@@ -71,6 +73,7 @@ from nested_jax.core.proteus_memory import (
     proteus_spans,
     proteus_titans_mlp_masks,
     proteus_titans_mlp_step,
+    run_proteus_spans,
 )
 from nested_jax.core.titans_mlp import (
     TitansMLPState,
@@ -254,39 +257,44 @@ class NeuralMemory(nnx.Module):
     def _proteus_forward(self, state, xs, segment_ids, reset_state):
         """Proteus sequence form (SPEC §4) at row positions ``t = 1 … T``.
 
-        One core call per span of constant mask (``proteus_spans``), from the gated state, then
+        One core call per span of constant mask (``proteus_spans``; equal spans run as one
+        ``lax.scan``, see ``run_proteus_spans``), from the gated state, then
         ``proteus_gated_update`` puts the locked coordinates back (the construction of
         ``proteus_titans_mlp_chunked`` / ``_recurrent``, which this equals without segment_ids).
         Packed rows: the schedule follows the row position; the whole state (locked coordinates
         too) resets to ``reset_state`` at a document start, so nothing leaks across documents.
         """
-        t = xs[0].shape[1]
+        spans = proteus_spans(xs[0].shape[1], 0, self.p_context, self.p_blocks)
         packed = segment_ids is not None
+        seq = tuple(xs)
         if packed:
             starts = segment_ids[:, 1:] != segment_ids[:, :-1]
-            starts = jnp.pad(starts, ((0, 0), (1, 0)))  # [B, T] bool, never at 0
-            bsel = lambda f: f[:, None, None, None]  # noqa: E731  [B] → weights
-            where_tree = lambda f, a, o: jax.tree.map(  # noqa: E731
-                lambda x, y: jnp.where(bsel(f), x, y), a, o
-            )
-        outs = []
-        for a, b, active in proteus_spans(t, 0, self.p_context, self.p_blocks):
-            part = [x[:, a:b] for x in xs]
-            seg = segment_ids[:, a:b] if packed else None
-            if packed and a > 0:  # a document starting exactly at the span start
-                state = where_tree(starts[:, a], reset_state, state)
-            if active == self.p_blocks:
-                y, state = self._core(state, part, seg, reset_state)
-            else:
-                tree, part = self._proteus_gate_inputs(active, part)
-                rs = None if reset_state is None else proteus_gate(reset_state, tree)
-                y, cand = self._core(proteus_gate(state, tree), part, seg, rs)
-                prev = state
-                if packed:  # a reset inside the span: the locked coordinates restart too
-                    prev = where_tree(jnp.any(starts[:, a + 1 : b], axis=1), reset_state, state)
-                state = proteus_gated_update(prev, cand, tree)
-            outs.append(y)
-        return jnp.concatenate(outs, axis=1), state
+            seq += (segment_ids, jnp.pad(starts, ((0, 0), (1, 0))))  # [B, T]; never at 0
+
+        def reset_where(flag, st):  # flag [B] bool: rows whose state returns to reset_state
+            sel = lambda a, o: jnp.where(flag[:, None, None, None], a, o)  # noqa: E731
+            return jax.tree.map(sel, reset_state, st)
+
+        def cut(st, part):  # → (state after a reset at the span start, memory inputs, seg, starts)
+            if not packed:
+                return st, part, None, None
+            *mem_in, seg, start = part
+            return reset_where(start[:, 0], st), mem_in, seg, start
+
+        def open_fn(st, part):
+            st, mem_in, seg, _ = cut(st, part)
+            return self._core(st, mem_in, seg, reset_state)
+
+        def span_fn(st, part, active):
+            st, mem_in, seg, start = cut(st, part)
+            tree, mem_in = self._proteus_gate_inputs(active, mem_in)
+            rs = None if reset_state is None else proteus_gate(reset_state, tree)
+            y, cand = self._core(proteus_gate(st, tree), mem_in, seg, rs)
+            if packed:  # a reset inside the span: the locked coordinates restart too
+                st = reset_where(jnp.any(start[:, 1:], axis=1), st)
+            return y, proteus_gated_update(st, cand, tree)
+
+        return run_proteus_spans(span_fn, open_fn, state, seq, spans, self.p_blocks)
 
     def read(self, weights: tuple, z: jax.Array) -> jax.Array:
         """``M*(z)``: read without update, ``z [B, T, H, D]`` → ``[B, T, H, D]`` f32."""

@@ -535,16 +535,23 @@ def _lin(fn):
 
 
 @pytest.mark.parametrize("L", [1, 2])
-def test_titans_chunked_equals_recurrent_and_reference(L):
+@pytest.mark.parametrize(
+    ("t0", "B", "T"),
+    [
+        (5, 1, 25),  # spans 10, 15: each its own call
+        (0, 2, 40),  # spans 15, 15, 10: the two 15s run as one scan with a traced mask
+    ],
+)
+def test_titans_chunked_equals_recurrent_and_reference(L, t0, B, T):
     """L = 1 through the matrix-memory API, L = 2 through the MLP API."""
-    st, seq = titans_inputs(L, B=1, T=25)
+    st, seq = titans_inputs(L, B=B, T=T)
     if L == 1:
         st0 = (st.weights[0], st.momentum[0])
         rec_fn = _lin(proteus_titans_linear_recurrent)
         chk_fn = _lin(proteus_titans_linear_chunked)
     else:
         st0, rec_fn, chk_fn = st, proteus_titans_mlp_recurrent, proteus_titans_mlp_chunked
-    kw = dict(t0=5, **N60, **(NOCLIP if L == 2 else {}))  # spans 10, 15
+    kw = dict(t0=t0, **N60, **(NOCLIP if L == 2 else {}))
     (_, (y_r, s_r)), g_r = _titans_grads(rec_fn, st0, seq, **kw)
     # chunk_size = 1 is the recurrence (remat only changes what the backward pass recomputes)
     (_, (y_c, s_c)), g_c = _titans_grads(chk_fn, st0, seq, chunk_size=1, remat=False, **kw)
@@ -554,13 +561,13 @@ def test_titans_chunked_equals_recurrent_and_reference(L):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * scale)
     # chunks of 4 inside each span: gradients at (gated) chunk starts, as the reference does it
     y4, s4 = jax.jit(partial(chk_fn, chunk_size=4, **kw))(st0, *seq)
-    y_ref, W_ref, S_ref = ref_proteus_titans(st.weights, st.momentum, *seq, 60, 4, 5, chunk=4)
+    y_ref, W_ref, S_ref = ref_proteus_titans(st.weights, st.momentum, *seq, 60, 4, t0, chunk=4)
     np.testing.assert_allclose(y4, y_ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(s4), jax.tree.leaves((W_ref, S_ref)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    # coordinates still locked at the end of the call (t = 30: 2 blocks) kept their initial bits
+    # coordinates still locked at the end of the call (2 or 3 blocks) kept their initial bits
     dims = (seq[0].shape[-1], *(w.shape[-1] for w in st.weights))
-    ms = ref_masks(30, 60, 4, dims)
+    ms = ref_masks(t0 + T, 60, 4, dims)
     for j, (a, b) in enumerate(zip(jax.tree.leaves(s4), jax.tree.leaves(st0), strict=True)):
         m = ms[j % len(ms)]
         assert (~m).any()
