@@ -12,9 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nested_jax.core.proteus import proteus_active_blocks, proteus_block_len
+from nested_jax.core.proteus import (
+    proteus_active_blocks,
+    proteus_block_len,
+    proteus_gated_update,
+)
 
-__all__ = ["proteus_spans", "run_proteus_spans"]
+__all__ = ["proteus_spans", "run_proteus_spans", "run_proteus_spans_packed"]
 
 
 def _is_int(x) -> bool:
@@ -163,6 +167,54 @@ def run_proteus_spans(span_fn, open_fn, state, seq, spans, num_blocks: int):
             out, state = span_fn(state, tuple(x[:, a:b] for x in seq), active)
         outs.append(out)
     return jnp.concatenate(outs, axis=1), state
+
+
+def run_proteus_spans_packed(
+    span_fn, open_fn, masks_of, state, reset_state, seq, segment_ids, spans, num_blocks: int
+):
+    """:func:`run_proteus_spans` on packed rows, with the schedule at **row** positions (SPEC §4).
+
+    A document start returns the **whole** state, locked coordinates included, to
+    ``reset_state`` (so nothing of the previous document leaks through a coordinate that opens
+    later): at a span start the state is reset before the span; for a start inside a span the
+    memory call resets the open coordinates itself (it gets ``segment_ids``) and the locked ones
+    are taken from ``reset_state`` afterwards. A document starting at row position ``p`` thus
+    sees exactly what a separate call with ``t0 = p`` from ``reset_state`` sees.
+
+    Args:
+      span_fn: ``(state, xs, seg, active) -> (out, state)``: one span of constant mask, locked
+        coordinates kept (``proteus_gated_update``); ``seg`` is the span's ``segment_ids``.
+      open_fn: ``(state, xs, seg) -> (out, state)``: the fully open tail.
+      masks_of: ``active -> mask tree`` of the state (``proteus_gated_update``'s ``mask``).
+      state, reset_state: pytrees of ``[B, ...]`` arrays, one structure.
+      seq, spans, num_blocks: as :func:`run_proteus_spans`.
+      segment_ids: int ``[B, T]``.
+
+    Returns:
+      ``(out [B, T, ...], final state)``.
+    """
+    starts = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))  # never at 0
+
+    def pick(flag, a, b):  # per batch row: a where flag [B] else b
+        row = lambda x: flag.reshape(-1, *[1] * (x.ndim - 1))  # noqa: E731
+        return jax.tree.map(lambda x, y: jnp.where(row(x), x, y), a, b)
+
+    def split(part):
+        *xs, seg, start = part
+        return tuple(xs), seg, start
+
+    def open_packed(st, part):
+        xs, seg, start = split(part)
+        return open_fn(pick(start[:, 0], reset_state, st), xs, seg)
+
+    def span_packed(st, part, active):
+        xs, seg, start = split(part)
+        out, new = span_fn(pick(start[:, 0], reset_state, st), xs, seg, active)
+        restarted = proteus_gated_update(reset_state, new, masks_of(active))
+        return out, pick(jnp.any(start[:, 1:], axis=1), restarted, new)
+
+    seq = (*seq, segment_ids, starts)
+    return run_proteus_spans(span_packed, open_packed, state, seq, spans, num_blocks)
 
 
 def _scan_spans(span_fn, state, seq, start: int, length: int, actives: list[int]):

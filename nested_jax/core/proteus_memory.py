@@ -9,7 +9,11 @@ module re-exports all of them so ``from nested_jax.core.proteus_memory import â€
 
 from __future__ import annotations
 
-from nested_jax.core._proteus_common import proteus_spans, run_proteus_spans
+from nested_jax.core._proteus_common import (
+    proteus_spans,
+    run_proteus_spans,
+    run_proteus_spans_packed,
+)
 from nested_jax.core.proteus_gdn import (
     proteus_gated_delta_chunked,
     proteus_gated_delta_recurrent,
@@ -34,6 +38,7 @@ from nested_jax.core.proteus_titans import (
 __all__ = [
     "proteus_spans",
     "run_proteus_spans",
+    "run_proteus_spans_packed",
     "proteus_gated_delta_step",
     "proteus_gated_delta_recurrent",
     "proteus_gated_delta_chunked",

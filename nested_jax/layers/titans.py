@@ -74,6 +74,7 @@ from nested_jax.core.proteus_memory import (
     proteus_titans_mlp_masks,
     proteus_titans_mlp_step,
     run_proteus_spans,
+    run_proteus_spans_packed,
 )
 from nested_jax.core.titans_mlp import (
     TitansMLPState,
@@ -257,44 +258,34 @@ class NeuralMemory(nnx.Module):
     def _proteus_forward(self, state, xs, segment_ids, reset_state):
         """Proteus sequence form (SPEC §4) at row positions ``t = 1 … T``.
 
-        One core call per span of constant mask (``proteus_spans``; equal spans run as one
-        ``lax.scan``, see ``run_proteus_spans``), from the gated state, then
-        ``proteus_gated_update`` puts the locked coordinates back (the construction of
-        ``proteus_titans_mlp_chunked`` / ``_recurrent``, which this equals without segment_ids).
-        Packed rows: the schedule follows the row position; the whole state (locked coordinates
-        too) resets to ``reset_state`` at a document start, so nothing leaks across documents.
+        One core call per span of constant mask (``proteus_spans``; spans of one length as one
+        ``lax.scan``, ``run_proteus_spans``), from the gated state, then ``proteus_gated_update``
+        puts the locked coordinates back (the construction of ``proteus_titans_mlp_chunked`` /
+        ``_recurrent``, which this equals without segment_ids). Packed rows
+        (``run_proteus_spans_packed``): the schedule follows the row position; the whole state
+        (locked coordinates too) resets to ``reset_state`` at a document start.
         """
         spans = proteus_spans(xs[0].shape[1], 0, self.p_context, self.p_blocks)
-        packed = segment_ids is not None
-        seq = tuple(xs)
-        if packed:
-            starts = segment_ids[:, 1:] != segment_ids[:, :-1]
-            seq += (segment_ids, jnp.pad(starts, ((0, 0), (1, 0))))  # [B, T]; never at 0
+        e = self.p_blocks
 
-        def reset_where(flag, st):  # flag [B] bool: rows whose state returns to reset_state
-            sel = lambda a, o: jnp.where(flag[:, None, None, None], a, o)  # noqa: E731
-            return jax.tree.map(sel, reset_state, st)
-
-        def cut(st, part):  # → (state after a reset at the span start, memory inputs, seg, starts)
-            if not packed:
-                return st, part, None, None
-            *mem_in, seg, start = part
-            return reset_where(start[:, 0], st), mem_in, seg, start
-
-        def open_fn(st, part):
-            st, mem_in, seg, _ = cut(st, part)
-            return self._core(st, mem_in, seg, reset_state)
-
-        def span_fn(st, part, active):
-            st, mem_in, seg, start = cut(st, part)
+        def span_fn(st, mem_in, seg, active):
             tree, mem_in = self._proteus_gate_inputs(active, mem_in)
             rs = None if reset_state is None else proteus_gate(reset_state, tree)
             y, cand = self._core(proteus_gate(st, tree), mem_in, seg, rs)
-            if packed:  # a reset inside the span: the locked coordinates restart too
-                st = reset_where(jnp.any(start[:, 1:], axis=1), st)
             return y, proteus_gated_update(st, cand, tree)
 
-        return run_proteus_spans(span_fn, open_fn, state, seq, spans, self.p_blocks)
+        def open_fn(st, mem_in, seg):
+            return self._core(st, mem_in, seg, reset_state)
+
+        if segment_ids is None:
+            return run_proteus_spans(
+                lambda st, p, k: span_fn(st, p, None, k), lambda st, p: open_fn(st, p, None),
+                state, tuple(xs), spans, e,
+            )  # fmt: skip
+        return run_proteus_spans_packed(
+            span_fn, open_fn, self._proteus_masks, state, reset_state, tuple(xs), segment_ids,
+            spans, e,
+        )  # fmt: skip
 
     def read(self, weights: tuple, z: jax.Array) -> jax.Array:
         """``M*(z)``: read without update, ``z [B, T, H, D]`` → ``[B, T, H, D]`` f32."""
@@ -386,13 +377,17 @@ class NeuralMemory(nnx.Module):
         n_new = jnp.where(full, 0, n + 1).astype(jnp.int32)
         return y, MemoryCache(w, s, *bufs, n_new, cache.t + 1)
 
-    def _proteus_gate_inputs(self, active, xs):
-        """Masks (``TitansMLPState`` tree) for ``active`` open blocks and the inputs ``xs = (q, k,
-        ...)`` ``[B, T, H, D]`` with masked q, k for the matrix memory (key-row blocks)."""
+    def _proteus_masks(self, active) -> TitansMLPState:
+        """Open coordinates of the weights and the momentum for ``active`` open blocks."""
         masks = proteus_titans_mlp_masks(active, self.dims, self.p_blocks)
-        tree = TitansMLPState(masks, masks)
+        return TitansMLPState(masks, masks)
+
+    def _proteus_gate_inputs(self, active, xs):
+        """Masks (:meth:`_proteus_masks`) for ``active`` open blocks and the inputs ``xs = (q, k,
+        ...)`` ``[B, T, H, D]`` with masked q, k for the matrix memory (key-row blocks)."""
+        tree = self._proteus_masks(active)
         if self.n_layers == 1:  # key rows: (g ⊙ M)ᵀq = Mᵀ(g ⊙ q); masking k keeps ∇ on open rows
-            rows = masks[0][..., 0]  # static: [K]; traced: [B, 1, K]
+            rows = tree.weights[0][..., 0]  # static: [K]; traced: [B, 1, K]
             rows = rows if rows.ndim == 1 else rows[:, :, None, :]
             q, k, *rest = xs
             zero = lambda a: jnp.where(rows, a, jnp.zeros((), a.dtype))  # noqa: E731
