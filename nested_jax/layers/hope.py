@@ -27,6 +27,16 @@ cached call runs :func:`nested_jax.core.hope.hope_decode_step` token by token (a
 exact per-token loop). ``init_cache`` builds zero placeholders from static attributes (the LM shell
 calls it on the layer-stacked module); the first step (``n = 0``) substitutes the learned initial
 memories.
+
+**Proteus** (``model.proteus``, SPEC §4): with ``blocks = E > 1`` the hidden units of every
+memory (and of its momentum) open block by block over the training context ``N = context_len``
+(``core.proteus_hope``): a token at 1-based position ``t`` reads and writes ``g_t ⊙ M`` and the
+locked coordinates keep their bits; beyond ``N`` every block is open. The sequence form is
+``proteus_hope_chunked`` (both chunk grids restart at every Δ-boundary); packed rows follow the
+Titans layer's decision (``run_proteus_spans_packed``): the schedule follows the row position
+and a document start resets the whole state, locked coordinates included. Decoding gates every
+token with the mask of its position and needs both chunk sizes to divide ``Δ = N // E`` (else
+the forward's restarted chunk grid is not the decode grid; ``init_cache`` raises).
 """
 
 from __future__ import annotations
@@ -47,6 +57,18 @@ from nested_jax.core.hope import (
     hope_chunked,
     hope_decode_step,
     hope_init_state,
+)
+from nested_jax.core.proteus import (
+    proteus_active_blocks,
+    proteus_block_len,
+    proteus_gate,
+    proteus_gated_update,
+)
+from nested_jax.core.proteus_memory import (
+    proteus_hope_chunked,
+    proteus_hope_masks,
+    proteus_spans,
+    run_proteus_spans_packed,
 )
 from nested_jax.layers.common import check_rank, dense, partitioned
 from nested_jax.layers.conv import ShortConv
@@ -82,7 +104,11 @@ def _const(value):
 
 
 class HopeMixer(nnx.Module):
-    """Hope mixer (SPEC §3.2), registry name ``hope``; options ``ModelConfig.hope``."""
+    """Hope mixer (SPEC §3.2), registry name ``hope``; options ``ModelConfig.hope``.
+
+    ``proteus`` (``ProteusOptions`` or None): with ``blocks = E > 1`` the memories are gated by
+    the Proteus schedule (SPEC §4, module docstring); ``E = 1`` / None is the plain mixer.
+    """
 
     def __init__(
         self,
@@ -95,6 +121,7 @@ class HopeMixer(nnx.Module):
         norm_eps: float = 1e-6,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
+        proteus=None,
     ):
         from nested_jax.models.options import HopeOptions  # lazy: layers sit below models
 
@@ -105,6 +132,13 @@ class HopeMixer(nnx.Module):
         self.opts = opts
         self.conv_size = conv_size
         self.hidden = h = opts.resolved_memory_hidden(head_dim)
+        self.p_blocks = 1 if proteus is None else proteus.blocks
+        self.p_context = 0 if proteus is None else proteus.context_len
+        if h < self.p_blocks:
+            raise ValueError(
+                f"ProteusOptions.blocks: {self.p_blocks} blocks need the memory hidden width "
+                f"(model.hope.memory_hidden or head_dim) >= blocks, got {h}"
+            )
         self.names = HopeMemories._fields[:5] + (("q",) if opts.adaptive_q else ())
         hd = n_heads * head_dim
         self.x_proj = dense(d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
@@ -136,7 +170,8 @@ class HopeMixer(nnx.Module):
 
     @classmethod
     def from_config(cls, cfg, *, rngs: nnx.Rngs):
-        """Build from a ``ModelConfig`` (registry ``hope``; options ``cfg.hope``)."""
+        """Build from a ``ModelConfig`` (registry ``hope``; options ``cfg.hope``, Proteus
+        ``cfg.proteus``)."""
         return cls(
             cfg.d_model,
             cfg.n_heads,
@@ -146,6 +181,7 @@ class HopeMixer(nnx.Module):
             norm_eps=cfg.norm_eps,
             dtype=cfg.activation_dtype(),
             rngs=rngs,
+            proteus=cfg.proteus,
         )
 
     # ---------------------------------------------------------------- parameters as core pytrees
@@ -183,6 +219,15 @@ class HopeMixer(nnx.Module):
     def init_cache(self, batch_size: int, max_len: int) -> HopeCache:
         """Zero decode state (size independent of ``max_len``); only static attributes are read."""
         del max_len
+        if self.p_blocks > 1:
+            delta = proteus_block_len(self.p_context, self.p_blocks)
+            for name in ("chunk_memory", "chunk_other"):
+                if delta % getattr(self.opts, name):
+                    raise ValueError(
+                        f"HopeOptions.{name}: decoding with Proteus needs the chunk size to divide "
+                        f"the block length Δ = context_len // blocks = {delta} (the forward's "
+                        f"chunk grid restarts every Δ tokens), got {getattr(self.opts, name)}"
+                    )
         b, h, d, k = batch_size, self.n_heads, self.head_dim, self.hidden
         zero = MLPMemory(jnp.zeros((b, h, d, k), jnp.float32), jnp.zeros((b, h, k, d), jnp.float32))
         mems = HopeMemories(**{n: zero for n in self.names})
@@ -248,20 +293,50 @@ class HopeMixer(nnx.Module):
         init = self.initial_memories()
         if cache is None:
             state = hope_init_state(init, b, momentum=o.momentum)
-            out, _ = hope_chunked(
-                xm,
-                q,
-                state,
-                self.readout(),
-                chunk_memory=o.chunk_memory,
-                chunk_other=o.chunk_other,
-                segment_ids=segment_ids,
-                grad_horizon=o.grad_horizon,
-                remat=o.remat,
-                **self._flags(),
-            )
+            kw = dict(
+                chunk_memory=o.chunk_memory, chunk_other=o.chunk_other,
+                grad_horizon=o.grad_horizon, remat=o.remat, **self._flags(),
+            )  # fmt: skip
+            if self.p_blocks > 1:
+                out = self._proteus_forward(xm, q, state, segment_ids, kw)
+            else:
+                out, _ = hope_chunked(xm, q, state, self.readout(), segment_ids=segment_ids, **kw)
             return self._out(x, out), None
         return self._cached(x, xm, q, cx, cq, init, cache)
+
+    def _proteus_forward(self, xm, q, state: HopeState, segment_ids, kw):
+        """Memory outputs ``[B, T, H, D]`` with Proteus at row positions ``1 … T`` (SPEC §4)."""
+        readout, n, e = self.readout(), self.p_context, self.p_blocks
+        if segment_ids is None:
+            out, _ = proteus_hope_chunked(
+                xm, q, state, readout, context_len=n, num_blocks=e, t0=0, **kw
+            )
+            return out
+        # Packed rows: state (the learned memories, zero momenta) is also the reset state.
+        reset = state
+        adaptive_q = self.opts.adaptive_q
+
+        def call(st, xs, seg, init):
+            q_in = None if adaptive_q else xs[1]
+            return hope_chunked(
+                xs[0], q_in, st, readout, segment_ids=seg, initial_memories=init, **kw
+            )
+
+        def span_fn(st, xs, seg, active):
+            tree = proteus_hope_masks(st, active, e)
+            out, cand = call(proteus_gate(st, tree), xs, seg, proteus_gate(reset, tree).memories)
+            return out, proteus_gated_update(st, cand, tree)
+
+        def open_fn(st, xs, seg):
+            return call(st, xs, seg, reset.memories)
+
+        masks_of = lambda k: proteus_hope_masks(state, k, e)  # noqa: E731
+        seq = (xm,) if adaptive_q else (xm, q)
+        spans = proteus_spans(xm.shape[1], 0, n, e)
+        out, _ = run_proteus_spans_packed(
+            span_fn, open_fn, masks_of, state, reset, seq, segment_ids, spans, e
+        )
+        return out
 
     def _cached(self, x, xm, q, cx, cq, init, cache: HopeCache):
         b = x.shape[0]
@@ -280,7 +355,15 @@ class HopeMixer(nnx.Module):
         def body(carry, inp):
             st, snap, n = carry
             x_t, q_t = inp
-            o_t, st, snap = step(x_t, q_t, st, snap, n)
+            if self.p_blocks > 1:  # the mask of position n + 1 (SPEC §4)
+                active = proteus_active_blocks(jnp.full((b,), n + 1), self.p_context, self.p_blocks)
+                tree = proteus_hope_masks(st, active, self.p_blocks)
+                # The snapshots need no gate: they are taken from the gated state at chunk
+                # starts, and the mask is constant inside a chunk (the chunk sizes divide Δ).
+                o_t, new, snap = step(x_t, q_t, proteus_gate(st, tree), snap, n)
+                st = proteus_gated_update(st, new, tree)
+            else:
+                o_t, st, snap = step(x_t, q_t, st, snap, n)
             return (st, snap, n + 1), o_t
 
         qs = jnp.moveaxis(xm if q is None else q, 1, 0)

@@ -103,4 +103,4 @@ register_mixer("hope_attention", Attention)
 
 from nested_jax.layers.hope import HopeMixer  # noqa: E402  (Hope, SPEC §3.2)
 
-register_mixer("hope", HopeMixer, options=("hope",))
+register_mixer("hope", HopeMixer, options=("hope", "proteus"))

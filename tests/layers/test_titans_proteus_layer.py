@@ -136,12 +136,15 @@ def test_packed_rows_with_proteus():
     assert float(jnp.abs(y[:, 11:] - _full(m, x)[:, 11:]).max()) > 1e-4
     # Exact: the second document's memory output is the core wrapper run on that document alone
     # from (M_0, 0) at its row position t0 (mid-span at 11, and exactly at a span start at 16).
+    # The row starts from another state (a carried one), so the coordinates still locked at the
+    # reset must restart too: they hold the carried values, not M_0.
     mem = m.branch.memory
+    carried = jax.tree.map(lambda a: a + 0.1, mem.initial_state(B))
     for cut in (11, 16):
         s = jnp.asarray(np.repeat([[1] * cut + [2] * (T - cut)], B, 0), jnp.int32)
         q, k, v, _ = m.branch._project(x, s)
         xs = (q, k, v, *mem.gates(x))
-        y_mem, _ = nnx.jit(lambda mem, xs, s: mem(*xs, segment_ids=s))(mem, xs, s)
+        y_mem, _ = nnx.jit(lambda mem, xs, s: mem(*xs, state=carried, segment_ids=s))(mem, xs, s)
         y_ref, _ = proteus_titans_mlp_chunked(
             mem.initial_state(B), *(a[:, cut:] for a in xs), context_len=32, num_blocks=4,
             t0=cut, chunk_size=mem.chunk, grad_clip=mem.grad_clip,

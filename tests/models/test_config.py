@@ -55,7 +55,7 @@ def test_explicit_head_dim_allows_indivisible_d_model_and_int_float_fields():
     assert cfg.resolved_head_dim() == 32 and cfg.rope_theta == 500000
 
 
-@pytest.mark.parametrize("name", ["transformer", "hope", "hope_attention", "hola", "titans_mac"])
+@pytest.mark.parametrize("name", ["transformer", "hope_attention", "hola", "titans_mac"])
 def test_proteus_on_a_mixer_without_the_option_is_refused(name):
     from nested_jax.models.options import ProteusOptions
 
@@ -68,6 +68,6 @@ def test_proteus_on_a_mixer_without_the_option_is_refused(name):
 def test_read_option_sections_follow_the_mixer_and_the_ffn():
     assert ModelConfig(name="gdn").read_option_sections() == ("proteus",)
     assert ModelConfig(name="titans_mag").read_option_sections() == ("titans", "proteus")
-    assert ModelConfig(name="hope").read_option_sections() == ("hope", "cms")
+    assert ModelConfig(name="hope").read_option_sections() == ("hope", "proteus", "cms")
     assert ModelConfig(name="gdn", ffn="cms").read_option_sections() == ("proteus", "cms")
     assert ModelConfig(name="transformer").read_option_sections() == ()
