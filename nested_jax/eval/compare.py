@@ -165,28 +165,41 @@ def evaluate_trained(
     return out
 
 
+def markdown_lines(head: list[str], body: list[list[str]], text_columns: int = 2) -> str:
+    """A Markdown table: the first ``text_columns`` columns left-aligned, the rest right-aligned."""
+    rule = "|" + "---|" * text_columns + "---:|" * (len(head) - text_columns)
+    lines = ["| " + " | ".join(head) + " |", rule]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(lines) + "\n"
+
+
+def niah_cells(row: dict, multipliers: Sequence[int]) -> list[str]:
+    """``accuracy (n=examples)`` of a result row's NIAH at every length multiplier."""
+    return [
+        f"{row['niah'][str(m)]['accuracy']:.2f} (n={row['niah'][str(m)]['examples']})"
+        for m in multipliers
+    ]
+
+
 def markdown_table(rows: list[dict], multipliers: Sequence[int], seq_len: int) -> str:
     """One Markdown table: a row per config, validation metrics and NIAH accuracy per length."""
     head = ["config", "mixer", "params", "steps", "val loss", "val bits/byte"]
     head += [f"NIAH {m}× ({m * seq_len})" for m in multipliers]
     head += ["train tok/s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
-    for r in rows:
-        cells = [
+    body = [
+        [
             r["config"],
             r["mixer"],
             f"{r['params'] / 1e6:.2f}M",
             str(r["step"]),
             f"{r['val_loss']:.4f}",
             f"{r['val_bits_per_byte']:.4f}",
+            *niah_cells(r, multipliers),
+            f"{r['tokens_per_s']:.0f}",
         ]
-        cells += [
-            f"{r['niah'][str(m)]['accuracy']:.2f} (n={r['niah'][str(m)]['examples']})"
-            for m in multipliers
-        ]
-        cells.append(f"{r['tokens_per_s']:.0f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        for r in rows
+    ]
+    return markdown_lines(head, body)
 
 
 def run_compare(

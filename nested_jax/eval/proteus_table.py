@@ -17,10 +17,9 @@
    from scratch on MQAR at ``--mqar-seq-len L``, scored at ``m × L`` for the same ``m``; all at
    ``--mqar-d-model`` (Proteus adds no parameters, so E=16 and E=1 have equal counts).
 
-A mixer that does not read ``model.proteus`` (its layer has no Proteus option yet) would make its
-E>1 row a silent copy of E=1: every Proteus config is checked first (the logits of a freshly
-initialised model must differ from the E=1 model's) and a mixer that fails the check is left out of
-both parts and listed as *pending* under the table.
+A mixer without a Proteus option cannot make a silent E=1 copy: ``ModelConfig`` refuses
+``model.proteus.blocks > 1`` on it (the registry lists the option sections each mixer reads, and
+a test checks that every mixer listing ``proteus`` changes its logits with E > 1).
 
 Writes ``<out>/proteus_table.json`` and ``<out>/proteus_table.md`` and prints the Markdown.
 """
@@ -49,32 +48,6 @@ def mqar_spec(model_cfg) -> str:
 
     e = model_cfg.proteus.blocks
     return model_cfg.name if e == 1 else f"{model_cfg.name}{PROTEUS_TAG}{e}"
-
-
-def reads_proteus(model_cfg, length: int | None = None) -> bool:
-    """Whether the mixer of ``model_cfg`` (with ``proteus.blocks > 1``) reads ``model.proteus``.
-
-    Builds the model and its E=1 twin from the same seed and compares their logits on one random
-    sequence of ``length`` tokens (default ``context_len``, where the schedule is partly closed).
-    ``True`` for ``blocks == 1`` (nothing to read).
-    """
-    import jax
-    import numpy as np
-    from flax import nnx
-
-    from nested_jax.models import build_model
-    from nested_jax.models.options import ProteusOptions
-
-    if model_cfg.proteus.blocks == 1:
-        return True
-    small = dataclasses.replace(model_cfg, n_layers=1, scan_layers=False, remat=False)
-    t = length or model_cfg.proteus.context_len
-    tokens = jax.random.randint(jax.random.key(0), (1, t), 0, model_cfg.vocab_size)
-    logits = [
-        np.asarray(build_model(c, rngs=nnx.Rngs(0))(tokens)[0])
-        for c in (small, dataclasses.replace(small, proteus=ProteusOptions()))
-    ]
-    return not np.array_equal(*logits)
 
 
 def load_configs(paths: Sequence[str | Path], overrides: Sequence[str]) -> tuple[dict, list[str]]:
@@ -123,28 +96,27 @@ def train_tokens_per_s(summary: dict, workdir: Path) -> float:
 
 def markdown_table(rows: list[dict], multipliers: Sequence[int], lm_len: int, mqar_len) -> str:
     """One row per config: params, val loss / NIAH / MQAR accuracy at every multiplier."""
+    from nested_jax.eval.compare import markdown_lines, niah_cells
+
     head = ["config", "mixer", "E", "params"]
     head += [f"val loss {m}× ({m * lm_len})" for m in multipliers]
     head += [f"NIAH {m}× ({m * lm_len})" for m in multipliers]
     if mqar_len:
         head += [f"MQAR acc {m}× ({m * mqar_len})" for m in multipliers]
     head += ["train tok/s"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    body = []
     for r in rows:
         cells = [r["config"], r["mixer"], str(r["blocks"]), f"{r['params'] / 1e6:.3f}M"]
         cells += [f"{r['val_by_length'][str(m)]['val_loss']:.4f}" for m in multipliers]
-        cells += [
-            f"{r['niah'][str(m)]['accuracy']:.2f} (n={r['niah'][str(m)]['examples']})"
-            for m in multipliers
-        ]
+        cells += niah_cells(r, multipliers)
         if mqar_len:
             mq = r.get("mqar")
             cells += [
                 f"{mq['by_length'][str(m)]['accuracy']:.4f}" if mq else "—" for m in multipliers
             ]
         cells.append(f"{r['tokens_per_s']:.0f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        body.append(cells)
+    return markdown_lines(head, body)
 
 
 def run_table(
@@ -165,7 +137,7 @@ def run_table(
         replaced by ``multipliers``), or None to skip MQAR.
 
     Returns:
-      ``{"rows": [...], "pending": [...], "notes": [...], "markdown": str, "wall_s": float}``.
+      ``{"rows": [...], "notes": [...], "markdown": str, "wall_s": float}``.
     """
     from nested_jax.eval.compare import _describe, check_same_recipe, evaluate_trained
     from nested_jax.eval.mqar import run_mqar
@@ -181,17 +153,6 @@ def run_table(
     start = time.perf_counter()
     out = Path(out)
     configs, notes = load_configs(config_paths, overrides)
-    pending = []
-    for name, cfg in list(configs.items()):
-        if not reads_proteus(cfg.model, cfg.data.seq_len):
-            pending.append(
-                f"{name}: mixer {cfg.model.name!r} does not read model.proteus yet "
-                "(its E>1 logits equal E=1); left out"
-            )
-            print(f"== {name}: PENDING ({pending[-1]})", flush=True)
-            del configs[name]
-    if not configs:
-        raise ValueError("configs: nothing left to run (every mixer is pending)")
     check_same_recipe(configs)
     rows = []
     for name, cfg in configs.items():
@@ -241,13 +202,11 @@ def run_table(
     md += "\n\n" + markdown_table(rows, multipliers, n, mqar_len)
     for line in notes:
         md += f"\nnote: {line}"
-    for line in pending:
-        md += f"\npending: {line}"
     if mqar_md:
         md += "\n\nMQAR detail:\n\n" + mqar_md
     wall = time.perf_counter() - start
     md += f"\nTotal wall time: {wall:.0f} s.\n"
-    return {"rows": rows, "pending": pending, "notes": notes, "markdown": md, "wall_s": wall}
+    return {"rows": rows, "notes": notes, "markdown": md, "wall_s": wall}
 
 
 def build_parser() -> argparse.ArgumentParser:

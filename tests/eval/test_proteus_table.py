@@ -1,4 +1,4 @@
-"""`python -m nested_jax.eval.proteus_table`: context_len filling, the Proteus-reading check, the
+"""`python -m nested_jax.eval.proteus_table`: context_len filling, the Markdown
 table (training itself is the loop's; the end-to-end run is marked slow)."""
 
 from pathlib import Path
@@ -6,8 +6,6 @@ from pathlib import Path
 import pytest
 
 from nested_jax.eval import proteus_table
-from nested_jax.models.config import ModelConfig
-from nested_jax.models.options import ProteusOptions
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,15 +23,6 @@ def test_configs_exist_and_context_len_is_the_training_length(tmp_path):
     assert len(notes) == 1 and "context_len 128 -> 256" in notes[0]
     assert proteus_table.mqar_spec(configs["tiny_gdn_proteus"].model) == "gdn+proteus16"
     assert proteus_table.mqar_spec(configs["tiny_gdn"].model) == "gdn"
-
-
-def test_reads_proteus_detects_mixers_that_ignore_the_option():
-    kw = dict(vocab_size=32, d_model=32, n_layers=1, n_heads=2, chunk_size=16)
-    on = ProteusOptions(blocks=4, context_len=16)
-    assert proteus_table.reads_proteus(ModelConfig(name="gdn", proteus=on, **kw))
-    assert proteus_table.reads_proteus(ModelConfig(name="gdn", **kw))  # E = 1: nothing to read
-    # attention has no memory for Proteus to gate: its E=4 logits equal E=1, so it is "pending"
-    assert not proteus_table.reads_proteus(ModelConfig(name="transformer", proteus=on, **kw))
 
 
 def test_markdown_table_columns_per_multiplier():

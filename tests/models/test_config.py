@@ -71,3 +71,33 @@ def test_read_option_sections_follow_the_mixer_and_the_ffn():
     assert ModelConfig(name="hope").read_option_sections() == ("hope", "proteus", "cms")
     assert ModelConfig(name="gdn", ffn="cms").read_option_sections() == ("proteus", "cms")
     assert ModelConfig(name="transformer").read_option_sections() == ()
+
+
+def _proteus_readers():
+    from nested_jax.models.registry import available_mixers, mixer_option_sections
+
+    return [n for n in available_mixers() if "proteus" in mixer_option_sections(n)]
+
+
+@pytest.mark.parametrize("name", _proteus_readers())
+def test_every_mixer_listing_proteus_reads_it(name):
+    """The registry's option list is a promise: with E > 1 the logits of a freshly initialised
+    model differ from the E = 1 model's (same seed) somewhere inside the training context."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from nested_jax.models import build_model
+    from nested_jax.models.options import HopeOptions, ProteusOptions, TitansOptions
+
+    kw = dict(vocab_size=32, d_model=32, n_layers=1, n_heads=2, chunk_size=8, scan_layers=False)
+    kw["titans"] = TitansOptions(memory_chunk=4, segment_len=8, window=8, memory_hidden=16)
+    kw["hope"] = HopeOptions(chunk_memory=4, chunk_other=2, memory_hidden=16)
+    tokens = jax.random.randint(jax.random.key(0), (1, 16), 0, 32)
+    logits = [
+        np.asarray(
+            build_model(ModelConfig(name=name, proteus=p, **kw), rngs=nnx.Rngs(0))(tokens)[0]
+        )
+        for p in (ProteusOptions(blocks=4, context_len=16), ProteusOptions())
+    ]
+    assert np.abs(logits[0] - logits[1]).max() > 1e-6
