@@ -274,27 +274,19 @@ class CMSOptions:
     online_inner: str = "sgd"  # online: inner optimizer, sgd | dgd (SPEC §3.1)
 
     def __post_init__(self) -> None:
-        p = self.periods
-        if (
-            not isinstance(p, tuple)
-            or not p
-            or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in p)
-        ):
-            raise ValueError(
-                f"CMSOptions.periods: must be a non-empty tuple of ints >= 1, got {p!r}"
-            )
-        if any(b <= a for a, b in zip(p, p[1:], strict=False)):
-            raise ValueError(f"CMSOptions.periods: must be strictly increasing, got {list(p)}")
+        from nested_jax.core.cms import check_periods  # lazy: keeps config import light
+
         variants = ("sequential", "nested", "independent")
         if self.variant not in variants:
             raise ValueError(
                 f"CMSOptions.variant: unknown {self.variant!r}; expected one of {variants}"
             )
-        if self.variant == "nested" and any(b % a for a, b in zip(p, p[1:], strict=False)):
-            raise ValueError(
-                f"CMSOptions.periods: with variant=nested each period must divide the next, "
-                f"got {list(p)}"
-            )
+        try:
+            if not isinstance(self.periods, tuple):
+                raise ValueError(f"periods must be a tuple, got {self.periods!r}")
+            check_periods(self.periods, variant=self.variant)
+        except ValueError as err:  # core.cms's message, under the config field's name
+            raise ValueError(f"CMSOptions.periods: {str(err).removeprefix('periods ')}") from None
         h = self.hidden
         if isinstance(h, bool) or not isinstance(h, int) or h < 0:
             raise ValueError(f"CMSOptions.hidden: must be an int >= 0 (0 = default), got {h!r}")
