@@ -65,8 +65,7 @@ def generate_text(
         raise ValueError("prompt: encodes to no tokens; give some text")
     model, cache, stream, periods = trained.model(), None, None, None
     if state_in is not None:
-        _, params = continual.stream_model(model)
-        stream, periods = continual.load_stream_state(state_in, model.init_cache, params)
+        stream, periods = continual.load_stream_state(state_in, model.init_cache, trained.params)
         needed = int(stream.pos) + len(ids) + max_new_tokens
         if needed > int(stream.capacity):
             raise ValueError(
