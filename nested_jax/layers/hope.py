@@ -61,6 +61,7 @@ from nested_jax.core.hope import (
 from nested_jax.core.proteus import (
     proteus_active_blocks,
     proteus_block_len,
+    proteus_chunk_constant,
     proteus_gate,
     proteus_gated_update,
 )
@@ -222,11 +223,12 @@ class HopeMixer(nnx.Module):
         if self.p_blocks > 1:
             delta = proteus_block_len(self.p_context, self.p_blocks)
             for name in ("chunk_memory", "chunk_other"):
-                if delta % getattr(self.opts, name):
+                chunk = getattr(self.opts, name)
+                if not proteus_chunk_constant(chunk, self.p_context, self.p_blocks):
                     raise ValueError(
                         f"HopeOptions.{name}: decoding with Proteus needs the chunk size to divide "
                         f"the block length Δ = context_len // blocks = {delta} (the forward's "
-                        f"chunk grid restarts every Δ tokens), got {getattr(self.opts, name)}"
+                        f"chunk grid restarts every Δ tokens), got {chunk}"
                     )
         b, h, d, k = batch_size, self.n_heads, self.head_dim, self.hidden
         zero = MLPMemory(jnp.zeros((b, h, d, k), jnp.float32), jnp.zeros((b, h, k, d), jnp.float32))

@@ -68,7 +68,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nested_jax.core.proteus import proteus_active_blocks, proteus_gate, proteus_gated_update
+from nested_jax.core.proteus import (
+    proteus_active_blocks,
+    proteus_block_len,
+    proteus_chunk_constant,
+    proteus_gate,
+    proteus_gated_update,
+)
 from nested_jax.core.proteus_memory import (
     proteus_spans,
     proteus_titans_mlp_masks,
@@ -304,14 +310,15 @@ class NeuralMemory(nnx.Module):
             jnp.zeros((batch_size, self.n_heads, a, b), jnp.float32)
             for a, b in zip(self.dims[:-1], self.dims[1:], strict=True)
         )
-        if self.p_blocks > 1 and self.chunk > 1:
-            delta = max(1, self.p_context // self.p_blocks)
-            if delta % self.chunk:
-                raise ValueError(
-                    f"TitansOptions.memory_chunk: decoding with Proteus needs memory_chunk to "
-                    f"divide the block length Δ = context_len // blocks = {delta} (the forward's "
-                    f"chunk grid restarts every Δ tokens), got {self.chunk}"
-                )
+        if self.p_blocks > 1 and not proteus_chunk_constant(
+            self.chunk, self.p_context, self.p_blocks
+        ):
+            delta = proteus_block_len(self.p_context, self.p_blocks)
+            raise ValueError(
+                f"TitansOptions.memory_chunk: decoding with Proteus needs memory_chunk to "
+                f"divide the block length Δ = context_len // blocks = {delta} (the forward's "
+                f"chunk grid restarts every Δ tokens), got {self.chunk}"
+            )
         b, h, d = self.chunk, self.n_heads, self.head_dim
         z = jnp.zeros((batch_size, b, h, d), jnp.float32)
         g = jnp.zeros((batch_size, b, h), jnp.float32)
