@@ -15,6 +15,7 @@ from nested_jax.layers.hope import HopeMixer
 from nested_jax.models.config import ModelConfig
 from nested_jax.models.options import HopeOptions, ProteusOptions
 from nested_jax.models.registry import get_mixer
+from tests.layers.test_hope_layer import _cached, _close, _full
 
 D_MODEL, H, HD, B, T = 24, 2, 8, 2, 21
 OPTS = dict(chunk_memory=4, chunk_other=2, memory_hidden=8)  # 4 blocks of 2 hidden units
@@ -29,22 +30,6 @@ def _mixer(proteus=PROTEUS, seed=0, **opts):
 
 def _x(seed=1, t=T):
     return jax.random.normal(jax.random.key(seed), (B, t, D_MODEL), jnp.float32)
-
-
-@nnx.jit
-def _full(m, x, seg=None):
-    return m(x, segment_ids=seg)[0]
-
-
-@nnx.jit
-def _cached(m, x, cache):
-    return m(x, cache=cache)
-
-
-def _close(a, b, tol=1e-4):
-    a, b = np.asarray(a), np.asarray(b)
-    assert np.isfinite(a).all() and np.isfinite(b).all()
-    np.testing.assert_allclose(a, b, atol=tol * max(1.0, float(np.abs(b).max())), rtol=0)
 
 
 def _core_reference(m, x, t0, core, **kw):

@@ -16,9 +16,9 @@ from nested_jax.core.proteus_memory import (
 from nested_jax.models.config import ModelConfig
 from nested_jax.models.options import ProteusOptions, TitansOptions
 from nested_jax.models.registry import get_mixer
+from tests.layers.test_titans_layers import D_MODEL, OPTS, B, T, _cached, _full, _pos, _x
 
-D_MODEL, B, T = 32, 2, 21
-OPTS = dict(memory_chunk=4, segment_len=8, window=5, persistent_tokens=2, memory_hidden=24)
+# shapes, options, inputs and call helpers are those of the plain Titans layer tests
 PROTEUS = ProteusOptions(blocks=4, context_len=32)  # Δ = 8: spans [0, 8), [8, 16), [16, 24) …
 
 
@@ -28,24 +28,6 @@ def _mixer(name, proteus=PROTEUS, seed=0, **opts):
         **({} if proteus is None else {"proteus": proteus}),
     )  # fmt: skip
     return get_mixer(name).from_config(cfg, rngs=nnx.Rngs(seed))
-
-
-def _x(seed=1, t=T):
-    return jax.random.normal(jax.random.key(seed), (B, t, D_MODEL), jnp.float32)
-
-
-def _pos(t0, t1):
-    return jnp.broadcast_to(jnp.arange(t0, t1, dtype=jnp.int32), (B, t1 - t0))
-
-
-@nnx.jit
-def _full(m, x):
-    return m(x, positions=_pos(0, x.shape[1]))[0]
-
-
-@nnx.jit
-def _cached(m, x, cache, pos):
-    return m(x, positions=pos, cache=cache)
 
 
 def _memory_inputs(m, x):
@@ -111,10 +93,10 @@ def test_decode_equals_full_forward_with_proteus(name, opts, prefill):
     cache = m.init_cache(B, T)
     outs = []
     if prefill:
-        y, cache = _cached(m, x[:, :prefill], cache, _pos(0, prefill))
+        y, cache = _cached(m, x[:, :prefill], cache, 0)
         outs.append(y)
     for t in range(prefill, T):  # crosses the span starts at 8 and 16 (blocks 2 and 3 open)
-        y, cache = _cached(m, x[:, t : t + 1], cache, _pos(t, t + 1))
+        y, cache = _cached(m, x[:, t : t + 1], cache, t)
         outs.append(y)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full),
                                rtol=1e-4, atol=1e-4)  # fmt: skip
