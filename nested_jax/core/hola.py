@@ -42,7 +42,11 @@ Decisions (documented options, SPEC §5):
   (``gdn_residuals``; derivation in its docstring) under ``stop_gradient``; the differentiable state
   path is ``associative.gated_delta_chunked``. This costs one extra forward of the state path and no
   backward. ``"recency"``, ``"beta_v"`` and ``"cumulative_attention"`` skip that pass.
-- ``segment_ids`` (packed sequences) are not supported by HOLA.
+- ``segment_ids`` (packed sequences, SPEC §0): each document runs as if alone — own GDN state
+  and scores from zero, own block grid from its first token, own cache (starts empty, top-w over its
+  own tokens only), reads masked to its own document (the sink stays visible). Equations in
+  ``hola_forward``; the scan is ``hola_cache.cache_blocks_packed``. Not with ``initial_state``;
+  decoding (``hola_decode_step``) is one stream and takes no segment ids.
 
 Memory per head of the decoding state: ``K·V + (w + C)(K + V)`` floats plus ``O(w + C)``
 scores/positions (SPEC §5), independent of the number of tokens seen.
@@ -57,6 +61,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from nested_jax.core.associative import gated_delta_chunked
+from nested_jax.core.hola_cache import (
+    attend,
+    cache_blocks,
+    cache_blocks_packed,
+    doc_starts,
+    merge_top_w,
+    read_normalize,
+)
 
 __all__ = [
     "EVICTIONS",
@@ -71,9 +83,7 @@ __all__ = [
 
 EVICTIONS = ("beta_e", "recency", "e", "beta_v", "cumulative_attention")
 READ_NORMS = ("rmsnorm", "l2")
-_EPS = 1e-6
 _F32 = jnp.float32
-_INT_MAX = jnp.iinfo(jnp.int32).max
 
 
 class HolaState(NamedTuple):
@@ -193,6 +203,21 @@ def _state_shapes(B, H, K, V, W, C):
     }
 
 
+def _check_segments(fn, segment_ids, B, T, initial_state):
+    if segment_ids is None:
+        return
+    shape = getattr(segment_ids, "shape", None)
+    if shape is None or tuple(shape) != (B, T):
+        raise ValueError(f"{fn}: segment_ids must have shape [B, T] = [{B}, {T}], got {shape}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"{fn}: segment_ids must have an integer dtype, got {segment_ids.dtype}")
+    if initial_state is not None:
+        raise ValueError(
+            f"{fn}: segment_ids cannot be combined with initial_state (every packed document "
+            "starts from an empty state)"
+        )
+
+
 def _validate_seq(fn, q, k, v, g, beta):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
@@ -215,20 +240,26 @@ def _validate_seq(fn, q, k, v, g, beta):
 # --------------------------------------------------------------------------------------------------
 
 
-def _residual_chunk_local(kc, vc, gc, bc):
+def _residual_chunk_local(kc, vc, gc, bc, zc=None):
     """State-independent part of the residual pass, batched over chunks.
 
     ``kc [..., c, K]``, ``vc [..., c, V]``, ``gc, bc [..., c]``. Solves the WY/UT system once per
     chunk for both right-hand sides, ``(I + A) [W | Ũ] = [diag(βγ) K | diag(β) V]``, so the
     sequential pass only needs ``Δ = Ũ − W S_n``. Returns ``(W, Ũ, KKΓ, γ, γ_C/γ, γ_C)``.
+
+    ``zc [..., c]`` (optional, int): number of segment starts in the chunk up to and including each
+    token. Then ``Γ_{ti} = 0`` across segments, ``γ_t = 0`` after a start (the state restarts from
+    zero) and ``γ_C/γ_i = 0``, ``γ_C = 0`` outside the chunk's last segment.
     """
     c, Kd = kc.shape[-2], kc.shape[-1]
     G = jnp.cumsum(gc, axis=-1)  # log γ_t, γ_t = Π_{i≤t} α_i inside the chunk
     strict = jnp.arange(c)[None, :] < jnp.arange(c)[:, None]
+    if zc is not None:
+        strict = strict & (zc[..., :, None] == zc[..., None, :])
     # Γ_{ti} = γ_t/γ_i for i < t; masked before exp so no overflow from the upper triangle.
     gam = jnp.exp(jnp.where(strict, G[..., :, None] - G[..., None, :], -jnp.inf))
     kk_gam = jnp.einsum("...tk,...ik->...ti", kc, kc) * gam  # zero on and above the diagonal
-    gamma = jnp.exp(G)
+    gamma = jnp.exp(G) if zc is None else jnp.where(zc == 0, jnp.exp(G), 0.0)
     rhs = jnp.concatenate([kc * (bc * gamma)[..., None], vc * bc[..., None]], axis=-1)
     # Forward substitution (stable; SPEC §1), one batched solve for all chunks.
     eye = jnp.eye(c, dtype=kc.dtype)
@@ -236,10 +267,14 @@ def _residual_chunk_local(kc, vc, gc, bc):
         eye + bc[..., :, None] * kk_gam, rhs, left_side=True, lower=True, unit_diagonal=True
     )
     decay_out = jnp.exp(G[..., -1:] - G)  # γ_C/γ_i
-    return Y[..., :Kd], Y[..., Kd:], kk_gam, gamma, decay_out, jnp.exp(G[..., -1])
+    gamma_c = jnp.exp(G[..., -1])
+    if zc is not None:
+        decay_out = jnp.where(zc == zc[..., -1:], decay_out, 0.0)
+        gamma_c = jnp.where(zc[..., -1] == 0, gamma_c, 0.0)
+    return Y[..., :Kd], Y[..., Kd:], kk_gam, gamma, decay_out, gamma_c
 
 
-def gdn_residuals(k, v, g, beta, *, initial_state=None, chunk_size=64):
+def gdn_residuals(k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_size=64):
     """Per-token residuals ``e_t = v_t − α_t S_{t-1}ᵀ k_t`` of the gated delta rule (SPEC §1, §5).
 
     Derivation (per chunk starting from state ``S_n``, ``γ_t = Π_{i≤t} α_i`` inside the chunk): the
@@ -248,10 +283,14 @@ def gdn_residuals(k, v, g, beta, *, initial_state=None, chunk_size=64):
     ``(I + strict_tril(diag(β) K Kᵀ ⊙ Γ)) Δ = diag(β)(V − diag(γ) K S_n)`` (the WY/UT system, solved
     by forward substitution); then ``E = V − diag(γ) K S_n − strict_tril(K Kᵀ ⊙ Γ) Δ`` (valid for
     β = 0 too) and ``S_{n+1} = γ_C S_n + (K ⊙ γ_C/γ)ᵀ Δ``. Forward only: callers stop gradients.
+    With ``segment_ids`` (SPEC §0 packed sequences) the state restarts from zero at every segment
+    start ``t₀`` (``S_{t₀-1} := 0``, so ``e_{t₀} = v_{t₀}``): the terms that cross a start are
+    masked out of ``Γ``, ``γ`` and ``γ_C`` (exact, no large negative decay).
 
     Args:
       k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g, beta: ``[B, T, H]``.
-      initial_state: optional ``[B, H, K, V]`` state ``S_{-1}``.
+      initial_state: optional ``[B, H, K, V]`` state ``S_{-1}`` (not with ``segment_ids``).
+      segment_ids: optional ``int [B, T]``; a segment starts where the id changes.
       chunk_size: chunk length.
 
     Returns:
@@ -268,6 +307,7 @@ def gdn_residuals(k, v, g, beta, *, initial_state=None, chunk_size=64):
     _check_array(fn, "g", g, (B, T, H))
     _check_array(fn, "beta", beta, (B, T, H))
     _check_pos_int(fn, "chunk_size", chunk_size)
+    _check_segments(fn, segment_ids, B, T, initial_state)
     if initial_state is None:
         S0 = jnp.zeros((B, H, K, V), _F32)
     else:
@@ -284,8 +324,13 @@ def gdn_residuals(k, v, g, beta, *, initial_state=None, chunk_size=64):
         return jnp.transpose(x, perm)
 
     kc, vc = chunks(k), chunks(v)
+    zc = None
+    if segment_ids is not None:  # starts counted inside each chunk (padding continues the last)
+        starts = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, pad)))
+        zc = jnp.cumsum(starts.reshape(B, n, c).astype(jnp.int32), axis=-1)
+        zc = jnp.broadcast_to(jnp.moveaxis(zc, 1, 0)[:, :, None], (n, B, H, c))
     Wm, Ut, kk_gam, gamma, decay_out, gamma_c = _residual_chunk_local(
-        kc, vc, chunks(g), chunks(beta)
+        kc, vc, chunks(g), chunks(beta), zc
     )
 
     def body(S, xs):  # only the S-dependent matmuls are sequential
@@ -300,7 +345,9 @@ def gdn_residuals(k, v, g, beta, *, initial_state=None, chunk_size=64):
     return e, S_T
 
 
-def hola_scores(k, v, g, beta, *, eviction="beta_e", initial_state=None, chunk_size=64):
+def hola_scores(
+    k, v, g, beta, *, eviction="beta_e", initial_state=None, segment_ids=None, chunk_size=64
+):
     """Insertion scores of the magnitude evictions (SPEC §5), under ``stop_gradient``.
 
     ``"beta_e"``: ``β_t‖e_t‖``; ``"e"``: ``‖e_t‖``; ``"beta_v"``: ``β_t‖v_t‖``. (``"recency"`` and
@@ -309,6 +356,8 @@ def hola_scores(k, v, g, beta, *, eviction="beta_e", initial_state=None, chunk_s
     Args:
       k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g, beta: ``[B, T, H]``.
       initial_state: optional ``[B, H, K, V]`` GDN state before the first token.
+      segment_ids: optional ``int [B, T]``: ``e_t`` restarts from a zero state at every segment
+        start (as in ``gdn_residuals``).
       chunk_size: chunk length of the residual pass.
 
     Returns:
@@ -324,71 +373,11 @@ def hola_scores(k, v, g, beta, *, eviction="beta_e", initial_state=None, chunk_s
     b = beta.astype(_F32)
     if eviction == "beta_v":
         return b * jnp.linalg.norm(v.astype(_F32), axis=-1)
-    e, _ = gdn_residuals(k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size)
+    e, _ = gdn_residuals(
+        k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids, chunk_size=chunk_size
+    )
     norm = jnp.linalg.norm(e, axis=-1)
     return norm if eviction == "e" else b * norm
-
-
-# --------------------------------------------------------------------------------------------------
-# Cache read and merge (shared by the forward and the decode step)
-# --------------------------------------------------------------------------------------------------
-
-
-def _read_norm(x, gamma, read_norm):
-    """``x [B, H, N, D]``, ``gamma [H, D]``."""
-    if read_norm == "l2":
-        return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _EPS)
-    y = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + _EPS)
-    return y * gamma.astype(_F32)[None, :, None, :]
-
-
-def _attend(qn, ck_n, cv, c_mask, bk_n, bv, b_mask, sink, cache_scale):
-    """Softmax read over ``[cache ‖ block ‖ sink]``.
-
-    ``qn [B,H,Q,K]``; ``ck_n [B,H,w,K]``, ``cv [B,H,w,V]``, ``c_mask [B,H,w]``; ``bk_n [B,H,C,K]``,
-    ``bv [B,H,C,V]``, ``b_mask [B,H,Q,C]`` (causal × filled); ``sink [H]``.
-    Returns ``(o [B,H,Q,V], p_cache [B,H,Q,w], p_block [B,H,Q,C])``.
-    """
-    w = ck_n.shape[2]
-    lc = jnp.einsum("bhqk,bhjk->bhqj", qn, ck_n) * cache_scale
-    lb = jnp.einsum("bhqk,bhjk->bhqj", qn, bk_n) * cache_scale
-    lc = jnp.where(c_mask[:, :, None, :], lc, -jnp.inf)
-    lb = jnp.where(b_mask, lb, -jnp.inf)
-    ls = jnp.broadcast_to(sink.astype(_F32)[None, :, None, None], lc.shape[:3] + (1,))
-    # The sink column is always present, so no row is fully masked (no NaN).
-    p = jax.nn.softmax(jnp.concatenate([lc, lb, ls], axis=-1), axis=-1)
-    pc, pb = p[..., :w], p[..., w:-1]
-    o = jnp.einsum("bhqj,bhjv->bhqv", pc, cv) + jnp.einsum("bhqj,bhjv->bhqv", pb, bv)
-    return o, pc, pb
-
-
-def _merge(cache, blk, window, eviction):
-    """Top-``window`` of ``cache ∪ block`` (SPEC §5); each is ``(k, v, score, pos, valid)``, entries
-    on axis 2.
-
-    Order key: score descending (``recency``: position descending), then position ascending; invalid
-    entries last. Selection is not differentiated; the gathers pass gradients to the chosen k, v.
-    """
-    k, v, s, p, val = (jnp.concatenate([a, b], axis=2) for a, b in zip(cache, blk, strict=True))
-    if eviction == "recency":
-        primary = jnp.where(val, -p, _INT_MAX)
-    else:
-        # + 0.0 maps −0.0 to +0.0 so the total-order float sort does not split ties by sign.
-        primary = jnp.where(val, -lax.stop_gradient(s) + 0.0, jnp.inf)
-    secondary = jnp.where(val, p, _INT_MAX)
-    idx = lax.broadcasted_iota(jnp.int32, val.shape, val.ndim - 1)
-    _, _, order = lax.sort((primary, secondary, idx), dimension=-1, num_keys=2)
-    sel = order[..., :window]
-    take = lambda x: jnp.take_along_axis(x, sel, axis=2)  # noqa: E731
-    take_d = lambda x: jnp.take_along_axis(x, sel[..., None], axis=2)  # noqa: E731
-    nval = take(val)
-    return (
-        jnp.where(nval[..., None], take_d(k), 0.0),
-        jnp.where(nval[..., None], take_d(v), 0.0),
-        jnp.where(nval, take(s), 0.0),
-        jnp.where(nval, take(p), -1),
-        nval,
-    )
 
 
 def _sigmoid_gate(gate_logit):
@@ -418,6 +407,7 @@ def hola_forward(
     scale=None,
     cache_scale=None,
     initial_state=None,
+    segment_ids=None,
     chunk_size=64,
 ):
     """HOLA layer math, block-parallel (SPEC §5): ``o_t = S_tᵀ (scale q_t) + σ(λ_h) o_cache,t``.
@@ -428,6 +418,18 @@ def hola_forward(
     ``A_n = top-w(A_{n-1} ∪ block)``. A trailing unfinished block is returned as the state's block
     buffer (not merged), so continuing with ``initial_state`` (another ``hola_forward`` call or
     ``hola_decode_step``) gives the same result as one call over the concatenated sequence.
+
+    Packed rows (``segment_ids``, SPEC §0): every document is run as if alone — the gated delta
+    state and the scores ``e_t`` restart from zero at its start, its blocks are counted from its
+    own first token (document position ``p_t = t − D_t``, block ``⌊p_t/C⌋``), its cache starts
+    empty and holds only its own tokens (top-w over its own earlier blocks), and a query reads only
+    cache entries and block tokens of its own document (plus the sink)::
+
+        V_t = A_{d(t)}(⌊p_t/C⌋ − 1) ∪ {j : D_j = D_t, ⌊p_j/C⌋ = ⌊p_t/C⌋, j ≤ t} ∪ {sink}
+
+    so outputs and gradients equal those of each document alone (tested). See
+    ``hola_cache.cache_blocks_packed`` for the scan. ``recency`` scores and ``cache_pos`` are
+    document positions.
 
     Args:
       q, k: ``[B, T, H, K]`` (the state path expects unit-norm q, k as in GDN layers).
@@ -441,10 +443,14 @@ def hola_forward(
       scale: state-path query scale, default ``K ** -0.5``; cache_scale: cache logit scale, default
         ``K ** -0.5``.
       initial_state: optional ``HolaState`` with the same ``B, H, K, V, window, block_size``.
+      segment_ids: optional ``int [B, T]`` packed-document ids (a document starts where the id
+        changes); not together with ``initial_state``.
       chunk_size: chunk length of the state path and of the residual pass.
 
     Returns:
-      ``(o [B, T, H, V] in v's dtype, HolaState)``.
+      ``(o [B, T, H, V] in v's dtype, HolaState)``. With ``segment_ids`` the state is that of each
+      row's last document run alone; its ``pos`` (shared by the batch) is row 0's last-document
+      length, so it continues every row exactly only when those lengths agree (e.g. ``B = 1``).
     """
     fn = "hola_forward"
     B, T, H, K, V = _validate_seq(fn, q, k, v, g, beta)
@@ -453,6 +459,7 @@ def hola_forward(
     _check_pos_int(fn, "block_size", block_size)
     _check_pos_int(fn, "chunk_size", chunk_size)
     _check_options(fn, eviction, read_norm)
+    _check_segments(fn, segment_ids, B, T, initial_state)
     if initial_state is not None:
         _check_state(fn, initial_state, B, H, K, V, window, block_size)
         state0, S0 = initial_state, initial_state.S
@@ -460,115 +467,43 @@ def hola_forward(
         state0, S0 = init_hola_state(B, H, K, V, window, block_size), None
 
     o_state, S_T = gated_delta_chunked(
-        q, k, v, g, beta, scale=scale, initial_state=S0, chunk_size=chunk_size
-    )
-    positions = state0.pos + jnp.arange(T, dtype=jnp.int32)
-    if eviction in ("beta_e", "e", "beta_v"):
-        scores = hola_scores(
-            k, v, g, beta, eviction=eviction, initial_state=S0, chunk_size=chunk_size
-        )
-    elif eviction == "recency":
-        scores = jnp.broadcast_to(positions.astype(_F32)[None, :, None], (B, T, H))
-    else:  # cumulative attention: accumulated from zero by the block scan
-        scores = jnp.zeros((B, T, H), _F32)
-    cs = K**-0.5 if cache_scale is None else cache_scale
-    o_cache, cache, blk = _cache_blocks(
-        q, k, v, scores, gamma_q, gamma_k, sink_logit, state0, initial_state is not None,
-        window, block_size, eviction, read_norm, cs,
+        q, k, v, g, beta, scale=scale, initial_state=S0, segment_ids=segment_ids,
+        chunk_size=chunk_size,
     )  # fmt: skip
-    o = o_state.astype(_F32) + _sigmoid_gate(gate_logit)[None, None, :, None] * o_cache
-    new_state = HolaState(S_T, *cache, *blk, pos=state0.pos + T)
-    return o.astype(v.dtype), new_state
-
-
-def _cache_blocks(
-    q, k, v, scores, gamma_q, gamma_k, sink, state0, lead, W, C, eviction, read_norm, cs
-):
-    """Cache path over blocks.
-
-    Returns ``(o_cache [B,T,H,V], cache 5-tuple, (block_k, block_v, block_score))``. Tokens are laid
-    on "slots" aligned to absolute block boundaries: slot ``s`` is position ``pos0 − r + s`` with
-    ``r = pos0 % C``. With an initial state (``lead``), slots ``[0, r)`` hold its block buffer (keys
-    only; their queries were answered earlier) and the new tokens start at slot ``r``.
-    """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    pos0 = state0.pos
-    if lead:
-        r = pos0 % C
-        n_blocks = -(-(C + T) // C)
+    if segment_ids is None:
+        positions = jnp.broadcast_to(state0.pos + jnp.arange(T, dtype=jnp.int32), (B, T))
     else:
-        r = jnp.zeros((), jnp.int32)
-        n_blocks = -(-T // C)
-    L = n_blocks * C
-
-    def to_slots(x, buf):  # x [B, T, H, ...] -> [B, L, H, ...]; buf [B, H, C, ...] or None
-        out = jnp.zeros((B, L) + x.shape[2:], _F32)
-        if buf is not None:
-            out = out.at[:, :C].set(jnp.moveaxis(buf.astype(_F32), 2, 1))
-        start = (jnp.zeros((), jnp.int32), r) + (jnp.zeros((), jnp.int32),) * (x.ndim - 2)
-        return lax.dynamic_update_slice(out, x.astype(_F32), start)
-
-    def to_blocks(x):  # [B, L, H, ...] -> [n, B, H, C, ...]
-        x = x.reshape((B, n_blocks, C) + x.shape[2:])
-        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
-
-    buf = (state0.block_k, state0.block_v, state0.block_score) if lead else (None, None, None)
-    qs = to_blocks(to_slots(q, None))
-    ks = to_blocks(to_slots(k, buf[0]))
-    vs = to_blocks(to_slots(v, buf[1]))
-    ss = to_blocks(to_slots(lax.stop_gradient(scores), buf[2]))
-    slot = jnp.arange(L, dtype=jnp.int32)
-    filled = (slot < r + T).reshape(n_blocks, C)
-    is_query = ((slot >= r) & (slot < r + T)).reshape(n_blocks, C)
-    abs_pos = (pos0 - r + slot).reshape(n_blocks, C)
-    causal = jnp.tril(jnp.ones((C, C), bool))
-    cumulative = eviction == "cumulative_attention"
-
-    def body(cache, xs):
-        qb, kb, vb, sb, fb, iq, pb = xs
-        ck, cv, cscore, cpos, cval = cache
-        qn = _read_norm(qb, gamma_q, read_norm)
-        b_mask = jnp.broadcast_to(causal & fb[None, :], (B, H, C, C))
-        o, pc, pb_ = _attend(
-            qn, _read_norm(ck, gamma_k, read_norm), cv, cval,
-            _read_norm(kb, gamma_k, read_norm), vb, b_mask, sink, cs,
+        doc, positions = doc_starts(segment_ids)
+    scores = _insertion_scores(k, v, g, beta, positions, S0, segment_ids, eviction, chunk_size)
+    cs = K**-0.5 if cache_scale is None else cache_scale
+    params = (gamma_q, gamma_k, sink_logit)
+    if segment_ids is None:
+        o_cache, cache, blk = cache_blocks(
+            q, k, v, scores, *params, state0, initial_state is not None,
+            window, block_size, eviction, read_norm, cs,
         )  # fmt: skip
-        if cumulative:
-            # Only this call's queries add mass; buffer tokens already hold earlier queries' mass.
-            wq = iq.astype(_F32)[None, None, :, None]
-            cscore = cscore + lax.stop_gradient(jnp.sum(pc * wq, axis=2))
-            sb = sb + lax.stop_gradient(jnp.sum(pb_ * wq, axis=2))
-        pos_b = jnp.broadcast_to(pb, (B, H, C))
-        val_b = jnp.broadcast_to(fb, (B, H, C))
-        old = (ck, cv, cscore, cpos, cval)
-        merged = _merge(old, (kb, vb, sb, pos_b, val_b), W, eviction)
-        complete = fb[-1]  # a block is merged only once all of its C positions have been seen
-        new = tuple(jnp.where(complete, m, o_) for m, o_ in zip(merged, old, strict=True))
-        return new, (o, sb)
+        pos = state0.pos + T
+    else:
+        o_cache, cache, blk, pos = cache_blocks_packed(
+            q, k, v, scores, doc, positions, *params, window, block_size, eviction, read_norm, cs
+        )
+    o = o_state.astype(_F32) + _sigmoid_gate(gate_logit)[None, None, :, None] * o_cache
+    return o.astype(v.dtype), HolaState(S_T, *cache, *blk, pos=pos)
 
-    cache0 = (
-        state0.cache_k.astype(_F32),
-        state0.cache_v.astype(_F32),
-        state0.cache_score.astype(_F32),
-        state0.cache_pos,
-        state0.cache_valid,
-    )
-    cache, (o_blocks, s_blocks) = lax.scan(
-        body, cache0, (qs, ks, vs, ss, filled, is_query, abs_pos)
-    )
-    # [n, B, H, C, V] -> [B, L, H, V] -> the T query slots.
-    o = jnp.moveaxis(o_blocks, 0, 1).transpose(0, 1, 3, 2, 4).reshape(B, L, H, V)
-    o = lax.dynamic_slice_in_dim(o, r, T, axis=1)
-    # The unfinished last block becomes the buffer (empty when r + T is a multiple of C).
-    end = r + T
-    last = jnp.minimum(end // C, n_blocks - 1)
-    n_fill = end % C
-    keep = jnp.arange(C) < n_fill
-    bk = jnp.where(keep[None, None, :, None], ks[last], 0.0)
-    bv = jnp.where(keep[None, None, :, None], vs[last], 0.0)
-    bs = jnp.where(keep[None, None, :], s_blocks[last], 0.0)
-    return o, cache, (bk, bv, bs)
+
+def _insertion_scores(k, v, g, beta, positions, S0, segment_ids, eviction, chunk_size):
+    """``[B, T, H]`` f32 insertion scores (SPEC §5): the magnitudes of ``hola_scores``, the
+    (document) position for ``recency``, zeros for ``cumulative_attention`` (accumulated by the
+    block scan)."""
+    B, T, H = g.shape
+    if eviction in ("beta_e", "e", "beta_v"):
+        return hola_scores(
+            k, v, g, beta, eviction=eviction, initial_state=S0, segment_ids=segment_ids,
+            chunk_size=chunk_size,
+        )  # fmt: skip
+    if eviction == "recency":
+        return jnp.broadcast_to(positions.astype(_F32)[:, :, None], (B, T, H))
+    return jnp.zeros((B, T, H), _F32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -657,10 +592,11 @@ def hola_decode_step(
     bs = jnp.where(at_r[None, None, :], score[:, :, None], state.block_score.astype(_F32))
     filled = jnp.arange(C) <= r
 
-    qn = _read_norm(q[:, :, None, :], gamma_q, read_norm)
-    o_cache, pc, pb = _attend(
-        qn, _read_norm(state.cache_k.astype(_F32), gamma_k, read_norm), state.cache_v.astype(_F32),
-        state.cache_valid, _read_norm(bk, gamma_k, read_norm), bv,
+    qn = read_normalize(q[:, :, None, :], gamma_q, read_norm)
+    ck_n = read_normalize(state.cache_k.astype(_F32), gamma_k, read_norm)
+    o_cache, pc, pb = attend(
+        qn, ck_n, state.cache_v.astype(_F32),
+        state.cache_valid, read_normalize(bk, gamma_k, read_norm), bv,
         jnp.broadcast_to(filled, (B, H, 1, C)), sink_logit, cs,
     )  # fmt: skip
     cscore = state.cache_score.astype(_F32)
@@ -682,7 +618,7 @@ def hola_decode_step(
         cache, bk, bv, bs = operands
         pos_b = jnp.broadcast_to(state.pos - r + jnp.arange(C, dtype=jnp.int32), (B, H, C))
         val_b = jnp.ones((B, H, C), bool)
-        merged = _merge(cache, (bk, bv, bs, pos_b, val_b), W, eviction)
+        merged = merge_top_w(cache, (bk, bv, bs, pos_b, val_b), W, eviction)
         return merged, jnp.zeros_like(bk), jnp.zeros_like(bv), jnp.zeros_like(bs)
 
     def keep(operands):

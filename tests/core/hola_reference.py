@@ -3,7 +3,8 @@
 Written from the SPEC text, sharing no code with ``nested_jax.core.hola``: explicit GDN recurrence,
 explicit visible sets, explicit softmax with the sink, and (for the fixed-score evictions) the
 persistent cache recomputed from scratch after each block as the global top-w over *all* tokens
-seen so far.
+seen so far. With ``segment_ids`` every document is run as if alone (SPEC §0): the state, the
+cache and the block count restart at its first token, and the cache only ever holds its own tokens.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ def _norm(x, gamma, read_norm):
 
 def hola_reference(
     q, k, v, g, beta, gamma_q, gamma_k, sink_logit, gate_logit, *, window, block_size,
-    eviction="beta_e", read_norm="rmsnorm", scale=None, cache_scale=None,
+    eviction="beta_e", read_norm="rmsnorm", scale=None, cache_scale=None, segment_ids=None,
 ):  # fmt: skip
     """Token-by-token HOLA.
 
     Returns a dict with ``o``, ``o_state``, ``o_cache`` ``[B,T,H,V]``, ``score`` ``[B,T,H]``
-    (insertion score: β‖e‖, ‖e‖, β‖v‖, position or 0), ``e`` ``[B,T,H,V]``, ``S`` ``[B,H,K,V]`` and
-    ``caches``: a list over completed blocks of ``[B][H]`` lists of the cache's absolute positions
-    (selection order).
+    (insertion score: β‖e‖, ‖e‖, β‖v‖, document position or 0), ``e`` ``[B,T,H,V]``, ``S``
+    ``[B,H,K,V]``, ``caches``: a list over completed blocks of ``[B][H]`` lists of the cache's
+    absolute positions (selection order; without ``segment_ids`` only), and ``last_cache``:
+    ``[B][H]`` lists of the final cache's positions inside the row's last document.
     """
     q, k, v, g, beta, gamma_q, gamma_k, sink_logit, gate_logit = (
         np.asarray(a, np.float64)
@@ -46,12 +48,16 @@ def hola_reference(
     S_out = np.zeros((B, H, K, V))
     n_done = T // C
     caches = [[[None] * H for _ in range(B)] for _ in range(n_done)]
+    last_cache = [[None] * H for _ in range(B)]
+    seg = np.zeros((B, T), int) if segment_ids is None else np.asarray(segment_ids)
     for b in range(B):
         for h in range(H):
-            S = np.zeros((K, V))
-            cache = []  # absolute positions in A_{n-1}
             mass = np.zeros(T)  # cumulative attention received
             for t in range(T):
+                if t == 0 or seg[b, t] != seg[b, t - 1]:  # a document starts: empty state
+                    S = np.zeros((K, V))
+                    cache = []  # absolute positions in A_{n-1}
+                    d0 = t
                 a = np.exp(g[b, t, h])
                 e = v[b, t, h] - a * S.T @ k[b, t, h]
                 S = a * S + beta[b, t, h] * np.outer(k[b, t, h], e)
@@ -61,11 +67,11 @@ def hola_reference(
                     "beta_e": beta[b, t, h] * np.linalg.norm(e),
                     "e": np.linalg.norm(e),
                     "beta_v": beta[b, t, h] * np.linalg.norm(v[b, t, h]),
-                    "recency": float(t),
+                    "recency": float(t - d0),
                     "cumulative_attention": 0.0,
                 }[eviction]
-                n = t // C
-                visible = list(cache) + list(range(n * C, t + 1))
+                n = (t - d0) // C  # block of the document
+                visible = list(cache) + list(range(d0 + n * C, t + 1))
                 qn = _norm(q[b, t, h], gamma_q[h], read_norm)
                 logits = np.array(
                     [cs * qn @ _norm(k[b, j, h], gamma_k[h], read_norm) for j in visible]
@@ -76,16 +82,21 @@ def hola_reference(
                 o_cache[b, t, h] = sum(p[i] * v[b, j, h] for i, j in enumerate(visible))
                 for i, j in enumerate(visible):
                     mass[j] += p[i]
-                if t % C == C - 1:
+                if (t - d0) % C == C - 1:
                     if eviction == "cumulative_attention":
-                        cand = list(cache) + list(range(n * C, t + 1))
+                        cand = list(cache) + list(range(d0 + n * C, t + 1))
                         cache = sorted(cand, key=lambda j: (-mass[j], j))[:W]
                     elif eviction == "recency":
-                        cache = sorted(range(t + 1), key=lambda j: -j)[:W]
-                    else:  # fixed scores: global top-w over every token so far
-                        cache = sorted(range(t + 1), key=lambda j: (-score[b, j, h], j))[:W]
-                    caches[n][b][h] = list(cache)
+                        cache = sorted(range(d0, t + 1), key=lambda j: -j)[:W]
+                    else:  # fixed scores: global top-w over every token of the document so far
+                        cache = sorted(range(d0, t + 1), key=lambda j: (-score[b, j, h], j))[:W]
+                    if segment_ids is None:
+                        caches[n][b][h] = list(cache)
             S_out[b, h] = S
+            last_cache[b][h] = [j - d0 for j in cache]
     gate = 1.0 / (1.0 + np.exp(-gate_logit))
     o = o_state + gate[None, None, :, None] * o_cache
-    return dict(o=o, o_state=o_state, o_cache=o_cache, score=score, e=e_all, S=S_out, caches=caches)
+    return dict(
+        o=o, o_state=o_state, o_cache=o_cache, score=score, e=e_all, S=S_out, caches=caches,
+        last_cache=last_cache,
+    )  # fmt: skip

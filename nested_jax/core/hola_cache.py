@@ -1,0 +1,431 @@
+"""HOLA cache path (SPEC §5): the softmax read, the top-w merge and the block scans.
+
+Split from :mod:`nested_jax.core.hola` (which holds the state, the scores, the public forward and
+the decode step). Shapes: heads-major ``[B, H, N, D]`` inside the scans; ``C`` block size, ``w``
+window. Everything here is f32.
+
+Two block scans:
+
+- :func:`cache_blocks` — one stream, blocks aligned to absolute positions ``[nC, (n+1)C)``,
+  continuing an optional state (``hola_forward`` without ``segment_ids``).
+- :func:`cache_blocks_packed` — a packed row (SPEC §0 packed sequences): every document keeps its
+  own block grid and its own cache, so each document gets exactly the outputs (and gradients) it
+  would get alone. The rule is written out in its docstring.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "read_normalize",
+    "attend",
+    "merge_top_w",
+    "cache_blocks",
+    "doc_starts",
+    "cache_blocks_packed",
+]
+
+_EPS = 1e-6
+_F32 = jnp.float32
+_INT_MAX = jnp.iinfo(jnp.int32).max
+
+
+# --------------------------------------------------------------------------------------------------
+# Cache read and merge (shared by the forward, the packed forward and the decode step)
+# --------------------------------------------------------------------------------------------------
+
+
+def read_normalize(x, gamma, read_norm):
+    """``x [B, H, N, D]``, ``gamma [H, D]``."""
+    if read_norm == "l2":
+        return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _EPS)
+    y = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + _EPS)
+    return y * gamma.astype(_F32)[None, :, None, :]
+
+
+def attend(qn, ck_n, cv, c_mask, bk_n, bv, b_mask, sink, cache_scale):
+    """Softmax read over ``[cache ‖ block ‖ sink]``.
+
+    ``qn [B,H,Q,K]``; ``ck_n [B,H,w,K]``, ``cv [B,H,w,V]``, ``c_mask [B,H,w]``; ``bk_n [B,H,C,K]``,
+    ``bv [B,H,C,V]``, ``b_mask [B,H,Q,C]`` (causal × filled); ``sink [H]``.
+    Returns ``(o [B,H,Q,V], p_cache [B,H,Q,w], p_block [B,H,Q,C])``.
+    """
+    w = ck_n.shape[2]
+    lc = jnp.einsum("bhqk,bhjk->bhqj", qn, ck_n) * cache_scale
+    lb = jnp.einsum("bhqk,bhjk->bhqj", qn, bk_n) * cache_scale
+    lc = jnp.where(c_mask[:, :, None, :], lc, -jnp.inf)
+    lb = jnp.where(b_mask, lb, -jnp.inf)
+    ls = jnp.broadcast_to(sink.astype(_F32)[None, :, None, None], lc.shape[:3] + (1,))
+    # The sink column is always present, so no row is fully masked (no NaN).
+    p = jax.nn.softmax(jnp.concatenate([lc, lb, ls], axis=-1), axis=-1)
+    pc, pb = p[..., :w], p[..., w:-1]
+    o = jnp.einsum("bhqj,bhjv->bhqv", pc, cv) + jnp.einsum("bhqj,bhjv->bhqv", pb, bv)
+    return o, pc, pb
+
+
+def merge_top_w(cache, blk, window, eviction):
+    """Top-``window`` of ``cache ∪ block`` (SPEC §5); each is ``(k, v, score, pos, valid)``, entries
+    on axis 2.
+
+    Order key: score descending (``recency``: position descending), then position ascending; invalid
+    entries last. Selection is not differentiated; the gathers pass gradients to the chosen k, v.
+    """
+    k, v, s, p, val = (jnp.concatenate([a, b], axis=2) for a, b in zip(cache, blk, strict=True))
+    if eviction == "recency":
+        primary = jnp.where(val, -p, _INT_MAX)
+    else:
+        # + 0.0 maps −0.0 to +0.0 so the total-order float sort does not split ties by sign.
+        primary = jnp.where(val, -lax.stop_gradient(s) + 0.0, jnp.inf)
+    secondary = jnp.where(val, p, _INT_MAX)
+    idx = lax.broadcasted_iota(jnp.int32, val.shape, val.ndim - 1)
+    _, _, order = lax.sort((primary, secondary, idx), dimension=-1, num_keys=2)
+    sel = order[..., :window]
+    take = lambda x: jnp.take_along_axis(x, sel, axis=2)  # noqa: E731
+    take_d = lambda x: jnp.take_along_axis(x, sel[..., None], axis=2)  # noqa: E731
+    nval = take(val)
+    return (
+        jnp.where(nval[..., None], take_d(k), 0.0),
+        jnp.where(nval[..., None], take_d(v), 0.0),
+        jnp.where(nval, take(s), 0.0),
+        jnp.where(nval, take(p), -1),
+        nval,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# One stream: blocks on absolute positions, continuing a state
+# --------------------------------------------------------------------------------------------------
+
+
+def cache_blocks(
+    q, k, v, scores, gamma_q, gamma_k, sink, state0, lead, W, C, eviction, read_norm, cs
+):
+    """Cache path over blocks.
+
+    Returns ``(o_cache [B,T,H,V], cache 5-tuple, (block_k, block_v, block_score))``. Tokens are laid
+    on "slots" aligned to absolute block boundaries: slot ``s`` is position ``pos0 − r + s`` with
+    ``r = pos0 % C``. With an initial state (``lead``), slots ``[0, r)`` hold its block buffer (keys
+    only; their queries were answered earlier) and the new tokens start at slot ``r``.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    pos0 = state0.pos
+    if lead:
+        r = pos0 % C
+        n_blocks = -(-(C + T) // C)
+    else:
+        r = jnp.zeros((), jnp.int32)
+        n_blocks = -(-T // C)
+    L = n_blocks * C
+
+    def to_slots(x, buf):  # x [B, T, H, ...] -> [B, L, H, ...]; buf [B, H, C, ...] or None
+        out = jnp.zeros((B, L) + x.shape[2:], _F32)
+        if buf is not None:
+            out = out.at[:, :C].set(jnp.moveaxis(buf.astype(_F32), 2, 1))
+        start = (jnp.zeros((), jnp.int32), r) + (jnp.zeros((), jnp.int32),) * (x.ndim - 2)
+        return lax.dynamic_update_slice(out, x.astype(_F32), start)
+
+    def to_blocks(x):  # [B, L, H, ...] -> [n, B, H, C, ...]
+        x = x.reshape((B, n_blocks, C) + x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+    buf = (state0.block_k, state0.block_v, state0.block_score) if lead else (None, None, None)
+    qs = to_blocks(to_slots(q, None))
+    ks = to_blocks(to_slots(k, buf[0]))
+    vs = to_blocks(to_slots(v, buf[1]))
+    ss = to_blocks(to_slots(lax.stop_gradient(scores), buf[2]))
+    slot = jnp.arange(L, dtype=jnp.int32)
+    filled = (slot < r + T).reshape(n_blocks, C)
+    is_query = ((slot >= r) & (slot < r + T)).reshape(n_blocks, C)
+    abs_pos = (pos0 - r + slot).reshape(n_blocks, C)
+    causal = jnp.tril(jnp.ones((C, C), bool))
+    cumulative = eviction == "cumulative_attention"
+
+    def body(cache, xs):
+        qb, kb, vb, sb, fb, iq, pb = xs
+        ck, cv, cscore, cpos, cval = cache
+        qn = read_normalize(qb, gamma_q, read_norm)
+        b_mask = jnp.broadcast_to(causal & fb[None, :], (B, H, C, C))
+        o, pc, pb_ = attend(
+            qn, read_normalize(ck, gamma_k, read_norm), cv, cval,
+            read_normalize(kb, gamma_k, read_norm), vb, b_mask, sink, cs,
+        )  # fmt: skip
+        if cumulative:
+            # Only this call's queries add mass; buffer tokens already hold earlier queries' mass.
+            wq = iq.astype(_F32)[None, None, :, None]
+            cscore = cscore + lax.stop_gradient(jnp.sum(pc * wq, axis=2))
+            sb = sb + lax.stop_gradient(jnp.sum(pb_ * wq, axis=2))
+        pos_b = jnp.broadcast_to(pb, (B, H, C))
+        val_b = jnp.broadcast_to(fb, (B, H, C))
+        old = (ck, cv, cscore, cpos, cval)
+        merged = merge_top_w(old, (kb, vb, sb, pos_b, val_b), W, eviction)
+        complete = fb[-1]  # a block is merged only once all of its C positions have been seen
+        new = tuple(jnp.where(complete, m, o_) for m, o_ in zip(merged, old, strict=True))
+        return new, (o, sb)
+
+    cache0 = (
+        state0.cache_k.astype(_F32),
+        state0.cache_v.astype(_F32),
+        state0.cache_score.astype(_F32),
+        state0.cache_pos,
+        state0.cache_valid,
+    )
+    cache, (o_blocks, s_blocks) = lax.scan(
+        body, cache0, (qs, ks, vs, ss, filled, is_query, abs_pos)
+    )
+    # [n, B, H, C, V] -> [B, L, H, V] -> the T query slots.
+    o = jnp.moveaxis(o_blocks, 0, 1).transpose(0, 1, 3, 2, 4).reshape(B, L, H, V)
+    o = lax.dynamic_slice_in_dim(o, r, T, axis=1)
+    # The unfinished last block becomes the buffer (empty when r + T is a multiple of C).
+    end = r + T
+    last = jnp.minimum(end // C, n_blocks - 1)
+    n_fill = end % C
+    keep = jnp.arange(C) < n_fill
+    bk = jnp.where(keep[None, None, :, None], ks[last], 0.0)
+    bv = jnp.where(keep[None, None, :, None], vs[last], 0.0)
+    bs = jnp.where(keep[None, None, :], s_blocks[last], 0.0)
+    return o, cache, (bk, bv, bs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Packed rows: every document keeps its own block grid and its own cache
+# --------------------------------------------------------------------------------------------------
+
+
+def doc_starts(segment_ids):
+    """``(D, p)``, both ``int32 [B, T]``: the row index where each token's document starts and the
+    token's position inside its document (``t = D_t + p_t``). A document starts at ``t = 0`` and at
+    every ``t`` with ``segment_ids[:, t] != segment_ids[:, t − 1]`` (SPEC §0)."""
+    B, T = segment_ids.shape
+    t = jnp.arange(T, dtype=jnp.int32)
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]
+    start = jnp.concatenate([jnp.ones((B, 1), bool), change], axis=1)
+    D = lax.cummax(jnp.where(start, t[None, :], 0), axis=1)
+    return D, t[None, :] - D
+
+
+def _masked_logits(qn, kn, mask, cache_scale):
+    """``qn [B,H,Q,K]``, ``kn [B,H,N,K]``, ``mask`` broadcastable to ``[B,H,Q,N]``."""
+    logits = jnp.einsum("bhqk,bhjk->bhqj", qn, kn) * cache_scale
+    return jnp.where(mask, logits, -jnp.inf)
+
+
+def _softmax_groups(logits, sink):
+    """One softmax over the concatenated key groups ``logits`` (each ``[B,H,Q,N_i]``) and the sink
+    column; returns the groups' probabilities (the sink's is dropped). The sink is always present,
+    so no row is fully masked (no NaN)."""
+    ls = jnp.broadcast_to(sink.astype(_F32)[None, :, None, None], logits[0].shape[:3] + (1,))
+    p = jax.nn.softmax(jnp.concatenate([*logits, ls], axis=-1), axis=-1)
+    out, i = [], 0
+    for lg in logits:
+        out.append(p[..., i : i + lg.shape[-1]])
+        i += lg.shape[-1]
+    return out
+
+
+def cache_blocks_packed(
+    q, k, v, scores, D, p, gamma_q, gamma_k, sink, W, C, eviction, read_norm, cs
+):
+    """Cache path of a packed row (SPEC §5 per document, SPEC §0 packed sequences).
+
+    Document ``d`` starts at row index ``D``; its token at row index ``t`` has document position
+    ``p_t = t − D``, document block ``⌊p_t/C⌋`` and block start ``s_t = D + C⌊p_t/C⌋``. The query
+    at ``t`` reads exactly what it would read if its document ran alone::
+
+        V_t = A_d(s_t) ∪ {j : D_j = D_t, s_t ≤ j ≤ t} ∪ {sink}
+        A_d(s) = top-w by score over {j : D_j = D_t, j < s}, merged block by block
+                 (A_d(D + (m+1)C) = top-w(A_d(D + mC) ∪ {D + mC ≤ j < D + (m+1)C}); ties → earlier)
+
+    so an earlier document's entries are never read and never compete for a later document's
+    slots, and a document's cache starts empty.
+
+    Implementation: a ``lax.scan`` over row blocks ``[nC, (n+1)C)``. A document block can start
+    inside a row block, so the in-block keys of a row block are its own ``C`` tokens and the
+    previous row block's (``2C`` keys, masked by ``D_j = D_t`` and ``s_t ≤ j ≤ t``). Every cache
+    entry carries the document ``D`` it belongs to. A row block holds at most one document-block
+    boundary ``β`` (``p_β > 0``, ``p_β ≡ 0 mod C``: only the document that covers the row block's
+    first slot can reach one); there the carried cache ``A_old`` (that document's, or an earlier
+    one's: filtered by ``D``) is merged with the document's tokens ``[β − C, β)`` into ``A_new``.
+    Queries before ``β`` read ``A_old``, queries from ``β`` on read ``A_new``, both masked by
+    ``D``: one softmax over ``[A_old ‖ A_new ‖ previous block ‖ block ‖ sink]``. With
+    ``cumulative_attention`` the queries before ``β`` add their attention mass before the merge
+    (a first softmax without ``A_new``, equal to theirs) and the others after it.
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; scores: ``[B, T, H]`` fixed insertion scores
+        (zeros for ``cumulative_attention``; document positions for ``recency``).
+      D, p: ``int32 [B, T]`` from :func:`doc_starts`.
+      gamma_q, gamma_k: ``[H, K]``; sink: ``[H]``; W, C: window and block size; eviction,
+        read_norm: as in ``hola_forward``; cs: cache logit scale.
+
+    Returns:
+      ``(o_cache [B, T, H, V], cache 5-tuple, (block_k, block_v, block_score), pos)``: the cache
+      and block buffer (``HolaState`` fields) of each row's last document as if it had run alone,
+      and ``pos`` = the length of row 0's last document (``HolaState.pos`` is shared by the
+      batch, so the state continues every row's last document only when those lengths agree).
+    """
+    B, T, H, _ = q.shape
+    n = -(-T // C)
+    pad = n * C - T
+
+    def slots(x, fill):  # [B, T, ...] -> [n + 1, B, C, ...]: an empty block in front, padding
+        x = jnp.pad(x, [(0, 0), (C, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(x.reshape((B, n + 1, C) + x.shape[2:]), 1, 0)
+
+    def heads(x):  # [n + 1, B, C, H, ...] -> [n + 1, B, H, C, ...]
+        return jnp.swapaxes(x, 2, 3)
+
+    def pairs(x, axis):  # [n + 1, ...] -> [n, ...]: (previous block ‖ block) along axis
+        return jnp.concatenate([x[:-1], x[1:]], axis=axis)
+
+    ks = heads(slots(k.astype(_F32), 0.0))
+    vs = heads(slots(v.astype(_F32), 0.0))
+    xs = (
+        heads(slots(q.astype(_F32), 0.0))[1:],
+        pairs(ks, 3),
+        pairs(vs, 3),
+        heads(slots(lax.stop_gradient(scores).astype(_F32), 0.0))[1:],
+        pairs(slots(D, -1), 2),  # padding belongs to no document
+        pairs(slots(p, 0), 2),
+        slots(D + (p // C) * C, _INT_MAX)[1:],  # s_t of each query (padding reads nothing)
+        slots((p > 0) & (p % C == 0), False)[1:],  # document-block boundaries
+        slots(jnp.ones((B, T), bool), False)[1:],  # real queries
+        jnp.arange(n, dtype=jnp.int32) * C,
+    )
+    body = _packed_block_fn(gamma_q, gamma_k, sink, W, C, eviction, read_norm, cs)
+    cache0 = (
+        jnp.zeros((B, H, W) + k.shape[3:], _F32),
+        jnp.zeros((B, H, W) + v.shape[3:], _F32),
+        jnp.zeros((B, H, W), _F32),
+        jnp.full((B, H, W), -1, jnp.int32),
+        jnp.zeros((B, H, W), bool),
+        jnp.full((B, H, W), -1, jnp.int32),
+    )
+    (cache, s_last), (o, s_prev) = lax.scan(body, (cache0, jnp.zeros((B, H, C), _F32)), xs)
+    o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, n * C, H, -1)[:, :T]
+    if (
+        eviction == "cumulative_attention"
+    ):  # final masses: block m from step m + 1, the last carried
+        s = jnp.concatenate([s_prev[1:], s_last[None]], axis=0)
+        scores = jnp.transpose(s, (1, 0, 3, 2)).reshape(B, n * C, H)[:, :T]
+    return (o, *_last_document_state(k, v, scores, D, p, cache, W, C, eviction))
+
+
+def _packed_block_fn(gamma_q, gamma_k, sink, W, C, eviction, read_norm, cs):
+    """The scan body of :func:`cache_blocks_packed` (one row block; see its docstring)."""
+    cumulative = eviction == "cumulative_attention"
+    sg = lax.stop_gradient
+
+    def body(carry, xs):
+        (ck, cv, csc, cp, cval, cdoc), s_prev = carry
+        qb, kk, vv, s_cur, Dk, pk, s_q, bnd, is_q, row0 = xs
+        B, H = qb.shape[:2]
+        Dq = Dk[:, C:]
+        rows_q = row0 + jnp.arange(C, dtype=jnp.int32)
+        rows_k = row0 - C + jnp.arange(2 * C, dtype=jnp.int32)
+        has_b = jnp.any(bnd, axis=-1)
+        b_idx = jnp.argmax(bnd, axis=-1)
+        beta = jnp.where(has_b, row0 + b_idx, _INT_MAX)  # [B]
+        D_beta = jnp.where(has_b, jnp.take_along_axis(Dq, b_idx[:, None], 1)[:, 0], -2)
+        pre = rows_q[None, :] < beta[:, None]  # [B, C]: reads A_old
+        s_tok = jnp.concatenate([s_prev, s_cur], axis=-1)  # [B, H, 2C]
+
+        qn = read_normalize(qb, gamma_q, read_norm)
+        same_old = cdoc[:, :, None, :] == Dq[:, None, :, None]
+        l_old = _masked_logits(
+            qn, read_normalize(ck, gamma_k, read_norm), cval[:, :, None, :] & same_old
+            & pre[:, None, :, None], cs,
+        )  # fmt: skip
+        m_tok = (
+            (Dk[:, None, :] == Dq[:, :, None])
+            & (rows_k[None, None, :] >= s_q[:, :, None])
+            & (rows_k[None, None, :] <= rows_q[None, :, None])
+        )
+        l_tok = _masked_logits(qn, read_normalize(kk, gamma_k, read_norm), m_tok[:, None], cs)
+        if cumulative:  # the queries before β add their mass before the merge
+            p_old, p_tok = _softmax_groups([l_old, l_tok], sink)
+            w_pre = (is_q & pre).astype(_F32)[:, None, :, None]
+            csc = csc + sg(jnp.sum(p_old * w_pre, axis=2))
+            s_tok = s_tok + sg(jnp.sum(p_tok * w_pre, axis=2))
+
+        # A_new = top-w(A_old of β's document ∪ its tokens [β − C, β)); β's document only.
+        in_win = (Dk == D_beta[:, None]) & (rows_k[None, :] >= beta[:, None] - C)
+        in_win = in_win & (rows_k[None, :] < beta[:, None])
+        cand = (kk, vv, s_tok, jnp.broadcast_to(pk[:, None], (B, H, 2 * C)),
+                jnp.broadcast_to(in_win[:, None], (B, H, 2 * C)))  # fmt: skip
+        old = (ck, cv, csc, cp, cval & (cdoc == D_beta[:, None, None]))
+        nk, nv, ns, npos, nval = merge_top_w(old, cand, W, eviction)
+        ndoc = jnp.where(nval, D_beta[:, None, None], -1)
+        m_new = nval[:, :, None, :] & (ndoc[:, :, None, :] == Dq[:, None, :, None])
+        l_new = _masked_logits(
+            qn, read_normalize(nk, gamma_k, read_norm), m_new & ~pre[:, None, :, None], cs
+        )
+        p_old, p_new, p_tok = _softmax_groups([l_old, l_new, l_tok], sink)
+        o = sum(jnp.einsum("bhqj,bhjv->bhqv", pr, x) for pr, x in
+                ((p_old, cv), (p_new, nv), (p_tok, vv)))  # fmt: skip
+        if cumulative:  # the queries from β on (A_old is masked for them)
+            w_post = (is_q & ~pre).astype(_F32)[:, None, :, None]
+            ns = ns + sg(jnp.sum(p_new * w_post, axis=2))
+            s_tok = s_tok + sg(jnp.sum(p_tok * w_post, axis=2))
+
+        hb = has_b[:, None, None]
+        cache = tuple(
+            jnp.where(hb[..., None] if a.ndim == 4 else hb, a, b)
+            for a, b in zip((nk, nv, ns, npos, nval, ndoc), (ck, cv, csc, cp, cval, cdoc),
+                            strict=True)
+        )  # fmt: skip
+        return (cache, s_tok[..., C:]), (o, s_tok[..., :C])
+
+    return body
+
+
+def _last_document_state(k, v, scores, D, p, cache, W, C, eviction):
+    """Cache and block buffer of each row's last document as if it had run alone.
+
+    The carried cache holds that document's ``A`` as of its last boundary before ``T`` (or an
+    earlier document's: then empty). If the document ends on a block boundary (``L_d ≡ 0 mod C``)
+    its last block ``[T − C, T)`` is merged now, as the unpacked scan does; otherwise the buffer
+    holds its last ``L_d mod C`` tokens in slots ``0..``.
+    """
+    B, T, H, _ = k.shape
+    D_last = D[:, -1]
+    L_d = T - D_last  # [B]
+    r = L_d % C
+    ck, cv, csc, cp, cval, cdoc = cache
+    cval = cval & (cdoc == D_last[:, None, None])
+    own = (
+        jnp.where(cval[..., None], ck, 0.0),
+        jnp.where(cval[..., None], cv, 0.0),
+        jnp.where(cval, csc, 0.0),
+        jnp.where(cval, cp, -1),
+        cval,
+    )
+
+    def gather(x, idx):  # x [B, T, H, ...], idx [B, C] -> [B, H, C, ...]
+        idx = jnp.clip(idx, 0, T - 1).reshape((B, C) + (1,) * (x.ndim - 2))
+        return jnp.swapaxes(jnp.take_along_axis(x, idx, axis=1), 1, 2)
+
+    kf, vf, sf = k.astype(_F32), v.astype(_F32), lax.stop_gradient(scores).astype(_F32)
+    slot = jnp.arange(C, dtype=jnp.int32)
+    if T >= C:  # a last document of length ≥ C may end on a boundary
+        idx = jnp.broadcast_to(T - C + slot, (B, C))
+        last = jnp.broadcast_to((r == 0)[:, None, None], (B, H, C))
+        pos_b = jnp.broadcast_to(jnp.take_along_axis(p, idx, axis=1)[:, None], (B, H, C))
+        blk = (gather(kf, idx), gather(vf, idx), gather(sf, idx), pos_b, last)
+        merged = merge_top_w(own, blk, W, eviction)
+        on_b = (r == 0)[:, None, None]
+        own = tuple(
+            jnp.where(on_b[..., None] if a.ndim == 4 else on_b, a, b)
+            for a, b in zip(merged, own, strict=True)
+        )
+    idx = T - r[:, None] + slot[None]
+    keep = (slot[None] < r[:, None])[:, None]  # [B, 1, C]
+    buf = (
+        jnp.where(keep[..., None], gather(kf, idx), 0.0),
+        jnp.where(keep[..., None], gather(vf, idx), 0.0),
+        jnp.where(keep, gather(sf, idx), 0.0),
+    )
+    return own, buf, L_d[0].astype(jnp.int32)
