@@ -16,18 +16,17 @@ a single token runs ``hola_decode_step``, a longer call (prefill) ``hola_forward
 the state, so token-by-token decoding equals the block-parallel forward. Its size does not depend
 on the number of tokens: per head ``K·V + (w + C)(K + V)`` floats (+ conv taps).
 
-Packed sequences (``segment_ids``) — **Decision / known limitation**: ``core.hola`` has no segment
-masks. The layer sets the log decay to ``RESET_LOG_DECAY = −100`` (``α ≈ 4·10⁻⁴⁴``) at every segment
-start, so the gated delta state and the eviction scores restart per document (equal to GDN's exact
-reset to f32 precision; tested), and the short convs reset as in GDN. The cache path is *not*
-segment-aware: a query may still read cache entries (and block-prefix tokens) of earlier documents
-packed into the same row. Unpacked inputs (evaluation, NIAH, decoding) are exact.
+Packed sequences (``segment_ids``, SPEC §0): exact. ``hola_forward`` runs every document of a packed
+row as if alone — the gated delta state and the eviction scores restart from zero at its start, its
+blocks are counted from its first token, its cache starts empty and holds only its own tokens, and
+a query reads only its own document's cache entries and block tokens (plus the sink); the short
+convs reset as in GDN. So a packed row gives each document the outputs and gradients it gets alone
+(tested). Packed rows cannot be combined with a cache (``ValueError``, as in the LM shell);
+decoding is one stream.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from nested_jax.core.hola import (
@@ -42,30 +41,7 @@ from nested_jax.layers.common import partitioned
 from nested_jax.layers.deltanet import DeltaCache
 from nested_jax.layers.gdn import GatedDeltaNet
 
-__all__ = ["RESET_LOG_DECAY", "HolaMixer", "reset_decay_at_segment_starts"]
-
-# Log decay that stands for "reset the state" at a segment start. Large enough that e^g underflows
-# to (almost) zero, small enough that the chunk-local cumulative sums of g keep ~1e-5 absolute
-# precision in f32 (all decays are exponentiated as non-positive differences, so no overflow).
-RESET_LOG_DECAY = -100.0
-
-
-def reset_decay_at_segment_starts(g: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """``g`` with ``RESET_LOG_DECAY`` at every segment start after the first token.
-
-    Args:
-      g: ``[B, T, H]`` log decay.
-      segment_ids: ``int [B, T]``; a start is ``t > 0`` with ``segment_ids[:, t] != [:, t-1]``.
-
-    Returns:
-      ``[B, T, H]``; gradients do not reach ``g`` at the starts (GDN's reset ignores them too).
-    """
-    if g.ndim != 3 or segment_ids.shape != g.shape[:2]:
-        raise ValueError(
-            f"segment_ids: expected int [B, T] = {tuple(g.shape[:2])}, got {segment_ids.shape}"
-        )
-    start = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))
-    return jnp.where(start[..., None], jnp.asarray(RESET_LOG_DECAY, g.dtype), g)
+__all__ = ["HolaMixer"]
 
 
 class HolaMixer(GatedDeltaNet):
@@ -149,6 +125,8 @@ class HolaMixer(GatedDeltaNet):
         )
 
     def _rule(self, q, k, v, g, beta, *, state, segment_ids, single_step: bool):
+        if segment_ids is not None and state is not None:
+            raise ValueError("segment_ids: packed segments cannot be combined with a cache")
         params = (self.gamma_q[...], self.gamma_k[...], self.sink_logit[...], self.gate_logit[...])
         opts = dict(eviction=self.eviction, read_norm=self.read_norm)
         if single_step:
@@ -156,8 +134,6 @@ class HolaMixer(GatedDeltaNet):
                 state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], *params, **opts
             )
             return o[:, None], s
-        if segment_ids is not None:
-            g = reset_decay_at_segment_starts(g, segment_ids)
         if state is not None and not isinstance(state, HolaState):
             raise ValueError(f"cache: expected a HolaState in the layer cache, got {type(state)}")
         return hola_forward(
@@ -170,6 +146,7 @@ class HolaMixer(GatedDeltaNet):
             window=self.window,
             block_size=self.block_size,
             initial_state=state,
+            segment_ids=segment_ids,
             chunk_size=self.chunk_size,
             **opts,
         )

@@ -1,5 +1,6 @@
 """HOLA mixer (SPEC §5): decode == forward across block boundaries, σ(λ)→0 equals the GDN layer,
-packed-segment resets, constant cache size, options and gradients."""
+packed rows == documents alone (values and gradients), constant cache size, options and
+gradients."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ from flax import nnx
 
 from nested_jax.core.hola import HolaState
 from nested_jax.layers.gdn import GatedDeltaNet
-from nested_jax.layers.hola import RESET_LOG_DECAY, HolaMixer, reset_decay_at_segment_starts
+from nested_jax.layers.hola import HolaMixer
 
 D_MODEL, H, D = 24, 2, 8
 KW = dict(conv_size=4, chunk_size=8)
@@ -106,10 +107,65 @@ def test_packed_segments_reset_the_state_like_gdn():
     y_h, _ = _call(hola, x, seg)
     y_g, _ = _call(gdn, x, seg)
     np.testing.assert_allclose(y_h, y_g, rtol=1e-4, atol=1e-5)
-    g = jnp.zeros((2, 20, H))
-    r = reset_decay_at_segment_starts(g, seg)
-    assert np.array_equal(np.nonzero(np.asarray(r[..., 0]))[1], [7, 12, 17])
-    assert float(r.min()) == RESET_LOG_DECAY
+
+
+# Packed rows (SPEC §0): C = 4 never divides the starts 5, 18, 19 and 11; 8 is on a boundary;
+# documents of 1, 3, 5, 8, 11 and 13 tokens.
+LENGTHS = ((5, 13, 1, 11), (8, 3, 8, 11))
+T_ROW, T_DOC = 30, 13
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def _documents():
+    return [
+        (b, int(s), n)
+        for b, row in enumerate(LENGTHS)
+        for s, n in zip(np.cumsum((0,) + row[:-1]), row, strict=True)
+    ]
+
+
+def _to_alone(a, fill=None):
+    """``[2, T_ROW, ...]`` -> one document per row ``[n_docs, T_DOC, ...]``, then ``fill`` (zeros
+    by default) after each document."""
+    out = np.zeros((len(_documents()), T_DOC) + a.shape[2:], a.dtype) if fill is None else fill
+    for i, (b, s, n) in enumerate(_documents()):
+        out[i, :n] = a[b, s : s + n]
+    return out
+
+
+def _y_and_vjp(layer, x, seg, r):
+    """``(y, ∂⟨r, y⟩/∂params, ∂⟨r, y⟩/∂x)`` via jax.vjp, compiled once with XLA's cheapest pass."""
+    graphdef, params = nnx.split(layer)
+
+    def run(params, x, r):
+        y, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p)(x, segment_ids=seg)[0], params, x)
+        return (y, *vjp(r))
+
+    return jax.jit(run).lower(params, x, r).compile(_FAST_COMPILE)(params, x, r)
+
+
+@pytest.mark.parametrize("window", [3, 16])
+def test_packed_row_equals_documents_alone_values_and_grads(window):
+    """SPEC §0: each document of a packed row gets the outputs, input gradients and parameter
+    gradients (every parameter, cache path included) of running it alone. w = 3 is smaller than
+    most documents (the per-document block grid and top-w selection matter), w = 16 larger."""
+    layer = _hola(window=window)
+    x = np.asarray(_x(6, 2, T_ROW))
+    seg = jnp.asarray(np.stack([np.repeat(np.arange(len(r)), r) for r in LENGTHS]), jnp.int32)
+    r = np.asarray(jax.random.normal(jax.random.key(7), x.shape))
+    y_p, gp_p, gx_p = _y_and_vjp(layer, x, seg, r)
+    x_a = _to_alone(x, fill=np.array(_x(8, len(_documents()), T_DOC)))  # filler after: causal
+    y_a, gp_a, gx_a = _y_and_vjp(layer, x_a, None, _to_alone(r))
+    real = _to_alone(np.ones((2, T_ROW), bool))
+    for what, a, b in (("y", y_p, y_a), ("dx", gx_p, gx_a)):
+        a, b = _to_alone(np.asarray(a))[real], np.asarray(b)[real]
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max(), err_msg=what)
+    flat_p, flat_a = nnx.to_flat_state(gp_p), nnx.to_flat_state(gp_a)
+    for (path, a), (_, b) in zip(flat_p, flat_a, strict=True):
+        a, b = np.asarray(a[...]), np.asarray(b[...])
+        scale = max(float(np.abs(b).max()), 1e-6)
+        np.testing.assert_allclose(a / scale, b / scale, atol=2e-5, err_msg=str(path))
+        assert np.abs(a).max() > 0, path
 
 
 def test_options_are_validated():
@@ -121,8 +177,11 @@ def test_options_are_validated():
         _hola(read_norm="layernorm")
     with pytest.raises(ValueError, match="window"):
         _hola(window=0)
+    layer, x = _hola(), _x(9, 2, 5)
     with pytest.raises(ValueError, match="segment_ids"):
-        reset_decay_at_segment_starts(jnp.zeros((2, 5, H)), jnp.zeros((2, 4), jnp.int32))
+        layer(x, segment_ids=jnp.zeros((2, 4), jnp.int32))
+    with pytest.raises(ValueError, match="segment_ids: packed segments cannot be combined"):
+        layer(x, segment_ids=jnp.zeros((2, 5), jnp.int32), cache=layer.init_cache(2, 5))
 
 
 def test_parameters_init_and_receive_gradients():
