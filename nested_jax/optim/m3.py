@@ -15,6 +15,50 @@ that is not a matrix (and embeddings, by default) to AdamW.
 batch, e.g. scanned layers): ``X = G / (‖G‖_F + ε_ns)``, transpose if rows > cols, ``ns_steps``
 iterations of ``X ← aX + b(XXᵀ)X + c(XXᵀ)²X``, transpose back.
 
+Why Algorithm 1 is not scale-invariant: NS returns (nearly) orthogonal matrices whatever the size
+of its input, so ``RMS(O1 + α O2)`` is a constant (≈ ``(1 + α)/√max(m, n)`` for an ``m × n``
+matrix, ``min(m, n)`` singular values ≈ 1), while ``√V = √(β2 Σ g²)`` has the units of the
+gradient. Multiplying every gradient by ``c > 0`` therefore multiplies the step by ``1/c``: the
+step is ``∝ lr / |g|`` (large when gradients are small, e.g. near a minimum or with a small
+loss scale; small when they are large), so the usable learning rate depends on the gradient scale
+of the problem and does not transfer from AdamW or Muon.
+
+Scale-invariant variant, ``normalize="rms"`` (**not the paper's**; default ``"none"`` is
+Algorithm 1 bit for bit). Same state and recurrence; only the direction changes. Per matrix
+(the last two axes; a leaf with ``ndim < 2`` counts as one matrix), with ``ρ = target_rms``::
+
+    O1 = NS(M1 / ‖M1‖_F) ;   O2 = NS(M2 / ‖M2‖_F)      (NS sees a unit-norm input: ε_ns is relative)
+    ν  = √V / RMS(√V)         RMS(√V) = √mean(V)        (dimensionless second moment)
+    D  = (O1 + α · O2) / (ν + ε)                        (= Algorithm 1's direction · RMS(√V))
+    direction = ρ · D / RMS(D)                          (RMS(direction) = ρ for every matrix)
+
+(``0/0`` is read as 0: an all-zero ``V`` or ``D`` gives a zero direction.) With
+``g → c g`` for every step: ``M1, M2, B → c·``, ``V → c² V``, so ``M / ‖M‖_F``, ``ν`` and hence
+``O1, O2, D`` and the direction are unchanged (exactly, up to float rounding; with ``c`` a power
+of two, bit for bit). It keeps Algorithm 1's *direction* — the orthogonalised fast + slow momenta,
+preconditioned coordinate-wise by ``√V`` — and fixes its *size*: each matrix moves by
+``lr · ρ`` in RMS per step, like Moonlight's Muon (Liu et al. 2025, "Muon is Scalable for LLM
+Training": NS output times ``0.2 · √max(m, n)`` so its RMS matches AdamW's typical 0.2–0.4) and
+AdaMuon (RMS-aligned rescaling of the preconditioned orthogonal direction). With ``ρ = 0.2`` the
+M3 matrices and the AdamW leaves of :func:`m3` take steps of comparable RMS, so one learning
+rate in AdamW's range serves both branches.
+
+``ε`` choice: with an absolute ``ε`` the invariance would only hold where ``√V ≫ ε / c``
+(``g → 10⁻³ g`` turns ``ε = 10⁻⁸`` into ``10⁻⁵`` in gradient units, enough to move coordinates
+with small ``V`` by more than the rounding); dividing ``√V`` by its per-matrix RMS first makes
+``ε`` (same default ``1e-8``) a fraction of the typical ``√V`` instead, and handing NS the
+unit-Frobenius matrix makes ``ns_eps`` relative in the same way. Normalising after the division
+(not ``O / RMS(O)`` before it) is what lets ``ν`` keep its coordinate-wise preconditioning.
+
+What the variant does not change: Algorithm 1's additive momenta never forget (``M1 = β1 Σ g``
+over all steps), so ``O1`` keeps pointing along the sum of every past gradient. In Algorithm 1
+the growing ``√V ∝ √t`` shrinks the step like ``1/√t``; the variant's step RMS is ``lr · ρ`` at
+every ``t``, so only the learning-rate schedule decays it, and at a constant rate the additive
+momenta overshoot (``nested-jax bench optim``'s toy regression: the additive variant is about as
+far from AdamW / Muon as Algorithm 1 at its best rate). ``accumulate="ema", normalize="rms"``
+(neither is the paper's; SPEC §3.5 names ``"ema"`` as the non-paper reading) is the combination
+that behaves as a drop-in for AdamW / Muon.
+
 Decisions / options:
 
 - ``accumulate="additive"`` (default) is the paper's Algorithm 1. ``accumulate="ema"`` is **not
@@ -24,6 +68,9 @@ Decisions / options:
   invariant, so the momenta need no bias correction.
 - Leaves with fewer than two dimensions are not orthogonalised in :func:`scale_by_m3`
   (``NS(M) := M`` for them; the rest of the rule is unchanged). :func:`m3` routes them to AdamW.
+- ``normalize="rms"``'s ``ν, D`` are per matrix over the last two axes (stacked layers
+  ``[L, m, n]`` are normalised layer by layer); for leaves with ``ndim < 2`` over the whole leaf.
+  It combines with either ``accumulate`` (the EMA bias correction cancels in ``ν``).
 - The moments are stored in ``state_dtype`` (float32 by default, also for bf16 parameters:
   additive sums of ``g²`` lose everything in bf16); the updates take each gradient leaf's dtype.
 - ``init`` derives its zeros from the parameters, so the state shards like them even when ``init``
@@ -58,6 +105,7 @@ __all__ = [
 ]
 
 _ACCUMULATE = ("additive", "ema")
+_NORMALIZE = ("none", "rms")
 
 
 class M3State(NamedTuple):
@@ -155,6 +203,49 @@ def _resolve_dtype(state_dtype):
     return None if state_dtype is None else jnp.dtype(state_dtype)
 
 
+def _matrix_axes(x) -> tuple[int, ...]:
+    """The axes one "matrix" spans: the last two, or all of them for ``ndim < 2``."""
+    return tuple(range(max(0, x.ndim - 2), x.ndim))
+
+
+def _safe_div(num, den):
+    """``num / den`` with ``0`` where ``den == 0`` (only ``0/0`` occurs there in M3)."""
+    pos = den > 0
+    return jnp.where(pos, num / jnp.where(pos, den, 1), 0)
+
+
+def _rms(x, axes):
+    return jnp.sqrt(jnp.mean(jnp.square(x), axis=axes, keepdims=True))
+
+
+def _unit_frobenius(x):
+    """``x / ‖x‖_F`` per matrix (last two axes) in at least float32; ``0`` stays ``0``."""
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
+    return _safe_div(x, norm)
+
+
+def _rms_direction(o, v, eps, target_rms):
+    """``normalize="rms"``: ``ρ · D / RMS(D)`` with ``D = o / (√V / RMS(√V) + ε)`` per matrix.
+
+    Args:
+      o: ``O1 + α O2``, shaped like the parameter.
+      v: second moment ``V`` (bias-corrected for ``"ema"``), same shape.
+      eps: ``ε``, relative to ``RMS(√V)``.
+      target_rms: ``ρ``.
+
+    Returns:
+      the direction, same shape, float32 (at least); per-matrix RMS ``ρ`` (0 where ``D = 0``).
+    """
+    dt = jnp.promote_types(jnp.result_type(o, v), jnp.float32)
+    o, v = o.astype(dt), v.astype(dt)
+    axes = _matrix_axes(v)
+    root = jnp.sqrt(v)
+    nu = _safe_div(root, jnp.sqrt(jnp.mean(v, axis=axes, keepdims=True)))
+    d = _safe_div(o, nu + jnp.asarray(eps, dt))
+    return jnp.asarray(target_rms, dt) * _safe_div(d, _rms(d, axes))
+
+
 def scale_by_m3(
     beta1=0.9,
     beta2=0.999,
@@ -168,12 +259,21 @@ def scale_by_m3(
     *,
     ns_eps=1e-8,
     state_dtype: Any = "float32",
+    normalize: str = "none",
+    target_rms=0.2,
 ) -> optax.GradientTransformation:
     """The M3 direction ``(NS(M1) + α NS(M2)) / (√V + ε)`` (SPEC §3.5, paper Algorithm 1).
 
     Chain with ``optax.scale_by_learning_rate(lr)`` (or use :func:`m3`) to descend. See the module
-    docstring for the full recurrence, the ``"ema"`` option (not the paper's) and the handling of
-    leaves with fewer than two dimensions (no orthogonalisation).
+    docstring for the full recurrence, the ``"ema"`` option (not the paper's), the handling of
+    leaves with fewer than two dimensions (no orthogonalisation) and the derivation of
+    ``normalize="rms"``.
+
+    Algorithm 1's direction (``normalize="none"``) is not scale-invariant: multiplying every
+    gradient by ``c`` multiplies it by ``1/c`` (``RMS ≈ (1+α) / (√max(m,n) · RMS(√V))``), so its
+    usable learning rate depends on the problem's gradient scale. ``normalize="rms"`` returns
+    ``ρ · D / RMS(D)`` per matrix with ``D = (NS(M1/‖M1‖) + α NS(M2/‖M2‖)) / (√V/RMS(√V) + ε)``:
+    the same direction, with RMS exactly ``ρ = target_rms`` and unchanged under ``g → c g``.
 
     Args:
       beta1: ``β1``, fast momentum rate.
@@ -187,6 +287,10 @@ def scale_by_m3(
       accumulate: ``"additive"`` (Algorithm 1) or ``"ema"``.
       ns_eps: ``ε`` of the Newton–Schulz normalisation.
       state_dtype: dtype of ``m1, m2, v, slow_buffer, o2`` (``None``: each parameter's dtype).
+      normalize: ``"none"`` (Algorithm 1, default) or ``"rms"`` (scale-invariant: per-matrix RMS
+        ``target_rms``, ``ε`` and ``ns_eps`` relative; not the paper's).
+      target_rms: ``ρ``, the per-matrix RMS of the direction with ``normalize="rms"`` (ignored
+        otherwise); ``0.2`` matches AdamW's typical update RMS (Moonlight's Muon scaling).
 
     Returns:
       ``optax.GradientTransformation`` with state :class:`M3State`; the update is the direction (not
@@ -194,6 +298,12 @@ def scale_by_m3(
     """
     if accumulate not in _ACCUMULATE:
         raise ValueError(f"accumulate must be one of {_ACCUMULATE}, got {accumulate!r}")
+    if normalize not in _NORMALIZE:
+        raise ValueError(f"normalize must be one of {_NORMALIZE}, got {normalize!r}")
+    if isinstance(target_rms, bool) or (
+        isinstance(target_rms, (int, float, np.integer, np.floating)) and not target_rms > 0
+    ):
+        raise ValueError(f"target_rms must be a positive number, got {target_rms!r}")
     if _is_static_int(slow_every) and slow_every < 1:
         raise ValueError(f"slow_every must be a positive int, got {slow_every}")
     elif not _is_static_int(slow_every) and not isinstance(slow_every, (jax.Array, np.ndarray)):
@@ -204,11 +314,13 @@ def scale_by_m3(
         raise ValueError(f"ns_coeffs must be (a, b, c), got {ns_coeffs!r}")
     sdt = _resolve_dtype(state_dtype)
     ema = accumulate == "ema"
+    rms = normalize == "rms"
 
     def ns(x):
         if x.ndim < 2:
             return x  # vectors/scalars: no orthogonalisation (documented)
-        return newton_schulz(x, ns_steps, ns_coeffs, ns_eps).astype(x.dtype)
+        y = _unit_frobenius(x) if rms else x  # "rms": NS of M/‖M‖_F, so ns_eps is relative
+        return newton_schulz(y, ns_steps, ns_coeffs, ns_eps).astype(x.dtype)
 
     def zeros(p):
         # Derived from p (not a bare constant) so that a jitted init in GSPMD/Auto mode keeps the
@@ -239,6 +351,8 @@ def scale_by_m3(
 
         def direction(u, a, b, vv):
             vv = vv / v_corr.astype(vv.dtype) if ema else vv
+            if rms:  # scale-invariant variant (module docstring)
+                return _rms_direction(a + alpha * b, vv, eps, target_rms).astype(u.dtype)
             return ((a + alpha * b) / (jnp.sqrt(vv) + eps)).astype(u.dtype)
 
         new_updates = jax.tree.map(direction, updates, o1, state.o2, v)
@@ -314,6 +428,8 @@ def m3(
     m3_mask: Any = None,
     ns_eps=1e-8,
     state_dtype: Any = "float32",
+    normalize: str = "none",
+    target_rms=0.2,
 ) -> optax.GradientTransformationExtraArgs:
     """M3 for matrices, AdamW for everything else (SPEC §3.5), via ``optax.partition``.
 
@@ -325,7 +441,11 @@ def m3(
     Args:
       learning_rate: float, array or ``optax`` schedule.
       beta1, beta2, beta3, alpha, eps, slow_every, ns_steps, ns_coeffs, accumulate, ns_eps,
-        state_dtype: as in :func:`scale_by_m3`.
+        state_dtype, normalize, target_rms: as in :func:`scale_by_m3`. With the default
+        ``normalize="none"`` (Algorithm 1) the M3 step scales like ``lr / |g|``, so its learning
+        rate has to be tuned per problem (often far below AdamW's); with ``normalize="rms"`` every
+        M3 matrix moves by ``lr · target_rms`` in RMS per step and a learning rate in AdamW's
+        range serves both branches.
       weight_decay: decoupled decay of the M3 leaves (and of the AdamW leaves unless
         ``adam_weight_decay`` is given).
       weight_decay_mask: optional mask (pytree of bools or callable) for the decay, as in optax.
@@ -358,6 +478,8 @@ def m3(
             accumulate,
             ns_eps=ns_eps,
             state_dtype=state_dtype,
+            normalize=normalize,
+            target_rms=target_rms,
         ),
         optax.add_decayed_weights(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
@@ -384,6 +506,8 @@ _CONFIG_KEYS = (
     "ns_coeffs",
     "accumulate",
     "ns_eps",
+    "normalize",
+    "target_rms",
 )
 
 
@@ -399,7 +523,9 @@ def m3_from_config(cfg, learning_rate) -> optax.GradientTransformation:
     so ``optim`` does not import ``train``): ``weight_decay`` (decoupled, on ``ndim ≥ 2`` leaves of
     both branches), ``b1, b2, eps`` (the AdamW branch), and ``extra`` with any of the
     :func:`scale_by_m3` keys ``beta1, beta2, beta3, alpha, eps, slow_every, ns_steps, ns_coeffs,
-    accumulate, ns_eps`` (``extra["eps"]`` is M3's ε; ``cfg.eps`` stays Adam's).
+    accumulate, ns_eps, normalize, target_rms`` (``extra["eps"]`` is M3's ε; ``cfg.eps`` stays
+    Adam's). ``extra: {normalize: rms}`` selects the scale-invariant variant; an unknown key or a
+    bad value raises ``ValueError`` naming ``optimizer.extra`` and the key.
 
     Args:
       cfg: an ``OptimizerConfig``-like object.
@@ -416,12 +542,15 @@ def m3_from_config(cfg, learning_rate) -> optax.GradientTransformation:
         )
     if "ns_coeffs" in extra:
         extra["ns_coeffs"] = tuple(extra["ns_coeffs"])
-    return m3(
-        learning_rate,
-        weight_decay=cfg.weight_decay,
-        weight_decay_mask=_decay_matrices,
-        adam_b1=cfg.b1,
-        adam_b2=cfg.b2,
-        adam_eps=cfg.eps,
-        **extra,
-    )
+    try:
+        return m3(
+            learning_rate,
+            weight_decay=cfg.weight_decay,
+            weight_decay_mask=_decay_matrices,
+            adam_b1=cfg.b1,
+            adam_b2=cfg.b2,
+            adam_eps=cfg.eps,
+            **extra,
+        )
+    except ValueError as err:  # "normalize must be one of ..." → "optimizer.extra.normalize ..."
+        raise ValueError(f"optimizer.extra.{err}") from None
