@@ -17,7 +17,6 @@ Pattern for a benchmark module ``nested_jax/bench/<name>.py``::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,6 +25,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from nested_jax.files import strict_json
 
 __all__ = [
     "make_parser",
@@ -128,7 +129,7 @@ def emit(results: dict, as_json: bool, file=None) -> None:
     """Print ``results`` as aligned ``key  value`` lines, or as one JSON line (last line)."""
     file = sys.stdout if file is None else file
     if as_json:
-        print(json.dumps({k: _jsonable(v) for k, v in results.items()}), file=file, flush=True)
+        print(strict_json(results), file=file, flush=True)  # NaN -> null: valid JSON
         return
     width = max((len(k) for k in results), default=0)
     for k, v in results.items():

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from nested_jax.data.config import DataConfig
+from nested_jax.files import atomic_write_bytes
 
 AUSTEN_NOVELS = (
     "emma",
@@ -67,28 +68,19 @@ def resolve_data_dir(data_dir: str = "") -> Path:
     return Path(root).expanduser()
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and an atomic rename."""
-    path = Path(path)
+def write_cache_bytes(path: Path, data: bytes) -> None:
+    """Atomically writes a data-cache file (:func:`nested_jax.files.atomic_write_bytes`).
+
+    Raises:
+      DataError: the cache folder cannot be written, in one line naming the setting to change.
+    """
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        atomic_write_bytes(path, data)
     except OSError as e:
         raise DataError(
-            f"{path.parent}: cannot write the data cache ({e.strerror}); "
+            f"{Path(path).parent}: cannot write the data cache ({e.strerror}); "
             f"set data.data_dir or $NESTED_JAX_DATA to a writable folder"
         ) from e
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; cached data is not secret
-        os.replace(tmp, path)
-    except BaseException:
-        # Interrupted (KeyboardInterrupt included): drop the partial temp file, keep the old cache.
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,7 +269,7 @@ def load_austen_novels(data_dir: str = "") -> dict[str, list[str]]:
         with workdir as tmp:
             novels = novels_from_deb(_download_deb(Path(tmp)))
     payload = {"format": _AUSTEN_CACHE_FORMAT, "source": AUSTEN_PACKAGE, "novels": novels}
-    atomic_write_bytes(cache, json.dumps(payload, ensure_ascii=False).encode("utf-8"))
+    write_cache_bytes(cache, json.dumps(payload, ensure_ascii=False).encode("utf-8"))
     return novels
 
 

@@ -36,11 +36,12 @@ import numpy as np
 from nested_jax.data.config import DataConfig
 from nested_jax.data.corpus import (
     DataError,
-    atomic_write_bytes,
     load_documents,
     resolve_data_dir,
     split_documents,
+    write_cache_bytes,
 )
+from nested_jax.data.identity import corpus_fingerprint
 from nested_jax.data.tokenizers import Tokenizer, build_tokenizer
 
 Batch = dict[str, np.ndarray]
@@ -117,7 +118,7 @@ def tokenize_documents(
                 tokens=stream.tokens.astype(np.uint16 if small else np.int32),
                 doc_lengths=stream.doc_lengths,
             )
-            atomic_write_bytes(path, buf.getvalue())
+            write_cache_bytes(path, buf.getvalue())
     if stream.tokens.size and (
         stream.tokens.min() < 0 or stream.tokens.max() >= tokenizer.vocab_size
     ):
@@ -360,13 +361,21 @@ class DataBundle:
     tokenizer: Tokenizer
     train_docs: list[str]
     val_docs: list[str]
+    corpus: dict  # corpus_fingerprint() of all documents in corpus order
 
 
-def prepare_data(cfg: DataConfig) -> DataBundle:
-    """Load the corpus, split it by document and build the tokenizer (trained on train docs)."""
+def prepare_data(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> DataBundle:
+    """Load the corpus, split it by document and build the tokenizer (trained on train docs).
+
+    Args:
+      cfg: the data config.
+      tokenizer: use this tokenizer (a workdir's saved one) instead of building it from `cfg`.
+    """
     docs = load_documents(cfg)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction, cfg.seed)
-    return DataBundle(build_tokenizer(cfg, train_docs), train_docs, val_docs)
+    if tokenizer is None:
+        tokenizer = build_tokenizer(cfg, train_docs)
+    return DataBundle(tokenizer, train_docs, val_docs, corpus_fingerprint(docs))
 
 
 def unigram_byte_entropy(docs: Sequence[str]) -> float:

@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from nested_jax.data.config import DataConfig
-from nested_jax.data.corpus import DataError, atomic_write_bytes, one_line, resolve_data_dir
+from nested_jax.data.corpus import DataError, one_line, resolve_data_dir, write_cache_bytes
 
 
 @runtime_checkable
@@ -177,7 +177,7 @@ def train_sentencepiece(
         raise ValueError(f"data.vocab_size: sentencepiece training failed ({one_line(e)})") from e
     proto = buf.getvalue()
     if path is not None:
-        atomic_write_bytes(path, proto)
+        write_cache_bytes(path, proto)
     return SentencePieceTokenizer(proto)
 
 
@@ -205,19 +205,22 @@ class HFTokenizer:
     _BOS_NAMES = ("<|endoftext|>", "<s>", "<bos>", "[BOS]", "<|begin_of_text|>", "[CLS]")
     _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|end_of_text|>", "[SEP]")
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, raw: bytes | None = None) -> None:
+        """Loads ``path``, or the file's bytes `raw` when given (then `path` only names it)."""
         from tokenizers import Tokenizer as _HF
         from tokenizers import decoders
 
         path = Path(path).expanduser()
-        if not path.is_file():
-            raise DataError(f"{path}: tokenizer.json not found (data.tokenizer)")
-        raw = path.read_bytes()
+        if raw is None:
+            if not path.is_file():
+                raise DataError(f"{path}: tokenizer.json not found (data.tokenizer)")
+            raw = path.read_bytes()
         try:
             self._tok = _HF.from_str(raw.decode("utf-8"))
         except Exception as e:  # tokenizers raises Exception subclasses from Rust
             raise DataError(f"{path}: not a valid tokenizer.json ({one_line(e)})") from e
         self.path = path
+        self.raw = raw  # the file's bytes, saved into training workdirs
         self.fingerprint = "hf-" + hashlib.sha256(raw).hexdigest()[:16]
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.bos_id = self._first_id(self._BOS_NAMES)

@@ -18,11 +18,11 @@ Writes ``<workdir>/compare.json`` and ``<workdir>/compare.md`` and prints the Ma
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from nested_jax.files import write_json
 from nested_jax.train.config import Config, ConfigError, config_to_dict, load_config
 
 
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
     workdir = Path(args.workdir)
-    (workdir / "compare.json").write_text(json.dumps(out["rows"], indent=2, default=str) + "\n")
+    write_json(workdir / "compare.json", out["rows"], default=str)
     (workdir / "compare.md").write_text(out["markdown"])
     print(out["markdown"], end="")
     return 0

@@ -46,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from nested_jax.core.cms import check_periods
+from nested_jax.files import write_json
 
 __all__ = [
     "StreamState",
@@ -374,7 +375,6 @@ def save_stream_state(
 ) -> Path:
     """Write ``state`` to the new directory ``path``: ``state/`` (orbax) + ``stream.json`` (what
     is needed to rebuild its structure: capacity, rows, CMS periods). Nothing is overwritten."""
-    import json
 
     import orbax.checkpoint as ocp
 
@@ -391,7 +391,8 @@ def save_stream_state(
         "rows": rows,
         "periods": None if periods is None else list(periods),
     }
-    (path / _META).write_text(json.dumps(meta, indent=2) + "\n")
+    if jax.process_index() == 0:
+        write_json(path / _META, meta)
     return path
 
 
@@ -473,7 +474,7 @@ def segment_report(ce, target_ids, token_bytes, segments: int) -> list[dict]:
 
 def run_stream(trained, args) -> dict:
     """``nested-jax eval --stream``: stream a text through a trained run, return a report dict."""
-    from tqdm import tqdm
+    from nested_jax.train.progress import Progress
 
     toks = stream_text_tokens(trained, args.stream)
     if args.max_tokens:
@@ -499,12 +500,10 @@ def run_stream(trained, args) -> dict:
         capacity = args.capacity or inputs.shape[1] + 4096  # room to continue (generate)
         state = init_stream(model.init_cache, params, capacity=capacity, periods=periods)
     start = int(state.pos)
-    bar = tqdm(total=inputs.shape[1], unit="tok", desc="stream", leave=False)
-    seen = [0]
+    bar = Progress(inputs.shape[1], desc="stream", unit="tok", enabled=jax.process_index() == 0)
 
     def progress(done):
-        bar.update(done - seen[0])
-        seen[0] = done
+        bar.update(done - bar.n)
 
     ce, state = stream_tokens(
         apply_fn,

@@ -107,7 +107,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -127,6 +126,7 @@ from nested_jax.core.cms import (
     cms_online,
     surprise_from_loss,
 )
+from nested_jax.files import write_json
 
 __all__ = [
     "StreamSettings",
@@ -662,7 +662,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = "\n\n".join(md) + f"\n\nwall time {wall:.0f} s; {note}\n"
     (out / "forgetting.md").write_text(text)
     payload = {"experiments": [{"title": t, **r} for t, r in results], "wall_s": wall, "plot": png}
-    (out / "forgetting.json").write_text(json.dumps(payload, indent=1))
+    write_json(out / "forgetting.json", payload, indent=1)
     print(text)
     return 0
 

@@ -20,8 +20,6 @@ stream can be continued across calls (and by ``nested-jax generate --state-in``)
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from pathlib import Path
 
@@ -154,6 +152,8 @@ def report_markdown(report: dict) -> str:
         f"| bits/byte below unigram entropy | {gap:.4f} |",
         f"| validation tokens / bytes | {int(v['tokens'])} / {int(v['bytes'])} |",
     ]
+    if report.get("corpus_change"):
+        lines += ["", f"> warning: {report['corpus_change']} (evaluated on the current text)"]
     niah = report.get("niah")
     if niah:
         depths = sorted({float(d) for row in niah["accuracy"].values() for d in row})
@@ -172,14 +172,6 @@ def report_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _json_safe(x):
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return x
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from nested_jax.parallel.distributed import maybe_initialize
@@ -196,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             name, md = "stream_report", stream_markdown(report)
         else:
             report = run_eval(trained)
+            if trained.corpus_change is not None:
+                report["corpus_change"] = trained.corpus_change
             name, md = "eval_report", report_markdown(report)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
@@ -203,11 +197,22 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
-    workdir = Path(args.workdir)
-    (workdir / f"{name}.json").write_text(json.dumps(_json_safe(report), indent=2) + "\n")
-    (workdir / f"{name}.md").write_text(md)
-    print(md, end="")
+    write_report(Path(args.workdir), name, report, md)
     return 0
+
+
+def write_report(workdir: Path, name: str, report: dict, markdown: str) -> None:
+    """Process 0 writes ``<name>.json`` (strict JSON) and ``<name>.md`` atomically and prints the
+    Markdown; the other processes of a multi-process evaluation write and print nothing."""
+    import jax
+
+    from nested_jax.files import atomic_write_text, write_json
+
+    if jax.process_index() != 0:
+        return
+    write_json(workdir / f"{name}.json", report)
+    atomic_write_text(workdir / f"{name}.md", markdown)
+    print(markdown, end="")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from nested_jax.eval.tasks import make_mqar_batch, mqar_accuracy
+from nested_jax.files import write_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,7 +346,7 @@ def run_mqar(models: Sequence[str], s: MqarSettings, out: str | Path | None = No
         row = train_and_score(name, s, widths[name])
         if done is not None:
             done.parent.mkdir(parents=True, exist_ok=True)
-            done.write_text(json.dumps({"key": key, "row": row}, indent=2) + "\n")
+            write_json(done, {"key": key, "row": row})
         print(
             f"== {name}: {row['params']:,} params, accuracy {row['accuracy']:.4f} "
             f"(chance {s.chance:.4f}), {row['train_seconds']:.0f} s",
@@ -362,7 +363,7 @@ def run_mqar(models: Sequence[str], s: MqarSettings, out: str | Path | None = No
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "mqar.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_json(out / "mqar.json", result)
         (out / "mqar.md").write_text(md)
     return result
 

@@ -34,6 +34,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from nested_jax.files import write_json
+
 DEFAULT_CONFIGS = (
     "configs/experiments/tiny_gdn.yaml",
     "configs/experiments/tiny_gdn_proteus.yaml",
@@ -268,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "proteus_table.json").write_text(
-        json.dumps({k: v for k, v in res.items() if k != "markdown"}, indent=2, default=str) + "\n"
+    write_json(
+        out / "proteus_table.json", {k: v for k, v in res.items() if k != "markdown"}, default=str
     )
     (out / "proteus_table.md").write_text(res["markdown"])
     print(res["markdown"], end="")

@@ -25,7 +25,7 @@ from nested_jax.layers.gdn import GatedDeltaNet
 
 _MIXERS: dict[str, type] = {}
 # ModelConfig option sections (``model.<section>``) each mixer reads: a resumed run may change the
-# others, since they cannot alter the parameters or the math (train.loop.check_resume_compatible).
+# others, since they cannot alter the parameters or the math (train.workdir.config_changes).
 _OPTIONS: dict[str, tuple[str, ...]] = {}
 
 

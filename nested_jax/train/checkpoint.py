@@ -1,21 +1,30 @@
-"""Orbax checkpoints of the train state, the data iterator and the config, with safe resume.
+"""Orbax checkpoints of the train state, the data iterator, the config and the data spec.
 
-Layout: ``workdir/checkpoints/<step>/{state,data,config}`` written by one ``ocp.CheckpointManager``
-(async by default, keeps the newest N). Guarantees:
+Layout: ``workdir/checkpoints/<step>/{state,data,config,data_spec}`` written by one
+``ocp.CheckpointManager`` (async by default, keeps the newest N). ``data_spec`` holds the tokenizer
+file (base64) and the corpus fingerprint (:mod:`nested_jax.data.identity`), so a checkpoint alone
+says what it was trained on. Guarantees:
 
 - **Atomic saves.** Orbax writes into ``<step>.orbax-checkpoint-tmp-*`` and renames when complete,
-  so a process killed mid-save (or a writer that raises) leaves only a temporary directory, never a
-  half checkpoint under a step name. The next start reports the incomplete save in one line and
-  resumes from the newest complete step.
-- **Corruption.** A complete-looking checkpoint whose files are truncated or garbled fails to
-  restore; that is reported in one line, the directory is moved (never deleted) to
-  ``workdir/corrupt_checkpoints/``, and the next older checkpoint is tried.
+  so a process killed mid-save (or a writer that raises, or a full disk) leaves only a temporary
+  directory, never a half checkpoint under a step name. The next start reports the incomplete save
+  in one line and resumes from the newest complete step.
+- **Mismatch is not corruption.** Before restoring, the checkpoint's array metadata (paths, shapes,
+  dtypes) is compared with what the current config builds. A difference (another optimizer, another
+  model, a new library version) raises :class:`CheckpointMismatch`, one line saying what differs;
+  nothing is moved.
+- **Corruption.** A checkpoint whose bytes fail to restore although its structure matches (or
+  whose metadata is unreadable too: truncated or garbled files) is reported in one line, moved
+  (never deleted) to ``workdir/corrupt_checkpoints/``, and the next older checkpoint is tried.
+  Unreadable metadata alone is no verdict (the restore decides), and running out of memory while
+  restoring is re-raised, not blamed on the checkpoint.
 - **Exactness.** Arrays are restored onto the shardings of a freshly initialised state
   (``ShapeDtypeStruct`` with ``sharding``), the grain iterator state restores the exact next batch.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime as _dt
 import shutil
 from collections.abc import Callable
@@ -24,10 +33,86 @@ from typing import Any
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from nested_jax.train.config import ConfigError
 
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
+# Parts of the train state kept by --reset-optimizer (everything but the optimizer state).
+KEPT_ON_OPTIMIZER_RESET = ("step", "params", "consecutive_skips")
+
+
+class CheckpointMismatch(ConfigError):
+    """A readable checkpoint holds another state than the config builds; ``str`` is one line."""
+
+
+def checkpoint_steps(workdir: str | Path) -> list[int]:
+    """Steps of the complete checkpoints in ``workdir/checkpoints`` (read from the folder names)."""
+    directory = Path(workdir) / CHECKPOINT_DIR
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "idx", "name"):  # DictKey, SequenceKey / FlattenedIndexKey, GetAttrKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def leaf_table(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{"opt_state.1.0.mu.w": (shape, dtype)}`` for every array of `tree`.
+
+    Paths are joined like orbax names the arrays it saves, so the table of an abstract state and the
+    table of a checkpoint's metadata (:meth:`Checkpointer.saved_leaves`) can be compared.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype")
+    )
+    return {
+        ".".join(_key_name(k) for k in path): (tuple(x.shape), str(np.dtype(x.dtype)))
+        for path, x in flat
+    }
+
+
+def describe_mismatch(saved: dict, wanted: dict, *, partial: bool = False) -> str | None:
+    """What differs between two :func:`leaf_table` s, in a few words (None when they agree).
+
+    With ``partial=True`` arrays the checkpoint has beyond `wanted` are fine (a partial restore).
+    """
+
+    def example(names):
+        names = sorted(names)
+        return f"{len(names)} (e.g. {names[0]})"
+
+    missing = [k for k in wanted if k not in saved]
+    extra = [] if partial else [k for k in saved if k not in wanted]
+    reshaped = [k for k in wanted if k in saved and saved[k] != wanted[k]]
+    parts = []
+    if missing:
+        parts.append(f"arrays this config needs but the checkpoint lacks: {example(missing)}")
+    if extra:
+        parts.append(f"arrays the checkpoint has but this config does not build: {example(extra)}")
+    if reshaped:
+        k = sorted(reshaped)[0]
+        parts.append(
+            f"arrays of another shape/dtype: {len(reshaped)} (e.g. {k}: {saved[k][0]} "
+            f"{saved[k][1]} saved, {wanted[k][0]} {wanted[k][1]} now)"
+        )
+    return "; ".join(parts) or None
+
+
+def _is_resource_error(err: BaseException) -> bool:
+    # Running out of memory says nothing about the checkpoint: never quarantine for it.
+    return isinstance(err, MemoryError) or "RESOURCE_EXHAUSTED" in str(err)
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).splitlines()[0] if str(err) else ""
+    return f"{type(err).__name__}: {text}"[:300]
 
 
 def abstract_like(tree: Any) -> Any:
@@ -86,14 +171,32 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory.resolve(), options=options)
 
     # -- saving --------------------------------------------------------------------------------
-    def save(self, step: int, state: Any, iterator: Any, config: dict) -> None:
-        """Starts saving checkpoint `step` (returns once arrays are copied to host when async)."""
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=grain.checkpoint.CheckpointSave(iterator),
-            config=ocp.args.JsonSave(config),
-        )
-        self.manager.save(step, args=args, force=True)
+    def save(
+        self,
+        step: int,
+        state: Any,
+        iterator: Any,
+        config: dict,
+        data_spec: dict | None = None,
+        tokenizer_file: bytes | None = None,
+    ) -> None:
+        """Starts saving checkpoint `step` (returns once arrays are copied to host when async).
+
+        Args:
+          step, state, iterator, config: the train state, data iterator and config dict.
+          data_spec: :func:`nested_jax.data.identity.data_spec` of the run (None: not saved).
+          tokenizer_file: the tokenizer file's bytes (kept in the checkpoint, base64).
+        """
+        items = {
+            "state": ocp.args.StandardSave(state),
+            "data": grain.checkpoint.CheckpointSave(iterator),
+            "config": ocp.args.JsonSave(config),
+        }
+        if data_spec is not None:
+            payload = None if tokenizer_file is None else base64.b64encode(tokenizer_file)
+            record = {**data_spec, "tokenizer_file_b64": payload and payload.decode("ascii")}
+            items["data_spec"] = ocp.args.JsonSave(record)
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def wait(self) -> None:
         """Blocks until pending saves are on disk (re-raises a failed background save)."""
@@ -108,12 +211,23 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    def saved_leaves(self, step: int) -> dict:
+        """:func:`leaf_table` of checkpoint `step`'s train state, from its metadata (no array read).
+
+        Raises:
+          Exception: the metadata is unreadable.
+        """
+        path = (self.directory / str(step) / "state").resolve()
+        meta = ocp.StandardCheckpointHandler().metadata(path)
+        return leaf_table(getattr(meta, "tree", meta))
+
     def restore_latest(
         self,
         abstract_state: Any,
         make_iterator: Callable[[], Any] | None,
         *,
         quarantine: bool = True,
+        reset_optimizer: bool = False,
     ) -> tuple[int, Any, Any] | None:
         """Restores the newest readable checkpoint, skipping (and quarantining) unreadable ones.
 
@@ -121,35 +235,85 @@ class Checkpointer:
           abstract_state: restore target (:func:`abstract_like` of a freshly initialised state).
           make_iterator: returns a fresh data iterator to restore into (a new one per attempt, so a
             failed attempt never leaves a half-restored iterator); None to skip the data item.
+          quarantine: move unreadable checkpoints to ``corrupt_checkpoints/`` (training); False
+            leaves them where they are (eval, generate).
+          reset_optimizer: restore only :data:`KEPT_ON_OPTIMIZER_RESET` (the returned state lacks
+            ``opt_state``); the saved optimizer state may then have any structure.
         Returns:
           ``(step, state, iterator)`` or None when there is no usable checkpoint.
+        Raises:
+          CheckpointMismatch: the newest readable checkpoint holds other arrays than
+            `abstract_state` (nothing is moved).
         """
         for tmp in self.incomplete:
             _say(
                 f"checkpoint: ignoring incomplete save {tmp.name} in {self.directory} "
                 "(the process stopped while writing it)"
             )
+        if reset_optimizer:
+            abstract_state = {k: abstract_state[k] for k in KEPT_ON_OPTIMIZER_RESET}
+        wanted = leaf_table(abstract_state)
         for step in reversed(self.all_steps()):
-            iterator = make_iterator() if make_iterator is not None else None
-            items = {"state": ocp.args.StandardRestore(abstract_state)}
-            if iterator is not None:
-                items["data"] = grain.checkpoint.CheckpointRestore(iterator)
             try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-                state = restored["state"]
-                jax.block_until_ready(state)
-            except Exception as err:  # any failure to read a step means that step is unusable
-                reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[
-                    :300
-                ]
-                where = f"moved it to {self._quarantine(step)} and " if quarantine else ""
-                _say(
-                    f"checkpoint: step {step} in {self.directory} is unreadable ({reason}); "
-                    f"{where}trying the previous checkpoint"
+                problem = describe_mismatch(
+                    self.saved_leaves(step), wanted, partial=reset_optimizer
                 )
+            except Exception as err:
+                if _is_resource_error(err):
+                    raise
+                # Not a verdict yet: only a failed restore below marks the checkpoint unreadable.
+                problem = None
+            if problem is not None:
+                raise CheckpointMismatch(
+                    f"checkpoint {step} in {self.directory} does not match this config "
+                    f"({problem}); nothing was moved"
+                )
+            iterator = make_iterator() if make_iterator is not None else None
+            try:
+                state = self._restore_state(step, abstract_state, partial=reset_optimizer)
+                if iterator is not None:
+                    data = grain.checkpoint.CheckpointRestore(iterator)
+                    self.manager.restore(step, args=ocp.args.Composite(data=data))
+            except Exception as err:
+                if _is_resource_error(err):
+                    raise
+                self._skip_unreadable(step, err, quarantine)
                 continue
             return step, state, iterator
         return None
+
+    def _restore_state(self, step: int, abstract_state: Any, *, partial: bool) -> Any:
+        if partial:  # a subset of the saved tree: orbax's PyTree handler can restore that
+            path = (self.directory / str(step) / "state").resolve()
+            args = ocp.args.PyTreeRestore(
+                item=abstract_state,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
+                partial_restore=True,
+            )
+            with ocp.PyTreeCheckpointer() as reader:
+                state = reader.restore(path, args=args)
+        else:
+            args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+            state = self.manager.restore(step, args=args)["state"]
+        jax.block_until_ready(state)
+        return state
+
+    def _skip_unreadable(self, step: int, err: BaseException, quarantine: bool) -> None:
+        where = f"moved it to {self._quarantine(step)} and " if quarantine else ""
+        _say(
+            f"checkpoint: step {step} in {self.directory} is unreadable ({_one_line(err)}); "
+            f"{where}trying the previous checkpoint"
+        )
+
+    def restore_data_spec(self, step: int) -> tuple[dict, bytes | None] | None:
+        """``(data spec, tokenizer file bytes)`` saved with checkpoint `step`; None if absent."""
+        try:
+            args = ocp.args.Composite(data_spec=ocp.args.JsonRestore())
+            record = dict(self.manager.restore(step, args=args)["data_spec"])
+        except Exception:  # checkpoints written before data specs were saved, or unreadable
+            return None
+        payload = record.pop("tokenizer_file_b64", None)
+        return record, None if payload is None else base64.b64decode(payload)
 
     def restore_config(self, step: int | None = None) -> dict:
         """The config dict saved with checkpoint `step` (default: latest)."""

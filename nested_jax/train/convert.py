@@ -290,15 +290,21 @@ def write_initial_checkpoint(config: Any, workdir: str | Path, source: str | Pat
       the step-0 checkpoint directory.
     """
     from nested_jax.data import pipeline
+    from nested_jax.data.identity import data_spec, tokenizer_payload
     from nested_jax.train.checkpoint import Checkpointer
     from nested_jax.train.config import config_to_dict, save_config
-    from nested_jax.train.loop import prepare_run
+    from nested_jax.train.setup import prepare_run
+    from nested_jax.train.workdir import saved_data, write_data_spec
 
     workdir = Path(workdir)
     ckpt_dir = workdir / CHECKPOINT_DIR
     if ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
         raise ValueError(f"--workdir: {workdir} already has checkpoints; use a new workdir")
-    mesh, bundle, setup = prepare_run(config)
+    # The converted model reads the token ids of the transformer it comes from: its tokenizer.
+    source_ckpts, _ = _step_dir(Path(source))
+    source_data = saved_data(source_ckpts.parent)
+    tokenizer = None if source_data is None else source_data.tokenizer
+    mesh, bundle, setup = prepare_run(config, tokenizer=tokenizer)
     params = init_params_from_checkpoint(source, config.model, setup.state["params"], mesh=mesh)
     # The optimizer state of the loop's own freshly built optimizer (its moments and
     # accumulators start at zero whatever the parameter values), so the resume target matches.
@@ -310,15 +316,18 @@ def write_initial_checkpoint(config: Any, workdir: str | Path, source: str | Pat
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
+    spec = data_spec(config.data, bundle.tokenizer, bundle.corpus)
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(workdir, keep=config.train.keep_checkpoints, async_save=False)
     try:
-        ckpt.save(0, state, iterator, config_to_dict(config))
+        tokenizer_file = tokenizer_payload(bundle.tokenizer)[1]
+        ckpt.save(0, state, iterator, config_to_dict(config), spec, tokenizer_file)
         ckpt.wait()
     finally:
         ckpt.close()
     if jax.process_index() == 0:
         save_config(config, workdir)
+        write_data_spec(workdir, spec, bundle.tokenizer)
     return ckpt_dir / "0"
 
 

@@ -121,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
-    print(args.prompt + text)
+    import jax
+
+    if jax.process_index() == 0:  # every process computed the same text: print it once
+        print(args.prompt + text)
     return 0
 
 

@@ -11,8 +11,9 @@ from typing import Any
 import jax
 
 from nested_jax.train.checkpoint import Checkpointer, abstract_like
-from nested_jax.train.config import Config, load_workdir_config
-from nested_jax.train.loop import TrainSetup, prepare_run
+from nested_jax.train.config import Config
+from nested_jax.train.setup import TrainSetup, prepare_run
+from nested_jax.train.workdir import corpus_change_message, resolve_config, saved_data
 
 
 @dataclasses.dataclass
@@ -25,6 +26,7 @@ class TrainedModel:
     bundle: Any  # nested_jax.data.pipeline.DataBundle
     setup: TrainSetup
     params: dict
+    corpus_change: str | None = None  # how the corpus differs from the training one (None: same)
 
     @property
     def tokenizer(self):
@@ -35,15 +37,29 @@ class TrainedModel:
         return self.setup.model(self.params)
 
 
+def _note(msg: str) -> None:
+    if jax.process_index() == 0:
+        # stderr: `nested-jax generate` keeps stdout for the text alone.
+        print(msg, file=sys.stderr, flush=True)
+
+
 def load_trained(workdir: str | Path, overrides: Sequence[str] = ()) -> TrainedModel:
     """Restores the newest readable checkpoint of `workdir` with its saved config (+ overrides).
 
+    The tokenizer is the one saved in the workdir (never rebuilt from the corpus); a corpus that
+    changed since training is reported on stderr and in :attr:`TrainedModel.corpus_change`.
+
     Raises:
-      ConfigError: no/invalid ``config.json``; FileNotFoundError: no readable checkpoint.
+      ConfigError: no run in `workdir` / invalid config; FileNotFoundError: no readable checkpoint;
+      DataError: the saved tokenizer is unreadable.
     """
     workdir = Path(workdir)
-    config = load_workdir_config(workdir, overrides)
-    _, bundle, setup = prepare_run(config)
+    config, _ = resolve_config(workdir, [], list(overrides))
+    saved = saved_data(workdir)
+    _, bundle, setup = prepare_run(config, tokenizer=None if saved is None else saved.tokenizer)
+    change = None if saved is None else corpus_change_message(saved.spec, bundle.corpus)
+    if change is not None:
+        _note(f"warning: {change}; using the tokenizer saved with the run ({saved.where})")
     ckpt = Checkpointer(workdir, read_only=True)
     try:
         restored = ckpt.restore_latest(abstract_like(setup.state), None, quarantine=False)
@@ -53,9 +69,5 @@ def load_trained(workdir: str | Path, overrides: Sequence[str] = ()) -> TrainedM
         raise FileNotFoundError(f"no readable checkpoint in {ckpt.directory}")
     step, state, _ = restored
     setup.state = state
-    if jax.process_index() == 0:
-        # stderr: `nested-jax generate` keeps stdout for the text alone.
-        print(
-            f"restored step {step} from {ckpt.directory / str(step)}", file=sys.stderr, flush=True
-        )
-    return TrainedModel(config, workdir, step, bundle, setup, state["params"])
+    _note(f"restored step {step} from {ckpt.directory / str(step)}")
+    return TrainedModel(config, workdir, step, bundle, setup, state["params"], change)

@@ -2,10 +2,16 @@
 
     nested-jax train --config configs/experiments/tiny_gdn.yaml [--config MORE.yaml]
                      [--set train.steps=100 ...] --workdir runs/tiny_gdn
+    nested-jax train --workdir runs/tiny_gdn [--set train.steps=2000]   # continue a run
 
-Without ``--config`` an existing workdir is continued with the config saved in it (``--set`` still
-applies, e.g. ``--set train.steps=2000`` to train longer); a new workdir without ``--config`` uses
-the defaults. Exit codes: 0 done, 1 training/data error, 2 bad command line or config.
+Without ``--config`` the run saved in the workdir is continued with its own config (``--set``
+still applies); a workdir without a run is refused. A resumed run may change only settings that
+are safe to change (``nested_jax.train.workdir.SAFE_ON_RESUME``); ``--reset-optimizer`` also lets
+``optimizer.*`` change, keeping the weights and the data position.
+
+Exit codes: 0 finished; 75 stopped by SIGTERM / Ctrl-C with a checkpoint saved (run the same
+command to resume); 2 bad command line or config, or a refused resume; 1 training or data error;
+130 aborted by a second Ctrl-C (no save; the last checkpoint is intact).
 """
 
 from __future__ import annotations
@@ -14,7 +20,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from nested_jax.train.config import ConfigError, load_config, load_workdir_config
+from nested_jax.train.config import ConfigError
+from nested_jax.train.signals import (
+    EXIT_ABORTED,
+    EXIT_CONFIG,
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="FILE",
-        help="YAML preset (repeatable; later files override earlier ones)",
+        help="YAML preset (repeatable; later files override earlier ones); omit to continue the "
+        "run saved in --workdir",
     )
     p.add_argument(
         "--set",
@@ -35,38 +49,60 @@ def build_parser() -> argparse.ArgumentParser:
         help="override one field, e.g. --set train.steps=100 (repeatable)",
     )
     p.add_argument("--workdir", required=True, help="run directory (checkpoints, metrics, summary)")
+    p.add_argument(
+        "--reset-optimizer",
+        action="store_true",
+        help="resume the weights and data position with a fresh optimizer state (allows "
+        "changing optimizer.* settings)",
+    )
     return p
+
+
+def _error(prefix: str, err: BaseException) -> None:
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    print(f"{prefix}: {text}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     workdir = Path(args.workdir)
+    from nested_jax.data.corpus import DataError
+    from nested_jax.train.workdir import resolve_config
+
     try:
-        if not args.config and (workdir / "config.json").is_file():
-            config = load_workdir_config(workdir, args.overrides)
-        else:
-            config = load_config(args.config, args.overrides)
+        config, source = resolve_config(workdir, args.config, args.overrides)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+        _error("config error", err)
+        return EXIT_CONFIG
 
     from nested_jax.parallel.distributed import maybe_initialize
     from nested_jax.train.loop import TrainingError, train_and_evaluate
 
     maybe_initialize()
-
+    if not args.config:
+        print(f"config {source}", flush=True)
     try:
-        train_and_evaluate(config, workdir)
+        summary = train_and_evaluate(config, workdir, reset_optimizer=args.reset_optimizer)
+    except ConfigError as err:  # refused resume, mesh / vocabulary mismatch: nothing was written
+        _error("config error", err)
+        return EXIT_CONFIG
+    except DataError as err:
+        _error("data error", err)
+        return EXIT_ERROR
     except TrainingError as err:
-        print(f"training stopped: {err}", file=sys.stderr)
-        return 1
-    except (
-        ValueError
-    ) as err:  # bad data / config combinations found at run time: one line, no traceback
-        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
-        print(msg if msg.startswith("config error") else f"error: {msg}", file=sys.stderr)
-        return 1
-    return 0
+        _error("training stopped", err)
+        return EXIT_ERROR
+    except ValueError as err:  # other bad values found at run time: one line, no traceback
+        _error("error", err)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(
+            f"\ninterrupted: stopped without saving; the last complete checkpoint in {workdir} "
+            "is intact",
+            file=sys.stderr,
+        )
+        return EXIT_ABORTED
+    return EXIT_PREEMPTED if summary["preempted"] else EXIT_OK
 
 
 if __name__ == "__main__":

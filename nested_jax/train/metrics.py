@@ -3,25 +3,27 @@
 
 Only process 0 writes. Each JSONL record is ``{"step": int, "kind": "train"|"eval"|"event",
 ...scalars}``; floats are written with ``repr`` precision so the JSONL is an exact record of the f32
-values (the resume test compares losses).
+values (the resume test compares losses), and a non-finite value (a skipped NaN step) is ``null``:
+every line is strict JSON.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import jax
 
+from nested_jax.files import jsonable, strict_json
 
-def _plain(v: Any) -> Any:
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # JSON has no NaN/Inf; keep them readable
-    return v
+
+def _ends_mid_line(path: Path) -> bool:
+    if not path.is_file() or path.stat().st_size == 0:
+        return False
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
 
 
 class MetricsWriter:
@@ -35,7 +37,10 @@ class MetricsWriter:
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        cut_short = _ends_mid_line(self.path)
         self._file = self.path.open("a")
+        if cut_short:  # a killed run's partial last line: start ours on a fresh one
+            self._file.write("\n")
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -45,8 +50,8 @@ class MetricsWriter:
         """Writes one record; TensorBoard tags are ``<kind>/<name>``."""
         if not self.enabled:
             return
-        record = {"step": int(step), "kind": kind, **{k: _plain(v) for k, v in scalars.items()}}
-        self._file.write(json.dumps(record) + "\n")
+        record = jsonable({"step": int(step), "kind": kind, **scalars})
+        self._file.write(strict_json(record) + "\n")
         self._file.flush()
         if self._tb is not None:
             for k, v in record.items():
@@ -73,12 +78,17 @@ def read_metrics(
 
     After a resume, steps between the checkpoint and a crash were logged twice; with
     ``latest=True`` only the last record per (kind, step) is kept - the one of the run that
-    continued.
+    continued. A line cut short by a killed process is skipped.
     """
     path = Path(workdir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    out = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a killed process
+            continue
     out = [r for r in out if kind is None or r.get("kind") == kind]
     if latest:
         out = list({(r.get("kind"), r["step"]): r for r in out}.values())

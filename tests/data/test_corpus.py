@@ -17,7 +17,6 @@ from nested_jax.data.config import DataConfig
 from nested_jax.data.corpus import (
     AUSTEN_NOVELS,
     DataError,
-    atomic_write_bytes,
     austen_cache_path,
     austen_documents,
     decode_janeaustenr,
@@ -26,6 +25,7 @@ from nested_jax.data.corpus import (
     resolve_data_dir,
     split_chapters,
     split_documents,
+    write_cache_bytes,
 )
 
 
@@ -114,21 +114,6 @@ def test_resolve_data_dir(monkeypatch, tmp_path):
     assert resolve_data_dir("") == Path("~/.cache/nested_jax").expanduser()
 
 
-def test_atomic_write_never_leaves_half_file(tmp_path, monkeypatch):
-    target = tmp_path / "sub" / "cache.json"
-    atomic_write_bytes(target, b"old")
-    assert target.read_bytes() == b"old"
-
-    def boom(src, dst):
-        raise KeyboardInterrupt  # an interrupt between writing and renaming
-
-    monkeypatch.setattr(corpus_mod.os, "replace", boom)
-    with pytest.raises(KeyboardInterrupt):
-        atomic_write_bytes(target, b"new but interrupted")
-    assert target.read_bytes() == b"old"
-    assert [p.name for p in target.parent.iterdir()] == ["cache.json"]
-
-
 # ---------------------------------------------------------------- Austen (offline pieces)
 
 
@@ -184,7 +169,7 @@ def test_austen_cache_is_used_and_corruption_detected(tmp_path, monkeypatch):
     novels = decode_janeaustenr(_fake_rdata_dir(tmp_path))
     cache = austen_cache_path(str(tmp_path / "data"))
     payload = {"format": 1, "source": "test", "novels": novels}
-    atomic_write_bytes(cache, json.dumps(payload).encode())
+    write_cache_bytes(cache, json.dumps(payload).encode())
 
     def no_download(*a, **k):
         raise AssertionError("must not download when the cache exists")
@@ -234,7 +219,7 @@ def test_unwritable_data_dir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(DataError, match="data_dir"):
-        atomic_write_bytes(blocker / "sub" / "c.json", b"{}")
+        write_cache_bytes(blocker / "sub" / "c.json", b"{}")
 
 
 # ---------------------------------------------------------------- Austen (real download)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
-from train_helpers import tiny_overrides, write_corpus  # noqa: E402
+from train_helpers import defaults_preset, tiny_overrides, write_corpus  # noqa: E402
 
 from nested_jax import cli  # noqa: E402
 
@@ -31,7 +31,8 @@ def trained(tmp_path_factory):
         root / "data_cache",
         **{"eval.niah_lengths": [160], "eval.niah_depths": [0.0, 1.0], "eval.niah_per_cell": 2},
     )
-    assert cli.main(["train", "--workdir", str(workdir), *_set_args(overrides)]) == 0
+    preset = ["--config", str(defaults_preset(root))]
+    assert cli.main(["train", *preset, "--workdir", str(workdir), *_set_args(overrides)]) == 0
     return workdir
 
 
@@ -65,7 +66,10 @@ def test_generate_prints_prompt_and_continuation(trained, capsys):
 
 
 def test_train_rejects_a_bad_config_with_one_line(tmp_path, capsys):
-    code = cli.main(["train", "--workdir", str(tmp_path / "w"), "--set", "train.steps=abc"])
+    preset = ["--config", str(defaults_preset(tmp_path))]
+    code = cli.main(
+        ["train", *preset, "--workdir", str(tmp_path / "w"), "--set", "train.steps=abc"]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err == "config error: train.steps: expected int, got str 'abc'"
@@ -74,7 +78,7 @@ def test_train_rejects_a_bad_config_with_one_line(tmp_path, capsys):
 
 def test_eval_on_a_directory_without_a_run_fails_clearly(tmp_path, capsys):
     assert cli.main(["eval", "--workdir", str(tmp_path)]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    assert "holds no run" in capsys.readouterr().err
 
 
 def test_eval_stream_then_generate_continues_the_saved_state(trained, tmp_path, capsys):

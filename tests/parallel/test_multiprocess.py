@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
-from train_helpers import tiny_overrides, write_corpus  # noqa: E402
+from train_helpers import defaults_preset, tiny_overrides, write_corpus  # noqa: E402
 
 from nested_jax.train.metrics import read_metrics  # noqa: E402
 
@@ -26,7 +26,9 @@ def _free_port() -> int:
 
 
 def _cmd(workdir: Path, overrides: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "nested_jax.cli", "train", "--workdir", str(workdir)]
+    preset = defaults_preset(workdir.parent)
+    cmd = [sys.executable, "-m", "nested_jax.cli", "train", "--config", str(preset)]
+    cmd += ["--workdir", str(workdir)]
     for o in overrides:
         cmd += ["--set", o]
     return cmd

@@ -84,7 +84,7 @@ def test_skip_policy_outputs_resume_and_corrupt_latest(corpus, data_dir, tmp_pat
 
     # A different model in the same workdir is refused up front (its checkpoints cannot fit).
     other = _config(corpus, data_dir, **{"train.steps": 8, "model.d_model": 64})
-    with pytest.raises(ValueError, match=r"^config error: model\.d_model: 64 differs from 32"):
+    with pytest.raises(ValueError, match=r"with a changed model\.d_model \(32 -> 64\)"):
         train_and_evaluate(other, workdir, devices=ONE)
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2, 4, 6]
 
@@ -173,58 +173,3 @@ def test_sigterm_saves_a_checkpoint_and_stops_cleanly(corpus, data_dir, tmp_path
     assert summary["preempted"] and summary["steps"] == 2
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2]
     assert signal.getsignal(signal.SIGTERM) is before  # the previous handler is back
-
-
-def test_resume_check_fills_fields_an_older_saved_config_lacks(tmp_path):
-    from nested_jax.train.config import Config, config_to_dict
-    from nested_jax.train.loop import check_resume_compatible
-
-    cfg = _with_model(Config(), name="titans_lmm")
-    old = config_to_dict(cfg)
-    del old["model"]["cms"]  # sections and fields added after the run was saved
-    del old["model"]["titans"]["grad_horizon"]
-    (tmp_path / "config.json").write_text(json.dumps(old))
-    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
-    check_resume_compatible(cfg, tmp_path)  # the old run used the defaults: compatible
-
-    old["model"]["titans"]["memory_layers"] = 3  # a real difference is still refused
-    (tmp_path / "config.json").write_text(json.dumps(old))
-    with pytest.raises(ValueError, match=r"^config error: model\.titans: "):
-        check_resume_compatible(cfg, tmp_path)
-
-
-def _with_model(cfg, **fields):
-    import dataclasses
-
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields))
-
-
-@pytest.mark.parametrize(
-    ("name", "changed", "refused"),
-    [
-        ("gdn", ("hope", "remat"), False),  # GDN does not read model.hope
-        ("gdn", ("titans", "memory_layers"), False),
-        ("gdn", ("proteus", "blocks"), True),  # ... but does read model.proteus
-        ("hope", ("cms", "hidden"), True),  # hope's FFN resolves to CMS
-        ("transformer", ("cms", "hidden"), False),  # SwiGLU FFN: model.cms is inert
-        ("titans_lmm", ("hola", "window"), False),
-    ],
-)
-def test_resume_check_ignores_option_sections_the_model_does_not_read(
-    tmp_path, name, changed, refused
-):
-    from nested_jax.train.config import Config, config_to_dict
-    from nested_jax.train.loop import check_resume_compatible
-
-    cfg = _with_model(Config(), name=name)
-    old = config_to_dict(cfg)
-    section, field = changed
-    assert field in old["model"][section]
-    old["model"][section][field] = 7
-    (tmp_path / "config.json").write_text(json.dumps(old))
-    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
-    if refused:
-        with pytest.raises(ValueError, match=rf"^config error: model\.{section}: "):
-            check_resume_compatible(cfg, tmp_path)
-    else:
-        check_resume_compatible(cfg, tmp_path)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from train_helpers import tiny_overrides
+from train_helpers import defaults_preset, tiny_overrides
 
 from nested_jax.train.metrics import read_metrics
 
@@ -70,7 +70,8 @@ def _train(env, workdir: Path, steps: int, kill_at: int | None = None):
             "train.eval_every": 0,
         },
     )
-    cmd = [sys.executable, str(env["runner"]), "--workdir", str(workdir)]
+    preset = defaults_preset(env["root"])
+    cmd = [sys.executable, str(env["runner"]), "--config", str(preset), "--workdir", str(workdir)]
     for o in overrides:
         cmd += ["--set", o]
     e = dict(env["env"])

@@ -23,8 +23,8 @@ def write_corpus(
     return directory
 
 
-def tiny_overrides(corpus: Path, data_dir: Path, **extra) -> list[str]:
-    """`--set` overrides for a tiny byte-level model that compiles and trains in seconds."""
+def tiny_values(corpus: Path, data_dir: Path, **extra) -> dict:
+    """``{"section.field": value}`` of a tiny byte-level model that trains in seconds."""
     values = {
         "model.name": "transformer",
         "model.d_model": 32,
@@ -52,8 +52,35 @@ def tiny_overrides(corpus: Path, data_dir: Path, **extra) -> list[str]:
         "mesh.fsdp": -1,
     }
     values.update(extra)
+    return values
+
+
+def tiny_overrides(corpus: Path, data_dir: Path, **extra) -> list[str]:
+    """`--set` overrides of :func:`tiny_values`."""
     out = []
-    for k, v in values.items():
+    for k, v in tiny_values(corpus, data_dir, **extra).items():
         v = str(v).lower() if isinstance(v, bool) else v
         out.append(f"{k}={v}")
     return out
+
+
+def write_tiny_config(path: Path, corpus: Path, data_dir: Path, **extra) -> Path:
+    """Writes :func:`tiny_values` as a YAML preset (for `nested-jax train --config`)."""
+    import yaml
+
+    nested: dict = {}
+    for key, value in tiny_values(corpus, data_dir, **extra).items():
+        section, field = key.split(".", 1)
+        nested.setdefault(section, {})[field] = str(value) if isinstance(value, Path) else value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(nested))
+    return path
+
+
+def defaults_preset(directory: Path) -> Path:
+    """An empty YAML preset (the built-in defaults) for `train --config`, as tests give every
+    field by `--set`: a new workdir needs a --config."""
+    path = directory / "defaults.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# the built-in defaults; the test sets the rest with --set\n")
+    return path

@@ -1,0 +1,53 @@
+"""Fault injection (tests/train/faults.py): each case ends with its documented outcome and every
+checkpoint that was healthy before is still there and healthy after.
+
+`python tests/train/faults.py` runs the same cases and prints the table (case -> outcome ->
+checkpoints before / after).
+"""
+
+from __future__ import annotations
+
+import faults
+import pytest
+
+# Cases that start no training process beyond the shared base run, or one short resume.
+FAST = {
+    "case_truncated_metadata",
+    "case_deleted_config_json",
+    "case_new_workdir_without_config",
+    "case_changed_corpus",
+    "case_sigint",
+    "case_disk_full",
+}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return faults.make_env(tmp_path_factory.mktemp("faults"))
+
+
+def _name(case) -> str:
+    return getattr(case, "__name__", "case")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=_name(c), marks=() if _name(c) in FAST else pytest.mark.slow)
+        for c in faults.CASES
+        if _name(c) != "<lambda>"
+    ],
+)
+def test_fault(env, case):
+    row = case(env)
+    assert row.ok, f"{row.case}: {row.outcome}\n{row.detail}\nbefore {row.before} after {row.after}"
+
+
+@pytest.mark.parametrize(
+    "index",
+    range(len(faults.CHANGED_SETTINGS)),
+    ids=[c[0] for c in faults.CHANGED_SETTINGS],
+)
+def test_changed_setting_on_resume(env, index):
+    row = faults.case_changed_setting(env, index)
+    assert row.ok, f"{row.case}: {row.outcome}\n{row.detail}\nbefore {row.before} after {row.after}"

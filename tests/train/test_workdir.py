@@ -1,0 +1,145 @@
+"""nested_jax.train.workdir: which settings a resume may change, and config resolution.
+
+(The resume-check tests moved here from tests/train/test_loop.py with the check itself, which
+now compares every field, not only model / tokenizer / corpus.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from nested_jax.train.checkpoint import describe_mismatch, leaf_table
+from nested_jax.train.config import Config, ConfigError, config_to_dict
+from nested_jax.train.workdir import (
+    ResumeRefused,
+    check_resume,
+    config_changes,
+    record_config_changes,
+    resolve_config,
+)
+
+
+def _with(cfg, section, **fields):
+    return dataclasses.replace(
+        cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)}
+    )
+
+
+def test_resume_check_fills_fields_an_older_saved_config_lacks(tmp_path):
+    cfg = _with(Config(), "model", name="titans_lmm")
+    old = config_to_dict(cfg)
+    del old["model"]["cms"]  # sections and fields added after the run was saved
+    del old["model"]["titans"]["grad_horizon"]
+    assert check_resume(old, cfg, tmp_path) == []  # the old run used the defaults: compatible
+
+    old["model"]["titans"]["memory_layers"] = 3  # a real difference is still refused
+    with pytest.raises(ResumeRefused, match=r"model\.titans\.memory_layers \(3 -> 2\)"):
+        check_resume(old, cfg, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("name", "changed", "refused"),
+    [
+        ("gdn", ("hope", "remat"), False),  # GDN does not read model.hope
+        ("gdn", ("titans", "memory_layers"), False),
+        ("gdn", ("proteus", "blocks"), True),  # ... but does read model.proteus
+        ("hope", ("cms", "hidden"), True),  # hope's FFN resolves to CMS
+        ("transformer", ("cms", "hidden"), False),  # SwiGLU FFN: model.cms is inert
+        ("titans_lmm", ("hola", "window"), False),
+    ],
+)
+def test_resume_check_ignores_option_sections_the_model_does_not_read(
+    tmp_path, name, changed, refused
+):
+    cfg = _with(Config(), "model", name=name)
+    old = config_to_dict(cfg)
+    section, field = changed
+    assert field in old["model"][section]
+    old["model"][section][field] = 7
+    if refused:
+        with pytest.raises(ResumeRefused, match=rf"model\.{section}\.{field} \(7 -> "):
+            check_resume(old, cfg, tmp_path)
+    else:
+        assert check_resume(old, cfg, tmp_path) == []
+
+
+# One changed field per config section: (section, field, new value, refused without / with
+# --reset-optimizer).
+SECTION_CHANGES = [
+    ("model", "d_model", 96, (True, True)),
+    ("data", "seq_len", 64, (True, True)),
+    ("data", "tokenizer", "sentencepiece", (True, True)),
+    ("optimizer", "grad_clip", 0.0, (True, False)),
+    ("optimizer", "lr", 1e-4, (True, False)),
+    ("mesh", "data", 2, (False, False)),
+    ("train", "steps", 5000, (False, False)),
+    ("train", "eval_every", 7, (False, False)),
+    ("train", "seed", 3, (True, True)),
+    ("eval", "niah_per_cell", 9, (False, False)),
+]
+
+
+@pytest.mark.parametrize(("section", "field", "value", "refused"), SECTION_CHANGES)
+def test_a_changed_setting_of_every_section(tmp_path, section, field, value, refused):
+    saved = config_to_dict(Config())
+    extra = {"vocab_size": 400} if field == "tokenizer" else {}
+    new = _with(Config(), section, **{field: value}, **extra)
+    for reset, refuse in zip((False, True), refused, strict=True):
+        if refuse:
+            with pytest.raises(ResumeRefused, match=rf"{section}\.{field} \(") as err:
+                check_resume(saved, new, tmp_path, reset_optimizer=reset)
+            assert "\n" not in str(err.value) and "nothing was changed" in str(err.value)
+            hint = "--reset-optimizer" in str(err.value)
+            assert hint == (section == "optimizer")  # offered only where it helps
+        else:
+            changes = check_resume(saved, new, tmp_path, reset_optimizer=reset)
+            assert f"{section}.{field}" in [c.field for c in changes]
+
+
+def test_config_changes_compare_values_not_container_types():
+    saved = json.loads(json.dumps(config_to_dict(Config())))  # tuples became lists in JSON
+    assert config_changes(saved, Config()) == []
+
+
+def test_config_history_records_each_applied_change(tmp_path):
+    saved = config_to_dict(Config())
+    new = _with(Config(), "train", steps=5000)
+    record_config_changes(tmp_path, 300, check_resume(saved, new, tmp_path))
+    lines = [json.loads(x) for x in (tmp_path / "config_history.jsonl").read_text().splitlines()]
+    assert lines == [{"resumed_at_step": 300, "field": "train.steps", "old": 1000, "new": 5000}]
+
+
+def test_resolve_config_refuses_a_workdir_without_a_run(tmp_path):
+    with pytest.raises(ConfigError, match=r"does not exist: give --config FILE"):
+        resolve_config(tmp_path / "typo", [], [])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"holds no run: give --config FILE"):
+        resolve_config(tmp_path / "empty", [], ["train.steps=3"])
+
+
+def test_resolve_config_continues_the_saved_config(tmp_path):
+    from nested_jax.train.config import save_config
+
+    save_config(_with(Config(), "train", steps=77), tmp_path)
+    config, where = resolve_config(tmp_path, [], ["eval.niah_per_cell=1"])
+    assert config.train.steps == 77 and config.eval.niah_per_cell == 1
+    assert "config.json" in where
+
+
+def test_describe_mismatch_names_missing_extra_and_reshaped_arrays():
+    saved = leaf_table({"params": {"w": jnp.zeros((3, 4))}, "opt": {"mu": jnp.zeros(2)}})
+    wanted = leaf_table({"params": {"w": jnp.zeros((3, 5))}, "opt2": {"mu": jnp.zeros(2)}})
+    text = describe_mismatch(saved, wanted)
+    assert "lacks: 1 (e.g. opt2.mu)" in text
+    assert "does not build: 1 (e.g. opt.mu)" in text
+    assert "params.w: (3, 4) float32 saved, (3, 5) float32 now" in text
+    assert describe_mismatch(saved, saved) is None
+    # a partial restore (--reset-optimizer) ignores what the checkpoint has beyond the target
+    assert (
+        describe_mismatch(saved, leaf_table({"params": {"w": jnp.zeros((3, 4))}}), partial=True)
+        is None
+    )
