@@ -39,18 +39,26 @@ def test_bench_titans_json_keys(capsys):
 
 
 def test_bench_optim_keys_and_proteus():
+    # two optimizers (each compiles the GDN train step once, the slow part); every optimizer's
+    # construction is checked on a small tree in test_bench_optim_every_optimizer_steps
+    sweeps = {"adamw": (1e-3, 3e-3), "m3_rms": (1e-2,)}
     res = bench_optim.compare_optimizers(
         steps=3, batch_size=2, seq_len=16, data="synthetic", eval_batches=1, repeats=1,
-        d_model=16, n_layers=1, m3_slow_every=2,
+        d_model=16, n_layers=1, m3_slow_every=2, sweeps=sweeps,
     )  # fmt: skip
-    for name in bench_optim.OPTIMIZER_NAMES:
+    for name in sweeps:
         for key in ("step_ms", "update_ms", "final_train_loss", "eval_loss", "lr"):
             assert math.isfinite(res[f"{key}_{name}"]) and res[f"{key}_{name}"] > 0, (key, name)
-    for name in ("muon", "m3"):
-        assert res[f"step_time_{name}_over_adamw"] > 0
-        assert res[f"update_time_{name}_over_adamw"] > 0
+        assert res[f"sweep_lrs_{name}"] == list(sweeps[name])
+        assert len(res[f"sweep_eval_loss_{name}"]) == len(sweeps[name])
+        # best of the sweep: the lowest held-out loss, and its rate
+        best = min(res[f"sweep_eval_loss_{name}"])
+        assert res[f"eval_loss_{name}"] == best
+        assert res[f"lr_{name}"] == sweeps[name][res[f"sweep_eval_loss_{name}"].index(best)]
+    assert res["step_time_m3_rms_over_adamw"] > 0
+    assert res["update_time_m3_rms_over_adamw"] > 0
     # A first few steps from the same initialisation: every optimizer still near log(vocab).
-    for name in bench_optim.OPTIMIZER_NAMES:
+    for name in sweeps:
         assert abs(res[f"eval_loss_{name}"] - math.log(256)) < 1.5
     pro = bench_optim.proteus_overhead(T=32, H=1, D=16, repeats=1)
     for key in ("proteus_tokens_per_s_E16", "proteus_tokens_per_s_E1", "proteus_tokens_per_s_gdn"):
@@ -58,6 +66,63 @@ def test_bench_optim_keys_and_proteus():
     assert pro["proteus_E16_over_E1_time"] > 0
 
 
+def test_bench_optim_every_optimizer_steps():
+    """make_optimizer for every name: the rate lives in the state (one update serves all rates),
+    matrices and the rest are routed as documented, and a step moves the parameters."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    params = {"embed": jnp.ones((10, 4)), "w": jnp.ones((2, 4, 6)), "scale": jnp.ones(4)}
+    grads = jax.tree.map(
+        lambda p: jnp.asarray(np.random.default_rng(0).normal(size=p.shape)), params
+    )
+    for name in bench_optim.OPTIMIZER_NAMES:
+        a = bench_optim.make_optimizer(name, 1e-3, steps=10)
+        b = bench_optim.make_optimizer(name, 2e-3, steps=10)
+        update = jax.jit(a.update)
+        sa, sb = a.init(params), b.init(params)
+        for _ in range(3):  # past the one warmup step
+            ua, sa = update(grads, sa, params)
+            ub, sb = update(grads, sb, params)  # a's update, b's state (its rate)
+        for key in params:
+            assert np.all(np.isfinite(ua[key])) and np.any(ua[key] != 0), (name, key)
+        # the swept rate scales the matrices' update (all leaves for adamw)
+        np.testing.assert_allclose(ub["w"], 2 * np.asarray(ua["w"]), rtol=1e-4, err_msg=name)
+        same = np.allclose(ub["scale"], 2 * np.asarray(ua["scale"]), rtol=1e-4)
+        assert same == (name == "adamw"), name  # the others: AdamW at the fixed adam_lr
+    with pytest.raises(ValueError, match="name"):
+        bench_optim.make_optimizer("sgd", 1e-3, steps=10)
+
+
+def test_bench_optim_toy_only_json(capsys):
+    argv = ["--toy-only", "--toy-steps", "5", "--json", "--optimizers", "adamw,m3,m3_rms_ema"]
+    argv += ["--toy-sweep", "m3=1e-4,1e-3"]
+    assert bench_optim.main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("| m3_rms_ema |") for line in out[:-1])  # the printed table
+    res = json.loads(out[-1])
+    assert res["toy_steps"] == 5 and math.isfinite(res["toy_initial_loss"])
+    assert res["toy_sweep_lrs_m3"] == [1e-4, 1e-3] and len(res["toy_final_loss_m3"]) == 2
+    for name in ("adamw", "m3", "m3_rms_ema"):
+        assert res[f"toy_best_loss_{name}"] == min(res[f"toy_final_loss_{name}"])
+    assert "toy_final_loss_muon" not in res and "eval_loss_adamw" not in res
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--sweep", "nope=1e-3"], ["--sweep", "m3=abc"], ["--sweep", "m3="], ["--optimizers", "x"]],
+)
+def test_bench_optim_rejects_bad_sweeps(argv, capsys):
+    with pytest.raises(SystemExit):
+        bench_optim.main([*argv, "--toy-only"])
+    assert "usage" in capsys.readouterr().err
+
+
 def test_bench_optim_rejects_bad_data():
     with pytest.raises(ValueError, match="data"):
         bench_optim.compare_optimizers(steps=2, data="nope")
+    with pytest.raises(ValueError, match="sweeps"):
+        bench_optim.compare_optimizers(steps=2, sweeps={"sgd": (0.1,)})
+    with pytest.raises(ValueError, match="sweeps"):
+        bench_optim.compare_optimizers(steps=2, sweeps={"m3": (-1.0,)})
