@@ -1,3 +1,3 @@
-"""nested-jax: nested-learning memory models in JAX (see README.md, SPEC in ../shared/SPEC.md)."""
+"""nested-jax: nested-learning memory models in JAX (README.md; the math contract: docs/SPEC.md)."""
 
 __version__ = "0.1.0"

@@ -106,3 +106,17 @@ def test_eval_stream_then_generate_continues_the_saved_state(trained, tmp_path, 
     capsys.readouterr()
     assert cli.main(argv + ["--state-in", str(tmp_path / "nope")]) == 1
     assert "no stream state" in capsys.readouterr().err
+
+
+def test_reports_are_written_and_printed_by_process_zero_only(tmp_path, monkeypatch, capsys):
+    import jax
+
+    from nested_jax.eval.main import write_report
+
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    write_report(tmp_path, "eval_report", {"loss": float("nan")}, "# report\n")
+    assert list(tmp_path.iterdir()) == [] and capsys.readouterr().out == ""
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    write_report(tmp_path, "eval_report", {"loss": float("nan")}, "# report\n")
+    assert json.loads((tmp_path / "eval_report.json").read_text()) == {"loss": None}
+    assert capsys.readouterr().out == "# report\n"
