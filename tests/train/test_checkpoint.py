@@ -10,8 +10,8 @@ import pytest
 
 from nested_jax.train.checkpoint import (
     CORRUPT_DIR,
-    CheckpointMismatch,
     Checkpointer,
+    CheckpointMismatch,
     abstract_like,
     checkpoint_steps,
 )
