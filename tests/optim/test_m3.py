@@ -37,14 +37,41 @@ def np_ns(G, steps=5, coeffs=COEFFS, eps=1e-8):
     return out
 
 
-class RefM3:
-    """Algorithm 1 per leaf; ``ema=True`` is the documented non-paper option."""
+def np_rms_direction(o, v, eps, rho):
+    """``normalize="rms"`` per matrix (last two axes; whole leaf for ndim < 2), from the module
+    docstring: ``D = o / (√V / RMS(√V) + ε)``, direction ``ρ D / RMS(D)``."""
+    if o.ndim < 2:
+        o, v = o[None], v[None]
+        return np_rms_direction(o, v, eps, rho)[0]
+    out = np.empty_like(o)
+    for idx in np.ndindex(*o.shape[:-2]):
+        nu = np.sqrt(v[idx]) / np.sqrt(v[idx].mean())
+        d = o[idx] / (nu + eps)
+        out[idx] = rho * d / np.sqrt((d * d).mean())
+    return out
 
-    def __init__(self, shape, b1=0.9, b2=0.999, b3=0.9, alpha=1.0, eps=1e-8, k=3, ema=False):
+
+def np_unit(M):
+    if M.ndim < 2:
+        return M.copy()
+    n = np.sqrt((M * M).sum(axis=(-2, -1), keepdims=True))
+    return M / np.where(n > 0, n, 1.0)
+
+
+class RefM3:
+    """Algorithm 1 per leaf; ``ema=True`` is the documented non-paper option; ``rho`` (a float)
+    switches to the documented ``normalize="rms"`` variant with ``target_rms = rho``."""
+
+    def __init__(
+        self, shape, b1=0.9, b2=0.999, b3=0.9, alpha=1.0, eps=1e-8, k=3, ema=False, rho=None
+    ):
         z = lambda: np.zeros(shape, np.float64)
         self.m1, self.m2, self.v, self.B, self.o2 = z(), z(), z(), z(), z()
         self.t = 0
         self.hp = (b1, b2, b3, alpha, eps, k, ema)
+        self.rho = rho
+        # the variant orthogonalises M / ‖M‖_F (NS's ε then acts at unit scale)
+        self.ns = np_ns if rho is None else (lambda M: np_ns(np_unit(M)))
 
     def step(self, g):
         b1, b2, b3, alpha, eps, k, ema = self.hp
@@ -59,12 +86,15 @@ class RefM3:
             self.v = self.v + b2 * g * g
             v = self.v
         self.B = self.B + g
-        o1 = np_ns(self.m1)
-        u = (o1 + alpha * self.o2) / (np.sqrt(v) + eps)
+        o1 = self.ns(self.m1)
+        if self.rho is None:
+            u = (o1 + alpha * self.o2) / (np.sqrt(v) + eps)
+        else:
+            u = np_rms_direction(o1 + alpha * self.o2, v, eps, self.rho)
         if self.t % k == 0:
             self.m2 = b3 * self.m2 + (1 - b3) * self.B / k if ema else self.m2 + b3 * self.B
             self.B = np.zeros_like(self.B)
-            self.o2 = np_ns(self.m2)
+            self.o2 = self.ns(self.m2)
         return u
 
 
@@ -131,6 +161,126 @@ def test_scale_by_m3_matches_independent_reference(accumulate):
     assert isinstance(state, M3State)
     # the slow direction really entered the last steps (guards against a dead O2 branch)
     assert np.abs(np.asarray(state.o2["w"])).max() > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# normalize="rms": the scale-invariant variant (module docstring; not the paper's)
+# ------------------------------------------------------------------------------------------------
+
+
+def _run(tx, grads, c=1.0, params=None):
+    """Updates of ``tx`` over ``grads`` with every gradient multiplied by ``c`` (f32)."""
+    params = {k: jnp.zeros(s) for k, s in SHAPES.items()} if params is None else params
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    out = []
+    for g in grads:
+        u, state = update(jax.tree.map(lambda x: x * np.float32(c), g), state, params)
+        out.append(jax.tree.map(np.asarray, u))
+    return out
+
+
+@pytest.mark.parametrize("accumulate", ["additive", "ema"])
+def test_rms_variant_matches_independent_reference(accumulate):
+    ema = accumulate == "ema"
+    tx = scale_by_m3(slow_every=3, accumulate=accumulate, normalize="rms", target_rms=0.3)
+    refs = {k: RefM3(s, k=3, ema=ema, rho=0.3) for k, s in SHAPES.items()}
+    for t, u in enumerate(_run(tx, _grads(7, seed=12))):
+        for k in SHAPES:
+            _assert_close(u[k], refs[k].step(_grads(7, seed=12)[t][k].astype(np.float64)))
+        # every matrix (each slice of the stack) and the vector have RMS exactly ρ
+        for x in (u["w"], *u["stack"], u["b"]):
+            np.testing.assert_allclose(np.sqrt(np.mean(np.square(x))), 0.3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("accumulate", ["additive", "ema"])
+def test_rms_variant_is_invariant_to_gradient_scale(accumulate):
+    """g → c·g for every step (7 steps, slow steps at 3 and 6): the variant's update is unchanged,
+    Algorithm 1's (the default) is multiplied by 1/c."""
+    grads = _grads(7, seed=13)
+    rms = scale_by_m3(slow_every=3, accumulate=accumulate, normalize="rms")
+    base = _run(rms, grads)
+    for c in (1e-3, 1e3):
+        for u, u0 in zip(_run(rms, grads, c), base, strict=True):
+            for k in SHAPES:
+                _assert_close(u[k], u0[k], rtol=1e-5)
+    for c in (2.0**-10, 2.0**10):  # exact scalings: bit-for-bit
+        for u, u0 in zip(_run(rms, grads, c), base, strict=True):
+            for k in SHAPES:
+                np.testing.assert_array_equal(u[k], u0[k])
+    # the paper's direction is not invariant: on matrices the step scales like 1/|g| (vectors are
+    # not orthogonalised, M/√V is invariant there up to ε)
+    paper = scale_by_m3(slow_every=3, accumulate=accumulate)
+    p_base = _run(paper, grads)
+    for u, u0 in zip(_run(paper, grads, 1e-3), p_base, strict=True):
+        for k in ("w", "stack"):
+            assert not np.allclose(u[k], u0[k], rtol=1e-2)
+            np.testing.assert_allclose(
+                u[k], 1e3 * u0[k], rtol=1e-2, atol=1e-2 * np.abs(u0[k]).max()
+            )
+
+
+def test_rms_variant_m3_matrices_invariant_and_lr_scaled():
+    """Through m3(): the M3 leaves of the update are −lr · (direction + wd · θ), invariant to c."""
+    rng = np.random.default_rng(14)
+    params = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+    grads = _grads(5, seed=15)
+    tx = m3(0.01, slow_every=2, normalize="rms", weight_decay=0.1)
+    ref = scale_by_m3(slow_every=2, normalize="rms")
+    base, ref_u = _run(tx, grads, params=params), _run(ref, grads, params=params)
+    for u, r in zip(base, ref_u, strict=True):
+        for k in ("w", "stack"):  # matrices; "b" is AdamW's
+            _assert_close(u[k], -0.01 * (r[k] + 0.1 * params[k]), rtol=1e-5)
+    for c in (1e-3, 1e3):
+        for u, u0 in zip(_run(tx, grads, c, params=params), base, strict=True):
+            for k in ("w", "stack"):
+                _assert_close(u[k], u0[k], rtol=1e-5)
+
+
+def test_rms_variant_zero_gradients_stay_finite():
+    """An all-zero matrix gradient (0/0 inside the normalisations) gives a zero update, not NaN;
+    the other leaves are unaffected."""
+    grads = _grads(4, seed=16)
+    for g in grads:
+        g["w"] = np.zeros_like(g["w"])
+    out = _run(scale_by_m3(slow_every=2, normalize="rms"), grads)
+    for u in out:
+        assert all(np.isfinite(x).all() for x in u.values())
+        np.testing.assert_array_equal(u["w"], 0.0)
+        np.testing.assert_allclose(np.sqrt(np.mean(np.square(u["b"]))), 0.2, rtol=1e-5)
+
+
+def test_rms_variant_under_inject_hyperparams():
+    params = {k: jnp.ones(s) for k, s in SHAPES.items()}
+    grads = _grads(5, seed=17)
+    tx = optax.inject_hyperparams(m3)(learning_rate=0.02, slow_every=3, normalize="rms")
+    fn, traces = _counting_jit(tx)
+    state, s_first = tx.init(params), None
+    want = _run(m3(0.02, slow_every=3, normalize="rms"), grads, params=params)
+    for g, w in zip(grads, want, strict=True):
+        s_first = state if s_first is None else s_first
+        u, state = fn(g, state, params)
+        for k in SHAPES:
+            _assert_close(u[k], w[k], rtol=1e-5)
+    # target_rms is a traced hyperparameter: doubling it doubles the M3 leaves' update
+    s_two = s_first._replace(hyperparams={**s_first.hyperparams, "target_rms": jnp.float32(0.4)})
+    u1, _ = fn(grads[0], s_first, params)
+    u2, _ = fn(grads[0], s_two, params)
+    np.testing.assert_allclose(u2["w"], 2 * np.asarray(u1["w"]), rtol=1e-5)
+    np.testing.assert_allclose(u2["b"], u1["b"], rtol=1e-6)  # AdamW's leaf is not M3's
+    assert len(traces) == 1
+
+
+def test_rms_variant_toy_regression_trains():
+    """The toy 2-layer regression of issue 13 (bench.optim.toy_regression, 300 steps): the
+    variant at AdamW-range rates decreases the loss substantially (Algorithm 1 at 3e-3 does not
+    train there); with EMA momenta it gets close to AdamW / Muon."""
+    from nested_jax.bench.optim import toy_regression
+
+    init, (rms, rms_ema) = toy_regression([("m3_rms", 3e-3), ("m3_rms_ema", 1e-2)])
+    assert 1.0 < init < 2.0
+    assert rms < 0.4 * init, (init, rms)
+    assert rms_ema < 0.02 * init, (init, rms_ema)
 
 
 def test_alpha_zero_ignores_slow_momentum():
@@ -281,11 +431,19 @@ SHARD_SHAPES = {"w": (16, 8), "stack": (2, 8, 16), "b": (8,)}
 SPECS = {"w": P("x", None), "stack": P(None, None, "x"), "b": P("x")}
 
 
+def _shard_tx(factory):
+    return {
+        "scale_by_m3": lambda: scale_by_m3(slow_every=2),
+        "m3": lambda: m3(0.01, slow_every=2),
+        "m3_rms": lambda: m3(0.01, slow_every=2, normalize="rms"),
+    }[factory]()
+
+
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
-@pytest.mark.parametrize("factory", ["scale_by_m3", "m3"])
+@pytest.mark.parametrize("factory", ["scale_by_m3", "m3", "m3_rms"])
 def test_state_shards_like_params(axis_type, factory):
     mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
-    tx = scale_by_m3(slow_every=2) if factory == "scale_by_m3" else m3(0.01, slow_every=2)
+    tx = _shard_tx(factory)
     with jax.set_mesh(mesh):
         params = {
             k: jax.device_put(jnp.ones(s), NamedSharding(mesh, SPECS[k]))
@@ -297,10 +455,17 @@ def test_state_shards_like_params(axis_type, factory):
         ]
         state = jax.jit(tx.init)(params)
         update = jax.jit(tx.update)
-        states = [state]
+        states, ups = [state], []
         for g in grads:  # steps 1..3 include a slow step (2)
             u, state = update(g, state, params)
             states.append(state)
+            ups.append(u)
+    # same values as on one device
+    host = lambda t: jax.tree.map(lambda x: np.asarray(jax.device_get(x)), t)
+    want = _run(_shard_tx(factory), host(grads), params=host(params))
+    for got, w in zip(ups, want, strict=True):
+        for k in SHARD_SHAPES:
+            _assert_close(np.asarray(got[k]), w[k], rtol=1e-5)
 
     def m3_state(s):
         return s if factory == "scale_by_m3" else s.inner_states["m3"].inner_state[0]
@@ -315,7 +480,7 @@ def test_state_shards_like_params(axis_type, factory):
                     continue
                 assert leaf.sharding.is_equivalent_to(p.sharding, p.ndim), (field, k)
                 checked += 1
-    assert checked >= (2 if factory == "m3" else 3) * 5 * 4
+    assert checked >= (3 if factory == "scale_by_m3" else 2) * 5 * 4
     for k, p in params.items():
         assert u[k].sharding.is_equivalent_to(p.sharding, p.ndim), k
 
@@ -328,6 +493,10 @@ def test_state_shards_like_params(axis_type, factory):
         ({"slow_every": 2.5}, "slow_every"),
         ({"ns_steps": -1}, "ns_steps"),
         ({"ns_coeffs": (1.0, 2.0)}, "ns_coeffs"),
+        ({"normalize": "l2"}, "normalize"),
+        ({"normalize": None}, "normalize"),
+        ({"target_rms": 0.0}, "target_rms"),
+        ({"target_rms": -0.2}, "target_rms"),
     ],
 )
 def test_bad_arguments(kwargs, name):
@@ -363,5 +532,39 @@ def test_config_factory():
         ru, rs = rupd(g, rs, params)
     for k in SHAPES:
         np.testing.assert_allclose(u[k], ru[k], rtol=1e-6)
-    with pytest.raises(ValueError, match="optimizer.extra"):
+    with pytest.raises(ValueError, match=r"optimizer.extra: unknown m3 option\(s\) \['lr'\]"):
         m3_from_config(SimpleNamespace(**{**vars(cfg), "extra": {"lr": 1.0}}), 0.01)
+    # the scale-invariant variant is selected by optimizer.extra; a bad value names the key
+    rms = m3_from_config(
+        SimpleNamespace(**{**vars(cfg), "extra": {"normalize": "rms", "target_rms": 0.3}}), 0.01
+    )
+    ref = m3(
+        0.01,
+        normalize="rms",
+        target_rms=0.3,
+        weight_decay=0.1,
+        adam_b2=0.95,
+        weight_decay_mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
+    )
+    g3 = _grads(3, seed=18)
+    for u, r in zip(_run(rms, g3, params=params), _run(ref, g3, params=params), strict=True):
+        for k in SHAPES:
+            np.testing.assert_allclose(u[k], r[k], rtol=1e-6)
+    with pytest.raises(ValueError, match="^optimizer.extra.normalize must be one of"):
+        m3_from_config(SimpleNamespace(**{**vars(cfg), "extra": {"normalize": "l2"}}), 0.01)
+
+
+def test_training_config_selects_rms_variant():
+    from nested_jax.train.config import load_config
+    from nested_jax.train.optimizer import build_optimizer
+
+    cfg = load_config(
+        [], ["optimizer.name=m3", "optimizer.extra={normalize: rms, target_rms: 0.3}"]
+    )
+    tx, _ = build_optimizer(cfg.optimizer, 10)
+    params = {k: jnp.ones(s) for k, s in SHAPES.items()}
+    u = _run(tx, _grads(2, seed=19), params=params)[-1]
+    assert all(np.isfinite(x).all() for x in u.values())
+    bad = load_config([], ["optimizer.name=m3", "optimizer.extra={normalize: nope}"])
+    with pytest.raises(ValueError, match="normalize"):
+        build_optimizer(bad.optimizer, 10)
