@@ -306,9 +306,8 @@ def cache_blocks_packed(
     )
     (cache, s_last), (o, s_prev) = lax.scan(body, (cache0, jnp.zeros((B, H, C), _F32)), xs)
     o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, n * C, H, -1)[:, :T]
-    if (
-        eviction == "cumulative_attention"
-    ):  # final masses: block m from step m + 1, the last carried
+    if eviction == "cumulative_attention":
+        # final masses: block m's come out of step m + 1, the last block's are carried
         s = jnp.concatenate([s_prev[1:], s_last[None]], axis=0)
         scores = jnp.transpose(s, (1, 0, 3, 2)).reshape(B, n * C, H)[:, :T]
     return (o, *_last_document_state(k, v, scores, D, p, cache, W, C, eviction))
@@ -334,11 +333,9 @@ def _packed_block_fn(gamma_q, gamma_k, sink, W, C, eviction, read_norm, cs):
         s_tok = jnp.concatenate([s_prev, s_cur], axis=-1)  # [B, H, 2C]
 
         qn = read_normalize(qb, gamma_q, read_norm)
-        same_old = cdoc[:, :, None, :] == Dq[:, None, :, None]
-        l_old = _masked_logits(
-            qn, read_normalize(ck, gamma_k, read_norm), cval[:, :, None, :] & same_old
-            & pre[:, None, :, None], cs,
-        )  # fmt: skip
+        m_old = cval[:, :, None, :] & (cdoc[:, :, None, :] == Dq[:, None, :, None])
+        m_old = m_old & pre[:, None, :, None]  # [B, H, C, w]: own document, before β
+        l_old = _masked_logits(qn, read_normalize(ck, gamma_k, read_norm), m_old, cs)
         m_tok = (
             (Dk[:, None, :] == Dq[:, :, None])
             & (rows_k[None, None, :] >= s_q[:, :, None])
@@ -354,8 +351,8 @@ def _packed_block_fn(gamma_q, gamma_k, sink, W, C, eviction, read_norm, cs):
         # A_new = top-w(A_old of β's document ∪ its tokens [β − C, β)); β's document only.
         in_win = (Dk == D_beta[:, None]) & (rows_k[None, :] >= beta[:, None] - C)
         in_win = in_win & (rows_k[None, :] < beta[:, None])
-        cand = (kk, vv, s_tok, jnp.broadcast_to(pk[:, None], (B, H, 2 * C)),
-                jnp.broadcast_to(in_win[:, None], (B, H, 2 * C)))  # fmt: skip
+        bh = lambda a: jnp.broadcast_to(a[:, None], (B, H, 2 * C))  # noqa: E731
+        cand = (kk, vv, s_tok, bh(pk), bh(in_win))
         old = (ck, cv, csc, cp, cval & (cdoc == D_beta[:, None, None]))
         nk, nv, ns, npos, nval = merge_top_w(old, cand, W, eviction)
         ndoc = jnp.where(nval, D_beta[:, None, None], -1)
@@ -364,22 +361,28 @@ def _packed_block_fn(gamma_q, gamma_k, sink, W, C, eviction, read_norm, cs):
             qn, read_normalize(nk, gamma_k, read_norm), m_new & ~pre[:, None, :, None], cs
         )
         p_old, p_new, p_tok = _softmax_groups([l_old, l_new, l_tok], sink)
-        o = sum(jnp.einsum("bhqj,bhjv->bhqv", pr, x) for pr, x in
-                ((p_old, cv), (p_new, nv), (p_tok, vv)))  # fmt: skip
+        o = sum(
+            jnp.einsum("bhqj,bhjv->bhqv", pr, x)
+            for pr, x in ((p_old, cv), (p_new, nv), (p_tok, vv))
+        )
         if cumulative:  # the queries from β on (A_old is masked for them)
             w_post = (is_q & ~pre).astype(_F32)[:, None, :, None]
             ns = ns + sg(jnp.sum(p_new * w_post, axis=2))
             s_tok = s_tok + sg(jnp.sum(p_tok * w_post, axis=2))
 
-        hb = has_b[:, None, None]
-        cache = tuple(
-            jnp.where(hb[..., None] if a.ndim == 4 else hb, a, b)
-            for a, b in zip((nk, nv, ns, npos, nval, ndoc), (ck, cv, csc, cp, cval, cdoc),
-                            strict=True)
-        )  # fmt: skip
+        new = (nk, nv, ns, npos, nval, ndoc)
+        cache = _select_rows(has_b, new, (ck, cv, csc, cp, cval, cdoc))
         return (cache, s_tok[..., C:]), (o, s_tok[..., :C])
 
     return body
+
+
+def _select_rows(pick, a, b):
+    """Per batch row (``pick [B]``), the cache tuple ``a`` or ``b`` (leaves ``[B, H, w, ...]``)."""
+    return tuple(
+        jnp.where(pick.reshape((-1,) + (1,) * (x.ndim - 1)), x, y)
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def _last_document_state(k, v, scores, D, p, cache, W, C, eviction):
@@ -416,11 +419,7 @@ def _last_document_state(k, v, scores, D, p, cache, W, C, eviction):
         pos_b = jnp.broadcast_to(jnp.take_along_axis(p, idx, axis=1)[:, None], (B, H, C))
         blk = (gather(kf, idx), gather(vf, idx), gather(sf, idx), pos_b, last)
         merged = merge_top_w(own, blk, W, eviction)
-        on_b = (r == 0)[:, None, None]
-        own = tuple(
-            jnp.where(on_b[..., None] if a.ndim == 4 else on_b, a, b)
-            for a, b in zip(merged, own, strict=True)
-        )
+        own = _select_rows(r == 0, merged, own)
     idx = T - r[:, None] + slot[None]
     keep = (slot[None] < r[:, None])[:, None]  # [B, 1, C]
     buf = (
