@@ -27,9 +27,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_helpers import defaults_preset, tiny_overrides, write_corpus  # noqa: E402
+from train_helpers import (  # noqa: E402
+    defaults_preset,
+    subprocess_env,
+    tiny_overrides,
+    write_corpus,
+)
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 8  # steps of a finished run; the base run stops at BASE_STEPS
 BASE_STEPS = 4
 
@@ -114,16 +118,7 @@ class Run:
 def make_env(root: Path) -> Env:
     runner = root / "runner.py"
     runner.write_text(RUNNER)
-    e = dict(os.environ)
-    e.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=str(root / "xla_cache"),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        PYTHONPATH=str(REPO),
-    )
-    for k in ("FAULT", "FAULT_STEP"):
-        e.pop(k, None)
+    e = subprocess_env(root, devices=2, drop=("FAULT", "FAULT_STEP"))
     env = Env(root, runner, e, write_corpus(root / "corpus"), defaults_preset(root), root / "base")
     r = train(env, env.base, steps=BASE_STEPS)
     if r.code != 0:
@@ -223,10 +218,10 @@ def _result(case, outcome, before, workdir, ok, detail="") -> Outcome:
 # -- the cases --------------------------------------------------------------------------------
 
 
-def case_kill_during_state_save(env: Env) -> Outcome:
-    w = _copy_base(env, "kill_state")
+def _kill_case(env: Env, item: str) -> Outcome:
+    w = _copy_base(env, f"kill_{item}")
     before = healthy_steps(w)
-    killed = train(env, w, fault="kill_state", at=6)
+    killed = train(env, w, fault=f"kill_{item}", at=6)
     resumed = train(env, w)
     ok = (
         killed.code == -9
@@ -234,8 +229,9 @@ def case_kill_during_state_save(env: Env) -> Outcome:
         and resumed.has("ignoring incomplete save")
         and resumed.has("resuming from step 4")
     )
+    what = "state" if item == "state" else "data iterator"
     return _result(
-        "kill -9 while writing checkpoint 6 (state)",
+        f"kill -9 while writing checkpoint 6 ({what})",
         f"killed (rc {killed.code}); next start ignores the partial save, resumes at 4, "
         f"finishes (rc {resumed.code})",
         before,
@@ -245,20 +241,12 @@ def case_kill_during_state_save(env: Env) -> Outcome:
     )
 
 
+def case_kill_during_state_save(env: Env) -> Outcome:
+    return _kill_case(env, "state")
+
+
 def case_kill_during_data_save(env: Env) -> Outcome:
-    w = _copy_base(env, "kill_data")
-    before = healthy_steps(w)
-    killed = train(env, w, fault="kill_data", at=6)
-    resumed = train(env, w)
-    ok = killed.code == -9 and resumed.code == 0 and resumed.has("resuming from step 4")
-    return _result(
-        "kill -9 while writing checkpoint 6 (data iterator)",
-        f"killed (rc {killed.code}); next start resumes at 4, finishes (rc {resumed.code})",
-        before,
-        w,
-        ok,
-        _line(resumed, "ignoring incomplete save"),
-    )
+    return _kill_case(env, "data")
 
 
 def case_disk_full(env: Env) -> Outcome:

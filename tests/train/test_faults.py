@@ -45,8 +45,16 @@ def test_fault(env, case):
 
 @pytest.mark.parametrize(
     "index",
-    range(len(faults.CHANGED_SETTINGS)),
-    ids=[c[0] for c in faults.CHANGED_SETTINGS],
+    [
+        # Refused changes start no training (fast); of the accepted ones, train.steps runs by
+        # default and the others (each a training resume) are slow.
+        pytest.param(
+            i,
+            id=name,
+            marks=() if refused or name == "train_steps" else pytest.mark.slow,
+        )
+        for i, (name, refused, _, _) in enumerate(faults.CHANGED_SETTINGS)
+    ],
 )
 def test_changed_setting_on_resume(env, index):
     row = faults.case_changed_setting(env, index)

@@ -8,7 +8,6 @@ XLA compilation cache so only the first one compiles.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from train_helpers import defaults_preset, tiny_overrides
+from train_helpers import defaults_preset, subprocess_env, tiny_overrides
 
 from nested_jax.train.metrics import read_metrics
 
@@ -45,15 +44,7 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     runner = root / "runner.py"
     runner.write_text(RUNNER)
-    e = dict(os.environ)
-    e.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=str(root / "xla_cache"),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
-    )
-    e.pop("KILL_AT_SAVE", None)
+    e = subprocess_env(root, devices=2, drop=("KILL_AT_SAVE",))
     from train_helpers import write_corpus
 
     return {"root": root, "runner": runner, "env": e, "corpus": write_corpus(root / "corpus")}

@@ -84,3 +84,22 @@ def defaults_preset(directory: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# the built-in defaults; the test sets the rest with --set\n")
     return path
+
+
+def subprocess_env(root: Path, *, devices: int, drop: tuple[str, ...] = ()) -> dict:
+    """Environment of a `nested-jax` child process: `devices` fake CPU devices, this checkout on
+    the path, and an XLA compilation cache under `root` shared by all children (only the first
+    compiles). `drop` removes variables a runner reads (fault switches)."""
+    import os
+
+    env = dict(os.environ)
+    env.update(
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=str(root / "xla_cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+    )
+    for name in drop:
+        env.pop(name, None)
+    return env
