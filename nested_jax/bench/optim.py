@@ -24,19 +24,19 @@ All in one process (DESIGN.md "Benchmarks"):
      neither is the paper's), which separates the effect of the scaling from that of momenta that
      never decay (additive ``M1 = β1 Σ g``).
 
-   The non-matrix leaves of ``muon`` and the M3 runs (embedding, norms, biases) all take
-   AdamW at the fixed ``--adam-lr`` (same schedule shape), so the sweep compares the matrix
-   optimizers alone. (``optimizer.name=m3`` in a training config shares one lr between the two
-   branches.) The learning rate lives in the optimizer state (``optax.inject_hyperparams``), so
-   all rates of one optimizer share one compiled train step.
+   The non-matrix leaves of ``muon`` and the M3 runs (embedding, norms, biases) all take AdamW
+   (same schedule shape) at one rate: AdamW's best rate of its sweep (AdamW's runs go first), or
+   ``--adam-lr``; so the sweep compares the matrix optimizers alone. (``optimizer.name=m3`` in a
+   training config shares one lr between the two branches.) The learning rate lives in the
+   optimizer state (``optax.inject_hyperparams``), so all rates of one optimizer share one
+   compiled train step.
 
    Per run: mean training loss of the last 10 steps and the held-out loss on ``--eval-batches``
    fixed batches (nats/token). Per optimizer the best run is the one with the lowest held-out loss
    (non-finite counts as +inf); a table (optimizer, rates tried, held-out loss per rate, best rate,
-   best loss) is printed. Timing: the training steps are the samples — every round runs one step
-   of every run (interleaved), the first round is warm-up; an optimizer's step time is the median
-   over its runs of their median step time, with ratios to AdamW. The optimizer update alone
-   (``tx.update`` on fixed gradients, jitted) is timed interleaved too.
+   best loss) is printed. Timing, after training: one train step of each optimizer on a fixed
+   batch, and the optimizer update alone (``tx.update`` on fixed gradients), each interleaved
+   (median of ``--repeats`` after a warm-up), with ratios to AdamW.
 2. **Toy 2-layer regression** (the drop-in check of issue 13): a ``16 → 64 (tanh) → 8`` MLP
    regressing a random ``16 → 32 (tanh) → 8`` teacher (targets scaled to unit variance, 256
    samples, full batch, MSE), 300 steps at a constant rate, with the library defaults
@@ -49,7 +49,8 @@ All in one process (DESIGN.md "Benchmarks"):
    ``gated_delta_chunked`` at ``T = --proteus-seq-len`` (context ``N = T``, so all 16 blocks open
    during the sequence), H=4, K=V=64, interleaved. ``--proteus-only`` runs just this part.
 
-JSON keys (last stdout line with ``--json``): ``matmul_gflops``, ``steps``, ``data``, ``adam_lr``;
+JSON keys (last stdout line with ``--json``): ``matmul_gflops``, ``steps``, ``data``, ``adam_lr``
+(the non-matrix AdamW rate used);
 per optimizer ``o`` ∈ {adamw, muon, m3, m3_rms, m3_rms_ema} (those swept): ``lr_{o}`` (best rate),
 ``eval_loss_{o}`` (its held-out loss), ``final_train_loss_{o}`` (its last-10 training loss),
 ``sweep_lrs_{o}``, ``sweep_eval_loss_{o}``, ``sweep_final_train_loss_{o}`` (lists, one entry per
@@ -66,7 +67,6 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
 import time
 
 import jax
@@ -93,16 +93,19 @@ M3_VARIANTS = {
     "m3_rms": ("additive", "rms"),  # scale-invariant, the paper's additive momenta
     "m3_rms_ema": ("ema", "rms"),  # scale-invariant, EMA momenta (neither is the paper's)
 }
-# Peak learning rates swept on the tiny GDN LM (the matrix lr for muon and the M3s), three per
-# optimizer around its usual range; m3 (Algorithm 1: step ∝ lr/|g|) needs far smaller rates.
+# Peak learning rates swept on the tiny GDN LM (the matrix lr for muon and the M3s): three per
+# optimizer (factor ~3 apart; 4 for m3), chosen so that at the default sizes each optimizer's best
+# rate lies inside its sweep (wider sweeps, 150 steps: 1e-3 … 1e-1 for AdamW, 6e-3 … 0.6 for Muon,
+# 1e-5 … 2.56e-3 for m3, 3e-3 … 0.3 for the rms variants). m3 (Algorithm 1: step ∝ lr/|g|) needs
+# far smaller rates.
 DEFAULT_SWEEPS: dict[str, tuple[float, ...]] = {
-    "adamw": (1e-3, 3e-3, 1e-2),
-    "muon": (6e-3, 2e-2, 6e-2),
-    "m3": (1e-5, 4e-5, 1.6e-4),
-    "m3_rms": (3e-3, 1e-2, 3e-2),
-    "m3_rms_ema": (3e-3, 1e-2, 3e-2),
+    "adamw": (1e-2, 3e-2, 1e-1),
+    "muon": (2e-2, 6e-2, 2e-1),
+    "m3": (4e-5, 1.6e-4, 6.4e-4),
+    "m3_rms": (3e-2, 1e-1, 3e-1),
+    "m3_rms_ema": (3e-2, 1e-1, 3e-1),
 }
-# Constant learning rates of the toy regression (cheap: every rate in one vmapped run).
+# Constant learning rates of the toy regression (cheap: all runs compile as one jitted function).
 TOY_SWEEPS: dict[str, tuple[float, ...]] = {
     "adamw": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
     "muon": (3e-3, 1e-2, 3e-2, 1e-1),
@@ -308,7 +311,7 @@ def compare_optimizers(
     seq_len: int = 128,
     data: str = "austen",
     sweeps: dict[str, tuple[float, ...]] | None = None,
-    adam_lr: float = 3e-3,
+    adam_lr: float | None = None,
     m3_slow_every: int = 10,
     eval_batches: int = 8,
     repeats: int = 5,
@@ -316,17 +319,23 @@ def compare_optimizers(
     d_model: int = 64,
     n_layers: int = 2,
 ) -> dict:
-    """Trains the tiny GDN with every (optimizer, rate) of ``sweeps``, interleaved (module doc).
+    """Trains the tiny GDN with every (optimizer, rate) of ``sweeps`` (module docstring).
+
+    AdamW's runs go first (when ``adam_lr`` is None, its best rate becomes the AdamW rate of the
+    non-matrix leaves of the other optimizers), then the others; inside each group the runs take
+    their steps in turn. Timing afterwards: one training step of each optimizer on a fixed batch,
+    interleaved (``repeats`` rounds after one warm-up), and ``tx.update`` alone likewise.
 
     Args:
-      steps: training steps of every run (≥ 2; the first round is warm-up for the timing).
+      steps: training steps of every run (≥ 2).
       batch_size, seq_len: batch shape ``[batch_size, seq_len]``.
       data: ``"austen"`` or ``"synthetic"``.
       sweeps: optimizer name → peak rates (default :data:`DEFAULT_SWEEPS`); only these run.
-      adam_lr: AdamW rate of the non-matrix leaves of muon and the M3 runs.
+      adam_lr: AdamW rate of the non-matrix leaves of muon and the M3 runs; None: the best rate
+        of the AdamW sweep (then ``sweeps`` must include ``adamw``).
       m3_slow_every: M3's slow period.
       eval_batches: held-out batches.
-      repeats: timed rounds of the update-only timing.
+      repeats: timed rounds.
       seed, d_model, n_layers: data seed and model size.
 
     Returns:
@@ -335,8 +344,12 @@ def compare_optimizers(
     from nested_jax.train.step import make_eval_step, make_train_step
 
     if steps < 2:
-        raise ValueError(f"steps: expected >= 2 (one warm-up round), got {steps}")
+        raise ValueError(f"steps: expected >= 2, got {steps}")
     sweeps = _check_sweeps(DEFAULT_SWEEPS if sweeps is None else sweeps, "sweeps")
+    if adam_lr is None and "adamw" not in sweeps:
+        raise ValueError("adam_lr: None (AdamW's best rate) needs 'adamw' in the sweeps")
+    if adam_lr is not None and not adam_lr > 0:
+        raise ValueError(f"adam_lr: expected a positive rate or None, got {adam_lr}")
     if data == "austen":
         stream = austen_byte_stream()
         split = int(0.95 * stream.shape[0])
@@ -349,60 +362,73 @@ def compare_optimizers(
         raise ValueError(f"data: expected 'austen' or 'synthetic', got {data!r}")
     graphdef, state_def, params0, rest = tiny_gdn(d_model=d_model, n_layers=n_layers)
     eval_step = jax.jit(make_eval_step(graphdef, state_def))
-    results: dict = {"steps": steps, "data": data, "adam_lr": adam_lr}
-    txs, step_fns, states, losses, cursor = {}, {}, {}, {}, {}
-    runs = [(name, lr) for name, lrs in sweeps.items() for lr in lrs]
-    for name, lr in runs:
-        tx = make_optimizer(name, lr, steps, adam_lr=adam_lr, slow_every=m3_slow_every)
-        if name not in step_fns:  # one compiled step per optimizer: the rate is in the state
-            txs[name] = tx
-            step_fns[name] = jax.jit(make_train_step(graphdef, state_def, tx, lambda _: 0.0))
-        states[name, lr] = {
-            "step": jnp.zeros((), jnp.int32),
-            "params": params0,
-            "opt_state": tx.init(params0),
-            "consecutive_skips": jnp.zeros((), jnp.int32),
-        }
-        losses[name, lr], cursor[name, lr] = [], 0
+    results: dict = {"steps": steps, "data": data}
+    txs, step_fns, final_states, rows = {}, {}, {}, {}
 
-    def advance(run):
-        batch = train[cursor[run]]
-        cursor[run] += 1
-        states[run], m = step_fns[run[0]](states[run], rest, batch)
-        losses[run].append(m["loss"])
-        return m["loss"]
+    def run_group(names, non_matrix_lr):
+        """Trains every (name, lr) of ``names``, the runs taking their steps in turn."""
+        states, losses = {}, {}
+        for name in names:
+            for lr in sweeps[name]:
+                kw = {} if non_matrix_lr is None else {"adam_lr": non_matrix_lr}
+                tx = make_optimizer(name, lr, steps, slow_every=m3_slow_every, **kw)
+                # one compiled step per optimizer: the rate is in the state
+                if name not in step_fns:
+                    txs[name] = tx
+                    step_fns[name] = jax.jit(
+                        make_train_step(graphdef, state_def, tx, lambda _: 0.0)
+                    )
+                states[name, lr] = {
+                    "step": jnp.zeros((), jnp.int32),
+                    "params": params0,
+                    "opt_state": tx.init(params0),
+                    "consecutive_skips": jnp.zeros((), jnp.int32),
+                }
+                losses[name, lr] = []
+        progress(
+            f"[bench optim] {len(states)} runs x {steps} steps: "
+            + "; ".join(f"{n} lr {', '.join(f'{x:g}' for x in sweeps[n])}" for n in names)
+            + (f" (non-matrix leaves: AdamW lr {non_matrix_lr:g})" if names != ["adamw"] else "")
+        )
+        for batch in train:
+            for run in states:
+                states[run], m = step_fns[run[0]](states[run], rest, batch)
+                losses[run].append(m["loss"])
+        for name in names:
+            evs, trs = [], []
+            for lr in sweeps[name]:
+                tail = np.asarray(jax.device_get(losses[name, lr][-10:]), np.float64)
+                sums = [eval_step(states[name, lr]["params"], rest, b) for b in held]
+                evs.append(float(sum(s["loss_sum"] for s in sums) / sum(s["tokens"] for s in sums)))
+                trs.append(float(tail.mean()))
+                progress(
+                    f"[bench optim] {name:<10} lr {lr:<7g} train loss (last 10) {trs[-1]:.3f}, "
+                    f"held-out loss {evs[-1]:.3f} nats/token"
+                )
+            lrs = sweeps[name]
+            b = _best(lrs, evs)
+            results[f"lr_{name}"] = lrs[b]
+            results[f"eval_loss_{name}"] = evs[b]
+            results[f"final_train_loss_{name}"] = trs[b]
+            results[f"sweep_lrs_{name}"] = list(lrs)
+            results[f"sweep_eval_loss_{name}"] = evs
+            results[f"sweep_final_train_loss_{name}"] = trs
+            rows[name] = (list(lrs), evs)
+            final_states[name] = states[name, lrs[b]]
 
-    progress(
-        f"[bench optim] {len(runs)} runs x {steps} steps (interleaved): "
-        + "; ".join(f"{n} lr {', '.join(f'{x:g}' for x in lrs)}" for n, lrs in sweeps.items())
-    )
-    times = time_interleaved(
-        {run: functools.partial(advance, run) for run in runs}, repeats=steps - 1, warmup=1
-    )
-    rows, step_ms = {}, {}
-    for name, lrs in sweeps.items():
-        evs, trs = [], []
-        for lr in lrs:
-            tail = np.asarray(jax.device_get(losses[name, lr][-10:]), np.float64)
-            sums = [eval_step(states[name, lr]["params"], rest, b) for b in held]
-            evs.append(float(sum(s["loss_sum"] for s in sums) / sum(s["tokens"] for s in sums)))
-            trs.append(float(tail.mean()))
-            progress(
-                f"[bench optim] {name:<6} lr {lr:<7g} train loss (last 10) {trs[-1]:.3f}, "
-                f"held-out loss {evs[-1]:.3f} nats/token, step {1e3 * times[name, lr]:.1f} ms"
-            )
-        b = _best(lrs, evs)
-        step_ms[name] = 1e3 * statistics.median(times[name, lr] for lr in lrs)
-        results[f"lr_{name}"] = lrs[b]
-        results[f"eval_loss_{name}"] = evs[b]
-        results[f"final_train_loss_{name}"] = trs[b]
-        results[f"sweep_lrs_{name}"] = list(lrs)
-        results[f"sweep_eval_loss_{name}"] = evs
-        results[f"sweep_final_train_loss_{name}"] = trs
-        results[f"step_ms_{name}"] = step_ms[name]
-        rows[name] = (list(lrs), evs)
+    others = [n for n in sweeps if n != "adamw"]
+    if "adamw" in sweeps:
+        run_group(["adamw"], None)
+    results["adam_lr"] = results["lr_adamw"] if adam_lr is None else adam_lr
+    if others:
+        run_group(others, results["adam_lr"])
 
-    # The optimizer update alone, on fixed gradients, interleaved.
+    # Timing, interleaved: one train step of each optimizer (from its best run's final state, the
+    # result discarded) and the optimizer update alone on fixed gradients.
+    timed = {
+        name: functools.partial(step_fns[name], final_states[name], rest, train[0]) for name in txs
+    }
+    times = time_interleaved(timed, repeats=repeats, warmup=1)
     grads = jax.grad(lambda p: _plain_loss(graphdef, state_def, p, rest, train[0]))(params0)
     upd = {}
     for name, tx in txs.items():
@@ -410,27 +436,27 @@ def compare_optimizers(
         upd[name] = functools.partial(f, grads, tx.init(params0), params0)
     utimes = time_interleaved(upd, repeats=repeats, warmup=1)
     for name in txs:
+        results[f"step_ms_{name}"] = 1e3 * times[name]
         results[f"update_ms_{name}"] = 1e3 * utimes[name]
     if "adamw" in txs:
-        for name in txs:
-            if name != "adamw":
-                results[f"step_time_{name}_over_adamw"] = step_ms[name] / step_ms["adamw"]
-                results[f"update_time_{name}_over_adamw"] = utimes[name] / utimes["adamw"]
+        for name in others:
+            results[f"step_time_{name}_over_adamw"] = times[name] / times["adamw"]
+            results[f"update_time_{name}_over_adamw"] = utimes[name] / utimes["adamw"]
     progress(
         "[bench optim] update only: " + ", ".join(f"{n} {1e3 * utimes[n]:.2f} ms" for n in txs)
     )
     progress(
-        f"[bench optim] tiny GDN LM, {data}, {steps} steps, batch {batch_size}x{seq_len}, "
-        f"held-out loss (nats/token) per peak lr; non-matrix leaves of muon and the M3s: AdamW "
-        f"lr {adam_lr:g}\n"
+        f"[bench optim] tiny GDN LM ({data}, d_model {d_model}, {n_layers} layers), {steps} steps "
+        f"of {batch_size}x{seq_len} tokens, same init and batches; held-out loss (nats/token) per "
+        f"peak lr; non-matrix leaves of muon and the M3s: AdamW lr {results['adam_lr']:g}"
+        + (" (AdamW's best)" if adam_lr is None else "")
+        + "\n"
         + sweep_table(
             "held-out loss",
             rows,
             {
-                "train loss at best": {
-                    n: f"{results[f'final_train_loss_{n}']:.3f}" for n in sweeps
-                },
-                "step ms": {n: f"{step_ms[n]:.1f}" for n in sweeps},
+                "train loss at best": {n: f"{results[f'final_train_loss_{n}']:.3f}" for n in rows},
+                "step ms": {n: f"{results[f'step_ms_{n}']:.1f}" for n in rows},
             },
         )
     )
@@ -641,7 +667,10 @@ def main(argv: list[str] | None = None) -> int:
         "--optimizers", default=None, help="comma-separated subset to run (default: all)"
     )
     p.add_argument(
-        "--adam-lr", type=float, default=3e-3, help="AdamW lr of the non-matrix leaves of muon/m3"
+        "--adam-lr",
+        type=float,
+        default=None,
+        help="AdamW lr of the non-matrix leaves of muon and the M3s (default: AdamW's best rate)",
     )
     p.add_argument("--m3-slow-every", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=8)

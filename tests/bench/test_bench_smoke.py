@@ -55,6 +55,7 @@ def test_bench_optim_keys_and_proteus():
         best = min(res[f"sweep_eval_loss_{name}"])
         assert res[f"eval_loss_{name}"] == best
         assert res[f"lr_{name}"] == sweeps[name][res[f"sweep_eval_loss_{name}"].index(best)]
+    assert res["adam_lr"] == res["lr_adamw"]  # the non-matrix AdamW rate: AdamW's best
     assert res["step_time_m3_rms_over_adamw"] > 0
     assert res["update_time_m3_rms_over_adamw"] > 0
     # A first few steps from the same initialisation: every optimizer still near log(vocab).
@@ -126,3 +127,5 @@ def test_bench_optim_rejects_bad_data():
         bench_optim.compare_optimizers(steps=2, sweeps={"sgd": (0.1,)})
     with pytest.raises(ValueError, match="sweeps"):
         bench_optim.compare_optimizers(steps=2, sweeps={"m3": (-1.0,)})
+    with pytest.raises(ValueError, match="adam_lr"):  # AdamW's best rate needs an AdamW sweep
+        bench_optim.compare_optimizers(steps=2, sweeps={"m3": (1e-4,)})
