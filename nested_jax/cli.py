@@ -12,7 +12,7 @@ import sys
 COMMANDS = {
     "train": ("nested_jax.train.main", "train a model: --config FILE --workdir DIR"),
     "eval": ("nested_jax.eval.main", "evaluate the latest checkpoint: --workdir DIR"),
-    "generate": ("nested_jax.train.generate", "sample text: --workdir DIR --prompt TEXT"),
+    "generate": ("nested_jax.eval.generate", "sample text: --workdir DIR --prompt TEXT"),
     "bench": (None, "benchmarks: bench {core,titans,optim,hola,hope} [--json]"),
 }
 BENCHES = ("core", "titans", "optim", "hola", "hope")

@@ -35,8 +35,8 @@ from flax import nnx
 from nested_jax.bench.common import emit, make_parser, matmul_gflops, progress, time_interleaved
 from nested_jax.layers.gdn import GatedDeltaNet
 from nested_jax.layers.hola import HolaMixer
+from nested_jax.layers.options import HolaOptions
 from nested_jax.models import ModelConfig, build_model
-from nested_jax.models.options import HolaOptions
 
 DECODE_LENGTHS = (2048, 32768)
 

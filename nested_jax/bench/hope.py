@@ -32,8 +32,8 @@ DEFAULT_SWEEP = ((1, 1), (4, 4), (16, 4), (16, 16), (64, 16))
 
 def hope_model_config(hope=None, **kw):
     """``ModelConfig(name="hope", hope=hope or HopeOptions(), **kw)``."""
+    from nested_jax.layers.options import HopeOptions
     from nested_jax.models import ModelConfig
-    from nested_jax.models.options import HopeOptions
 
     return ModelConfig(name="hope", hope=HopeOptions() if hope is None else hope, **kw)
 
@@ -68,8 +68,8 @@ def run(
     repeats: int = 5,
 ) -> dict:
     """All measurements; returns the results dict (keys in the module docstring)."""
+    from nested_jax.layers.options import HopeOptions
     from nested_jax.models import ModelConfig
-    from nested_jax.models.options import HopeOptions
 
     t_start = time.perf_counter()
     results: dict = {}

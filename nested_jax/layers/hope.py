@@ -75,6 +75,7 @@ from nested_jax.layers.common import check_rank, dense, partitioned
 from nested_jax.layers.conv import ShortConv
 from nested_jax.layers.deltanet import l2_normalize
 from nested_jax.layers.norm import GatedRMSNorm
+from nested_jax.layers.options import HopeOptions
 
 __all__ = ["HopeCache", "HopeMixer"]
 
@@ -124,8 +125,6 @@ class HopeMixer(nnx.Module):
         rngs: nnx.Rngs,
         proteus=None,
     ):
-        from nested_jax.models.options import HopeOptions  # lazy: layers sit below models
-
         opts = HopeOptions() if opts is None else opts
         if not isinstance(opts, HopeOptions):
             raise ValueError(f"opts: expected a HopeOptions, got {type(opts).__name__}")

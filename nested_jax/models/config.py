@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from nested_jax.models import options as _options
+from nested_jax.layers import options as _options
 
 _IMPLS = ("chunked", "recurrent")
 _DTYPES = ("float32", "bfloat16")

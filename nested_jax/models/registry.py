@@ -42,7 +42,7 @@ def register_mixer(
       overwrite: allow replacing an existing entry (otherwise a duplicate name raises
       ``ValueError``).
     """
-    from nested_jax.models.options import OPTION_SECTIONS
+    from nested_jax.layers.options import OPTION_SECTIONS
 
     unknown = sorted(set(options) - set(OPTION_SECTIONS))
     if unknown:

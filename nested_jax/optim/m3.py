@@ -508,6 +508,7 @@ _CONFIG_KEYS = (
     "ns_eps",
     "normalize",
     "target_rms",
+    "adam_lr_scale",
 )
 
 
@@ -526,6 +527,9 @@ def m3_from_config(cfg, learning_rate) -> optax.GradientTransformation:
     accumulate, ns_eps, normalize, target_rms`` (``extra["eps"]`` is M3's ε; ``cfg.eps`` stays
     Adam's). ``extra: {normalize: rms}`` selects the scale-invariant variant; an unknown key or a
     bad value raises ``ValueError`` naming ``optimizer.extra`` and the key.
+    ``extra: {adam_lr_scale: s}`` runs the AdamW branch (embeddings, norms, biases) at ``s ×`` the
+    M3 schedule (same warmup and decay shape): Algorithm 1's learning rates are far below Adam's
+    (its step scales like lr/|g|), so sharing one rate starves those parameters.
 
     Args:
       cfg: an ``OptimizerConfig``-like object.
@@ -542,9 +546,20 @@ def m3_from_config(cfg, learning_rate) -> optax.GradientTransformation:
         )
     if "ns_coeffs" in extra:
         extra["ns_coeffs"] = tuple(extra["ns_coeffs"])
+    adam_lr = None
+    if "adam_lr_scale" in extra:
+        scale = extra.pop("adam_lr_scale")
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
+            raise ValueError(f"optimizer.extra.adam_lr_scale must be a number > 0, got {scale!r}")
+        adam_lr = (
+            (lambda step: scale * learning_rate(step))
+            if callable(learning_rate)
+            else scale * learning_rate
+        )
     try:
         return m3(
             learning_rate,
+            adam_learning_rate=adam_lr,
             weight_decay=cfg.weight_decay,
             weight_decay_mask=_decay_matrices,
             adam_b1=cfg.b1,

@@ -38,6 +38,7 @@ import yaml
 
 from nested_jax.data.config import DataConfig
 from nested_jax.models.config import ModelConfig
+from nested_jax.train.optimizer import OPTIMIZERS, OptimizerConfig
 
 # Models whose mixer has no chunked recurrence: `seq_len % chunk_size` is irrelevant for them.
 ATTENTION_ONLY_MODELS = frozenset({"transformer", "hope_attention"})
@@ -45,26 +46,6 @@ ATTENTION_ONLY_MODELS = frozenset({"transformer", "hope_attention"})
 
 class ConfigError(ValueError):
     """A configuration problem; ``str(err)`` is one line that names the field path."""
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Optimizer and learning-rate schedule (linear warmup then decay)."""
-
-    # key of nested_jax.train.optimizer.OPTIMIZERS ("adamw"; other modules register more)
-    name: str = "adamw"
-    lr: float = 3e-3  # peak learning rate, reached at the end of warmup
-    warmup_steps: int = 100  # linear warmup from 0 to lr over this many steps
-    decay: Literal["cosine", "linear", "constant"] = "cosine"  # shape of the decay after warmup
-    min_lr_ratio: float = 0.1  # final learning rate as a fraction of lr (cosine / linear decay)
-    weight_decay: float = 0.1  # decoupled weight decay, applied to matrices (ndim >= 2) only
-    b1: float = 0.9  # first-moment decay of Adam
-    b2: float = 0.95  # second-moment decay of Adam
-    eps: float = 1e-8  # Adam denominator epsilon
-    grad_clip: float = 1.0  # clip gradients to this global L2 norm; 0 disables clipping
-    # Free-form extra hyper-parameters for optimizers registered by other modules (e.g. m3); each
-    # factory validates its own keys. AdamW accepts none.
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -247,8 +228,6 @@ def _build_dataclass(cls: type, values: Mapping[str, Any], path: str, base: Any 
 
 
 def _check_combinations(cfg: Config) -> None:
-    from nested_jax.train.optimizer import OPTIMIZERS
-
     if cfg.optimizer.name not in OPTIMIZERS:
         raise ConfigError(
             f"optimizer.name: unknown optimizer {cfg.optimizer.name!r}; "

@@ -1,4 +1,7 @@
-"""Optimizers and learning-rate schedules built from :class:`OptimizerConfig`.
+"""Optimizers and learning-rate schedules, and their config section :class:`OptimizerConfig`.
+
+The registry and its config live together (``nested_jax.train.config`` imports both; this module
+imports no config).
 
 ``OPTIMIZERS`` maps a name to a factory ``(cfg: OptimizerConfig, learning_rate: optax.Schedule) ->
 optax.GradientTransformation``. Other modules register more (e.g. M3) with
@@ -9,7 +12,8 @@ wraps every optimizer (``grad_clip > 0``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +21,27 @@ import optax
 
 from nested_jax.optim.m3 import m3_from_config
 from nested_jax.optim.multifreq import level_labels_by_index, multi_frequency
-from nested_jax.train.config import OptimizerConfig
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule (linear warmup then decay)."""
+
+    # key of nested_jax.train.optimizer.OPTIMIZERS ("adamw"; other modules register more)
+    name: str = "adamw"
+    lr: float = 3e-3  # peak learning rate, reached at the end of warmup
+    warmup_steps: int = 100  # linear warmup from 0 to lr over this many steps
+    decay: Literal["cosine", "linear", "constant"] = "cosine"  # shape of the decay after warmup
+    min_lr_ratio: float = 0.1  # final learning rate as a fraction of lr (cosine / linear decay)
+    weight_decay: float = 0.1  # decoupled weight decay, applied to matrices (ndim >= 2) only
+    b1: float = 0.9  # first-moment decay of Adam
+    b2: float = 0.95  # second-moment decay of Adam
+    eps: float = 1e-8  # Adam denominator epsilon
+    grad_clip: float = 1.0  # clip gradients to this global L2 norm; 0 disables clipping
+    # Free-form extra hyper-parameters for optimizers registered by other modules (e.g. m3); each
+    # factory validates its own keys. AdamW accepts none.
+    extra: dict = field(default_factory=dict)
+
 
 OptimizerFactory = Callable[[OptimizerConfig, optax.Schedule], optax.GradientTransformation]
 OPTIMIZERS: dict[str, OptimizerFactory] = {}

@@ -40,7 +40,7 @@ from nested_jax.data.identity import (
     tokenizer_payload,
 )
 from nested_jax.files import atomic_write_bytes, strict_json, write_json
-from nested_jax.models.options import OPTION_SECTIONS
+from nested_jax.layers.options import OPTION_SECTIONS
 from nested_jax.train.checkpoint import Checkpointer, checkpoint_steps
 from nested_jax.train.config import (
     Config,

@@ -94,7 +94,7 @@ def test_pieces_cover_the_stream_on_the_absolute_grid():
 
 
 def _cms_model(variant="sequential", periods=(2, 4)):
-    from nested_jax.models.options import CMSOptions
+    from nested_jax.layers.options import CMSOptions
 
     cms = CMSOptions(periods=periods, variant=variant, hidden=16, mode="online")
     cfg = ModelConfig(name="gdn", ffn="cms", cms=cms, **SMALL)

@@ -12,9 +12,9 @@ from nested_jax.core.proteus_memory import (
     proteus_gated_delta_recurrent,
 )
 from nested_jax.layers import DeltaNet, GatedDeltaNet
+from nested_jax.layers.options import OPTION_SECTIONS, ProteusOptions
 from nested_jax.models.config import ModelConfig
 from nested_jax.models.lm import build_model
-from nested_jax.models.options import OPTION_SECTIONS, ProteusOptions
 
 D_MODEL, H, D = 16, 2, 8
 N, E = 16, 4  # training context and blocks: Δ = 4, fully open from t = 13

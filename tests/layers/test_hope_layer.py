@@ -12,8 +12,8 @@ from flax import nnx
 
 from nested_jax.core.hope import hope_init_state, hope_recurrent
 from nested_jax.layers.hope import HopeCache, HopeMixer
+from nested_jax.layers.options import HopeOptions
 from nested_jax.models.config import ModelConfig
-from nested_jax.models.options import HopeOptions
 from nested_jax.models.registry import get_mixer
 
 D_MODEL, H, HD, B, T = 24, 2, 8, 2, 11

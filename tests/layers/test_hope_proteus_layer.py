@@ -12,8 +12,8 @@ from nested_jax.core.hope import hope_init_state
 from nested_jax.core.proteus import proteus_block_ids
 from nested_jax.core.proteus_memory import proteus_hope_chunked, proteus_hope_recurrent
 from nested_jax.layers.hope import HopeMixer
+from nested_jax.layers.options import HopeOptions, ProteusOptions
 from nested_jax.models.config import ModelConfig
-from nested_jax.models.options import HopeOptions, ProteusOptions
 from nested_jax.models.registry import get_mixer
 from tests.layers.test_hope_layer import _cached, _close, _full
 

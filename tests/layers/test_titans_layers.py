@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from nested_jax.layers.options import TitansOptions
 from nested_jax.layers.rope import segment_positions
 from nested_jax.models.config import ModelConfig
-from nested_jax.models.options import TitansOptions
 from nested_jax.models.registry import get_mixer
 
 D_MODEL, B, T = 32, 2, 21  # segments of 8 (N_s) and memory chunks of 4: T ends mid-chunk/segment

@@ -13,8 +13,8 @@ from nested_jax.core.proteus_memory import (
     proteus_titans_mlp_chunked,
     proteus_titans_mlp_recurrent,
 )
+from nested_jax.layers.options import ProteusOptions, TitansOptions
 from nested_jax.models.config import ModelConfig
-from nested_jax.models.options import ProteusOptions, TitansOptions
 from nested_jax.models.registry import get_mixer
 from tests.layers.test_titans_layers import D_MODEL, OPTS, B, T, _cached, _full, _pos, _x
 

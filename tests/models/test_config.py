@@ -57,7 +57,7 @@ def test_explicit_head_dim_allows_indivisible_d_model_and_int_float_fields():
 
 @pytest.mark.parametrize("name", ["transformer", "hope_attention", "hola", "titans_mac"])
 def test_proteus_on_a_mixer_without_the_option_is_refused(name):
-    from nested_jax.models.options import ProteusOptions
+    from nested_jax.layers.options import ProteusOptions
 
     proteus = ProteusOptions(blocks=4, context_len=64)
     with pytest.raises(ValueError, match=rf"^ModelConfig.proteus.blocks: .*'{name}' mixer has no"):
@@ -87,8 +87,8 @@ def test_every_mixer_listing_proteus_reads_it(name):
     import numpy as np
     from flax import nnx
 
+    from nested_jax.layers.options import HopeOptions, ProteusOptions, TitansOptions
     from nested_jax.models import build_model
-    from nested_jax.models.options import HopeOptions, ProteusOptions, TitansOptions
 
     kw = dict(vocab_size=32, d_model=32, n_layers=1, n_heads=2, chunk_size=8, scan_layers=False)
     kw["titans"] = TitansOptions(memory_chunk=4, segment_len=8, window=8, memory_hidden=16)

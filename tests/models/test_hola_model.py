@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nested_jax.layers.options import HolaOptions
 from nested_jax.models import ModelConfig, build_model
-from nested_jax.models.options import HolaOptions
 from nested_jax.parallel.mesh import global_batch_from_local, make_mesh
 from nested_jax.train.config import MeshConfig, load_config
 from nested_jax.train.loop import init_train_setup

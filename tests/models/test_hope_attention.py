@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from nested_jax.layers.options import CMSOptions
 from nested_jax.models import ModelConfig, available_mixers, build_model
-from nested_jax.models.options import CMSOptions
 from nested_jax.train.config import ConfigError, load_config
 from nested_jax.train.convert import check_convertible, convert_ffn_to_cms
 

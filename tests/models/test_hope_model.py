@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nested_jax.layers.options import HopeOptions
 from nested_jax.models import ModelConfig, build_model
-from nested_jax.models.options import HopeOptions
 from nested_jax.parallel.mesh import global_batch_from_local
 from tests.models.test_titans_models import _train_setup
 

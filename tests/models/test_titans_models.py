@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from nested_jax.layers.options import TitansOptions
 from nested_jax.models import ModelConfig, build_model
-from nested_jax.models.options import TitansOptions
 from nested_jax.parallel.mesh import global_batch_from_local, make_mesh
 from nested_jax.train.config import MeshConfig, load_config
 from nested_jax.train.loop import init_train_setup

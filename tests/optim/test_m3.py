@@ -568,3 +568,28 @@ def test_training_config_selects_rms_variant():
     bad = load_config([], ["optimizer.name=m3", "optimizer.extra={normalize: nope}"])
     with pytest.raises(ValueError, match="normalize"):
         build_optimizer(bad.optimizer, 10)
+
+
+def test_config_adam_lr_scale_runs_the_adam_branch_at_a_multiple_of_the_m3_rate():
+    from types import SimpleNamespace
+
+    from nested_jax.optim import m3_from_config
+
+    cfg = SimpleNamespace(
+        weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-8, extra={"adam_lr_scale": 30.0}
+    )
+    sched = optax.linear_schedule(1e-4, 2e-4, 10)
+    tx = m3_from_config(cfg, sched)
+    params = {"w": jnp.ones((4, 6)), "bias": jnp.ones((6,))}
+    ref_adam = optax.adamw(lambda step: 30.0 * sched(step), 0.9, 0.95, 1e-8, weight_decay=0.0)
+    ref_m3 = m3_from_config(SimpleNamespace(**{**vars(cfg), "extra": {}}), sched)
+    s, sa, sm = tx.init(params), ref_adam.init({"bias": params["bias"]}), ref_m3.init(params)
+    for g in _grads(3, seed=5, shapes={"w": (4, 6), "bias": (6,)}):
+        u, s = tx.update(g, s, params)
+        ua, sa = ref_adam.update({"bias": g["bias"]}, sa, {"bias": params["bias"]})
+        um, sm = ref_m3.update(g, sm, params)
+        np.testing.assert_allclose(u["bias"], ua["bias"], rtol=1e-6)  # Adam at 30x the schedule
+        np.testing.assert_allclose(u["w"], um["w"], rtol=1e-6)  # the M3 matrices are unchanged
+    for bad in (0, -1.0, "big", True):
+        with pytest.raises(ValueError, match=r"optimizer.extra.adam_lr_scale must be a number > 0"):
+            m3_from_config(SimpleNamespace(**{**vars(cfg), "extra": {"adam_lr_scale": bad}}), sched)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from nested_jax.layers.options import CMSOptions
 from nested_jax.models import ModelConfig, build_model
-from nested_jax.models.options import CMSOptions
 from nested_jax.optim.multifreq import MultiFreqState
 from nested_jax.train.config import OptimizerConfig
 from nested_jax.train.optimizer import build_optimizer, cms_level_of, cms_pretrain_periods

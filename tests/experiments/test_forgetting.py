@@ -1,4 +1,5 @@
-"""Two-language continual-learning experiment (nested_jax.eval.forgetting; SPEC §3.3 online CMS)."""
+"""Two-language continual-learning experiment (nested_jax.experiments.forgetting; SPEC §3.3
+online CMS)."""
 
 import dataclasses
 import json
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.eval.forgetting import (
+from nested_jax.experiments.forgetting import (
     Arm,
     StreamSettings,
     compare,

@@ -1,5 +1,7 @@
 """Mixer-specific option sections of :class:`nested_jax.models.config.ModelConfig`.
 
+They live with the layers that read them (the models layer above imports them into its config).
+
 Each mechanism with options of its own (Titans, HOLA, Hope, Proteus, ...) gets one frozen
 dataclass here and one field on ``ModelConfig`` (``model.<section>.<field>`` in YAML and
 ``--set``). A section is read only by its mixer, so the shared shell stays free of mechanism

@@ -1,4 +1,5 @@
-"""MQAR comparison (nested_jax.eval.mqar): runs end to end, sizes models, rejects bad input."""
+"""MQAR comparison (nested_jax.experiments.mqar): runs end to end, sizes models, rejects bad
+input."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from nested_jax.eval import mqar
+from nested_jax.experiments import mqar
 
 
 def test_mqar_two_steps_one_model(tmp_path, capsys):

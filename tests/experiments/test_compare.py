@@ -1,9 +1,14 @@
-"""`python -m nested_jax.eval.compare`: fair-recipe check and the one-table report (the training
-itself is the loop's, tested in tests/train)."""
+"""`python -m nested_jax.experiments.compare`: fair-recipe check and the one-table report (the
+training itself is the loop's, tested in tests/train)."""
 
 import pytest
 
-from nested_jax.eval.compare import build_parser, check_same_recipe, markdown_table, run_compare
+from nested_jax.experiments.compare import (
+    build_parser,
+    check_same_recipe,
+    markdown_table,
+    run_compare,
+)
 from nested_jax.train.config import load_config
 
 

@@ -1,11 +1,11 @@
-"""`python -m nested_jax.eval.proteus_table`: context_len filling, the Markdown
+"""`python -m nested_jax.experiments.proteus_table`: context_len filling, the Markdown
 table (training itself is the loop's; the end-to-end run is marked slow)."""
 
 from pathlib import Path
 
 import pytest
 
-from nested_jax.eval import proteus_table
+from nested_jax.experiments import proteus_table
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
 """Train several configs on the same data and compare them in one table.
 
-    python -m nested_jax.eval.compare \\
+    python -m nested_jax.experiments.compare \\
         --configs configs/experiments/tiny_hola.yaml configs/experiments/tiny_hola_recency.yaml \\
                   configs/experiments/tiny_gdn.yaml \\
         --workdir runs/hola_compare --niah-multipliers 1 4 8 [--set train.steps=200 ...]
@@ -28,7 +28,7 @@ from nested_jax.train.config import Config, ConfigError, config_to_dict, load_co
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m nested_jax.eval.compare", description=__doc__.split("\n\n")[0]
+        prog="python -m nested_jax.experiments.compare", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--configs", nargs="+", required=True, help="experiment YAML files")
     p.add_argument("--workdir", required=True, help="one sub-directory per config is used")

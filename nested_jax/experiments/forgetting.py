@@ -1,6 +1,6 @@
 """Continual learning on two alternating synthetic languages: does a multi-level CMS forget less?
 
-    python -m nested_jax.eval.forgetting --out runs/forgetting [--quick]
+    python -m nested_jax.experiments.forgetting --out runs/forgetting [--quick]
 
 Writes ``<out>/forgetting.json`` (settings, per-seed curves, summaries), ``<out>/forgetting.md``
 (the tables) and, when matplotlib is importable, ``<out>/forgetting.png`` (current-language and
@@ -68,9 +68,9 @@ rates (``lr_scaling``):
 The base ``η = 0.03`` was chosen before the comparison as the one-level model's best prequential
 (``online``) loss among ``{0.003, 0.01, 0.03, 0.1, 0.3}`` (two seeds; 0.3 diverged).
 
-**Measured** (``python -m nested_jax.eval.forgetting --out runs/forgetting``, 1228 s on the shared
-2-core CPU; seed means of ``forget_A`` then ``current``, standard errors in the written tables;
-k3 periods ``(1, 16, 128)``)::
+**Measured** (``python -m nested_jax.experiments.forgetting --out runs/forgetting``, 1228 s on
+the shared 2-core CPU; seed means of ``forget_A`` then ``current``, standard errors in the
+written tables; k3 periods ``(1, 16, 128)``)::
 
     protocol          k1             nested mean    indep. sum     seq. mean      seq. sum
     acc.  256 × 8     +0.141 1.65    +0.281 3.56    +0.092 1.76    +0.131 1.71    +0.430 1.61
@@ -520,7 +520,7 @@ def _plot(experiments: list[tuple[str, dict]], path: Path) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m nested_jax.eval.forgetting", description=__doc__.split("\n\n")[0]
+        prog="python -m nested_jax.experiments.forgetting", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run of the machinery)")

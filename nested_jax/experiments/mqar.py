@@ -1,6 +1,6 @@
 """Train several LM-shell models from scratch on MQAR and compare their recall in one table.
 
-    python -m nested_jax.eval.mqar --models titans_lmm gdn transformer --steps 400 \\
+    python -m nested_jax.experiments.mqar --models titans_lmm gdn transformer --steps 400 \\
         --seq-len 64 --num-kv-pairs 8 --vocab 64 --d-model 64 --out runs/mqar
 
 Every model is a registered mixer name of the LM shell (``nested_jax.models.available_mixers``;
@@ -122,8 +122,8 @@ def parse_model(spec: str) -> tuple[str, int]:
 def model_config(name: str, s: MqarSettings, d_model: int):
     """The :class:`ModelConfig` of model ``name`` (maybe ``<mixer>+proteus<E>``, see
     :func:`parse_model`) at width ``d_model`` for these settings."""
+    from nested_jax.layers.options import ProteusOptions
     from nested_jax.models import ModelConfig
-    from nested_jax.models.options import ProteusOptions
 
     mixer, blocks = parse_model(name)
     proteus = ProteusOptions(blocks=blocks, context_len=s.seq_len if blocks > 1 else 0)
@@ -370,7 +370,7 @@ def run_mqar(models: Sequence[str], s: MqarSettings, out: str | Path | None = No
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m nested_jax.eval.mqar",
+        prog="python -m nested_jax.experiments.mqar",
         description="train registered LM-shell models on MQAR and compare their recall",
     )
     p.add_argument(

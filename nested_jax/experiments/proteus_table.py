@@ -1,21 +1,23 @@
 """Proteus E=16 vs E=1 on tiny GDN and Titans LMM: one command, one table (SPEC §4).
 
-    python -m nested_jax.eval.proteus_table --out runs/proteus \\
+    python -m nested_jax.experiments.proteus_table --out runs/proteus \\
         [--configs configs/experiments/tiny_gdn.yaml configs/experiments/tiny_gdn_proteus.yaml \\
                    configs/experiments/tiny_titans_lmm.yaml \\
                    configs/experiments/tiny_titans_lmm_proteus.yaml] \\
         [--multipliers 1 4] [--set train.steps=200 ...] [--mqar-steps 300 --mqar-seq-len 64 ...]
 
-1. **Language modelling** (:mod:`nested_jax.eval.compare`): every config is trained on the same
-   data, steps and seed (``<out>/lm/<config stem>``; a re-run reuses finished runs), then scored on
-   the same validation text in windows of ``m × data.seq_len`` tokens (loss, bits/byte) and on the
-   same single-needle NIAH examples of length ``m × data.seq_len``, for every ``m`` of
+1. **Language modelling** (:mod:`nested_jax.experiments.compare`): every config is trained on
+   the same data, steps and seed (``<out>/lm/<config stem>``; a re-run reuses finished runs),
+   then scored on the same validation text in windows of ``m × data.seq_len`` tokens (loss,
+   bits/byte) and on the same single-needle NIAH examples of length ``m × data.seq_len``, for
+   every ``m`` of
    ``--multipliers`` (default 1 and 4). For a Proteus config ``model.proteus.context_len`` is set
    to ``data.seq_len`` (the training context ``N``; a config value that differs is overridden and
    the table says so), so ``m > 1`` is evaluation beyond ``N`` with the memory fully open.
-2. **MQAR** (:mod:`nested_jax.eval.mqar`): the same mixers (``<name>`` / ``<name>+proteus<E>``)
-   from scratch on MQAR at ``--mqar-seq-len L``, scored at ``m × L`` for the same ``m``; all at
-   ``--mqar-d-model`` (Proteus adds no parameters, so E=16 and E=1 have equal counts).
+2. **MQAR** (:mod:`nested_jax.experiments.mqar`): the same mixers (``<name>`` /
+   ``<name>+proteus<E>``) from scratch on MQAR at ``--mqar-seq-len L``, scored at ``m × L`` for
+   the same ``m``; all at ``--mqar-d-model`` (Proteus adds no parameters, so E=16 and E=1 have
+   equal counts).
 
 A mixer without a Proteus option cannot make a silent E=1 copy: ``ModelConfig`` refuses
 ``model.proteus.blocks > 1`` on it (the registry lists the option sections each mixer reads, and
@@ -46,7 +48,7 @@ DEFAULT_CONFIGS = (
 
 def mqar_spec(model_cfg) -> str:
     """MQAR model name of a ``ModelConfig``: ``name`` or ``name+proteus<E>``."""
-    from nested_jax.eval.mqar import PROTEUS_TAG
+    from nested_jax.experiments.mqar import PROTEUS_TAG
 
     e = model_cfg.proteus.blocks
     return model_cfg.name if e == 1 else f"{model_cfg.name}{PROTEUS_TAG}{e}"
@@ -98,7 +100,7 @@ def train_tokens_per_s(summary: dict, workdir: Path) -> float:
 
 def markdown_table(rows: list[dict], multipliers: Sequence[int], lm_len: int, mqar_len) -> str:
     """One row per config: params, val loss / NIAH / MQAR accuracy at every multiplier."""
-    from nested_jax.eval.compare import markdown_lines, niah_cells
+    from nested_jax.experiments.compare import markdown_lines, niah_cells
 
     head = ["config", "mixer", "E", "params"]
     head += [f"val loss {m}× ({m * lm_len})" for m in multipliers]
@@ -135,14 +137,14 @@ def run_table(
       out: output directory (``lm/<stem>`` run directories, ``mqar/``).
       multipliers: evaluation lengths as multiples of the training lengths.
       overrides: ``--set`` overrides for every config.
-      mqar_settings: an :class:`~nested_jax.eval.mqar.MqarSettings` (its ``eval_multipliers`` are
-        replaced by ``multipliers``), or None to skip MQAR.
+      mqar_settings: an :class:`~nested_jax.experiments.mqar.MqarSettings` (its
+        ``eval_multipliers`` are replaced by ``multipliers``), or None to skip MQAR.
 
     Returns:
       ``{"rows": [...], "notes": [...], "markdown": str, "wall_s": float}``.
     """
-    from nested_jax.eval.compare import _describe, check_same_recipe, evaluate_trained
-    from nested_jax.eval.mqar import run_mqar
+    from nested_jax.experiments.compare import _describe, check_same_recipe, evaluate_trained
+    from nested_jax.experiments.mqar import run_mqar
     from nested_jax.train.loop import train_and_evaluate
 
     multipliers = [int(m) for m in multipliers]
@@ -213,7 +215,7 @@ def run_table(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m nested_jax.eval.proteus_table", description=__doc__.split("\n\n")[0]
+        prog="python -m nested_jax.experiments.proteus_table", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), help="experiment YAMLs")
@@ -249,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nested_jax.eval.mqar import MqarSettings
+    from nested_jax.experiments.mqar import MqarSettings
     from nested_jax.train.config import ConfigError
 
     args = build_parser().parse_args(argv)
