@@ -1,8 +1,6 @@
 """HOLA core (SPEC §5): block-causal top-w cache, cache read, decode == forward, gate → GDN."""
 
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +16,7 @@ from nested_jax.core.hola import (
     hola_scores,
     init_hola_state,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))
-from hola_reference import hola_reference  # noqa: E402
+from nested_jax.core.reference.hola import hola_reference
 
 B, T, H, K, V = 2, 37, 2, 6, 5  # T = 4 full blocks of C = 8 plus 5 tokens
 C, W = 8, 4

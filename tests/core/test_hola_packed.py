@@ -3,8 +3,6 @@ document exactly the outputs and gradients it gets alone — own GDN state and s
 own cache (no entry of an earlier document is read or competes for a slot), sink always visible."""
 
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +16,7 @@ from nested_jax.core.hola import (
     hola_forward,
     init_hola_state,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))
-from hola_reference import hola_reference  # noqa: E402
+from nested_jax.core.reference.hola import hola_reference
 
 H, K, V, C = 2, 6, 5, 8
 # Two rows of T = 30: starts at 5, 18, 19 (mid-block, twice in one block) and at 8 (on a block

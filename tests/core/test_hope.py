@@ -21,7 +21,7 @@ from nested_jax.core.hope import (
     hope_linear_chunk_update,
     hope_recurrent,
 )
-from tests.core.hope_reference import _token_fn, hope_reference
+from nested_jax.core.reference.hope import _token_fn, hope_reference
 
 B, T, H, D, HID = 2, 6, 2, 4, 3
 TOL = 2e-5

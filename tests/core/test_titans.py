@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from nested_jax.core.reference import titans as ref
 from nested_jax.core.titans import (
     TitansLinearState,
     TitansMLPState,
@@ -22,7 +23,6 @@ from nested_jax.core.titans import (
     titans_mlp_step,
     titans_pool_gates,
 )
-from tests.core import titans_reference as ref
 
 TOL = 1e-4  # SPEC §0: f32 max abs error relative to the output scale
 # Unoptimised XLA backend: compile time dominates these tests and halves with it; numerics are f32
