@@ -227,7 +227,7 @@ def test_deep_memories_match_slow_chunk_rule(layers):
     _assert_tree_close((s.weights, s.momentum), (w_ref, s_ref), "state")
     # The clip binds here (otherwise this test would not pin it): the first surprise is > 0.5.
     w0 = [w[0, 0] for w in st.weights]
-    u = ref._grad(w0, x[1][0, 0, 0], x[2][0, 0, 0], act, True, None)
+    u = ref.surprise(w0, x[1][0, 0, 0], x[2][0, 0, 0], act, True, None)
     assert float(jnp.sqrt(sum(jnp.sum(g**2) for g in u))) > 2 * 0.5
 
 

@@ -1,10 +1,19 @@
-"""Brute-force HOLA (SPEC §5) in float64 numpy, token by token, for the tests of core/hola.py.
+"""Reference twin of HOLA (SPEC §5): brute force in float64 numpy, token by token.
 
-Written from the SPEC text, sharing no code with ``nested_jax.core.hola``: explicit GDN recurrence,
-explicit visible sets, explicit softmax with the sink, and (for the fixed-score evictions) the
-persistent cache recomputed from scratch after each block as the global top-w over *all* tokens
-seen so far. With ``segment_ids`` every document is run as if alone (SPEC §0): the state, the
-cache and the block count restart at its first token, and the cache only ever holds its own tokens.
+``hola_forward``, ``hola_decode_step`` and ``gdn_residuals`` (``nested_jax.core.hola``,
+``nested_jax.core.hola_cache``) are tested against :func:`hola_reference`. It is written from the
+SPEC text and shares no code with them: explicit GDN recurrence, explicit visible sets, explicit
+softmax with the sink, and (for the fixed-score evictions) the persistent cache recomputed from
+scratch after each block as the global top-w over *all* tokens seen so far. With ``segment_ids``
+every document is run as if alone (SPEC §0): the state, the cache and the block count restart at
+its first token, and the cache only ever holds its own tokens. Values only (numpy: no gradients).
+
+Per head (SPEC §5)::
+
+    e_t = v_t − α_t S_{t−1}ᵀ k_t,   S_t = α_t S_{t−1} + β_t k_t e_tᵀ,   m_t = β_t ‖e_t‖   (α = e^g)
+    A_n = top-w by m over (A_{n−1} ∪ block n)                       (ties → earlier position)
+    V_t = A_{n−1} ∪ {tokens of block n at positions ≤ t} ∪ {sink}
+    o_t = S_tᵀ (scale·q_t) + σ(λ) Σ_{j∈V_t} softmax_j(cache_scale · q̃_tᵀ k̃_j) v_j
 """
 
 from __future__ import annotations
@@ -24,7 +33,20 @@ def hola_reference(
     q, k, v, g, beta, gamma_q, gamma_k, sink_logit, gate_logit, *, window, block_size,
     eviction="beta_e", read_norm="rmsnorm", scale=None, cache_scale=None, segment_ids=None,
 ):  # fmt: skip
-    """Token-by-token HOLA.
+    """Token-by-token HOLA (SPEC §5), the twin of ``hola_forward``.
+
+    Args:
+      q, k: ``[B, T, H, K]`` (the state path uses them as given: unit-norm in the layers).
+      v: ``[B, T, H, V]``.
+      g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.
+      gamma_q, gamma_k: ``[H, K]`` RMSNorm scales of the cache read (``read_norm="rmsnorm"``).
+      sink_logit, gate_logit: ``[H]`` (sink logit, pre-sigmoid gate ``λ``).
+      window: cache capacity ``w``; block_size: ``C``.
+      eviction: ``beta_e`` (default), ``e``, ``beta_v``, ``recency`` or ``cumulative_attention``.
+      read_norm: ``rmsnorm`` or ``l2``.
+      scale: state-read scale (default ``K**-0.5``); cache_scale: logit scale (default
+        ``K**-0.5``).
+      segment_ids: optional int ``[B, T]`` document ids of packed rows.
 
     Returns a dict with ``o``, ``o_state``, ``o_cache`` ``[B,T,H,V]``, ``score`` ``[B,T,H]``
     (insertion score: β‖e‖, ‖e‖, β‖v‖, document position or 0), ``e`` ``[B,T,H,V]``, ``S``

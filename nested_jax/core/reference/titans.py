@@ -1,9 +1,22 @@
-"""Slow, independent reference implementations of the Titans memory rules (SPEC §2), for tests only.
+"""Reference twin of the Titans memory rules (SPEC §2): the slow, obviously-correct form.
 
-Written per (batch, head) as a Python loop over chunks and a token-by-token scan that materialises
-the weights after every token; the inner gradient always comes from ``jax.grad`` of
-``½‖M(k) − v‖²`` (never from the manual backprop used by ``nested_jax.core.titans_mlp``).
-Batch and heads are handled with ``jax.vmap``.
+The fast paths ``titans_linear_{step,recurrent,chunked}`` (``nested_jax.core.titans``) and
+``titans_mlp_{step,recurrent,chunked}`` (``nested_jax.core.titans_mlp``) are tested against these
+functions. They are written per (batch, head) as a Python loop over chunks and a token-by-token
+``lax.scan`` that materialises the weights after every token; the inner gradient always comes from
+``jax.grad`` of ``½‖M(k) − v‖²`` (never from the manual backprop or the dual form of the fast
+paths). Batch and heads are handled with ``jax.vmap``. Everything is differentiable (tests compare
+gradients too).
+
+Per token (SPEC §2; with chunk size ``b`` every surprise is taken at the chunk-start weights)::
+
+    u_t = ∇_W ½‖M_W(k_t) − v_t‖²           (softclamped: u ← u · c·tanh(‖u‖/c)/‖u‖ with grad_clip c)
+    S_t = η_t S_{t−1} − θ_t u_t
+    W_t = (1 − α_t) W_{t−1} + S_t
+    y_t = M_{W_t}(q_t)                     (read_before_write: M_{W_{t−1}}(q_t))
+
+Memory ``M_W(z) = σ(…σ(z W_1)…) W_L (+ z if residual)`` with weights ``W_ℓ [d_{ℓ−1}, d_ℓ]`` (row
+vectors, as in ``titans_mlp``); a linear memory is ``L = 1``, ``W_1 = M [K, V]``, ``y = Mᵀ q``.
 """
 
 from __future__ import annotations
@@ -13,7 +26,17 @@ import jax.numpy as jnp
 
 
 def mlp(ws, z, activation, residual):
-    """``M(z)`` for one head: ``ws`` list of ``[d_in, d_out]``, ``z [d_0]``."""
+    """``M(z) = σ(…σ(z W_1)…) W_L (+ z if residual)`` for one head (SPEC §2).
+
+    Args:
+      ws: list of ``[d_{ℓ−1}, d_ℓ]`` weights.
+      z: ``[d_0]``.
+      activation: elementwise ``σ`` between layers (not after the last).
+      residual: add ``z`` (needs ``d_0 == d_L``).
+
+    Returns:
+      ``[d_L]``.
+    """
     a = z
     for i, w in enumerate(ws):
         a = a @ w
@@ -22,8 +45,19 @@ def mlp(ws, z, activation, residual):
     return a + z if residual else a
 
 
-def _grad(ws, k, v, activation, residual, grad_clip):
-    """Per-token surprise ``u = ∇ ½‖M(k) − v‖²``, softclamped to norm ``c·tanh(‖u‖/c)`` if asked."""
+def surprise(ws, k, v, activation, residual, grad_clip):
+    """Momentary surprise ``u = ∇_W ½‖M_W(k) − v‖²`` of one token (SPEC §2), by ``jax.grad``.
+
+    Args:
+      ws: list of ``[d_{ℓ−1}, d_ℓ]`` weights (one head).
+      k: ``[d_0]`` key; v: ``[d_L]`` value.
+      activation, residual: as :func:`mlp`.
+      grad_clip: ``None`` or ``c > 0``: softclamp the whole gradient (all layers together) to norm
+        ``c·tanh(‖u‖/c)``.
+
+    Returns:
+      list of ``[d_{ℓ−1}, d_ℓ]``, like ``ws``.
+    """
     u = jax.grad(lambda w: 0.5 * jnp.sum((mlp(w, k, activation, residual) - v) ** 2))(ws)
     if grad_clip is not None:
         n = jnp.sqrt(sum(jnp.sum(g**2) for g in u))
@@ -36,7 +70,7 @@ def chunk_rule_single(
     ws, ss, q, k, v, theta, eta, alpha, reset=None, *,
     chunk_size, activation, residual, rbw, grad_clip,
 ):  # fmt: skip
-    """One (batch, head): ``ws, ss`` lists of ``[d_in, d_out]``; ``q, k [T, K]``; gates ``[T]``.
+    """The chunk rule of SPEC §2 for one (batch, head).
 
     Chunk by chunk (the last one shorter, no padding): every surprise at the chunk-start weights
     (``jax.grad`` per token), then momentum/decay token by token with the weights materialised,
@@ -44,12 +78,21 @@ def chunk_rule_single(
     a reset token is the initial one and the chunk's later tokens take their surprise there. The
     whole chunks go through one ``lax.scan`` and the tail chunk through the same function, which
     only keeps compile time low.
+
+    Args:
+      ws, ss: weights and momenta, lists of ``[d_{ℓ−1}, d_ℓ]``.
+      q, k: ``[T, K]``; v: ``[T, V]``; theta, eta, alpha: ``[T]`` gates.
+      reset: optional ``bool [T]``: a packed document starts at this token.
+      chunk_size, activation, residual, rbw (read before write), grad_clip: as :func:`chunk_rule`.
+
+    Returns:
+      ``(y [T, V], weights, momenta)``.
     """
     T = q.shape[0]
     init = (list(ws), list(ss))
     reset = jnp.zeros((T,), bool) if reset is None else reset
     grads = jax.vmap(
-        lambda kt, vt, w: _grad(w, kt, vt, activation, residual, grad_clip), (0, 0, None)
+        lambda kt, vt, w: surprise(w, kt, vt, activation, residual, grad_clip), (0, 0, None)
     )
 
     def one_chunk(carry, xs):
@@ -101,9 +144,26 @@ def chunk_rule(
     grad_clip=None,
     segment_ids=None,
 ):
-    """Batched reference: weights/momentum tuples ``[B, H, d_in, d_out]``; q, k, v ``[B, T, H, D]``.
+    """Twin of ``titans_mlp_chunked`` / ``titans_linear_chunked`` (SPEC §2 chunked form).
 
-    Returns ``(y [B, T, H, V], weights, momentum)``. ``chunk_size=1`` is the exact per-token rule.
+    Inside a chunk of ``chunk_size`` tokens every surprise ``u_t`` is taken at the chunk-start
+    weights; momentum, decay and the reads then run token by token with the weights materialised.
+    ``chunk_size=1`` is the exact per-token rule (:func:`per_token_rule`). With ``segment_ids``
+    (packed rows, SPEC §0) the state before a document's first token is the initial one and the
+    rest of that chunk takes its surprise at the initial weights.
+
+    Args:
+      weights, momentum: tuples of ``[B, H, d_{ℓ−1}, d_ℓ]`` (initial weights and momenta).
+      q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
+      theta, eta, alpha: ``[B, T, H]`` inner lr, momentum and forget gates.
+      chunk_size: ``b``; the last chunk may be shorter (no padding).
+      activation: elementwise ``σ``; residual: ``M(z) + z``.
+      read_before_write: ``y_t = M_{t−1}(q_t)``.
+      grad_clip: ``None`` or the softclamp norm of :func:`surprise`.
+      segment_ids: optional int ``[B, T]`` document ids.
+
+    Returns:
+      ``(y [B, T, H, V], weights, momentum)`` (final, same structure as the inputs).
     """
 
     def single(ws, ss, q, k, v, th, et, al, reset):
@@ -143,17 +203,18 @@ def per_token_rule(
     read_before_write=False,
     grad_clip=None,
 ):
-    """The exact per-token rule (SPEC §2), batched like ``chunk_rule``.
+    """Twin of ``titans_mlp_recurrent`` / ``titans_linear_recurrent``: the exact per-token rule.
 
-    A scan whose step takes ``jax.grad`` at the current weights: what ``chunk_rule(chunk_size=1)``
-    computes, compiled once instead of T times.
+    A ``lax.scan`` whose step takes ``jax.grad`` at the current weights (SPEC §2 recurrence): what
+    ``chunk_rule(chunk_size=1)`` computes, compiled once instead of T times. Arguments and returns
+    as :func:`chunk_rule` (no chunking, no ``segment_ids``).
     """
 
     def single(ws, ss, q, k, v, th, et, al):
         def token(carry, xs):
             ws, ss = carry
             qt, kt, vt, a, b, c = xs
-            u = _grad(ws, kt, vt, activation, residual, grad_clip)
+            u = surprise(ws, kt, vt, activation, residual, grad_clip)
             ss_new = [b * s - a * g for s, g in zip(ss, u, strict=True)]
             ws_new = [(1.0 - c) * w + s for w, s in zip(ws, ss_new, strict=True)]
             y = mlp(ws if read_before_write else ws_new, qt, activation, residual)
