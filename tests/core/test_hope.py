@@ -1,5 +1,6 @@
-"""Hope self-modifying memories (SPEC §3.2): chunked == independent per-token reference (values and
-gradients), chunk semantics, linear chunk update == gated delta rule, one test per ablation flag."""
+"""Hope self-modifying memories (SPEC §3.2): chunked == the package's independent per-token twin
+``nested_jax.core.reference.hope`` (values and gradients), chunk semantics, linear chunk update ==
+gated delta rule, one test per ablation flag."""
 
 import functools
 
@@ -21,13 +22,13 @@ from nested_jax.core.hope import (
     hope_linear_chunk_update,
     hope_recurrent,
 )
-from nested_jax.core.reference.hope import _token_fn, hope_reference
+from nested_jax.core.reference.hope import hope_reference
 
 B, T, H, D, HID = 2, 6, 2, 4, 3
 TOL = 2e-5
 
 
-def _setup(adaptive_q=False, seed=0):
+def _setup(adaptive_q=False, seed=0, t=T):
     ks = jax.random.split(jax.random.PRNGKey(seed), 16)
     names = list(HopeMemories._fields[:5]) + (["q"] if adaptive_q else [])
     mems = HopeMemories(
@@ -45,18 +46,17 @@ def _setup(adaptive_q=False, seed=0):
         jax.random.normal(ks[13], (H, D)),
         jnp.full((H,), 1.0),
     )
-    x = jax.random.normal(ks[14], (B, T, H, D))
-    q = jax.random.normal(ks[15], (B, T, H, D))
+    x = jax.random.normal(ks[14], (B, t, H, D))
+    q = jax.random.normal(ks[15], (B, t, H, D))
     return mems, ro, x, q
 
 
 def _ref(x, q, mems, ro, momentum=False, **flags):
-    st = hope_init_state(mems, B, momentum=momentum)
+    """The twin's ``(o, final memories as a dict name -> (w1, w2))``."""
+    st = hope_init_state(mems, x.shape[0], momentum=momentum)
+    o, st_ref = hope_reference(x, q, st, ro, momentum=momentum, **flags)
     names = [n for n in HopeMemories._fields if getattr(mems, n) is not None]
-    rm = {n: tuple(getattr(st.memories, n)) for n in names}
-    rs = {n: tuple(getattr(st.momentum, n)) for n in names} if momentum else None
-    o, m, _ = hope_reference(x, q, rm, rs, tuple(ro), momentum=momentum, **flags)
-    return o, m
+    return o, {n: tuple(getattr(st_ref.memories, n)) for n in names}
 
 
 def _ours(x, q, mems, ro, momentum=False, **flags):
@@ -153,6 +153,63 @@ def test_chunked_equals_reference_gradients(chunks):
     for a, b in zip(flat_o, flat_r, strict=True):
         _close(a, b, 1e-4)
     assert all(float(jnp.abs(a).max()) > 0 for a in flat_o)  # gradients flow through the writes
+
+
+# T = 13: not a multiple of 2 or 4. Row 0: documents start at 5 and 6 (mid-chunk, twice in one
+# chunk of 4); row 1: at 8 (a chunk start of both groups).
+TWIN_T = 13
+TWIN_SEG = np.array([[0] * 5 + [1] + [2] * 7, [7] * 8 + [9] * 5], np.int32)
+
+
+# Unoptimised XLA backend (as tests/core/test_titans.py): compile time dominates, f32 either way.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _value_and_vjp(fn, args, cotangent, **kw):
+    """``fn(*args, **kw)`` and its VJP with ``cotangent``, one call compiled with FAST_COMPILE."""
+
+    def run(args, cotangent):
+        out, pull = jax.vjp(lambda *a: fn(*a, **kw), *args)
+        return out, pull(cotangent)
+
+    return jax.jit(run).lower(args, cotangent).compile(FAST_COMPILE)(args, cotangent)
+
+
+@pytest.mark.parametrize(
+    "cm,co,momentum,packed",
+    [
+        pytest.param(4, 2, False, True, id="c4,2-packed"),
+        pytest.param(4, 2, True, False, id="c4,2-momentum", marks=pytest.mark.slow),
+        pytest.param(1, 1, True, True, id="c1-momentum-packed", marks=pytest.mark.slow),
+        pytest.param(1, 1, False, False, id="c1", marks=pytest.mark.slow),
+    ],
+)  # two fwd+bwd compiles per case (15-30 s CPU), so one case by default; chunk size 1 against the
+# twin by default: test_chunk1_equals_reference_values, test_chunked_equals_reference_gradients
+def test_package_twin_equals_chunked_values_and_gradients(cm, co, momentum, packed):
+    """The package twin (``core.reference.hope``: a per-token scan with ``jax.grad`` inner
+    gradients, no code shared with ``hope_chunked``) == ``hope_chunked`` at chunk sizes 1 and
+    (chunk_memory=4, chunk_other=2), T=13: outputs, final memories and momenta, and the VJP of all
+    of them w.r.t. x, q, the initial memories (and momenta) and the readout."""
+    mems, ro, x, q = _setup(seed=5, t=TWIN_T)
+    st = hope_init_state(mems, B, momentum=momentum)
+    kw = dict(chunk_memory=cm, chunk_other=co, momentum=momentum, momentum_coef=0.6)
+    if packed:
+        kw["segment_ids"] = jnp.asarray(TWIN_SEG)
+    args = (x, q, st, ro)
+    out_shape = jax.eval_shape(lambda *a: hope_reference(*a, **kw), *args)
+    rng = np.random.default_rng(11)
+    ct = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), out_shape)
+    out_c, g_c = _value_and_vjp(hope_chunked, args, ct, **kw)
+    out_r, g_r = _value_and_vjp(hope_reference, args, ct, **kw)
+    assert jax.tree.structure(out_c) == jax.tree.structure(out_r)
+    for a, b in zip(jax.tree.leaves(out_c), jax.tree.leaves(out_r), strict=True):
+        _close(a, b)  # measured ≈ 1e-7
+    flat_c, flat_r = jax.tree.leaves(g_c), jax.tree.leaves(g_r)
+    assert len(flat_c) == len(flat_r) == len(jax.tree.leaves(args))
+    for a, b in zip(flat_c, flat_r, strict=True):
+        _close(a, b)  # measured ≈ 3e-7
+    # gradients reach the initial memories through every write
+    assert all(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(g_c[2].memories))
 
 
 def test_causality():
@@ -374,32 +431,11 @@ SEG = np.array([[1, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 6]], np.int32)  # starts mid
 
 
 def _ref_packed(x, q, mems, ro, seg, cm, co, momentum=False, **flags):
-    """Per-token reference with resets, one batch row at a time: at a document start the running
-    memories (and momenta) and every snapshot become the initial memories; snapshots are refreshed
-    from the running memories at multiples of each group's chunk size."""
-    token = _token_fn(jax.nn.silu, tuple(sorted({**flags, "momentum": momentum}.items())))
-    names = [n for n in HopeMemories._fields if getattr(mems, n) is not None]
-    outs, finals = [], []
-    for b in range(x.shape[0]):
-        st = hope_init_state(mems, 1, momentum=momentum)
-        init = {n: tuple(getattr(st.memories, n)) for n in names}
-        zero = {n: tuple(jnp.zeros_like(w) for w in init[n]) for n in names}
-        run, snap = dict(init), dict(init)
-        moms = dict(zero) if momentum else None
-        o_b = []
-        for t in range(x.shape[1]):
-            if t > 0 and seg[b, t] != seg[b, t - 1]:
-                run, snap = dict(init), dict(init)
-                moms = dict(zero) if momentum else None
-            for n in names:
-                if t % (cm if n == "memory" else co) == 0:
-                    snap[n] = run[n]
-            o_t, run, moms = token(run, snap, moms, x[b : b + 1, t], q[b : b + 1, t], tuple(ro))
-            o_b.append(o_t)
-        outs.append(jnp.stack(o_b, 1))
-        finals.append(run)
-    final = {n: tuple(jnp.concatenate([f[n][i] for f in finals]) for i in range(2)) for n in names}
-    return jnp.concatenate(outs), final
+    """The per-token twin with resets: at a document start the running memories (and momenta) and
+    every snapshot become the initial memories; snapshots are refreshed from the running memories
+    at multiples of each group's chunk size."""
+    seg = jnp.asarray(seg)
+    return _ref(x, q, mems, ro, momentum, chunk_memory=cm, chunk_other=co, segment_ids=seg, **flags)
 
 
 def test_packed_rows_reset_to_initial_memories():

@@ -1,137 +1,259 @@
-"""Slow, independent Hope reference (SPEC §3.2): Python loop over tokens, per-(b, h) vector math
-via vmap, inner-loss weight gradients from ``jax.grad`` (not the hand-derived layer signals of
-``nested_jax.core.hope``). Chunking by snapshots: the projection memories are re-snapshotted at
-``t % chunk_other == 0`` and ``M_memory`` at ``t % chunk_memory == 0``; projections, targets and
-gradients use the snapshots, the in-order writes and the read use the running weights.
+"""Reference twin of Hope (SPEC §3.2): a plain loop over tokens, independent of ``hope_chunked``.
+
+``hope_chunked``, ``hope_recurrent``, ``hope_step`` and ``hope_decode_step``
+(``nested_jax.core.hope``) are tested against :func:`hope_reference`, values and gradients. It is
+written again from SPEC §3.2 and shares no code path with them: a ``lax.scan`` over single tokens
+(no chunk grid, no padding, no parallel chunk stage), every weight materialised after every token,
+math per (batch, head) through ``jax.vmap``, and the inner-loss weight gradients ``∂L̃/∂W`` taken
+by ``jax.grad`` (not the hand-derived layer signals ``x_ℓ, g_ℓ`` of ``core.hope``). Only the
+argument types (``HopeState``, ``HopeMemories``, ``MLPMemory``, ``HopeReadout``) are shared.
+
+Per head, each memory is ``M_□(z) = z + W_1 σ(W_2 z)`` (``W_1 [D, h]``, ``W_2 [h, D]``). Token
+``t`` reads the projection memories and builds its targets and gradients at its group's
+*snapshot* ``M̄_□`` (the running memory just before the last multiple of the group's chunk size
+``≤ t``, or just before the token's document start if that is later), and writes the running
+memories::
+
+    k_t = norm(M̄_k(x_t)),   v_t = M̄_v(x_t)
+    η_t = sigmoid(w_ηᵀ M̄_η(x_t) + b_η),   α_t = sigmoid(w_αᵀ M̄_α(x_t) + b_α)   (decay=False: 1)
+    q_t = norm(q_in_t)                    (adaptive_q: norm(M̄_q(x_t)))
+    o_t = M_{memory,t−1}(q_t)             (read before write, running weights)
+    v̂_□ = M̄_□(v_t),   G_ℓ = ∂/∂W_ℓ ½‖M̄_□(k_t) − v̂_□‖²   (jax.grad; target held fixed)
+    per layer, with its input x_ℓ at the snapshot (x_1 = σ(W̄_2 k_t), x_2 = k_t):
+        dgd:      u = −γ (W_{t−1} x_ℓ x_ℓᵀ + G_ℓ),  γ = η_t / (1 + η_t ‖x_ℓ‖²)  (paper: η/(1+η))
+        plain GD: u = −η_t G_ℓ
+        momentum: u ← μ S_{t−1} + u,  S_t = u
+        W_t = α_t W_{t−1} + u
+
+Chunk sizes 1 (the default) give exact per-token Hope: every snapshot is the running memory.
+Packed rows (``segment_ids``): at a document start the running memories and the snapshots become
+the initial memories and the momenta zero.
 """
 
+from __future__ import annotations
+
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-NAMES = ("k", "v", "eta", "alpha", "memory", "q")
+from nested_jax.core.hope import HopeMemories, HopeReadout, HopeState, MLPMemory
+
+__all__ = ["hope_reference", "memory_apply", "l2_normalize", "dgd_layer_write"]
 
 
-def _mlp(W1, W2, z, act):
-    return z + W1 @ act(W2 @ z)
+def memory_apply(W1, W2, z, activation: Callable = jax.nn.silu):
+    """``M(z) = z + W_1 σ(W_2 z)`` for one head (SPEC §3.2).
+
+    ``W1 [D, h]``, ``W2 [h, D]``, ``z [D]``; returns ``[D]``.
+    """
+    return z + W1 @ activation(W2 @ z)
 
 
-def _bh(f):
-    """vmap a per-(b, h) function over batch then heads (all args have leading [B, H])."""
+def l2_normalize(z, eps: float = 1e-6):
+    """``z / sqrt(‖z‖² + eps)`` for one vector ``z [D]`` (the q, k normalisation of SPEC §3.2)."""
+    return z / jnp.sqrt(jnp.sum(z * z) + eps)
+
+
+def dgd_layer_write(W, S, G, x, eta, alpha, *, dgd=True, step="exact", momentum_coef=None):
+    """One layer's write (SPEC §3.1 composed with §3.2): returns ``(W_new, u)``.
+
+    Args:
+      W: running weight ``[o, i]`` (``W_{t−1}``).
+      S: momentum ``[o, i]`` (``S_{t−1}``), read only when ``momentum_coef`` is not None.
+      G: inner-loss gradient ``[o, i]`` at the snapshot (``g xᵀ`` for this layer).
+      x: the layer's input ``[i]`` at the snapshot.
+      eta, alpha: scalars ``η_t``, ``α_t``.
+      dgd: DGD (``u = −γ (W x xᵀ + G)``) or plain GD (``u = −η G``).
+      step: ``"exact"`` (``γ = η/(1 + η‖x‖²)``, Sherman–Morrison) or ``"paper"`` (``η/(1 + η)``).
+      momentum_coef: ``μ``, or None for no momentum.
+
+    Returns:
+      ``W_new = α W + u`` and the update ``u`` (the new momentum when ``momentum_coef`` is set).
+    """
+    if dgd:
+        xx = jnp.sum(x * x) if step == "exact" else 1.0
+        gamma = eta / (1.0 + eta * xx)
+        u = -gamma * (jnp.outer(W @ x, x) + G)
+    else:
+        u = -eta * G
+    if momentum_coef is not None:
+        u = momentum_coef * S + u
+    return alpha * W + u, u
+
+
+def _per_bh(f):
+    """vmap a per-(batch, head) function over batch, then heads (every argument ``[B, H, ...]``)."""
     return jax.vmap(jax.vmap(f))
 
 
-def _norm(z):
-    return z / jnp.sqrt(jnp.sum(z * z) + 1e-6)
+def _write_memory(W1, W2, W1s, W2s, S1, S2, k, v, eta, alpha, *, o):
+    """Self-referential write of one memory for one (batch, head): target, gradient, two layers."""
+    act = o["activation"]
+    target = memory_apply(W1s, W2s, v, act)  # v̂ = M̄(v), made by the memory itself
+    if o["stop_gradient_targets"]:
+        target = lax.stop_gradient(target)
+
+    def inner_loss(A1, A2):
+        return 0.5 * jnp.sum((memory_apply(A1, A2, k, act) - target) ** 2)
+
+    G1, G2 = jax.grad(inner_loss, argnums=(0, 1))(W1s, W2s)
+    x1, x2 = act(W2s @ k), k  # each layer's input at the snapshot
+    mu = o["momentum_coef"] if o["momentum"] else None
+    kw = dict(dgd=o["dgd"], step=o["step"], momentum_coef=mu)
+    W1n, U1 = dgd_layer_write(W1, S1, G1, x1, eta, alpha, **kw)
+    W2n, U2 = dgd_layer_write(W2, S2, G2, x2, eta, alpha, **kw)
+    return W1n, W2n, U1, U2
 
 
+def _token(run, snap, mom, x_t, q_t, readout: HopeReadout, o):
+    """One token for every (batch, head): projections from the snapshots, read, in-order writes.
+
+    ``run``, ``snap``, ``mom``: dicts name -> ``(W1 [B, H, D, h], W2 [B, H, h, D])``; ``x_t, q_t``
+    ``[B, H, D]``. Returns ``(o_t [B, H, D], run, mom)``.
+    """
+    act = o["activation"]
+
+    def proj(n, z):
+        return _per_bh(lambda a, b, zz: memory_apply(a, b, zz, act))(*snap[n], z)
+
+    k = _per_bh(l2_normalize)(proj("k", x_t))
+    v = proj("v", x_t)
+    eta = jax.nn.sigmoid(jnp.einsum("bhd,hd->bh", proj("eta", x_t), readout.eta_w) + readout.eta_b)
+    if o["decay"]:
+        a = jnp.einsum("bhd,hd->bh", proj("alpha", x_t), readout.alpha_w) + readout.alpha_b
+        alpha = jax.nn.sigmoid(a)
+    else:
+        alpha = jnp.ones_like(eta)
+    q = _per_bh(l2_normalize)(proj("q", x_t) if o["adaptive_q"] else q_t)
+    o_t = _per_bh(lambda a, b, z: memory_apply(a, b, z, act))(*run["memory"], q)
+
+    adapt = ["eta", "alpha", "memory"] + [n for n in ("k", "v") if o["inner_" + n]]
+    if o["adaptive_q"] and o["inner_q"]:
+        adapt.append("q")
+    run, mom = dict(run), dict(mom)
+    write = _per_bh(functools.partial(_write_memory, o=o))
+    for n in adapt:
+        W1, W2, U1, U2 = write(*run[n], *snap[n], *mom[n], k, v, eta, alpha)
+        run[n] = (W1, W2)
+        mom[n] = (U1, U2)
+    return o_t, run, mom
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "chunk_memory", "chunk_other", "dgd", "step", "momentum", "decay", "inner_k", "inner_v",
+        "inner_q", "adaptive_q", "stop_gradient_targets", "activation",
+    ),
+)  # fmt: skip
 def hope_reference(
     x,
     q,
-    mems,
-    moms,
-    readout,
+    state: HopeState,
+    readout: HopeReadout,
     *,
-    chunk_memory=1,
-    chunk_other=1,
-    act=jax.nn.silu,
-    **flags,
-):
-    """``mems``/``moms``: dict name -> (W1 [B,H,D,h], W2 [B,H,h,D]); returns (o, mems, moms).
-
-    The Python loop over tokens and the snapshot bookkeeping live here; one token's math is a
-    jitted function (compiled once per configuration) so the reference stays fast enough on CPU.
-    """
-    T = x.shape[1]
-    mems = {n: tuple(w) for n, w in mems.items()}
-    moms = None if moms is None else {n: tuple(w) for n, w in moms.items()}
-    token = _token_fn(act, tuple(sorted(flags.items())))
-    snap = dict(mems)
-    outs = []
-    for t in range(T):
-        for n in mems:
-            c = chunk_memory if n == "memory" else chunk_other
-            if t % c == 0:
-                snap[n] = mems[n]
-        o_t, mems, moms = token(mems, snap, moms, x[:, t], q[:, t], tuple(readout))
-        outs.append(o_t)
-    return jnp.stack(outs, 1), mems, moms
-
-
-@functools.cache
-def _token_fn(act, flags):
-    return jax.jit(functools.partial(_token, act=act, **dict(flags)))
-
-
-def _token(
-    mems,
-    snap,
-    moms,
-    xt,
-    qt,
-    readout,
-    *,
-    act,
-    dgd=True,
-    step="exact",
-    momentum=False,
+    chunk_memory: int = 1,
+    chunk_other: int = 1,
+    segment_ids=None,
+    initial_memories: HopeMemories | None = None,
+    dgd: bool = True,
+    step: str = "exact",
+    momentum: bool = False,
     momentum_coef=0.9,
-    decay=True,
-    inner_k=True,
-    inner_v=True,
-    inner_q=True,
-    adaptive_q=False,
-    stop_gradient_targets=False,
+    decay: bool = True,
+    inner_k: bool = True,
+    inner_v: bool = True,
+    inner_q: bool = True,
+    adaptive_q: bool = False,
+    stop_gradient_targets: bool = False,
+    activation: Callable = jax.nn.silu,
 ):
-    B, H, D = xt.shape
-    eta_w, eta_b, alpha_w, alpha_b = readout
-    adapt = ["eta", "alpha", "memory"] + [n for n, f in (("k", inner_k), ("v", inner_v)) if f]
-    if adaptive_q and inner_q:
-        adapt.append("q")
-    app = lambda n, z: _bh(lambda a, b, zz: _mlp(a, b, zz, act))(*snap[n], z)  # noqa: E731
-    k = _bh(_norm)(app("k", xt))
-    v = app("v", xt)
-    eta = jax.nn.sigmoid(jnp.einsum("bhd,hd->bh", app("eta", xt), eta_w) + eta_b)
-    if decay:
-        alpha = jax.nn.sigmoid(jnp.einsum("bhd,hd->bh", app("alpha", xt), alpha_w) + alpha_b)
+    """Hope token by token (SPEC §3.2), the twin of ``hope_chunked`` (same arguments and returns).
+
+    Token ``t`` (0-based) of a group with chunk size ``C`` (``chunk_memory`` for ``M_memory``,
+    ``chunk_other`` for k, v, η, α, q) takes its projections, targets and gradients at the group's
+    snapshot, refreshed from the running memories when ``t % C == 0``; the read and the writes use
+    the running memories. Any positive chunk sizes are allowed (``hope_chunked`` needs one to divide
+    the other). Differentiable (``jax.grad`` / ``jax.vjp``) w.r.t. every array argument; jitted,
+    with the chunk sizes and flags static.
+
+    Args:
+      x: memory inputs ``[B, T, H, D]``.
+      q: ``W_q x`` ``[B, T, H, D]`` (ignored, may be None, when ``adaptive_q``).
+      state: ``HopeState`` with weights ``[B, H, ...]`` (``hope_init_state``); ``state.momentum``
+        is needed when ``momentum``.
+      readout: ``HopeReadout`` of ``M_η``, ``M_α`` (``*_w [H, D]``, ``*_b [H]``).
+      chunk_memory, chunk_other: snapshot periods (1: exact per-token Hope).
+      segment_ids: optional int ``[B, T]``: where ``segment_ids[b, t] != segment_ids[b, t−1]``
+        (``t ≥ 1``) a document starts: the running memories and every snapshot become
+        ``initial_memories`` and the momenta zero, just before that token.
+      initial_memories: ``HopeMemories`` ``[H, ...]`` or ``[B, H, ...]``; default
+        ``state.memories``.
+      dgd, step, momentum, momentum_coef, decay, inner_k, inner_v, inner_q, adaptive_q,
+      stop_gradient_targets, activation: the flags of ``hope_chunked`` (SPEC §3.2, Table 6).
+
+    Returns:
+      ``(o [B, T, H, D], final HopeState)`` (``momentum`` set iff ``momentum``).
+    """
+    for name, c in (("chunk_memory", chunk_memory), ("chunk_other", chunk_other)):
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"hope_reference: {name} must be a positive int, got {c!r}")
+    if step not in ("exact", "paper"):
+        raise ValueError(f"hope_reference: step must be 'exact' or 'paper', got {step!r}")
+    if momentum and state.momentum is None:
+        raise ValueError("hope_reference: state.momentum must be set when momentum=True")
+    dtype = jnp.promote_types(jnp.result_type(x), jnp.float32)
+    x = jnp.asarray(x, dtype)
+    B, T, H, D = x.shape
+    q = x if adaptive_q else jnp.asarray(q, dtype)
+    names = [n for n in HopeMemories._fields if getattr(state.memories, n) is not None]
+    as_dict = lambda mems: {n: tuple(getattr(mems, n)) for n in names}  # noqa: E731
+    run = as_dict(state.memories)
+    if momentum:
+        mom = as_dict(state.momentum)
     else:
-        alpha = jnp.ones((B, H))
-    qt = app("q", xt) if adaptive_q else qt
-    qt = _bh(_norm)(qt)
-    o_t = _bh(lambda a, b, z: _mlp(a, b, z, act))(*mems["memory"], qt)
-    new = dict(mems)
-    new_m = None if moms is None else dict(moms)
-    for n in adapt:
+        mom = {n: tuple(jnp.zeros_like(w) for w in run[n]) for n in names}
+    if initial_memories is None:
+        init = run
+    else:
+        init = {
+            n: tuple(jnp.broadcast_to(w, run[n][i].shape) for i, w in enumerate(m))
+            for n, m in as_dict(initial_memories).items()
+        }
+    if segment_ids is None:
+        starts = jnp.zeros((B, T), bool)
+    else:
+        seg = jnp.asarray(segment_ids)
+        starts = jnp.concatenate([jnp.zeros((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    opts = dict(
+        dgd=dgd, step=step, momentum=momentum, momentum_coef=momentum_coef, decay=decay,
+        inner_k=inner_k, inner_v=inner_v, inner_q=inner_q, adaptive_q=adaptive_q,
+        stop_gradient_targets=stop_gradient_targets, activation=activation,
+    )  # fmt: skip
 
-        def per_bh(W1, W2, W10, W20, S1, S2, kk, vv, e, a):
-            target = _mlp(W10, W20, vv, act)
-            if stop_gradient_targets:
-                target = jax.lax.stop_gradient(target)
+    def per_row(flag, a, b):
+        """``a`` where ``flag [B]`` else ``b`` (weights ``[B, H, ., .]``)."""
+        return jnp.where(flag[:, None, None, None], a, b)
 
-            def loss(A, Bm):
-                return 0.5 * jnp.sum((_mlp(A, Bm, kk, act) - target) ** 2)
+    def token(carry, inp):
+        run, snap, mom = carry
+        t, x_t, q_t, start = inp
+        # a document starts here: back to the initial memories, snapshots too; momenta to zero
+        run = jax.tree.map(functools.partial(per_row, start), init, run)
+        snap = jax.tree.map(functools.partial(per_row, start), init, snap)
+        mom = jax.tree.map(lambda b: per_row(start, jnp.zeros_like(b), b), mom)
+        # a chunk of the memory's group starts here: snapshot the running memory
+        for n in names:
+            c = chunk_memory if n == "memory" else chunk_other
+            snap[n] = jax.tree.map(lambda a, b, c=c: jnp.where(t % c == 0, a, b), run[n], snap[n])
+        o_t, run, mom = _token(run, snap, mom, x_t, q_t, readout, opts)
+        return (run, snap, mom), o_t
 
-            G1, G2 = jax.grad(loss, argnums=(0, 1))(W10, W20)
-            x1, x2 = act(W20 @ kk), kk
-            res = []
-            for W, S, G, xx in ((W1, S1, G1, x1), (W2, S2, G2, x2)):
-                if dgd:
-                    gam = e / (1 + e * jnp.sum(xx * xx)) if step == "exact" else e / (1 + e)
-                    u = -gam * (jnp.outer(W @ xx, xx) + G)
-                else:
-                    u = -e * G
-                if momentum:
-                    u = momentum_coef * S + u
-                res.append((a * W + u, u))
-            return res[0][0], res[1][0], res[0][1], res[1][1]
-
-        if momentum:
-            S1, S2 = moms[n]
-        else:
-            S1, S2 = jnp.zeros_like(mems[n][0]), jnp.zeros_like(mems[n][1])
-        W1, W2, U1, U2 = _bh(per_bh)(*mems[n], *snap[n], S1, S2, k, v, eta, alpha)
-        new[n] = (W1, W2)
-        if momentum:
-            new_m[n] = (U1, U2)
-    return o_t, new, new_m
+    tm = lambda a: jnp.moveaxis(a, 1, 0)  # noqa: E731  (time-major for the scan)
+    xs = (jnp.arange(T), tm(x), tm(q), tm(starts))
+    (run, _, mom), o = lax.scan(token, (run, run, mom), xs)
+    to_mems = lambda d: HopeMemories(**{n: MLPMemory(*d[n]) for n in names})  # noqa: E731
+    return jnp.moveaxis(o, 0, 1), HopeState(to_mems(run), to_mems(mom) if momentum else None)
