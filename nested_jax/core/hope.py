@@ -47,6 +47,10 @@ memories are also the snapshot, i.e. token ``t`` uses the state just before
 ``max(C⌊t/C⌋, document start)``. Decoding: :func:`hope_decode_step` carries the snapshots and the
 position, so token-by-token decoding equals :func:`hope_chunked` row by row.
 
+Reference twin: :func:`nested_jax.core.reference.hope.hope_reference` computes the same thing
+token by token from SPEC §3.2 without this module's chunk machinery (``jax.grad`` inner gradients);
+the tests compare :func:`hope_chunked` with it on values and gradients.
+
 Shapes: ``x, q`` ``[B, T, H, D]``; ``η, α`` ``[B, T, H]``; memory weights ``w1 [B, H, D, h]``,
 ``w2 [B, H, h, D]`` (initial memories may omit ``B``). Arithmetic in f32 or wider.
 """
@@ -692,7 +696,13 @@ def hope_step(x_t, q_t, state: HopeState, readout: HopeReadout, **flags):
 
 
 def hope_recurrent(x, q, state: HopeState, readout: HopeReadout, **flags):
-    """``lax.scan`` of :func:`hope_step` over time (the per-token ground truth, SPEC §3.2).
+    """``lax.scan`` of :func:`hope_step` over time: exact per-token Hope (SPEC §3.2).
+
+    :func:`hope_step` is one token of :func:`hope_chunked` (both chunk sizes 1), so this form shares
+    its code and is not an independent check of it. The independent ground truth is the reference
+    twin :func:`nested_jax.core.reference.hope.hope_reference` (a per-token loop written from SPEC
+    §3.2, inner gradients by ``jax.grad``), which the tests compare with :func:`hope_chunked` on
+    values and gradients at chunk sizes 1 and (4, 2).
 
     Args/Returns: as :func:`hope_chunked` with both chunk sizes 1.
     """
