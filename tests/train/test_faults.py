@@ -10,15 +10,16 @@ from __future__ import annotations
 import faults
 import pytest
 
-# Cases that start no training process beyond the shared base run, or one short resume.
+# Cases run by default: each needs at most one short resume beyond the shared base run (the
+# others, `-m slow`, train two processes each or compile another mesh).
 FAST = {
     "case_truncated_metadata",
-    "case_deleted_config_json",
     "case_new_workdir_without_config",
     "case_changed_corpus",
     "case_sigint",
-    "case_disk_full",
 }
+# One xdist worker builds the shared base run for every case (scripts/test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("faults")
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +47,12 @@ def test_fault(env, case):
 @pytest.mark.parametrize(
     "index",
     [
-        # Refused changes start no training (fast); of the accepted ones, train.steps runs by
-        # default and the others (each a training resume) are slow.
+        # Refused changes start no training (fast); the accepted ones (each a training resume)
+        # are slow.
         pytest.param(
             i,
             id=name,
-            marks=() if refused or name == "train_steps" else pytest.mark.slow,
+            marks=() if refused else pytest.mark.slow,
         )
         for i, (name, refused, _, _) in enumerate(faults.CHANGED_SETTINGS)
     ],
