@@ -6,28 +6,206 @@ stable names). Shapes follow flash-linear-attention: ``[B, T, H, D]`` arrays, ``
 ``(output, state)``.
 
     from nested_jax.core import gated_delta_chunked, titans_linear_chunked, dgd_update
+
+The names below are the public core API, written out so readers and tools can follow them.
+Upper-case constants (VARIANTS, EVICTIONS, ...) stay in their modules: at package level their
+meaning would be ambiguous.
 """
 
-from importlib import import_module
-
-_MODULES = (
-    "associative",
-    "scan",
-    "dgd",
-    "proteus",
-    "hola",
-    "titans",
-    "proteus_memory",
-    "cms",
-    "hope",
+from nested_jax.core._proteus_common import (
+    proteus_spans,
+    run_proteus_spans,
+    run_proteus_spans_packed,
+)
+from nested_jax.core.associative import (
+    delta_rule_chunked,
+    delta_rule_recurrent,
+    delta_rule_step,
+    gated_delta_chunked,
+    gated_delta_recurrent,
+    gated_delta_step,
+    linear_attention_chunked,
+    linear_attention_recurrent,
+    linear_attention_step,
+)
+from nested_jax.core.cms import (
+    CMSLevel,
+    CMSState,
+    check_periods,
+    cms_forward,
+    cms_init_levels,
+    cms_initial_state,
+    cms_level_apply,
+    cms_mix_weights,
+    cms_online,
+    surprise_from_loss,
+)
+from nested_jax.core.dgd import (
+    dgd_step_size,
+    dgd_update,
+    dgd_update_layers,
+)
+from nested_jax.core.hola import (
+    HolaState,
+    gdn_residuals,
+    hola_decode_step,
+    hola_forward,
+    hola_scores,
+    init_hola_state,
+)
+from nested_jax.core.hope import (
+    HopeMemories,
+    HopeReadout,
+    HopeState,
+    MLPMemory,
+    hope_chunked,
+    hope_decode_step,
+    hope_init_state,
+    hope_linear_chunk_update,
+    hope_recurrent,
+    hope_step,
+    mlp_memory_apply,
+)
+from nested_jax.core.proteus import (
+    proteus_active_blocks,
+    proteus_block_ids,
+    proteus_block_len,
+    proteus_block_mask,
+    proteus_chunk_constant,
+    proteus_gate,
+    proteus_gated_step,
+    proteus_gated_update,
+    proteus_hidden_mask,
+    proteus_key_mask,
+    proteus_mlp_masks,
+)
+from nested_jax.core.proteus_gdn import (
+    proteus_gated_delta_chunked,
+    proteus_gated_delta_recurrent,
+    proteus_gated_delta_step,
+)
+from nested_jax.core.proteus_hope import (
+    proteus_hope_chunked,
+    proteus_hope_masks,
+    proteus_hope_recurrent,
+    proteus_hope_step,
+)
+from nested_jax.core.proteus_titans import (
+    proteus_titans_linear_chunked,
+    proteus_titans_linear_recurrent,
+    proteus_titans_linear_step,
+    proteus_titans_mlp_chunked,
+    proteus_titans_mlp_masks,
+    proteus_titans_mlp_recurrent,
+    proteus_titans_mlp_step,
+)
+from nested_jax.core.scan import (
+    affine_scan,
+    chunk,
+    pad_to_multiple,
+    scan_remat,
+    unchunk,
+)
+from nested_jax.core.titans import (
+    TitansLinearState,
+    titans_linear_chunked,
+    titans_linear_recurrent,
+    titans_linear_step,
+)
+from nested_jax.core.titans_mlp import (
+    TitansMLPState,
+    titans_mlp_apply,
+    titans_mlp_chunked,
+    titans_mlp_init_weights,
+    titans_mlp_recurrent,
+    titans_mlp_state,
+    titans_mlp_step,
+    titans_pool_gates,
 )
 
-__all__: list[str] = []
-for _name in _MODULES:
-    _module = import_module(f"nested_jax.core.{_name}")
-    # Upper-case constants (VARIANTS, EVICTIONS, ...) stay in their modules: at package level their
-    # meaning would be ambiguous.
-    for _symbol in (s for s in _module.__all__ if not s.isupper() and s not in __all__):
-        globals()[_symbol] = getattr(_module, _symbol)
-        __all__.append(_symbol)
-del _name, _module, _symbol
+__all__ = [
+    "linear_attention_step",
+    "linear_attention_recurrent",
+    "linear_attention_chunked",
+    "delta_rule_step",
+    "delta_rule_recurrent",
+    "delta_rule_chunked",
+    "gated_delta_step",
+    "gated_delta_recurrent",
+    "gated_delta_chunked",
+    "pad_to_multiple",
+    "chunk",
+    "unchunk",
+    "affine_scan",
+    "scan_remat",
+    "dgd_step_size",
+    "dgd_update",
+    "dgd_update_layers",
+    "proteus_block_len",
+    "proteus_active_blocks",
+    "proteus_chunk_constant",
+    "proteus_block_ids",
+    "proteus_block_mask",
+    "proteus_key_mask",
+    "proteus_hidden_mask",
+    "proteus_mlp_masks",
+    "proteus_gate",
+    "proteus_gated_update",
+    "proteus_gated_step",
+    "HolaState",
+    "init_hola_state",
+    "gdn_residuals",
+    "hola_scores",
+    "hola_forward",
+    "hola_decode_step",
+    "TitansLinearState",
+    "titans_linear_step",
+    "titans_linear_recurrent",
+    "titans_linear_chunked",
+    "TitansMLPState",
+    "titans_mlp_init_weights",
+    "titans_mlp_state",
+    "titans_mlp_apply",
+    "titans_mlp_step",
+    "titans_mlp_recurrent",
+    "titans_mlp_chunked",
+    "titans_pool_gates",
+    "proteus_spans",
+    "run_proteus_spans",
+    "run_proteus_spans_packed",
+    "proteus_gated_delta_step",
+    "proteus_gated_delta_recurrent",
+    "proteus_gated_delta_chunked",
+    "proteus_titans_linear_step",
+    "proteus_titans_linear_recurrent",
+    "proteus_titans_linear_chunked",
+    "proteus_titans_mlp_masks",
+    "proteus_titans_mlp_step",
+    "proteus_titans_mlp_recurrent",
+    "proteus_titans_mlp_chunked",
+    "proteus_hope_masks",
+    "proteus_hope_step",
+    "proteus_hope_recurrent",
+    "proteus_hope_chunked",
+    "CMSLevel",
+    "CMSState",
+    "cms_init_levels",
+    "cms_level_apply",
+    "cms_mix_weights",
+    "cms_forward",
+    "cms_initial_state",
+    "cms_online",
+    "surprise_from_loss",
+    "check_periods",
+    "MLPMemory",
+    "HopeMemories",
+    "HopeReadout",
+    "HopeState",
+    "hope_init_state",
+    "mlp_memory_apply",
+    "hope_step",
+    "hope_recurrent",
+    "hope_chunked",
+    "hope_decode_step",
+    "hope_linear_chunk_update",
+]

@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from nested_jax.core.checks import check_positive_int
 from nested_jax.core.dgd import dgd_step_size
 from nested_jax.core.scan import scan_remat
 
@@ -490,10 +491,8 @@ def _validate_online(
                 raise ValueError(
                     f"side leaves must have shape [B={B}, T={T}, ...], got {jnp.shape(leaf)}"
                 )
-    if remat_every is not None and (
-        isinstance(remat_every, bool) or not isinstance(remat_every, int) or remat_every < 1
-    ):
-        raise ValueError(f"remat_every must be a positive int or None, got {remat_every!r}")
+    if remat_every is not None:
+        check_positive_int("remat_every (or None)", remat_every)
     return x, state, periods, mix_logits, lrs, delta
 
 

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from nested_jax.core.associative import gated_delta_chunked
+from nested_jax.core.checks import check_positive_int
 from nested_jax.core.hola_cache import (
     attend,
     cache_blocks,
@@ -131,7 +132,7 @@ def init_hola_state(batch, heads, key_dim, value_dim, window, block_size) -> Hol
         ("window", window),
         ("block_size", block_size),
     ):
-        _check_pos_int("init_hola_state", name, x)
+        check_positive_int(f"init_hola_state: {name}", x)
     B, H, K, V, W, C = batch, heads, key_dim, value_dim, window, block_size
     return HolaState(
         S=jnp.zeros((B, H, K, V), _F32),
@@ -150,11 +151,6 @@ def init_hola_state(batch, heads, key_dim, value_dim, window, block_size) -> Hol
 # --------------------------------------------------------------------------------------------------
 # Validation (trace time)
 # --------------------------------------------------------------------------------------------------
-
-
-def _check_pos_int(fn, name, x):
-    if not isinstance(x, int) or isinstance(x, bool) or x <= 0:
-        raise ValueError(f"{fn}: {name} must be a positive int, got {x!r}")
 
 
 def _check_array(fn, name, x, shape, floating=True):
@@ -306,7 +302,7 @@ def gdn_residuals(k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_
     _check_array(fn, "v", v, (B, T, H, V))
     _check_array(fn, "g", g, (B, T, H))
     _check_array(fn, "beta", beta, (B, T, H))
-    _check_pos_int(fn, "chunk_size", chunk_size)
+    check_positive_int(f"{fn}: chunk_size", chunk_size)
     _check_segments(fn, segment_ids, B, T, initial_state)
     if initial_state is None:
         S0 = jnp.zeros((B, H, K, V), _F32)
@@ -455,9 +451,9 @@ def hola_forward(
     fn = "hola_forward"
     B, T, H, K, V = _validate_seq(fn, q, k, v, g, beta)
     _check_params(fn, H, K, gamma_q, gamma_k, sink_logit, gate_logit)
-    _check_pos_int(fn, "window", window)
-    _check_pos_int(fn, "block_size", block_size)
-    _check_pos_int(fn, "chunk_size", chunk_size)
+    check_positive_int(f"{fn}: window", window)
+    check_positive_int(f"{fn}: block_size", block_size)
+    check_positive_int(f"{fn}: chunk_size", chunk_size)
     _check_options(fn, eviction, read_norm)
     _check_segments(fn, segment_ids, B, T, initial_state)
     if initial_state is not None:

@@ -66,6 +66,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from nested_jax.core.associative import gated_delta_chunked
+from nested_jax.core.checks import check_positive_int
 from nested_jax.core.dgd import dgd_step_size
 
 __all__ = [
@@ -398,9 +399,8 @@ _FLAGS_DOC = """
 
 
 def _check_chunks(chunk_memory, chunk_other):
-    for name, c in (("chunk_memory", chunk_memory), ("chunk_other", chunk_other)):
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise ValueError(f"{name} must be a positive int, got {c!r}")
+    check_positive_int("chunk_memory", chunk_memory)
+    check_positive_int("chunk_other", chunk_other)
     c, big = min(chunk_memory, chunk_other), max(chunk_memory, chunk_other)
     if big % c:
         raise ValueError(

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nested_jax.core.checks import check_positive_int
+
 __all__ = [
     "proteus_block_len",
     "proteus_active_blocks",
@@ -44,12 +46,6 @@ __all__ = [
 ]
 
 
-def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive Python int, got {value!r}")
-    return int(value)
-
-
 def proteus_block_len(context_len: int, num_blocks: int) -> int:
     """``Δ = max(1, ⌊N/E⌋)``: positions per newly opened block (SPEC §4).
 
@@ -60,8 +56,8 @@ def proteus_block_len(context_len: int, num_blocks: int) -> int:
     Returns:
       ``Δ`` as a Python int.
     """
-    n = _check_positive_int("context_len", context_len)
-    e = _check_positive_int("num_blocks", num_blocks)
+    n = check_positive_int("context_len", context_len)
+    e = check_positive_int("num_blocks", num_blocks)
     return max(1, n // e)
 
 
@@ -107,7 +103,7 @@ def proteus_chunk_constant(chunk_size: int, context_len: int, num_blocks: int) -
     Returns:
       Python bool.
     """
-    c = _check_positive_int("chunk_size", chunk_size)
+    c = check_positive_int("chunk_size", chunk_size)
     delta = proteus_block_len(context_len, num_blocks)
     return all((j * delta) % c == 0 for j in range(1, num_blocks))
 
@@ -124,8 +120,8 @@ def proteus_block_ids(size: int, num_blocks: int) -> np.ndarray:
     Returns:
       int32 numpy array ``[D]`` with values in ``[0, E)``, non-decreasing.
     """
-    d = _check_positive_int("size", size)
-    e = _check_positive_int("num_blocks", num_blocks)
+    d = check_positive_int("size", size)
+    e = check_positive_int("num_blocks", num_blocks)
     if d < e:
         raise ValueError(f"size ({d}) must be >= num_blocks ({e}) so that no block is empty")
     per = d // e

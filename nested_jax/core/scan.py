@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from nested_jax.core.checks import check_positive_int
+
 __all__ = ["pad_to_multiple", "chunk", "unchunk", "affine_scan", "scan_remat"]
 
 
@@ -22,11 +24,6 @@ def _axis(x, axis: int, name: str = "axis") -> int:
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"{name}={axis} is out of range for an array of rank {x.ndim}")
     return axis % x.ndim
-
-
-def _positive(name: str, n) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-        raise ValueError(f"{name} must be a positive int, got {n!r}")
 
 
 def pad_to_multiple(x, multiple: int, axis: int = 1, value=0):
@@ -40,7 +37,7 @@ def pad_to_multiple(x, multiple: int, axis: int = 1, value=0):
     Returns:
       the padded array (``x`` itself when nothing is needed).
     """
-    _positive("multiple", multiple)
+    check_positive_int("multiple", multiple)
     axis = _axis(x, axis)
     n = x.shape[axis]
     extra = -n % multiple
@@ -61,7 +58,7 @@ def chunk(x, chunk_size: int, axis: int = 1):
     Returns:
       array with ``axis`` replaced by ``(ceil(T / C), C)``.
     """
-    _positive("chunk_size", chunk_size)
+    check_positive_int("chunk_size", chunk_size)
     axis = _axis(x, axis)
     x = pad_to_multiple(x, chunk_size, axis)
     n = x.shape[axis] // chunk_size
@@ -152,7 +149,7 @@ def scan_remat(f, init, xs, remat_every: int, length: int | None = None):
     Returns:
       ``(final_carry, ys)`` with ys stacked over T, as ``lax.scan``.
     """
-    _positive("remat_every", remat_every)
+    check_positive_int("remat_every", remat_every)
     leaves = jax.tree_util.tree_leaves(xs)
     if leaves:
         T = leaves[0].shape[0]

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nested_jax.core.checks import check_positive_int
 from nested_jax.core.cms import check_periods
 from nested_jax.files import write_json
 
@@ -143,8 +144,7 @@ def init_stream(
       periods: CMS level periods in tokens (online mode) or None (memories only).
       levels_key: see :func:`fast_level_paths`.
     """
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
+    check_positive_int("capacity", capacity)
     levels = fast_level_paths(params, levels_key) if periods is not None else {}
     periods = _check_periods(periods, levels)
     if periods is not None and batch_size != 1:
@@ -298,8 +298,7 @@ def stream_tokens(
         c = math.gcd(*periods)
     else:
         levels, c = {}, chunk
-    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-        raise ValueError(f"chunk: expected a positive int, got {chunk!r}")
+    check_positive_int("chunk (or the gcd of the CMS periods)", c)
     step, run_whole = _jitted(
         apply_fn, periods, lr, tuple(sorted(levels.items())), variant, levels_key
     )

@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from nested_jax.train.config import ConfigError
+from nested_jax.train.config import ConfigError, add_override_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
+    add_override_argument(p, "override a field of the saved config")
     p.add_argument("--state-in", help="continue from a saved stream state directory")
     p.add_argument("--state-out", help="save the stream state to this new directory")
     return p

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nested_jax.train.config import ConfigError
+from nested_jax.train.config import ConfigError, add_override_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,13 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workdir", required=True, help="a training workdir (config.json + checkpoints/)"
     )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        dest="overrides",
-        metavar="KEY=VALUE",
-        help="override a field of the saved config, e.g. --set eval.niah_per_cell=8",
+    add_override_argument(
+        p, "override a field of the saved config, e.g. --set eval.niah_per_cell=8"
     )
     s = p.add_argument_group("continual stream (instead of the standard report)")
     s.add_argument("--stream", help="'val' (the validation documents) or a UTF-8 text file")

@@ -23,7 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nested_jax.files import write_json
-from nested_jax.train.config import Config, ConfigError, config_to_dict, load_config
+from nested_jax.train.config import (
+    Config,
+    ConfigError,
+    add_override_argument,
+    config_to_dict,
+    load_config,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,14 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[1, 4, 8],
         help="NIAH lengths as multiples of data.seq_len (the training length)",
     )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        dest="overrides",
-        metavar="KEY=VALUE",
-        help="override applied to every config, e.g. --set train.steps=200",
-    )
+    add_override_argument(p, "override applied to every config, e.g. --set train.steps=200")
     return p
 
 

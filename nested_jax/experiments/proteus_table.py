@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nested_jax.files import write_json
+from nested_jax.train.config import add_override_argument
 
 DEFAULT_CONFIGS = (
     "configs/experiments/tiny_gdn.yaml",
@@ -222,14 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--multipliers", nargs="+", type=int, default=[1, 4], help="multiples of training length"
     )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        dest="overrides",
-        metavar="KEY=VALUE",
-        help="override applied to every config, e.g. --set train.steps=200",
-    )
+    add_override_argument(p, "override applied to every config, e.g. --set train.steps=200")
     p.add_argument("--no-mqar", action="store_true", help="skip the MQAR part")
     for name, typ, default in (
         ("steps", int, 300),

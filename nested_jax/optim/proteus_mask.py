@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from nested_jax.core.checks import check_positive_int
 from nested_jax.core.proteus import proteus_active_blocks, proteus_block_ids
 
 __all__ = [
@@ -50,12 +51,6 @@ class ProteusMaskState(NamedTuple):
     count: jax.Array  # int32 [], optimizer steps taken (the next update uses k(count + 1))
     inner_state: Any
     decay_state: Any  # optax.EmptyState() when there is no separate decay
-
-
-def _positive_int(name, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _path_str(path) -> str:
@@ -87,8 +82,8 @@ def proteus_update_masks(step, params, block_axis_fn, total_steps: int, num_bloc
       pytree like ``params`` with a bool mask per leaf, broadcastable to it (``[1, .., D, .., 1]``
       on the blocked axis), or ``None`` for unmasked leaves.
     """
-    _positive_int("total_steps", total_steps)
-    _positive_int("num_blocks", num_blocks)
+    check_positive_int("total_steps", total_steps)
+    check_positive_int("num_blocks", num_blocks)
     axes = _resolve_axes(block_axis_fn, params)
     k = proteus_active_blocks(jnp.asarray(step, jnp.int32), total_steps, num_blocks)
 
@@ -154,8 +149,8 @@ def proteus_mask(
       ``optax.GradientTransformationExtraArgs`` with state :class:`ProteusMaskState`; ``update``
       needs ``params`` when ``decay`` is given.
     """
-    _positive_int("total_steps", total_steps)
-    _positive_int("num_blocks", num_blocks)
+    check_positive_int("total_steps", total_steps)
+    check_positive_int("num_blocks", num_blocks)
     inner = optax.with_extra_args_support(inner)
     decay_tx = None if decay is None else optax.with_extra_args_support(decay)
 

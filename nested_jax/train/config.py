@@ -390,6 +390,21 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+def add_override_argument(
+    parser: Any, help: str = "override one field, e.g. --set train.steps=100"
+) -> None:
+    """Adds the one ``--set KEY=VALUE`` option (repeatable; into ``args.overrides``) every command
+    that reads a config shares; :func:`apply_overrides` / :func:`load_config` parse the values."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="KEY=VALUE",
+        help=f"{help} (repeatable)",
+    )
+
+
 def apply_overrides(values: Mapping, overrides: Sequence[str]) -> dict:
     """Applies ``--set a.b=value`` strings to a nested dict (validation catches unknown keys)."""
     out = _deep_merge({}, values)

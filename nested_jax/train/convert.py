@@ -336,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Exit codes: 0 done, 1 conversion error, 2 bad command line or config.
     """
-    from nested_jax.train.config import ConfigError, load_config
+    from nested_jax.train.config import ConfigError, add_override_argument, load_config
 
     p = argparse.ArgumentParser(
         prog="python -m nested_jax.train.convert",
@@ -345,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--from", dest="source", required=True, help="transformer workdir or step dir")
     p.add_argument("--config", action="append", default=[], metavar="FILE", help="target preset")
-    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
+    add_override_argument(p, "override a field of the target config")
     p.add_argument("--workdir", required=True, help="new run directory")
     args = p.parse_args(argv)
     try:

@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from nested_jax.train.config import ConfigError
+from nested_jax.train.config import ConfigError, add_override_argument
 from nested_jax.train.signals import (
     EXIT_ABORTED,
     EXIT_CONFIG,
@@ -40,14 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="YAML preset (repeatable; later files override earlier ones); omit to continue the "
         "run saved in --workdir",
     )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        dest="overrides",
-        metavar="KEY=VALUE",
-        help="override one field, e.g. --set train.steps=100 (repeatable)",
-    )
+    add_override_argument(p)
     p.add_argument("--workdir", required=True, help="run directory (checkpoints, metrics, summary)")
     p.add_argument(
         "--reset-optimizer",
