@@ -35,8 +35,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nested_jax import ops
-from nested_jax.core import associative
-from nested_jax.core.proteus import proteus_active_blocks, proteus_block_ids
 from nested_jax.layers.common import check_rank, dense
 from nested_jax.layers.conv import ShortConv
 from nested_jax.layers.norm import GatedRMSNorm
@@ -171,7 +169,7 @@ class DeltaNet(nnx.Module):
         """
         if self.proteus_blocks == 1:
             return q, k
-        b, t, _, kd = q.shape
+        b, t = q.shape[:2]
         if positions is None:
             if cache is not None:
                 raise ValueError(
@@ -186,19 +184,15 @@ class DeltaNet(nnx.Module):
                 f"positions: expected int [B, T] = {(b, t)}, got "
                 f"{getattr(positions, 'dtype', None)} {getattr(positions, 'shape', None)}"
             )
-        active = proteus_active_blocks(
-            positions + 1, self.proteus_context_len, self.proteus_blocks
-        )  # [B, T]
-        ids = jnp.asarray(proteus_block_ids(kd, self.proteus_blocks))
-        is_open = (ids < active[..., None])[:, :, None, :]  # [B, T, 1, K]
-        zero = jnp.zeros((), q.dtype)
-        return jnp.where(is_open, q, zero), jnp.where(is_open, k, zero)
+        return ops.proteus_key_rows(
+            q, k, positions, context_len=self.proteus_context_len, num_blocks=self.proteus_blocks
+        )
 
     def _rule(self, q, k, v, g, beta, *, state, segment_ids, single_step: bool):
         """The memory recurrence: one exact step when decoding a single token, else ``ops`` over
         T."""
         if single_step:
-            o, s = associative.delta_rule_step(state, q[:, 0], k[:, 0], v[:, 0], beta[:, 0])
+            o, s = ops.delta_rule_step(state, q[:, 0], k[:, 0], v[:, 0], beta[:, 0])
             return o[:, None], s
         return ops.delta_rule(
             q,

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nested_jax import ops
-from nested_jax.core import associative
 from nested_jax.layers.common import dense, partitioned
 from nested_jax.layers.deltanet import DeltaNet
 
@@ -48,9 +47,7 @@ class GatedDeltaNet(DeltaNet):
 
     def _rule(self, q, k, v, g, beta, *, state, segment_ids, single_step: bool):
         if single_step:
-            o, s = associative.gated_delta_step(
-                state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
-            )
+            o, s = ops.gated_delta_step(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
             return o[:, None], s
         return ops.gated_delta(
             q,

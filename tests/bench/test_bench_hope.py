@@ -8,6 +8,7 @@ import pytest
 from nested_jax.bench import hope as bench_hope
 
 
+@pytest.mark.slow  # ~4 min on 2 CPU cores: five tiny-LM fwd+bwd compiles (Hope, Titans, GDN, sweep)
 def test_bench_hope_json_keys(capsys):
     argv = ["--seq-len", "8", "--batch", "1", "--d-model", "16", "--layers", "1", "--heads", "2"]
     argv += ["--sweep", "1:1,4:2", "--repeats", "1", "--json"]

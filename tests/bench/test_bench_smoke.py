@@ -38,7 +38,8 @@ def test_bench_titans_json_keys(capsys):
     assert out["temp_bytes_L2_T32"] >= out["temp_bytes_L2_T16"] > 0
 
 
-def test_bench_optim_keys_and_proteus():
+@pytest.mark.slow  # ~2–5 min on 2 CPU cores (two GDN train-step compiles)
+def test_bench_optim_sweep_keys():
     # two optimizers (each compiles the GDN train step once, the slow part); every optimizer's
     # construction is checked on a small tree in test_bench_optim_every_optimizer_steps
     sweeps = {"adamw": (1e-3, 3e-3), "m3_rms": (1e-2,)}
@@ -61,6 +62,9 @@ def test_bench_optim_keys_and_proteus():
     # A first few steps from the same initialisation: every optimizer still near log(vocab).
     for name in sweeps:
         assert abs(res[f"eval_loss_{name}"] - math.log(256)) < 1.5
+
+
+def test_bench_optim_proteus_overhead_keys():
     pro = bench_optim.proteus_overhead(T=32, H=1, D=16, repeats=1)
     for key in ("proteus_tokens_per_s_E16", "proteus_tokens_per_s_E1", "proteus_tokens_per_s_gdn"):
         assert pro[key] > 0

@@ -1,4 +1,4 @@
-"""The one dispatcher: ``op(..., impl="chunked" | "recurrent" | "pallas")`` (DESIGN.md, SPEC §0).
+"""The linear-memory rules behind one door: linear attention, delta rule, gated delta (SPEC §1).
 
 Layers call these functions, never a core form directly, so switching implementation is a config
 value. The implementation is never switched silently (not on sequence length, not on mode): an
@@ -9,25 +9,29 @@ value. The implementation is never switched silently (not on sequence length, no
 - ``"pallas"``: the seam for ``pallas_kernels/<op>/ops.py``. No kernel is wired yet, so it raises
   ``ValueError``; when a kernel lands, this module is its only importer and routes
   ``impl="pallas"`` to it.
+
+The single-token steps (``*_step``) are the decode forms; ``proteus_key_rows`` is the Proteus
+key-row gate of the linear rules (SPEC §4), which turns each rule into its Proteus form.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from nested_jax.core import associative as _assoc
+from nested_jax.core.associative import delta_rule_step, gated_delta_step, linear_attention_step
+from nested_jax.core.proteus import proteus_active_blocks, proteus_block_ids
+from nested_jax.ops._impl import check_impl as _check_impl
 
-IMPLS = ("chunked", "recurrent", "pallas")
-
-__all__ = ["IMPLS", "linear_attention", "delta_rule", "gated_delta"]
-
-
-def _check_impl(op: str, impl: str) -> None:
-    if impl == "pallas":
-        raise ValueError(
-            f"{op}: impl='pallas' is not implemented yet (no kernel in pallas_kernels/{op}); "
-            "use impl='chunked' or impl='recurrent'"
-        )
-    if impl not in ("chunked", "recurrent"):
-        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+__all__ = [
+    "linear_attention",
+    "delta_rule",
+    "gated_delta",
+    "linear_attention_step",
+    "delta_rule_step",
+    "gated_delta_step",
+    "proteus_key_rows",
+]
 
 
 def _dispatch(op: str, impl: str, args: tuple, chunk_size: int, **kw):
@@ -143,3 +147,26 @@ def gated_delta(
         initial_state=initial_state,
         segment_ids=segment_ids,
     )
+
+
+def proteus_key_rows(q, k, positions, *, context_len: int, num_blocks: int):
+    """Proteus key-row gate of the linear rules (SPEC §4): ``(g_t ⊙ q_t, g_t ⊙ k_t)``.
+
+    ``g_t`` opens the first ``k(t) = min(E, 1 + ⌊(t−1)/Δ⌋)`` of ``E = num_blocks`` contiguous
+    blocks of key rows at the 1-based position ``t = positions + 1`` (``Δ = ⌊N/E⌋``,
+    ``N = context_len``). With a state that starts at zero (and resets to zero), running a linear
+    rule on the gated ``q, k`` is its Proteus form (``nested_jax.layers.deltanet`` says why).
+
+    Args:
+      q, k: ``[B, T, H, K]``; positions: int ``[B, T]`` 0-based.
+      context_len, num_blocks: ``N`` and ``E`` (``E ≤ K``).
+
+    Returns:
+      ``(q, k)`` with locked key rows set to zero, same shapes and dtypes.
+    """
+    b, t, _, kd = q.shape
+    active = proteus_active_blocks(positions + 1, context_len, num_blocks)  # [B, T]
+    ids = jnp.asarray(proteus_block_ids(kd, num_blocks))
+    is_open = (ids < active[..., None])[:, :, None, :]  # [B, T, 1, K]
+    zero = jnp.zeros((), q.dtype)
+    return jnp.where(is_open, q, zero), jnp.where(is_open, k, zero)
