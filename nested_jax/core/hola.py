@@ -50,25 +50,37 @@ Decisions (documented options, SPEC §5):
 
 Memory per head of the decoding state: ``K·V + (w + C)(K + V)`` floats plus ``O(w + C)``
 scores/positions (SPEC §5), independent of the number of tokens seen.
+
+Modules: this one holds the block-parallel form (``hola_forward``), the forward-only residual pass
+(``gdn_residuals``) and the insertion scores (``hola_scores``); ``hola_decode`` holds the state
+(``HolaState``, ``init_hola_state``), the per-token forms (``hola_decode_step``,
+``hola_recurrent``) and the shared argument checks; ``hola_cache`` the top-w cache read and merge.
+Every public name is importable from here.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from nested_jax.core.associative import gated_delta_chunked
 from nested_jax.core.checks import check_positive_int
-from nested_jax.core.hola_cache import (
-    attend,
-    cache_blocks,
-    cache_blocks_packed,
-    doc_starts,
-    merge_top_w,
-    read_normalize,
+from nested_jax.core.hola_cache import cache_blocks, cache_blocks_packed, doc_starts
+from nested_jax.core.hola_decode import (
+    _F32,
+    EVICTIONS,
+    READ_NORMS,
+    HolaState,
+    _check_array,
+    _check_options,
+    _check_params,
+    _check_segments,
+    _check_state,
+    _sigmoid_gate,
+    _validate_seq,
+    hola_decode_step,
+    hola_recurrent,
+    init_hola_state,
 )
 
 __all__ = [
@@ -80,155 +92,8 @@ __all__ = [
     "hola_scores",
     "hola_forward",
     "hola_decode_step",
+    "hola_recurrent",
 ]
-
-EVICTIONS = ("beta_e", "recency", "e", "beta_v", "cumulative_attention")
-READ_NORMS = ("rmsnorm", "l2")
-_F32 = jnp.float32
-
-
-class HolaState(NamedTuple):
-    """Decoding / streaming state of one HOLA layer (SPEC §5). Size independent of tokens seen.
-
-    Attributes:
-      S: ``[B, H, K, V]`` f32 gated delta state.
-      cache_k, cache_v: ``[B, H, w, K]``, ``[B, H, w, V]`` raw keys/values of the persistent cache.
-      cache_score: ``[B, H, w]`` f32 eviction score of each entry.
-      cache_pos: ``[B, H, w]`` int32 absolute position of each entry (−1 when empty).
-      cache_valid: ``[B, H, w]`` bool, which slots hold a token. Empty slots are zero.
-      block_k, block_v: ``[B, H, C, K]``, ``[B, H, C, V]`` tokens of the current (unfinished)
-        block; slot ``i`` holds absolute position ``pos − pos % C + i``, filled iff ``i < pos % C``.
-      block_score: ``[B, H, C]`` f32 eviction scores of the current block's tokens.
-      pos: ``[]`` int32, number of tokens consumed so far (shared by the batch).
-    """
-
-    S: jax.Array
-    cache_k: jax.Array
-    cache_v: jax.Array
-    cache_score: jax.Array
-    cache_pos: jax.Array
-    cache_valid: jax.Array
-    block_k: jax.Array
-    block_v: jax.Array
-    block_score: jax.Array
-    pos: jax.Array
-
-
-def init_hola_state(batch, heads, key_dim, value_dim, window, block_size) -> HolaState:
-    """Empty HOLA state: zero GDN state, empty cache and block buffer, position 0 (SPEC §5).
-
-    Args:
-      batch, heads, key_dim, value_dim: ``B, H, K, V``.
-      window: cache capacity ``w``; block_size: block length ``C``.
-
-    Returns:
-      ``HolaState`` with the shapes listed on the class.
-    """
-    for name, x in (
-        ("batch", batch),
-        ("heads", heads),
-        ("key_dim", key_dim),
-        ("value_dim", value_dim),
-        ("window", window),
-        ("block_size", block_size),
-    ):
-        check_positive_int(f"init_hola_state: {name}", x)
-    B, H, K, V, W, C = batch, heads, key_dim, value_dim, window, block_size
-    return HolaState(
-        S=jnp.zeros((B, H, K, V), _F32),
-        cache_k=jnp.zeros((B, H, W, K), _F32),
-        cache_v=jnp.zeros((B, H, W, V), _F32),
-        cache_score=jnp.zeros((B, H, W), _F32),
-        cache_pos=jnp.full((B, H, W), -1, jnp.int32),
-        cache_valid=jnp.zeros((B, H, W), bool),
-        block_k=jnp.zeros((B, H, C, K), _F32),
-        block_v=jnp.zeros((B, H, C, V), _F32),
-        block_score=jnp.zeros((B, H, C), _F32),
-        pos=jnp.zeros((), jnp.int32),
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# Validation (trace time)
-# --------------------------------------------------------------------------------------------------
-
-
-def _check_array(fn, name, x, shape, floating=True):
-    got = getattr(x, "shape", None)
-    if got is None or tuple(got) != tuple(shape):
-        raise ValueError(f"{fn}: {name} must have shape {list(shape)}, got shape {got}")
-    if floating and not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{fn}: {name} must have a floating dtype, got {x.dtype}")
-
-
-def _check_options(fn, eviction, read_norm):
-    if eviction not in EVICTIONS:
-        raise ValueError(f"{fn}: eviction must be one of {EVICTIONS}, got {eviction!r}")
-    if read_norm not in READ_NORMS:
-        raise ValueError(f"{fn}: read_norm must be one of {READ_NORMS}, got {read_norm!r}")
-
-
-def _check_params(fn, H, K, gamma_q, gamma_k, sink_logit, gate_logit):
-    _check_array(fn, "gamma_q", gamma_q, (H, K))
-    _check_array(fn, "gamma_k", gamma_k, (H, K))
-    _check_array(fn, "sink_logit", sink_logit, (H,))
-    _check_array(fn, "gate_logit", gate_logit, (H,))
-
-
-def _check_state(fn, state, B, H, K, V, W, C):
-    if not isinstance(state, HolaState):
-        raise ValueError(
-            f"{fn}: state must be a HolaState (see init_hola_state), got {type(state)}"
-        )
-    for name, shape in _state_shapes(B, H, K, V, W, C).items():
-        _check_array(fn, f"state.{name}", getattr(state, name), shape, floating=False)
-
-
-def _state_shapes(B, H, K, V, W, C):
-    return {
-        "S": (B, H, K, V),
-        "cache_k": (B, H, W, K),
-        "cache_v": (B, H, W, V),
-        "cache_score": (B, H, W),
-        "cache_pos": (B, H, W),
-        "cache_valid": (B, H, W),
-        "block_k": (B, H, C, K),
-        "block_v": (B, H, C, V),
-        "block_score": (B, H, C),
-        "pos": (),
-    }
-
-
-def _check_segments(fn, segment_ids, B, T, initial_state):
-    if segment_ids is None:
-        return
-    shape = getattr(segment_ids, "shape", None)
-    if shape is None or tuple(shape) != (B, T):
-        raise ValueError(f"{fn}: segment_ids must have shape [B, T] = [{B}, {T}], got {shape}")
-    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise ValueError(f"{fn}: segment_ids must have an integer dtype, got {segment_ids.dtype}")
-    if initial_state is not None:
-        raise ValueError(
-            f"{fn}: segment_ids cannot be combined with initial_state (every packed document "
-            "starts from an empty state)"
-        )
-
-
-def _validate_seq(fn, q, k, v, g, beta):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if getattr(x, "ndim", None) != 4:
-            raise ValueError(
-                f"{fn}: {name} must have shape [B, T, H, D] (rank 4), got shape "
-                f"{getattr(x, 'shape', None)}"
-            )
-    B, T, H, K = q.shape
-    _check_array(fn, "q", q, (B, T, H, K))
-    _check_array(fn, "k", k, (B, T, H, K))
-    V = v.shape[3]
-    _check_array(fn, "v", v, (B, T, H, V))
-    _check_array(fn, "g", g, (B, T, H))
-    _check_array(fn, "beta", beta, (B, T, H))
-    return B, T, H, K, V
 
 
 # --------------------------------------------------------------------------------------------------
@@ -376,10 +241,6 @@ def hola_scores(
     return norm if eviction == "e" else b * norm
 
 
-def _sigmoid_gate(gate_logit):
-    return jax.nn.sigmoid(gate_logit.astype(_F32))
-
-
 # --------------------------------------------------------------------------------------------------
 # Block-parallel forward
 # --------------------------------------------------------------------------------------------------
@@ -500,126 +361,3 @@ def _insertion_scores(k, v, g, beta, positions, S0, segment_ids, eviction, chunk
     if eviction == "recency":
         return jnp.broadcast_to(positions.astype(_F32)[:, :, None], (B, T, H))
     return jnp.zeros((B, T, H), _F32)
-
-
-# --------------------------------------------------------------------------------------------------
-# Decoding
-# --------------------------------------------------------------------------------------------------
-
-
-def hola_decode_step(
-    state,
-    q_t,
-    k_t,
-    v_t,
-    g_t,
-    beta_t,
-    gamma_q,
-    gamma_k,
-    sink_logit,
-    gate_logit,
-    *,
-    eviction="beta_e",
-    read_norm="rmsnorm",
-    scale=None,
-    cache_scale=None,
-):
-    """One token of HOLA (SPEC §5): equals ``hola_forward`` token by token.
-
-    The token is written to the block buffer slot ``pos % C`` with its fixed score, the cache read
-    sees ``A_{n-1}`` ∪ the filled buffer ∪ sink, and when the buffer completes a block it is merged
-    into the cache (``top-w``) and cleared. ``window`` and ``block_size`` come from the state's
-    shapes.
-
-    Args:
-      state: ``HolaState``.
-      q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; g_t, beta_t: ``[B, H]``.
-      gamma_q, gamma_k, sink_logit, gate_logit, eviction, read_norm, scale, cache_scale: as in
-        ``hola_forward``.
-
-    Returns:
-      ``(o_t [B, H, V] in v_t's dtype, new HolaState)`` with the same shapes as ``state``.
-    """
-    fn = "hola_decode_step"
-    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
-        if getattr(x, "ndim", None) != 3:
-            raise ValueError(
-                f"{fn}: {name} must have shape [B, H, D], got {getattr(x, 'shape', None)}"
-            )
-    B, H, K = q_t.shape
-    V = v_t.shape[-1]
-    _check_array(fn, "q_t", q_t, (B, H, K))
-    _check_array(fn, "k_t", k_t, (B, H, K))
-    _check_array(fn, "v_t", v_t, (B, H, V))
-    _check_array(fn, "g_t", g_t, (B, H))
-    _check_array(fn, "beta_t", beta_t, (B, H))
-    _check_params(fn, H, K, gamma_q, gamma_k, sink_logit, gate_logit)
-    _check_options(fn, eviction, read_norm)
-    if not isinstance(state, HolaState):
-        raise ValueError(f"{fn}: state must be a HolaState, got {type(state)}")
-    W, C = state.cache_k.shape[2], state.block_k.shape[2]
-    _check_state(fn, state, B, H, K, V, W, C)
-    sc = K**-0.5 if scale is None else scale
-    cs = K**-0.5 if cache_scale is None else cache_scale
-
-    q, k, v = (x.astype(_F32) for x in (q_t, k_t, v_t))
-    g, b = g_t.astype(_F32), beta_t.astype(_F32)
-    # State path, keeping e_t for the score (SPEC §1 GDN, decay first).
-    S = jnp.exp(g)[..., None, None] * state.S.astype(_F32)
-    e = v - jnp.einsum("bhk,bhkv->bhv", k, S)
-    S = S + b[..., None, None] * k[..., :, None] * e[..., None, :]
-    o_state = jnp.einsum("bhk,bhkv->bhv", q * sc, S)
-
-    r = state.pos % C
-    if eviction == "beta_e":
-        score = b * jnp.linalg.norm(e, axis=-1)
-    elif eviction == "e":
-        score = jnp.linalg.norm(e, axis=-1)
-    elif eviction == "beta_v":
-        score = b * jnp.linalg.norm(v, axis=-1)
-    elif eviction == "recency":
-        score = jnp.broadcast_to(state.pos.astype(_F32), (B, H))
-    else:
-        score = jnp.zeros((B, H), _F32)
-    score = lax.stop_gradient(score)
-    at_r = jnp.arange(C) == r
-    bk = jnp.where(at_r[None, None, :, None], k[:, :, None, :], state.block_k.astype(_F32))
-    bv = jnp.where(at_r[None, None, :, None], v[:, :, None, :], state.block_v.astype(_F32))
-    bs = jnp.where(at_r[None, None, :], score[:, :, None], state.block_score.astype(_F32))
-    filled = jnp.arange(C) <= r
-
-    qn = read_normalize(q[:, :, None, :], gamma_q, read_norm)
-    ck_n = read_normalize(state.cache_k.astype(_F32), gamma_k, read_norm)
-    o_cache, pc, pb = attend(
-        qn, ck_n, state.cache_v.astype(_F32),
-        state.cache_valid, read_normalize(bk, gamma_k, read_norm), bv,
-        jnp.broadcast_to(filled, (B, H, 1, C)), sink_logit, cs,
-    )  # fmt: skip
-    cscore = state.cache_score.astype(_F32)
-    if eviction == "cumulative_attention":
-        cscore = cscore + lax.stop_gradient(pc[:, :, 0])
-        bs = bs + lax.stop_gradient(pb[:, :, 0])
-    o = o_state + _sigmoid_gate(gate_logit)[None, :, None] * o_cache[:, :, 0]
-
-    cache = (
-        state.cache_k.astype(_F32),
-        state.cache_v.astype(_F32),
-        cscore,
-        state.cache_pos,
-        state.cache_valid,
-    )
-    pos_new = state.pos + 1
-
-    def merge_and_clear(operands):
-        cache, bk, bv, bs = operands
-        pos_b = jnp.broadcast_to(state.pos - r + jnp.arange(C, dtype=jnp.int32), (B, H, C))
-        val_b = jnp.ones((B, H, C), bool)
-        merged = merge_top_w(cache, (bk, bv, bs, pos_b, val_b), W, eviction)
-        return merged, jnp.zeros_like(bk), jnp.zeros_like(bv), jnp.zeros_like(bs)
-
-    def keep(operands):
-        return operands
-
-    cache, bk, bv, bs = lax.cond(pos_new % C == 0, merge_and_clear, keep, (cache, bk, bv, bs))
-    new_state = HolaState(S, *cache, bk, bv, bs, pos_new)
-    return o.astype(v_t.dtype), new_state

@@ -1,7 +1,8 @@
 """Continuum Memory System as the FFN of the LM shell (SPEC §3.3, §3.4).
 
 :class:`CMSFFN` owns ``k`` CMS levels (residual MLPs, plain or SwiGLU) as NNX parameters and runs
-``nested_jax.core.cms.cms_forward`` for the three variants. Parameter layout (per block)::
+``nested_jax.ops.cms.cms_forward`` (``impl="chunked"``, its one form) for the three variants.
+Parameter layout (per block)::
 
     mlp/levels/<ℓ>/w_up    [d, h]   ("embed", "mlp")
     mlp/levels/<ℓ>/w_gate  [d, h]   ("embed", "mlp")     gated levels only
@@ -27,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nested_jax.core.cms import VARIANTS, CMSLevel, cms_forward
 from nested_jax.layers.common import partitioned
+from nested_jax.ops.cms import VARIANTS, CMSLevel, cms_forward
 
 __all__ = ["CMSFFN", "CMSLevelParams"]
 
@@ -53,7 +54,7 @@ class CMSLevelParams(nnx.Module):
         )
 
     def as_level(self, dtype=None) -> CMSLevel:
-        """The core :class:`~nested_jax.core.cms.CMSLevel` (leaves cast to ``dtype`` if given)."""
+        """The :class:`~nested_jax.ops.cms.CMSLevel` (leaves cast to ``dtype`` if given)."""
 
         def get(p):
             if p is None:
@@ -123,7 +124,7 @@ class CMSFFN(nnx.Module):
         )
 
     def levels_tuple(self, dtype=None) -> tuple[CMSLevel, ...]:
-        """The levels as core :class:`CMSLevel` s (for ``cms_forward`` / ``cms_online``)."""
+        """The levels as :class:`CMSLevel` s (for ``ops.cms.cms_forward`` / ``cms_online``)."""
         return tuple(lv.as_level(dtype) for lv in self.levels)
 
     def __call__(self, z: jax.Array) -> jax.Array:
@@ -139,5 +140,6 @@ class CMSFFN(nnx.Module):
             raise ValueError(f"z: expected shape [B, T, {self.d_model}], got {tuple(z.shape)}")
         z = z.astype(self.dtype)
         mix = None if self.mix_logits is None else self.mix_logits[...]
-        y = cms_forward(self.levels_tuple(self.dtype), z, variant=self.variant, mix_logits=mix)
+        levels = self.levels_tuple(self.dtype)
+        y = cms_forward(levels, z, variant=self.variant, mix_logits=mix, impl="chunked")
         return y - z

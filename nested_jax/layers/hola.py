@@ -2,7 +2,7 @@
 
 Everything the GDN layer has (projections, short convs, L2-normalised q/k, β, decay, SiLU-gated
 output RMSNorm; :class:`nested_jax.layers.gdn.GatedDeltaNet`) is inherited unchanged; only the
-memory rule is replaced by ``nested_jax.core.hola``::
+memory rule is replaced by ``nested_jax.ops.hola`` (the math: ``nested_jax.core.hola``)::
 
     o_t = S_tᵀ (q_t/√K) + σ(λ_h) · Σ_{j∈V_t} softmax_j(q̃_tᵀ k̃_j/√K) v_j     (sink: logit s_h, v = 0)
 
@@ -11,35 +11,35 @@ logit ``s [H]`` (init 0) and the gate logit ``λ [H]`` (init ``gate_init`` = −
 (``ModelConfig.hola``): ``window`` w, ``block_size`` C, ``eviction``, ``read_norm``.
 
 Decoding: the layer cache is a :class:`~nested_jax.layers.deltanet.DeltaCache` whose ``state`` is a
-:class:`~nested_jax.core.hola.HolaState` (GDN state + persistent cache + current block buffer);
-a single token runs ``hola_decode_step``, a longer call (prefill) ``hola_forward`` continuing from
-the state, so token-by-token decoding equals the block-parallel forward. Its size does not depend
-on the number of tokens: per head ``K·V + (w + C)(K + V)`` floats (+ conv taps).
+:class:`~nested_jax.ops.hola.HolaState` (GDN state + persistent cache + current block buffer);
+a single token runs ``ops.hola.hola_step``, a longer call (prefill) ``ops.hola.hola`` continuing
+from the state, so token-by-token decoding equals the block-parallel forward. Its size does not
+depend on the number of tokens: per head ``K·V + (w + C)(K + V)`` floats (+ conv taps).
 
-Packed sequences (``segment_ids``, SPEC §0): exact. ``hola_forward`` runs every document of a packed
-row as if alone — the gated delta state and the eviction scores restart from zero at its start, its
-blocks are counted from its first token, its cache starts empty and holds only its own tokens, and
-a query reads only its own document's cache entries and block tokens (plus the sink); the short
-convs reset as in GDN. So a packed row gives each document the outputs and gradients it gets alone
-(tested). Packed rows cannot be combined with a cache (``ValueError``, as in the LM shell);
-decoding is one stream.
+Packed sequences (``segment_ids``, SPEC §0): exact. ``ops.hola.hola`` runs every document of a
+packed row as if alone — the gated delta state and the eviction scores restart from zero at its
+start, its blocks are counted from its first token, its cache starts empty and holds only its own
+tokens, and a query reads only its own document's cache entries and block tokens (plus the sink);
+the short convs reset as in GDN. So a packed row gives each document the outputs and gradients it
+gets alone (tested). Packed rows cannot be combined with a cache (``ValueError``, as in the LM
+shell); decoding is one stream.
 """
 
 from __future__ import annotations
 
 from flax import nnx
 
-from nested_jax.core.hola import (
-    EVICTIONS,
-    READ_NORMS,
-    HolaState,
-    hola_decode_step,
-    hola_forward,
-    init_hola_state,
-)
 from nested_jax.layers.common import partitioned
 from nested_jax.layers.deltanet import DeltaCache
 from nested_jax.layers.gdn import GatedDeltaNet
+from nested_jax.ops.hola import (
+    EVICTIONS,
+    READ_NORMS,
+    HolaState,
+    hola,
+    hola_step,
+    init_hola_state,
+)
 
 __all__ = ["HolaMixer"]
 
@@ -49,7 +49,7 @@ class HolaMixer(GatedDeltaNet):
 
     Args (beyond :class:`~nested_jax.layers.deltanet.DeltaNet`'s):
       window: cache capacity ``w``; block_size: block length ``C``.
-      eviction: one of ``core.hola.EVICTIONS``; read_norm: one of ``core.hola.READ_NORMS``.
+      eviction: one of ``ops.hola.EVICTIONS``; read_norm: one of ``ops.hola.READ_NORMS``.
       gate_init: initial gate logit ``λ_h`` (all heads).
     """
 
@@ -68,7 +68,7 @@ class HolaMixer(GatedDeltaNet):
         **kwargs,
     ):
         if kwargs.get("impl", "chunked") != "chunked":
-            # hola_forward's state path is the chunked WY/UT form; never switch silently.
+            # The layer runs ops.hola's chunked (block-parallel) form; never switch silently.
             raise ValueError(
                 f"impl: the hola mixer supports 'chunked' only, got {kwargs['impl']!r}"
             )
@@ -128,15 +128,13 @@ class HolaMixer(GatedDeltaNet):
         if segment_ids is not None and state is not None:
             raise ValueError("segment_ids: packed segments cannot be combined with a cache")
         params = (self.gamma_q[...], self.gamma_k[...], self.sink_logit[...], self.gate_logit[...])
-        opts = dict(eviction=self.eviction, read_norm=self.read_norm)
+        opts = dict(eviction=self.eviction, read_norm=self.read_norm, impl=self.impl)
         if single_step:
-            o, s = hola_decode_step(
-                state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], *params, **opts
-            )
+            o, s = hola_step(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], *params, **opts)
             return o[:, None], s
         if state is not None and not isinstance(state, HolaState):
             raise ValueError(f"cache: expected a HolaState in the layer cache, got {type(state)}")
-        return hola_forward(
+        return hola(
             q,
             k,
             v,

@@ -18,4 +18,6 @@ def check_impl(op: str, impl: str, available: tuple[str, ...] = ("chunked", "rec
             f"{op}: impl='pallas' is not implemented yet (no kernel in pallas_kernels/{op}); "
             f"use one of {available}"
         )
+    if impl in IMPLS:  # a known form this op does not have (e.g. no per-token CMS)
+        raise ValueError(f"{op}: impl={impl!r} has no form for this op; use one of {available}")
     raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")

@@ -1,0 +1,134 @@
+"""The Continuum Memory System behind the one door (SPEC §3.3, §3.4).
+
+``k`` residual MLP levels ``MLP_ℓ(x) = x + σ(x W_up) W_down`` (SwiGLU when ``w_gate`` is set;
+``nested_jax.core.cms_levels``) combined by ``variant``::
+
+    sequential:   y = MLP_k(… MLP_1(x))
+    nested:       y = MLP_1(x)                       (slower levels are its initial states)
+    independent:  y = Σ_ℓ softmax(mix_logits)_ℓ MLP_ℓ(x)
+
+Two ops, each with ``impl`` (never switched silently; an ``impl`` that cannot run raises
+``ValueError``):
+
+- :func:`cms_forward`: the levels at fixed weights (the LM's CMS FFN, and the ``pretrain``-mode
+  forward). A position-wise MLP stack has one XLA form, ``core.cms.cms_forward``, offered as
+  ``"chunked"`` (the value every op takes by default); there is no per-token ``"recurrent"`` form
+  of a position-wise map, so it raises.
+- :func:`cms_online`: the ``online`` mode, where level ℓ accumulates its local-surprise gradient
+  and applies it at the end of each period ``C^(ℓ)`` (``core.cms.cms_online``). ``"chunked"`` is
+  its only form: a ``lax.scan`` over chunks of ``c = gcd(C^(1..k))`` tokens that share weights.
+  No per-token ``"recurrent"`` form exists in core, so it raises.
+
+``"pallas"`` is the seam for ``pallas_kernels/cms``; no kernel is wired, so it raises
+``ValueError``. ``VARIANTS``, ``CMSLevel``, ``check_periods``, ``CMSState``,
+``cms_initial_state`` and ``surprise_from_loss`` are re-exported so callers import CMS from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from nested_jax.core import cms as _cms
+from nested_jax.core.cms import (
+    VARIANTS,
+    CMSLevel,
+    CMSState,
+    check_periods,
+    cms_initial_state,
+    surprise_from_loss,
+)
+from nested_jax.ops._impl import check_impl as _check_impl
+
+__all__ = [
+    "VARIANTS",
+    "CMSLevel",
+    "CMSState",
+    "check_periods",
+    "cms_initial_state",
+    "surprise_from_loss",
+    "cms_forward",
+    "cms_online",
+]
+
+_AVAILABLE = ("chunked",)
+
+
+def _check(op: str, impl: str) -> None:
+    """``check_impl`` over the one form CMS has (``"recurrent"`` names no CMS form)."""
+    _check_impl(op, impl, _AVAILABLE)
+
+
+def cms_forward(levels, x, *, variant: str = "sequential", mix_logits=None, impl: str = "chunked"):
+    """CMS output at fixed weights (SPEC §3.3): the formulas of the module docstring.
+
+    Args:
+      levels: tuple of ``k`` :class:`CMSLevel` (``w_up [d, h]``, ``w_down [h, d]``, optional
+        ``w_gate [d, h]``).
+      x: ``[B, T, d]``.
+      variant: ``"sequential" | "nested" | "independent"``.
+      mix_logits: ``[k]`` for ``independent`` (None = uniform); must be None otherwise.
+      impl: ``"chunked"`` (``"recurrent"``, ``"pallas"``: ValueError).
+
+    Returns:
+      ``y [B, T, d]`` in ``x``'s dtype.
+    """
+    _check("cms_forward", impl)
+    return _cms.cms_forward(levels, x, variant=variant, mix_logits=mix_logits)
+
+
+def cms_online(
+    levels,
+    x,
+    *,
+    periods: Sequence[int],
+    delta_fn: Callable | None = None,
+    delta=None,
+    side: Any = None,
+    variant: str = "sequential",
+    lr=1e-2,
+    inner: str = "sgd",
+    mix_logits=None,
+    initial_state: CMSState | None = None,
+    remat_every: int | None = None,
+    impl: str = "chunked",
+):
+    """CMS in ``online`` mode (SPEC §3.3): each level learns from the local surprise at its period.
+
+    ``δ_t = ∂L_t/∂y_t``; level ℓ's signal ``g_t^(ℓ) = ∂L_t/∂θ_ℓ`` (by ``jax.vjp`` of the forward)
+    is accumulated over its period ``B_j^(ℓ)`` and applied at its end: ``sgd``
+    ``θ_ℓ ← θ_ℓ − Σ_{t∈B_j} η_ℓ g_t^(ℓ)``; ``dgd`` per layer ``W ← W − Σ_t γ_t a_t (a_t W + g_t)ᵀ``,
+    ``γ_t = η_ℓ/(1 + η_ℓ‖a_t‖²)``. Output at ``t`` uses the weights in force before ``t``.
+
+    Args:
+      levels: tuple of ``k`` :class:`CMSLevel` (unbatched), the initial weights of every row
+        (ignored when ``initial_state`` is given).
+      x: ``[B, T, d]``.
+      periods: ``(C^(1), …, C^(k))`` strictly increasing (``nested``: each divides the next).
+      delta_fn: ``(y [B, c, d], side_chunk) -> δ [B, c, d]`` (see :func:`surprise_from_loss`), or
+      delta: a precomputed ``δ [B, T, d]``; exactly one of the two.
+      side: optional pytree of ``[B, T, ...]`` arrays handed to ``delta_fn`` chunk by chunk.
+      variant, mix_logits: as in :func:`cms_forward`.
+      lr: ``η``, a scalar or one per level; inner: ``"sgd" | "dgd"``.
+      initial_state: :class:`CMSState` to continue (or :func:`cms_initial_state`).
+      remat_every: checkpoint the chunk scan every n chunks.
+      impl: ``"chunked"`` (``"recurrent"``, ``"pallas"``: ValueError).
+
+    Returns:
+      ``(y [B, T, d] in x's dtype, CMSState)``.
+    """
+    _check("cms_online", impl)
+    return _cms.cms_online(
+        levels,
+        x,
+        periods=periods,
+        delta_fn=delta_fn,
+        delta=delta,
+        side=side,
+        variant=variant,
+        lr=lr,
+        inner=inner,
+        mix_logits=mix_logits,
+        initial_state=initial_state,
+        remat_every=remat_every,
+    )

@@ -1,0 +1,169 @@
+"""HOLA behind the one door: gated delta state + persistent exact top-w KV cache (SPEC §5).
+
+Per head (``α_t = exp(g_t)``, ``d = K``; ``nested_jax.core.hola`` states every decision)::
+
+    e_t = v_t − α_t S_{t-1}ᵀ k_t ;  S_t = α_t S_{t-1} + β_t k_t e_tᵀ ;  m_t = β_t ‖e_t‖
+    A_n = top-w by m over (A_{n-1} ∪ tokens of block n)
+    o_t = S_tᵀ (scale · q_t) + σ(λ_h) Σ_{j∈V_t} softmax_j(cache_scale · q̃_tᵀ k̃_j) v_j
+    V_t = A_{n-1} ∪ {tokens of block n at positions ≤ t} ∪ {null sink}
+
+Layers call :func:`hola` (a sequence, or a prefill continuing a state) and :func:`hola_step` (one
+decoded token), never a core form. ``impl`` picks the form and is never switched silently:
+
+- ``"chunked"`` (default, training): ``core.hola.hola_forward``, the block-parallel form (WY/UT
+  chunks for the state path, a ``lax.scan`` over blocks of ``block_size`` tokens for the cache).
+  Packed rows (``segment_ids``) run here.
+- ``"recurrent"``: ``core.hola_decode.hola_recurrent``, ``hola_decode_step`` in a ``lax.scan``
+  over tokens: the exact per-token GDN recurrence and cache, equal to ``"chunked"`` up to float
+  rounding, values and gradients (tested). One stream: ``segment_ids`` raise ``ValueError``;
+  ``chunk_size`` is ignored. The numpy twin ``core.reference.hola.hola_reference`` is *not* an
+  ``impl``: it is float64 numpy with no gradients and no state, a test oracle only.
+- ``"pallas"``: the seam for ``pallas_kernels/hola``; no kernel is wired, so it raises
+  ``ValueError``.
+
+:func:`hola_step` has a single form (``core.hola.hola_decode_step``): it continues either sequence
+form token by token, so it takes ``"chunked"`` and ``"recurrent"`` alike (a layer passes its own
+``impl``) and raises for ``"pallas"`` until a decode kernel is wired.
+
+``HolaState``, ``init_hola_state``, ``EVICTIONS`` and ``READ_NORMS`` are re-exported so a layer or
+a config imports HOLA from here only.
+"""
+
+from __future__ import annotations
+
+from nested_jax.core.hola import (
+    EVICTIONS,
+    READ_NORMS,
+    HolaState,
+    hola_decode_step,
+    hola_forward,
+    hola_recurrent,
+    init_hola_state,
+)
+from nested_jax.ops._impl import check_impl as _check_impl
+
+__all__ = [
+    "EVICTIONS",
+    "READ_NORMS",
+    "HolaState",
+    "init_hola_state",
+    "hola",
+    "hola_step",
+]
+
+
+def hola(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    gamma_q,
+    gamma_k,
+    sink_logit,
+    gate_logit,
+    *,
+    window: int = 64,
+    block_size: int = 256,
+    eviction: str = "beta_e",
+    read_norm: str = "rmsnorm",
+    scale=None,
+    cache_scale=None,
+    initial_state: HolaState | None = None,
+    segment_ids=None,
+    chunk_size: int = 64,
+    impl: str = "chunked",
+):
+    """HOLA over a sequence (SPEC §5): ``o_t = S_tᵀ (scale·q_t) + σ(λ_h) · o_cache,t``.
+
+    Args:
+      q, k: ``[B, T, H, K]`` (unit-norm in the layers); v: ``[B, T, H, V]``.
+      g: ``[B, T, H]`` log decay; beta: ``[B, T, H]`` in ``[0, 1]``.
+      gamma_q, gamma_k: ``[H, K]`` cache-read RMSNorm scales (unused for ``read_norm="l2"``).
+      sink_logit: ``[H]`` sink logit (its value is zero); gate_logit: ``[H]`` gate ``λ_h``.
+      window: cache capacity ``w``; block_size: block length ``C``.
+      eviction: one of ``EVICTIONS``; read_norm: one of ``READ_NORMS``.
+      scale: state-path query scale; cache_scale: cache logit scale (both default ``K ** -0.5``).
+      initial_state: optional ``HolaState`` to continue (same ``B, H, K, V, w, C``).
+      segment_ids: optional ``int [B, T]`` packed documents (``"chunked"`` only; not with
+        ``initial_state``).
+      chunk_size: chunk length of the WY/UT state path and residual pass (``"chunked"``).
+      impl: ``"chunked"`` | ``"recurrent"`` (``"pallas"`` not yet available: ValueError).
+
+    Returns:
+      ``(o [B, T, H, V] in v's dtype, HolaState)``.
+    """
+    _check_impl("hola", impl)
+    params = (gamma_q, gamma_k, sink_logit, gate_logit)
+    opts = dict(
+        window=window,
+        block_size=block_size,
+        eviction=eviction,
+        read_norm=read_norm,
+        scale=scale,
+        cache_scale=cache_scale,
+        initial_state=initial_state,
+    )
+    if impl == "recurrent":
+        if segment_ids is not None:
+            raise ValueError(
+                "hola: impl='recurrent' runs one stream and takes no segment_ids; use "
+                "impl='chunked' for packed rows"
+            )
+        return hola_recurrent(q, k, v, g, beta, *params, **opts)
+    return hola_forward(
+        q, k, v, g, beta, *params, segment_ids=segment_ids, chunk_size=chunk_size, **opts
+    )
+
+
+def hola_step(
+    state: HolaState,
+    q_t,
+    k_t,
+    v_t,
+    g_t,
+    beta_t,
+    gamma_q,
+    gamma_k,
+    sink_logit,
+    gate_logit,
+    *,
+    eviction: str = "beta_e",
+    read_norm: str = "rmsnorm",
+    scale=None,
+    cache_scale=None,
+    impl: str = "chunked",
+):
+    """One decoded HOLA token (SPEC §5); token by token it equals :func:`hola` over the sequence.
+
+    The token's write and score go to the block buffer slot ``pos % C``; the read sees
+    ``A_{n-1}`` ∪ the filled buffer ∪ sink; a completed block is merged (top-w) into the cache.
+    ``window`` and ``block_size`` come from the state's shapes.
+
+    Args:
+      state: ``HolaState`` (from ``init_hola_state`` or a previous call).
+      q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; g_t, beta_t: ``[B, H]``.
+      gamma_q, gamma_k, sink_logit, gate_logit, eviction, read_norm, scale, cache_scale: as in
+        :func:`hola`.
+      impl: ``"chunked"`` | ``"recurrent"`` (one step form for both; ``"pallas"``: ValueError).
+
+    Returns:
+      ``(o_t [B, H, V] in v_t's dtype, new HolaState)``.
+    """
+    _check_impl("hola_step", impl)
+    return hola_decode_step(
+        state,
+        q_t,
+        k_t,
+        v_t,
+        g_t,
+        beta_t,
+        gamma_q,
+        gamma_k,
+        sink_logit,
+        gate_logit,
+        eviction=eviction,
+        read_norm=read_norm,
+        scale=scale,
+        cache_scale=cache_scale,
+    )
