@@ -1,7 +1,7 @@
 """HOLA cache path (SPEC §5): the softmax read, the top-w merge and the block scans.
 
-Split from :mod:`nested_jax.core.hola` (which holds the state, the scores, the public forward and
-the decode step). Shapes: heads-major ``[B, H, N, D]`` inside the scans; ``C`` block size, ``w``
+Split from :mod:`nested_jax.core.hola` (the scores and the block-parallel forward) and
+:mod:`nested_jax.core.hola_decode` (the state, the decode step and the per-token form). Shapes: heads-major ``[B, H, N, D]`` inside the scans; ``C`` block size, ``w``
 window. Everything here is f32.
 
 Two block scans:
