@@ -27,6 +27,8 @@ so their inner loss, like every other memory's, is on the ``D``-vector ``M(z)`` 
 Ablation flags (SPEC §3.2, Table 6): ``dgd=False`` (plain GD with retention), ``momentum``,
 ``decay=False`` (α_t = 1 everywhere), ``inner_k/inner_v/inner_q`` (a non-adapting memory stays at
 its state; ``M_η``, ``M_α`` and ``M_memory`` always adapt). ``cms`` is the layer's business (§3.3).
+:class:`HopeRule` holds the chunk sizes, these flags, ``grad_horizon`` and ``remat`` as one frozen
+value (``HopeRule.kwargs()`` are this module's keywords; the mixer passes it through ``ops.hope``).
 The short causal conv on q, k, v (SPEC §3.2) is also the layer's business.
 
 Chunked form (**Decision**, SPEC §3.2): chunk ``n`` uses the state at the end of chunk ``n−1``
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -74,6 +77,7 @@ __all__ = [
     "HopeMemories",
     "HopeReadout",
     "HopeState",
+    "HopeRule",
     "hope_init_state",
     "mlp_memory_apply",
     "hope_step",
@@ -118,6 +122,60 @@ class HopeState(NamedTuple):
 
     memories: HopeMemories
     momentum: HopeMemories | None = None
+
+
+@dataclass(frozen=True)
+class HopeRule:
+    """The Hope memory rule as one typed value (SPEC §3.2): chunk sizes, ablation flags, backprop.
+
+    ``HopeOptions.rule()`` (the ``model.hope`` config section) builds it, and the defaults below
+    are ``HopeOptions``'s (a test keeps them equal). The keyword defaults of the core functions
+    (``hope_chunked``, ``hope_step``, ``hope_decode_step``, ...) are the plain per-token rule
+    instead and stay as they are: ``chunk_memory = chunk_other = 1``, ``momentum=False``,
+    ``remat=False``. A rule is checked where it runs (the core forms), with their messages.
+
+    Attributes:
+      chunk_memory: chunk size of ``M_memory``; chunk_other: of ``M_k, M_v, M_η, M_α`` (``M_q``);
+        the larger a multiple of the smaller (SPEC §3.2 Decision; 1 = per token).
+      dgd, step, momentum, momentum_coef, decay, inner_k, inner_v, inner_q, adaptive_q,
+      stop_gradient_targets: the ablation flags of :func:`hope_chunked` (SPEC §3.2, Table 6).
+      grad_horizon: truncated backprop every ``grad_horizon`` tokens (0 = full backprop).
+      remat: rematerialise each chunk in the backward pass (values and gradients unchanged).
+    """
+
+    chunk_memory: int = 16
+    chunk_other: int = 4
+    dgd: bool = True
+    step: str = "exact"
+    momentum: bool = True
+    momentum_coef: float = 0.9
+    decay: bool = True
+    inner_k: bool = True
+    inner_v: bool = True
+    inner_q: bool = True
+    adaptive_q: bool = False
+    stop_gradient_targets: bool = False
+    grad_horizon: int = 0
+    remat: bool = True
+
+    @property
+    def mu(self):
+        """The momentum coefficient in effect: ``μ`` with ``momentum``, else 0."""
+        return self.momentum_coef if self.momentum else 0.0
+
+    def flags(self) -> dict:
+        """The ablation flags as keywords of :func:`hope_step` / :func:`hope_decode_step`."""
+        return {name: getattr(self, name) for name in _FLAG_NAMES}
+
+    def kwargs(self) -> dict:
+        """Every field as keywords of :func:`hope_chunked` (and ``proteus_hope_chunked``)."""
+        return dict(
+            chunk_memory=self.chunk_memory,
+            chunk_other=self.chunk_other,
+            grad_horizon=self.grad_horizon,
+            remat=self.remat,
+            **self.flags(),
+        )
 
 
 def _names(mems: HopeMemories):
@@ -252,19 +310,18 @@ def _layer_update(W, S, x, g, lr, ret, mu, dgd, step):
     return ret[..., None, None] * W + u, (u if S is not None else None)
 
 
-def _project(snap: HopeMemories, x_c, q_c, readout: HopeReadout, cfg):
+def _project(snap: HopeMemories, x_c, q_c, readout: HopeReadout, rule: HopeRule, act):
     """``k, v, η, α, q`` of a chunk's tokens from the projection snapshots (SPEC §3.2)."""
-    act = cfg["activation"]
     k = _l2norm(mlp_memory_apply(snap.k, x_c, act))
     v = mlp_memory_apply(snap.v, x_c, act)
     ye = mlp_memory_apply(snap.eta, x_c, act)
     eta = jax.nn.sigmoid(jnp.einsum("bnhd,hd->bnh", ye, readout.eta_w) + readout.eta_b)
-    if cfg["decay"]:
+    if rule.decay:
         ya = mlp_memory_apply(snap.alpha, x_c, act)
         alpha = jax.nn.sigmoid(jnp.einsum("bnhd,hd->bnh", ya, readout.alpha_w) + readout.alpha_b)
     else:
         alpha = jnp.ones_like(eta)
-    if cfg["adaptive_q"]:
+    if rule.adaptive_q:
         q = _l2norm(mlp_memory_apply(snap.q, x_c, act))
     else:
         q = _l2norm(q_c)
@@ -287,7 +344,8 @@ def _chunk_body(
     valid_c,
     readout: HopeReadout,
     *,
-    cfg,
+    rule: HopeRule,
+    act: Callable,
     resets=None,
 ):
     """One chunk: parallel projections/targets/signals from snapshots, then in-order updates.
@@ -297,24 +355,23 @@ def _chunk_body(
     momenta) before the token; ``fresh_*`` makes the token use the initial memories instead of the
     chunk-start snapshot of that group.
     """
-    act = cfg["activation"]
-    k, v, eta, alpha, q = _project(snap_proj, x_c, q_c, readout, cfg)
+    k, v, eta, alpha, q = _project(snap_proj, x_c, q_c, readout, rule, act)
     if resets is not None:
         init, reset_c, fresh_proj, fresh_mem = resets
         k, v, eta, alpha, q = _pick(
-            fresh_proj, _project(init, x_c, q_c, readout, cfg), (k, v, eta, alpha, q)
+            fresh_proj, _project(init, x_c, q_c, readout, rule, act), (k, v, eta, alpha, q)
         )
 
     adapt = ["eta", "alpha", "memory"]
-    adapt += [n for n in ("k", "v") if cfg["inner_" + n]]
-    if cfg["adaptive_q"] and cfg["inner_q"]:
+    adapt += [n for n in ("k", "v") if getattr(rule, "inner_" + n)]
+    if rule.adaptive_q and rule.inner_q:
         adapt.append("q")
     snaps = {n: (snap_mem if n == "memory" else getattr(snap_proj, n)) for n in adapt}
-    sig = {n: _signals(snaps[n], k, v, act, cfg["stop_gradient_targets"]) for n in adapt}
+    sig = {n: _signals(snaps[n], k, v, act, rule.stop_gradient_targets) for n in adapt}
     if resets is not None:
         for n in adapt:
             fresh = fresh_mem if n == "memory" else fresh_proj
-            s_init = _signals(getattr(init, n), k, v, act, cfg["stop_gradient_targets"])
+            s_init = _signals(getattr(init, n), k, v, act, rule.stop_gradient_targets)
             sig[n] = _pick(fresh, s_init, sig[n])
 
     # time-major for the in-order scan
@@ -340,7 +397,7 @@ def _chunk_body(
             m = mems[n]
             s = moms[n]
             upd = functools.partial(
-                _layer_update, lr=eta_t, ret=alpha_t, mu=cfg["mu"], dgd=cfg["dgd"], step=cfg["step"]
+                _layer_update, lr=eta_t, ret=alpha_t, mu=rule.mu, dgd=rule.dgd, step=rule.step
             )
             w1, s1 = upd(m.w1, None if s is None else s.w1, x1, g1)
             w2, s2 = upd(m.w2, None if s is None else s.w2, x2, g2)
@@ -357,33 +414,9 @@ def _chunk_body(
     return jnp.moveaxis(o, 0, 1), new_state
 
 
-def _config(
-    activation,
-    dgd,
-    step,
-    momentum,
-    momentum_coef,
-    decay,
-    inner_k,
-    inner_v,
-    inner_q,
-    adaptive_q,
-    stop_gradient_targets,
-):
+def _check_step(step):
     if step not in ("exact", "paper"):
         raise ValueError(f"step must be 'exact' or 'paper', got {step!r}")
-    return dict(
-        activation=activation,
-        dgd=dgd,
-        step=step,
-        mu=momentum_coef if momentum else 0.0,
-        decay=decay,
-        inner_k=inner_k,
-        inner_v=inner_v,
-        inner_q=inner_q,
-        adaptive_q=adaptive_q,
-        stop_gradient_targets=stop_gradient_targets,
-    )
 
 
 _FLAGS_DOC = """
@@ -507,19 +540,13 @@ def hope_chunked(
         )
     R = big // c
     memory_is_big = chunk_memory > chunk_other
-    cfg = _config(
-        activation,
-        dgd,
-        step,
-        momentum,
-        momentum_coef,
-        decay,
-        inner_k,
-        inner_v,
-        inner_q,
-        adaptive_q,
-        stop_gradient_targets,
-    )
+    _check_step(step)
+    rule = HopeRule(
+        chunk_memory=chunk_memory, chunk_other=chunk_other, dgd=dgd, step=step, momentum=momentum,
+        momentum_coef=momentum_coef, decay=decay, inner_k=inner_k, inner_v=inner_v,
+        inner_q=inner_q, adaptive_q=adaptive_q, stop_gradient_targets=stop_gradient_targets,
+        grad_horizon=grad_horizon, remat=remat,
+    )  # fmt: skip
     x = jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32))
     q = x if adaptive_q else jnp.asarray(q, x.dtype)
     N = -(-T // c)
@@ -555,7 +582,10 @@ def hope_chunked(
             snap_proj = snap_big if R > 1 else proj_of(st.memories)
             snap_mem = st.memories.memory
         resets = None if fl is None else (init, *fl)
-        o, st = _chunk_body(st, snap_proj, snap_mem, x_c, q_c, v_c, readout, cfg=cfg, resets=resets)
+        o, st = _chunk_body(
+            st, snap_proj, snap_mem, x_c, q_c, v_c, readout,
+            rule=rule, act=activation, resets=resets,
+        )  # fmt: skip
         if horizon:
             cut = (n + 1) % horizon == 0
             st = jax.tree.map(lambda a: jnp.where(cut, lax.stop_gradient(a), a), st)
@@ -618,23 +648,15 @@ def hope_decode_step(
     index = jnp.asarray(index)
     if index.shape not in ((), (B,)):
         raise ValueError(f"index must be a scalar or have shape [B]={(B,)}, got {index.shape}")
-    opts = {k: flags.pop(k) for k in ("activation",) if k in flags}
-    cfg = _config(
-        opts.get("activation", jax.nn.silu),
-        flags.get("dgd", True),
-        flags.get("step", "exact"),
-        flags.get("momentum", False),
-        flags.get("momentum_coef", 0.9),
-        flags.get("decay", True),
-        flags.get("inner_k", True),
-        flags.get("inner_v", True),
-        flags.get("inner_q", True),
-        adaptive_q,
-        flags.get("stop_gradient_targets", False),
-    )
+    act = flags.pop("activation", jax.nn.silu)
+    _check_step(flags.get("step", "exact"))
     unknown = set(flags) - set(_FLAG_NAMES)
     if unknown:
         raise ValueError(f"flags: unknown keyword(s) {sorted(unknown)}")
+    # the core default is the plain rule (no momentum), not HopeRule's (the layer's) default
+    rule = HopeRule(
+        chunk_memory=chunk_memory, chunk_other=chunk_other, **{"momentum": False, **flags}
+    )
 
     def refresh(c, new, old):
         r = (index % c) == 0
@@ -657,7 +679,8 @@ def hope_decode_step(
         qq,
         jnp.ones((B, 1), bool),
         readout,
-        cfg=cfg,
+        rule=rule,
+        act=act,
     )
     return o[:, 0], state, snapshot
 

@@ -31,13 +31,22 @@ Forms (SPEC §0):
   sizes 1 this is the recurrent form; when the chunk sizes divide ``Δ`` and ``t0`` the grid is
   the global one. Spans of one length run as one ``lax.scan`` (``run_proteus_spans``); they are
   grouped by length, never padded: a Hope padding token is not a no-op (its decay ``α`` acts).
+- :func:`proteus_hope_packed`: packed rows (``segment_ids``) at row positions ``1 … T``; the
+  schedule follows the row position and a document start resets the whole state, locked
+  coordinates included (``run_proteus_spans_packed``, the Titans layer's decision).
+
+Both span forms take ``backbone``: ``hope_chunked`` (default) or a function with its arguments,
+e.g. the per-token twin ``core.reference.hope.hope_reference``, run span by span the same way.
 
 Static dispatch: ``num_blocks == 1``, or a static ``t0`` with every position of the call past the
 last opening (``k(t0 + 1) = E``), calls the plain backbone, so the result is the backbone's bit for
-bit. ``segment_ids`` (packed rows) is refused: positions would have to restart per document.
+bit. ``segment_ids`` is refused by the per-document forms (step / recurrent / chunked): positions
+would have to restart per document; :func:`proteus_hope_packed` keeps row positions instead.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +63,7 @@ from nested_jax.core._proteus_common import (
     _statically_open,
     proteus_spans,
     run_proteus_spans,
+    run_proteus_spans_packed,
 )
 from nested_jax.core.hope import (
     HopeMemories,
@@ -75,6 +85,7 @@ __all__ = [
     "proteus_hope_step",
     "proteus_hope_recurrent",
     "proteus_hope_chunked",
+    "proteus_hope_packed",
 ]
 
 
@@ -230,6 +241,7 @@ def proteus_hope_chunked(
     t0: int = 0,
     chunk_memory: int = 1,
     chunk_other: int = 1,
+    backbone: Callable = hope_chunked,
     **flags,
 ):
     """Chunk-wise Hope with Proteus hidden-unit blocks (SPEC §3.2 chunk Decision, §4).
@@ -246,7 +258,9 @@ def proteus_hope_chunked(
       context_len: ``N``; num_blocks: ``E``, Python ints.
       t0: tokens already seen (static Python int ``≥ 0``).
       chunk_memory, chunk_other: as ``hope_chunked`` (the larger a multiple of the smaller).
-      **flags: as :func:`proteus_hope_step`.
+      backbone: the function run on every span, ``hope_chunked`` or one with its arguments and
+        returns (e.g. the twin ``hope_reference``, whose chunk grid restarts at every call too).
+      **flags: as :func:`proteus_hope_step`, plus ``hope_chunked``'s ``grad_horizon``, ``remat``.
 
     Returns:
       ``(o [B, T, H, D], final HopeState)``.
@@ -257,19 +271,88 @@ def proteus_hope_chunked(
     kw = dict(chunk_memory=chunk_memory, chunk_other=chunk_other, **flags)
     spans = proteus_spans(x.shape[1], t0, n, e)
     if _statically_open(t0, n, e) or not spans:
-        return hope_chunked(x, q, state, readout, **kw)
+        return backbone(x, q, state, readout, **kw)
     activation = flags.get("activation", jax.nn.silu)
     _check_silent_at_zero(fn, activation)
     # validates q, readout, flags and chunk sizes once, with the backbone's messages
-    jax.eval_shape(lambda *a: hope_chunked(*a, **kw), x[:, :1], None if q is None else q[:, :1],
+    jax.eval_shape(lambda *a: backbone(*a, **kw), x[:, :1], None if q is None else q[:, :1],
                    state, readout)  # fmt: skip
     adaptive_q = flags.get("adaptive_q", False)
     seq = (x,) if adaptive_q else (x, q)
 
     def call(s, xs):
-        return hope_chunked(xs[0], None if adaptive_q else xs[1], s, readout, **kw)
+        return backbone(xs[0], None if adaptive_q else xs[1], s, readout, **kw)
 
     def span_fn(s, xs, active):
         return _gated(fn, s, active, e, activation, lambda g: call(g, xs))
 
     return run_proteus_spans(span_fn, call, state, seq, spans, e)
+
+
+def proteus_hope_packed(
+    x,
+    q,
+    state: HopeState,
+    readout,
+    *,
+    context_len: int,
+    num_blocks: int,
+    segment_ids,
+    chunk_memory: int = 1,
+    chunk_other: int = 1,
+    backbone: Callable = hope_chunked,
+    **flags,
+):
+    """Proteus Hope on packed rows, the schedule at **row** positions ``1 … T`` (SPEC §3.2, §4).
+
+    The spans of :func:`proteus_hope_chunked` at ``t0 = 0`` (chunk grids restart at every
+    Δ-boundary), with ``segment_ids`` passed to the backbone. A document start returns the
+    **whole** state, locked coordinates included, to ``state`` (``run_proteus_spans_packed``): a
+    document starting at row position ``p`` gets exactly what :func:`proteus_hope_chunked` with
+    ``t0 = p`` from ``state`` gives it, so nothing of the previous document leaks through a
+    coordinate that opens later. Inside a locked span the backbone's own reset target is the
+    gated ``g ⊙ state.memories`` (its open coordinates; the locked ones are put back after).
+
+    Args:
+      x, q: as :func:`proteus_hope_chunked`; state: the row's start state, which every document
+        start also restores (e.g. the learned initial memories and zero momenta).
+      readout: ``HopeReadout``; context_len: ``N``; num_blocks: ``E``, Python ints.
+      segment_ids: int ``[B, T]`` document ids (a change of id starts a document).
+      chunk_memory, chunk_other, backbone, **flags: as :func:`proteus_hope_chunked`.
+
+    Returns:
+      ``(o [B, T, H, D], final HopeState)``.
+    """
+    fn = "proteus_hope_packed"
+    n, e, _ = _check_hope(fn, x, state, context_len, num_blocks, False, flags)
+    if jnp.shape(segment_ids) != x.shape[:2]:
+        raise ValueError(
+            f"{fn}: segment_ids must have shape [B, T]={x.shape[:2]}, got {jnp.shape(segment_ids)}"
+        )
+    kw = dict(chunk_memory=chunk_memory, chunk_other=chunk_other, **flags)
+    spans = proteus_spans(x.shape[1], 0, n, e)
+    if _statically_open(0, n, e) or not spans:
+        return backbone(x, q, state, readout, segment_ids=segment_ids, **kw)
+    _check_silent_at_zero(fn, flags.get("activation", jax.nn.silu))
+    adaptive_q = flags.get("adaptive_q", False)
+    reset = state
+
+    def call(st, xs, seg, init):
+        q_in = None if adaptive_q else xs[1]
+        return backbone(xs[0], q_in, st, readout, segment_ids=seg, initial_memories=init, **kw)
+
+    def span_fn(st, xs, seg, active):
+        tree = proteus_hope_masks(st, active, e)
+        out, cand = call(proteus_gate(st, tree), xs, seg, proteus_gate(reset, tree).memories)
+        return out, proteus_gated_update(st, cand, tree)
+
+    def open_fn(st, xs, seg):
+        return call(st, xs, seg, reset.memories)
+
+    def masks_of(active):
+        return proteus_hope_masks(state, active, e)
+
+    seq = (x,) if adaptive_q else (x, q)
+    return run_proteus_spans_packed(
+        span_fn, open_fn, masks_of, state, reset, seq, segment_ids, spans, e
+    )

@@ -5,12 +5,12 @@ Per head (``H`` heads of width ``D``)::
     x_t = [L2](silu(conv4(x W_x)))        memory inputs (``norm_inputs``, default on)
     q_t = silu(conv4(x W_q))              (adaptive_q: q_t = M_{q,t−1}(x_t); the core L2-normalises
                                            q and k = M_{k,t−1}(x_t) itself)
-    o_t = M_{memory,t−1}(q_t), memories written by DGD      (``core.hope.hope_chunked``)
+    o_t = M_{memory,t−1}(q_t), memories written by DGD      (``ops.hope.hope_memories``)
     y_t = W_o [RMSNorm(o_t) ⊙ silu(x W_g)]_heads            (per-head gated RMSNorm, as GDN)
 
 Outer (meta-learned) parameters: the initial memories ``M_□ = (W_1 [H, D, h], W_2 [H, h, D])`` for
 ``□ ∈ {k, v, η, α, memory}`` (+ ``q`` with ``adaptive_q``), broadcast over the batch, and the
-scalar readouts of ``M_η``, ``M_α`` (:class:`nested_jax.core.hope.HopeReadout`, biases at
+scalar readouts of ``M_η``, ``M_α`` (:class:`nested_jax.ops.hope.HopeReadout`, biases at
 ``logit(eta_init)``, ``logit(alpha_init)``). The CMS that follows the mixer in the Hope model is the
 LM shell's FFN (SPEC §3.3), not part of this layer.
 
@@ -19,29 +19,32 @@ projections, targets and DGD signals from the memories at the end of chunk ``n�
 aligned at the first token of the sequence.
 
 **Packed rows** (``segment_ids``): the conv taps and the memories reset at a document start; the
-memories restart at the learned initial memories (exact; see ``hope_chunked``).
+memories restart at the learned initial memories (exact; see ``core.hope.hope_chunked``).
+
+**The math is reached through** :mod:`nested_jax.ops.hope` only (``hope_memories``,
+``hope_decode``, ``impl = ModelConfig.impl``): this layer holds the parameters, projections, convs
+and the output; ``HopeOptions.rule()`` is the typed rule it passes.
 
 **Decoding** equals the full forward: :class:`HopeCache` holds the running state (memories and
 momenta), the chunk-start snapshots, the conv taps and the number ``n`` of tokens seen; every
-cached call runs :func:`nested_jax.core.hope.hope_decode_step` token by token (a prefill is the same
-exact per-token loop). ``init_cache`` builds zero placeholders from static attributes (the LM shell
-calls it on the layer-stacked module); the first step (``n = 0``) substitutes the learned initial
-memories.
+cached call runs ``core.hope.hope_decode_step`` token by token (``ops.hope.hope_decode``; a
+prefill is the same exact per-token loop). ``init_cache`` builds zero placeholders from static
+attributes (the LM shell calls it on the layer-stacked module); the first step (``n = 0``)
+substitutes the learned initial memories.
 
 **Proteus** (``model.proteus``, SPEC §4): with ``blocks = E > 1`` the hidden units of every
 memory (and of its momentum) open block by block over the training context ``N = context_len``
 (``core.proteus_hope``): a token at 1-based position ``t`` reads and writes ``g_t ⊙ M`` and the
 locked coordinates keep their bits; beyond ``N`` every block is open. The sequence form is
 ``proteus_hope_chunked`` (both chunk grids restart at every Δ-boundary); packed rows follow the
-Titans layer's decision (``run_proteus_spans_packed``): the schedule follows the row position
-and a document start resets the whole state, locked coordinates included. Decoding gates every
+Titans layer's decision (``proteus_hope_packed``): the schedule follows the row position and a
+document start resets the whole state, locked coordinates included. Decoding gates every
 token with the mask of its position and needs both chunk sizes to divide ``Δ = N // E`` (else
 the forward's restarted chunk grid is not the decode grid; ``init_cache`` raises).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -49,33 +52,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nested_jax.core.hope import (
-    HopeMemories,
-    HopeReadout,
-    HopeState,
-    MLPMemory,
-    hope_chunked,
-    hope_decode_step,
-    hope_init_state,
-)
-from nested_jax.core.proteus import (
-    proteus_active_blocks,
-    proteus_block_len,
-    proteus_chunk_constant,
-    proteus_gate,
-    proteus_gated_update,
-)
-from nested_jax.core.proteus_memory import (
-    proteus_hope_chunked,
-    proteus_hope_masks,
-    proteus_spans,
-    run_proteus_spans_packed,
-)
 from nested_jax.layers.common import check_rank, dense, partitioned
 from nested_jax.layers.conv import ShortConv
 from nested_jax.layers.deltanet import l2_normalize
 from nested_jax.layers.norm import GatedRMSNorm
 from nested_jax.layers.options import HopeOptions
+from nested_jax.ops.hope import (
+    HopeMemories,
+    HopeReadout,
+    HopeState,
+    MLPMemory,
+    check_hope_decode,
+    hope_decode,
+    hope_init_state,
+    hope_memories,
+)
 
 __all__ = ["HopeCache", "HopeMixer"]
 
@@ -110,6 +101,8 @@ class HopeMixer(nnx.Module):
 
     ``proteus`` (``ProteusOptions`` or None): with ``blocks = E > 1`` the memories are gated by
     the Proteus schedule (SPEC §4, module docstring); ``E = 1`` / None is the plain mixer.
+    ``impl`` (``ModelConfig.impl``): ``"chunked"`` | ``"recurrent"`` (the per-token twin, slow),
+    see :mod:`nested_jax.ops.hope`.
     """
 
     def __init__(
@@ -124,12 +117,14 @@ class HopeMixer(nnx.Module):
         dtype=jnp.float32,
         rngs: nnx.Rngs,
         proteus=None,
+        impl: str = "chunked",
     ):
         opts = HopeOptions() if opts is None else opts
         if not isinstance(opts, HopeOptions):
             raise ValueError(f"opts: expected a HopeOptions, got {type(opts).__name__}")
         self.d_model, self.n_heads, self.head_dim, self.dtype = d_model, n_heads, head_dim, dtype
         self.opts = opts
+        self.impl = impl  # ops.hope's implementation, checked by the op ("pallas": ValueError)
         self.conv_size = conv_size
         self.hidden = h = opts.resolved_memory_hidden(head_dim)
         self.p_blocks = 1 if proteus is None else proteus.blocks
@@ -182,6 +177,7 @@ class HopeMixer(nnx.Module):
             dtype=cfg.activation_dtype(),
             rngs=rngs,
             proteus=cfg.proteus,
+            impl=cfg.impl,
         )
 
     # ---------------------------------------------------------------- parameters as core pytrees
@@ -200,35 +196,18 @@ class HopeMixer(nnx.Module):
         return HopeReadout(self.eta_w[...], self.eta_b[...], self.alpha_w[...], self.alpha_b[...])
 
     def _flags(self) -> dict:
-        o = self.opts
-        return dict(
-            dgd=o.dgd,
-            step=o.step,
-            momentum=o.momentum,
-            momentum_coef=o.momentum_coef,
-            decay=o.decay,
-            inner_k=o.inner_k,
-            inner_v=o.inner_v,
-            inner_q=o.inner_q,
-            adaptive_q=o.adaptive_q,
-            stop_gradient_targets=o.stop_gradient_targets,
-        )
+        """The ablation flags of the rule, as keywords of the core per-token forms."""
+        return self.opts.rule().flags()
 
     # ---------------------------------------------------------------- decode state
 
     def init_cache(self, batch_size: int, max_len: int) -> HopeCache:
         """Zero decode state (size independent of ``max_len``); only static attributes are read."""
         del max_len
-        if self.p_blocks > 1:
-            delta = proteus_block_len(self.p_context, self.p_blocks)
-            for name in ("chunk_memory", "chunk_other"):
-                chunk = getattr(self.opts, name)
-                if not proteus_chunk_constant(chunk, self.p_context, self.p_blocks):
-                    raise ValueError(
-                        f"HopeOptions.{name}: decoding with Proteus needs the chunk size to divide "
-                        f"the block length Δ = context_len // blocks = {delta} (the forward's "
-                        f"chunk grid restarts every Δ tokens), got {chunk}"
-                    )
+        check_hope_decode(
+            self.opts.rule(), proteus_blocks=self.p_blocks, proteus_context_len=self.p_context,
+            owner="HopeOptions",
+        )  # fmt: skip
         b, h, d, k = batch_size, self.n_heads, self.head_dim, self.hidden
         zero = MLPMemory(jnp.zeros((b, h, d, k), jnp.float32), jnp.zeros((b, h, k, d), jnp.float32))
         mems = HopeMemories(**{n: zero for n in self.names})
@@ -289,87 +268,18 @@ class HopeMixer(nnx.Module):
         if cache is not None and segment_ids is not None:
             raise ValueError("segment_ids: packed segments cannot be combined with a cache")
         x = x.astype(self.dtype)
-        o = self.opts
         xm, q, cx, cq = self._inputs(x, segment_ids, cache)
-        init = self.initial_memories()
+        rule, readout, init = self.opts.rule(), self.readout(), self.initial_memories()
+        proteus = dict(proteus_blocks=self.p_blocks, proteus_context_len=self.p_context)
         if cache is None:
-            state = hope_init_state(init, b, momentum=o.momentum)
-            kw = dict(
-                chunk_memory=o.chunk_memory, chunk_other=o.chunk_other,
-                grad_horizon=o.grad_horizon, remat=o.remat, **self._flags(),
+            state = hope_init_state(init, b, momentum=rule.momentum)
+            out, _ = hope_memories(
+                xm, q, state, readout, rule=rule, segment_ids=segment_ids, impl=self.impl,
+                **proteus,
             )  # fmt: skip
-            if self.p_blocks > 1:
-                out = self._proteus_forward(xm, q, state, segment_ids, kw)
-            else:
-                out, _ = hope_chunked(xm, q, state, self.readout(), segment_ids=segment_ids, **kw)
             return self._out(x, out), None
-        return self._cached(x, xm, q, cx, cq, init, cache)
-
-    def _proteus_forward(self, xm, q, state: HopeState, segment_ids, kw):
-        """Memory outputs ``[B, T, H, D]`` with Proteus at row positions ``1 … T`` (SPEC §4)."""
-        readout, n, e = self.readout(), self.p_context, self.p_blocks
-        if segment_ids is None:
-            out, _ = proteus_hope_chunked(
-                xm, q, state, readout, context_len=n, num_blocks=e, t0=0, **kw
-            )
-            return out
-        # Packed rows: state (the learned memories, zero momenta) is also the reset state.
-        reset = state
-        adaptive_q = self.opts.adaptive_q
-
-        def call(st, xs, seg, init):
-            q_in = None if adaptive_q else xs[1]
-            return hope_chunked(
-                xs[0], q_in, st, readout, segment_ids=seg, initial_memories=init, **kw
-            )
-
-        def span_fn(st, xs, seg, active):
-            tree = proteus_hope_masks(st, active, e)
-            out, cand = call(proteus_gate(st, tree), xs, seg, proteus_gate(reset, tree).memories)
-            return out, proteus_gated_update(st, cand, tree)
-
-        def open_fn(st, xs, seg):
-            return call(st, xs, seg, reset.memories)
-
-        masks_of = lambda k: proteus_hope_masks(state, k, e)  # noqa: E731
-        seq = (xm,) if adaptive_q else (xm, q)
-        spans = proteus_spans(xm.shape[1], 0, n, e)
-        out, _ = run_proteus_spans_packed(
-            span_fn, open_fn, masks_of, state, reset, seq, segment_ids, spans, e
-        )
-        return out
-
-    def _cached(self, x, xm, q, cx, cq, init, cache: HopeCache):
-        b = x.shape[0]
-        o = self.opts
-        fresh = hope_init_state(init, b, momentum=o.momentum)
-        started = cache.n > 0
-        state = jax.tree.map(lambda c, f: jnp.where(started, c, f), cache.state, fresh)
-        step = functools.partial(
-            hope_decode_step,
-            readout=self.readout(),
-            chunk_memory=o.chunk_memory,
-            chunk_other=o.chunk_other,
-            **self._flags(),
-        )
-
-        def body(carry, inp):
-            st, snap, n = carry
-            x_t, q_t = inp
-            if self.p_blocks > 1:  # the mask of position n + 1 (SPEC §4)
-                active = proteus_active_blocks(jnp.full((b,), n + 1), self.p_context, self.p_blocks)
-                tree = proteus_hope_masks(st, active, self.p_blocks)
-                # The snapshots need no gate: they are taken from the gated state at chunk
-                # starts, and the mask is constant inside a chunk (the chunk sizes divide Δ).
-                o_t, new, snap = step(x_t, q_t, proteus_gate(st, tree), snap, n)
-                st = proteus_gated_update(st, new, tree)
-            else:
-                o_t, st, snap = step(x_t, q_t, st, snap, n)
-            return (st, snap, n + 1), o_t
-
-        qs = jnp.moveaxis(xm if q is None else q, 1, 0)
-        (state, snap, n), out = jax.lax.scan(
-            body, (state, cache.snapshot, cache.n), (jnp.moveaxis(xm, 1, 0), qs)
-        )
-        y = self._out(x, jnp.moveaxis(out, 0, 1))
-        return y, HopeCache(state, snap, cx, cq, n)
+        out, state, snap, n = hope_decode(
+            xm, q, cache.state, cache.snapshot, cache.n, readout=readout, rule=rule,
+            initial_memories=init, impl=self.impl, **proteus,
+        )  # fmt: skip
+        return self._out(x, out), HopeCache(state, snap, cx, cq, n)

@@ -31,7 +31,7 @@ class HolaOptions:
     gate_init: float = -4.0  # initial per-head gate logit λ_h (cache read scaled by σ(λ_h))
 
     def __post_init__(self) -> None:
-        from nested_jax.core.hola import EVICTIONS, READ_NORMS  # lazy: keeps config import light
+        from nested_jax.ops.hola import EVICTIONS, READ_NORMS  # lazy: keeps config import light
 
         for name in ("window", "block_size"):
             value = getattr(self, name)
@@ -249,6 +249,15 @@ class HopeOptions:
         """Hidden width ``h`` of the memories: ``memory_hidden`` or ``head_dim`` when 0."""
         return self.memory_hidden or head_dim
 
+    def rule(self):
+        """The memory rule these options select (SPEC §3.2): a ``HopeRule`` with this section's
+        chunk sizes, ablation flags, ``grad_horizon`` and ``remat`` (its fields, by name)."""
+        import dataclasses  # lazy, with the import below: keeps config import light
+
+        from nested_jax.ops.hope import HopeRule
+
+        return HopeRule(**{f.name: getattr(self, f.name) for f in dataclasses.fields(HopeRule)})
+
 
 OPTION_SECTIONS["hope"] = HopeOptions
 
@@ -276,7 +285,7 @@ class CMSOptions:
     online_inner: str = "sgd"  # online: inner optimizer, sgd | dgd (SPEC §3.1)
 
     def __post_init__(self) -> None:
-        from nested_jax.core.cms import check_periods  # lazy: keeps config import light
+        from nested_jax.ops.cms import check_periods  # lazy: keeps config import light
 
         variants = ("sequential", "nested", "independent")
         if self.variant not in variants:

@@ -1,0 +1,149 @@
+"""Hope decoding: the cached token loop, plain or under the Proteus schedule (SPEC §3.2, §4).
+
+A decode state is the running ``HopeState`` (memories and momenta), the chunk-start snapshots of
+both groups (``HopeMemories``) and the number ``n`` of tokens seen. Token ``i`` of a call sits at
+0-based position ``n + i`` (chunks aligned at 0) and is one :func:`hope_decode_step`::
+
+    (o_t, S_t, snap_t) = hope_decode_step(x_t, q_t, S_{t−1}, snap_{t−1}, n + i)
+
+so a cached call (a prefill too) equals :func:`hope_chunked` row by row. With Proteus
+(``E = num_blocks > 1``, SPEC §4) every token is gated by the mask ``g_t`` of its 1-based position
+``t = n + i + 1``::
+
+    (o_t, cand, snap_t) = hope_decode_step(x_t, q_t, g_t ⊙ S_{t−1}, snap_{t−1}, n + i)
+    S_t = where(g_t, cand, S_{t−1})                      # locked coordinates keep their bits
+
+which equals ``proteus_hope_chunked`` only when both chunk sizes divide ``Δ = N // E``: the
+sequence form restarts its chunk grid at every Δ-boundary, the decode grid is global
+(:func:`check_proteus_decode_chunks`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from nested_jax.core._proteus_common import _check_silent_at_zero
+from nested_jax.core.hope import (
+    HopeMemories,
+    HopeReadout,
+    HopeRule,
+    HopeState,
+    hope_decode_step,
+    hope_init_state,
+)
+from nested_jax.core.proteus import (
+    proteus_active_blocks,
+    proteus_block_len,
+    proteus_chunk_constant,
+    proteus_gate,
+    proteus_gated_update,
+)
+from nested_jax.core.proteus_hope import proteus_hope_masks
+
+__all__ = ["check_proteus_decode_chunks", "hope_decode"]
+
+
+def check_proteus_decode_chunks(
+    rule: HopeRule, context_len: int, num_blocks: int, *, owner: str = "rule"
+) -> None:
+    """Raises unless decoding under Proteus equals the sequence form (SPEC §4).
+
+    ``proteus_hope_chunked`` restarts both chunk grids every ``Δ = context_len // num_blocks``
+    tokens, while decoding keeps one grid aligned at position 0; the two agree iff every
+    Δ-boundary is a chunk boundary of both groups (``proteus_chunk_constant``). ``E = 1`` always
+    passes.
+
+    Args:
+      rule: the ``HopeRule`` (its ``chunk_memory``, ``chunk_other``).
+      context_len: ``N``; num_blocks: ``E``.
+      owner: the prefix of the message (``"HopeOptions"`` from the layer's config).
+    """
+    if num_blocks <= 1:
+        return
+    delta = proteus_block_len(context_len, num_blocks)
+    for name in ("chunk_memory", "chunk_other"):
+        chunk = getattr(rule, name)
+        if not proteus_chunk_constant(chunk, context_len, num_blocks):
+            raise ValueError(
+                f"{owner}.{name}: decoding with Proteus needs the chunk size to divide "
+                f"the block length Δ = context_len // blocks = {delta} (the forward's "
+                f"chunk grid restarts every Δ tokens), got {chunk}"
+            )
+
+
+def hope_decode(
+    x,
+    q,
+    state: HopeState,
+    snapshot: HopeMemories,
+    n,
+    readout: HopeReadout,
+    *,
+    rule: HopeRule,
+    context_len: int = 0,
+    num_blocks: int = 1,
+    initial_memories: HopeMemories | None = None,
+    activation: Callable = jax.nn.silu,
+):
+    """``T`` cached Hope tokens at positions ``n … n + T − 1`` (SPEC §3.2; Proteus SPEC §4).
+
+    A ``lax.scan`` of :func:`hope_decode_step` (module docstring); with ``num_blocks > 1`` each
+    token reads and writes ``g_t ⊙ S`` and the locked coordinates keep their bits.
+
+    Args:
+      x: memory inputs ``[B, T, H, D]``; q: ``W_q x`` ``[B, T, H, D]`` (None with ``adaptive_q``).
+      state: running ``HopeState``, weights ``[B, H, ...]``.
+      snapshot: chunk-start snapshots, ``HopeMemories`` shaped like ``state.memories``.
+      n: int32 scalar, tokens seen before this call.
+      readout: ``HopeReadout`` of ``M_η``, ``M_α``.
+      rule: ``HopeRule`` (chunk sizes and flags; ``grad_horizon`` and ``remat`` are unused here).
+      context_len: ``N``; num_blocks: ``E`` (1: no Proteus). Both chunk sizes must divide ``Δ``.
+      initial_memories: optional ``HopeMemories`` ``[H, ...]``: where ``n == 0`` the call starts
+        from ``hope_init_state(initial_memories)`` instead of ``state`` (a cache built before the
+        parameters were known holds placeholders).
+      activation: the memories' ``σ`` (``σ(0) = 0`` with Proteus).
+
+    Returns:
+      ``(o [B, T, H, D], new state, new snapshot, n + T)``.
+    """
+    b = x.shape[0]
+    if initial_memories is not None:
+        fresh = hope_init_state(initial_memories, b, momentum=rule.momentum)
+        started = n > 0
+        state = jax.tree.map(lambda c, f: jnp.where(started, c, f), state, fresh)
+    step = functools.partial(
+        hope_decode_step,
+        readout=readout,
+        chunk_memory=rule.chunk_memory,
+        chunk_other=rule.chunk_other,
+        activation=activation,
+        **rule.flags(),
+    )
+    if num_blocks > 1:
+        check_proteus_decode_chunks(rule, context_len, num_blocks)
+        _check_silent_at_zero("hope_decode", activation)
+
+    def body(carry, inp):
+        st, snap, i = carry
+        x_t, q_t = inp
+        if num_blocks > 1:  # the mask of position i + 1 (SPEC §4)
+            active = proteus_active_blocks(jnp.full((b,), i + 1), context_len, num_blocks)
+            tree = proteus_hope_masks(st, active, num_blocks)
+            # The snapshots need no gate: they are taken from the gated state at chunk starts,
+            # and the mask is constant inside a chunk (the chunk sizes divide Δ).
+            o_t, new, snap = step(x_t, q_t, proteus_gate(st, tree), snap, i)
+            st = proteus_gated_update(st, new, tree)
+        else:
+            o_t, st, snap = step(x_t, q_t, st, snap, i)
+        return (st, snap, i + 1), o_t
+
+    # adaptive_q: q is unused, x stands in so the scan has one input structure
+    qs = jnp.moveaxis(x if q is None else q, 1, 0)
+    (state, snapshot, n), out = jax.lax.scan(
+        body, (state, snapshot, n), (jnp.moveaxis(x, 1, 0), qs)
+    )
+    return jnp.moveaxis(out, 0, 1), state, snapshot, n

@@ -1,0 +1,157 @@
+"""The Hope memory rule behind one door: sequence form, decoding, state helpers (SPEC §3.2, §4).
+
+Layers call these functions, never a core form directly, so the implementation is a config value
+(``ModelConfig.impl``). It is never switched silently: an ``impl`` that cannot run raises
+``ValueError`` naming the op.
+
+- ``"chunked"``: ``core.hope.hope_chunked`` with the rule's two chunk sizes (SPEC §3.2 Decision;
+  the training default); with Proteus ``core.proteus_hope.proteus_hope_chunked`` /
+  ``proteus_hope_packed`` (SPEC §4).
+- ``"recurrent"``: the per-token twin ``core.reference.hope.hope_reference`` at the **same** chunk
+  sizes (snapshots refreshed at ``t % C = 0``), i.e. the same function computed token by token
+  with ``jax.grad`` inner gradients: Hope's independent ground truth, slow, equal to
+  ``"chunked"`` to float rounding (not bit for bit). With Proteus it runs span by span exactly
+  like the chunked form. Not ``core.hope.hope_recurrent``: that is ``hope_chunked`` with chunk
+  sizes 1, a different rule unless the rule's sizes are 1. The twin has no truncated backprop
+  (``rule.grad_horizon > 0`` raises) and ``rule.remat`` is ignored (it only trades memory for
+  recomputation). The twin returns momenta iff ``rule.momentum``, so ``state`` must hold momenta
+  exactly then.
+- ``"pallas"``: the seam for ``pallas_kernels/<op>``; no kernel yet, so it raises ``ValueError``.
+
+Decoding (:func:`hope_decode`) has one form for ``"chunked"`` and ``"recurrent"`` alike: the
+per-token ``hope_decode_step`` (one token of the chunked form, snapshots and position carried),
+which equals the sequence form row by row.
+
+Re-exported for layers: the types (``HopeRule``, ``HopeMemories``, ``HopeReadout``, ``HopeState``,
+``MLPMemory``), ``hope_init_state`` (learned memories over the batch, zero momenta) and
+:func:`check_hope_decode` (the Proteus decode condition, for ``init_cache``).
+"""
+
+from __future__ import annotations
+
+from nested_jax.core.hope import (
+    HopeMemories,
+    HopeReadout,
+    HopeRule,
+    HopeState,
+    MLPMemory,
+    hope_chunked,
+    hope_init_state,
+)
+from nested_jax.core.hope_decode import check_proteus_decode_chunks
+from nested_jax.core.hope_decode import hope_decode as _hope_decode
+from nested_jax.core.proteus_hope import proteus_hope_chunked, proteus_hope_packed
+from nested_jax.core.reference.hope import hope_reference
+from nested_jax.ops._impl import check_impl as _check_impl
+
+__all__ = [
+    "HopeRule",
+    "HopeMemories",
+    "HopeReadout",
+    "HopeState",
+    "MLPMemory",
+    "hope_init_state",
+    "hope_memories",
+    "hope_decode",
+    "check_hope_decode",
+]
+
+
+def _twin(x, q, state, readout, *, grad_horizon=0, remat=False, **kw):
+    """``hope_reference`` behind ``hope_chunked``'s arguments (``grad_horizon`` is checked to be 0
+    by the caller; ``remat`` changes no value or gradient)."""
+    del grad_horizon, remat
+    return hope_reference(x, q, state, readout, **kw)
+
+
+def _backbone(op: str, impl: str, rule: HopeRule):
+    """Validates ``impl`` for ``op`` and returns the sequence function it names."""
+    _check_impl(op, impl)
+    if impl == "chunked":
+        return hope_chunked
+    if rule.grad_horizon:
+        raise ValueError(
+            f"{op}: impl='recurrent' (the per-token twin hope_reference) has no truncated "
+            f"backprop; got rule.grad_horizon={rule.grad_horizon} (use impl='chunked' or 0)"
+        )
+    return _twin
+
+
+def hope_memories(
+    x, q, state: HopeState, readout: HopeReadout, *, rule: HopeRule, proteus_blocks: int = 1,
+    proteus_context_len: int = 0, segment_ids=None, impl: str = "chunked",
+):  # fmt: skip
+    """Hope's self-modifying memories over a row (SPEC §3.2; Proteus SPEC §4).
+
+    Per token, from the chunk-start snapshots ``M̄_□`` of each group (chunks aligned at 0)::
+
+        k_t = norm(M̄_k(x_t)),  v_t = M̄_v(x_t),  η_t, α_t = σ(w ᵀ M̄_{η,α}(x_t) + b),  q_t = norm(q_t)
+        o_t = M_{memory,t−1}(q_t)                       (read before write, running weights)
+        M_□ ← DGD step on ½‖M̄_□(k_t) − M̄_□(v_t)‖²      (with retention α_t, momentum μ)
+
+    With ``proteus_blocks = E > 1`` every memory and momentum is gated by the hidden-unit mask
+    ``g_t`` of its 1-based row position ``t`` (``M_t = where(g_t, Write(g_t ⊙ M_{t−1}),
+    M_{t−1})``; both chunk grids restart at every Δ-boundary). Packed rows (``segment_ids``):
+    a document start resets the memories to ``state.memories`` and the momenta to zero; with
+    Proteus the schedule keeps the row position and the whole state (locked coordinates too)
+    resets to ``state``.
+
+    Args:
+      x: memory inputs ``[B, T, H, D]``; q: ``W_q x`` ``[B, T, H, D]`` (None with
+        ``rule.adaptive_q``).
+      state: ``HopeState`` (``hope_init_state``), weights ``[B, H, ...]``; also the state every
+        document of a packed row starts from.
+      readout: ``HopeReadout`` of ``M_η``, ``M_α``.
+      rule: :class:`HopeRule` (chunk sizes, ablation flags, ``grad_horizon``, ``remat``).
+      proteus_blocks: ``E`` (1: no Proteus); proteus_context_len: the training context ``N``.
+      segment_ids: optional int ``[B, T]`` document ids of packed rows.
+      impl: ``"chunked"`` | ``"recurrent"`` (``"pallas"``: ValueError); module docstring.
+
+    Returns:
+      ``(o [B, T, H, D] f32, final HopeState)``.
+    """
+    backbone = _backbone("hope_memories", impl, rule)
+    kw = rule.kwargs()
+    if proteus_blocks == 1:
+        return backbone(x, q, state, readout, segment_ids=segment_ids, **kw)
+    kw.update(context_len=proteus_context_len, num_blocks=proteus_blocks, backbone=backbone)
+    if segment_ids is None:
+        return proteus_hope_chunked(x, q, state, readout, t0=0, **kw)
+    return proteus_hope_packed(x, q, state, readout, segment_ids=segment_ids, **kw)
+
+
+def hope_decode(
+    x, q, state: HopeState, snapshot: HopeMemories, n, *, readout: HopeReadout, rule: HopeRule,
+    proteus_blocks: int = 1, proteus_context_len: int = 0,
+    initial_memories: HopeMemories | None = None, impl: str = "chunked",
+):  # fmt: skip
+    """``T`` cached tokens at positions ``n … n + T − 1``, equal to :func:`hope_memories` row by
+    row (SPEC §3.2; with Proteus each token is gated by the mask of position ``n + i + 1``, §4).
+
+    Args:
+      x, q: ``[B, T, H, D]`` as :func:`hope_memories` (a prefill or single tokens).
+      state: running ``HopeState``; snapshot: chunk-start snapshots (``HopeMemories``, shapes of
+        ``state.memories``); n: int32 scalar, tokens seen.
+      readout, rule, proteus_blocks, proteus_context_len: as :func:`hope_memories`; with Proteus
+        both chunk sizes must divide ``Δ = N // E`` (:func:`check_hope_decode`).
+      initial_memories: optional learned memories ``[H, ...]``: a call at ``n = 0`` starts from
+        ``hope_init_state(initial_memories)`` instead of ``state`` (cache placeholders).
+      impl: ``"chunked"`` | ``"recurrent"`` (both the per-token step; ``"pallas"``: ValueError).
+
+    Returns:
+      ``(o [B, T, H, D] f32, new state, new snapshot, n + T)``.
+    """
+    _check_impl("hope_decode", impl)
+    return _hope_decode(
+        x, q, state, snapshot, n, readout, rule=rule, context_len=proteus_context_len,
+        num_blocks=proteus_blocks, initial_memories=initial_memories,
+    )  # fmt: skip
+
+
+def check_hope_decode(
+    rule: HopeRule, *, proteus_blocks: int = 1, proteus_context_len: int = 0, owner: str = "rule"
+) -> None:
+    """Raises ``ValueError`` (prefixed ``owner.<field>``) unless decoding equals the sequence form
+    under Proteus: both chunk sizes must divide ``Δ = N // E`` (SPEC §4; no condition for
+    ``E = 1``)."""
+    check_proteus_decode_chunks(rule, proteus_context_len, proteus_blocks, owner=owner)

@@ -1,0 +1,228 @@
+"""ops.hope (SPEC §3.2 Hope, §4 Proteus): the one door of the Hope mixer.
+
+``impl="chunked"`` is bit for bit the core path the layer ran before (``hope_chunked``,
+``proteus_hope_chunked`` and the packed-rows span runner), values and gradients at T = 13;
+``impl="recurrent"`` (the per-token twin) equals it to rounding; decoding through the op equals the
+sequence form token by token, plain and under Proteus (the layer tests check the packed-row
+semantics through the op: documents alone, row positions); the typed rule matches ``HopeOptions``;
+impl and decode checks name the op.
+"""
+
+import dataclasses
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nested_jax.core.hope import hope_chunked
+from nested_jax.core.proteus import proteus_gate, proteus_gated_update
+from nested_jax.core.proteus_memory import (
+    proteus_hope_chunked,
+    proteus_hope_masks,
+    proteus_spans,
+    run_proteus_spans_packed,
+)
+from nested_jax.layers.options import HopeOptions
+from nested_jax.ops import hope as ops_hope
+from nested_jax.ops.hope import HopeMemories, HopeReadout, HopeRule, MLPMemory
+
+B, T, H, D, HID = 2, 13, 2, 4, 4
+RULE = HopeRule(chunk_memory=4, chunk_other=2, momentum_coef=0.7, remat=False)
+PROTEUS = dict(proteus_blocks=4, proteus_context_len=16)  # Δ = 4: spans k = 1, 2, 3, then open
+CUT = 8  # a document start: a Proteus span start and a chunk start of both groups
+
+
+def _setup(adaptive_q=False, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 16)
+    names = HopeMemories._fields[:5] + (("q",) if adaptive_q else ())
+    mems = HopeMemories(
+        **{
+            n: MLPMemory(
+                0.3 * jax.random.normal(ks[i], (H, D, HID)),
+                0.3 * jax.random.normal(ks[i + 6], (H, HID, D)),
+            )
+            for i, n in enumerate(names)
+        }
+    )
+    ro = HopeReadout(
+        jax.random.normal(ks[12], (H, D)),
+        jnp.full((H,), -1.0),
+        jax.random.normal(ks[13], (H, D)),
+        jnp.full((H,), 1.0),
+    )
+    x = jax.random.normal(ks[14], (B, T, H, D))
+    q = jax.random.normal(ks[15], (B, T, H, D))
+    return mems, ro, x, q
+
+
+SEG = jnp.asarray(np.repeat([[1] * CUT + [2] * (T - CUT)], B, 0), jnp.int32)
+
+
+def _state(mems, rule):
+    return ops_hope.hope_init_state(mems, B, momentum=rule.momentum)
+
+
+def _old_packed(x, q, state, readout, rule, segment_ids, n, e):
+    """The layer's former packed-rows Proteus path (its closures), verbatim."""
+    reset, kw = state, rule.kwargs()
+
+    def call(st, xs, seg, init):
+        return hope_chunked(xs[0], xs[1], st, readout, segment_ids=seg, initial_memories=init, **kw)
+
+    def span_fn(st, xs, seg, active):
+        tree = proteus_hope_masks(st, active, e)
+        out, cand = call(proteus_gate(st, tree), xs, seg, proteus_gate(reset, tree).memories)
+        return out, proteus_gated_update(st, cand, tree)
+
+    def open_fn(st, xs, seg):
+        return call(st, xs, seg, reset.memories)
+
+    masks_of = lambda k: proteus_hope_masks(state, k, e)  # noqa: E731
+    spans = proteus_spans(x.shape[1], 0, n, e)
+    return run_proteus_spans_packed(
+        span_fn, open_fn, masks_of, state, reset, (x, q), segment_ids, spans, e
+    )
+
+
+def _core(x, q, state, ro, segment_ids, proteus):
+    """What the layer computed before ops.hope, per case."""
+    if not proteus:
+        return hope_chunked(x, q, state, ro, segment_ids=segment_ids, **RULE.kwargs())
+    n, e = PROTEUS["proteus_context_len"], PROTEUS["proteus_blocks"]
+    if segment_ids is None:
+        return proteus_hope_chunked(
+            x, q, state, ro, context_len=n, num_blocks=e, t0=0, **RULE.kwargs()
+        )
+    return _old_packed(x, q, state, ro, RULE, segment_ids, n, e)
+
+
+def _op(x, q, state, ro, segment_ids, proteus, impl="chunked"):
+    kw = PROTEUS if proteus else {}
+    return ops_hope.hope_memories(
+        x, q, state, ro, rule=RULE, segment_ids=segment_ids, impl=impl, **kw
+    )
+
+
+def _loss(fn, packed, proteus, **extra):
+    """Σ sin(o) + Σ final weights as a function of (x, q, initial memories, readout)."""
+
+    def loss(x, q, mems, ro):
+        o, st = fn(x, q, _state(mems, RULE), ro, SEG if packed else None, proteus, **extra)
+        return jnp.sum(jnp.sin(o)) + sum(jnp.sum(w) for w in jax.tree.leaves(st.memories))
+
+    return loss
+
+
+def _close(a, b, tol=2e-5):
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.isfinite(a).all() and np.isfinite(b).all()
+    np.testing.assert_allclose(a, b, atol=tol * max(1.0, float(np.abs(b).max())), rtol=0)
+
+
+@pytest.mark.parametrize(
+    "packed, proteus, grad", [(False, False, False), (True, False, False), (False, True, False),
+                              (True, True, True)]
+)  # fmt: skip
+def test_chunked_is_the_former_core_path_bit_for_bit(packed, proteus, grad):
+    """The op's program is the program of the core calls the layer made before (plain, packed
+    rows, Proteus, Proteus on packed rows; T = 13): equal jaxprs, so equal bits on any backend.
+    Tracing only, no compile (CPU budget). The packed Proteus form (the layer's closures moved
+    into core) is compared with its gradients (x, q, initial memories, readout); the others are
+    one core call each, whose gradients follow from the forward program."""
+    mems, ro, x, q = _setup()
+
+    def program(fn, **extra):
+        f = _loss(fn, packed, proteus, **extra)
+        if grad:
+            f = jax.value_and_grad(f, argnums=(0, 1, 2, 3))
+        return str(jax.make_jaxpr(f)(x, q, mems, ro))
+
+    assert program(_op, impl="chunked") == program(_core)
+
+
+def test_recurrent_is_the_per_token_twin_on_packed_proteus_rows():
+    """impl="recurrent" (the twin hope_reference at the rule's chunk sizes, run span by span with
+    the packed-row resets) equals impl="chunked" to rounding (Proteus, packed rows, T = 13)."""
+    mems, ro, x, q = _setup()
+    st = _state(mems, RULE)
+    op = jax.jit(lambda x, q, impl: _op(x, q, st, ro, SEG, True, impl)[0], static_argnums=2)
+    _close(op(x, q, "recurrent"), op(x, q, "chunked"))
+
+
+@pytest.mark.parametrize(
+    "proteus", [pytest.param(False, marks=pytest.mark.slow), True]
+)  # plain decoding through the op: also tests/layers/test_hope_layer.py
+def test_decode_equals_sequence_form_token_by_token(proteus):
+    """Two cached calls of 6 tokens through ops.hope.hope_decode (the second starts mid
+    chunk_memory and, with Proteus, mid span; placeholder zeros at n = 0 replaced by the initial
+    memories) equal hope_memories on the 12-token row, outputs and final state. Proteus runs with
+    adaptive_q (q = M_q(x))."""
+    mems, ro, x, q = _setup(adaptive_q=proteus)
+    x, q = x[:, :12], None if proteus else q[:, :12]
+    rule = dataclasses.replace(RULE, adaptive_q=proteus)
+    kw = PROTEUS if proteus else {}
+    seq_o, seq_st = jax.jit(
+        lambda x, q: ops_hope.hope_memories(x, q, _state(mems, rule), ro, rule=rule, **kw)
+    )(x, q)
+    zero = jax.tree.map(lambda w: jnp.zeros((B, *w.shape)), mems)
+    step = jax.jit(
+        lambda x, q, st, snap, n: ops_hope.hope_decode(
+            x, q, st, snap, n, readout=ro, rule=rule, initial_memories=mems, **kw
+        )
+    )
+    part = lambda a, i: None if a is None else a[:, 6 * i : 6 * i + 6]  # noqa: E731
+    n = jnp.zeros((), jnp.int32)
+    o1, state, snap, n = step(part(x, 0), part(q, 0), ops_hope.HopeState(zero, zero), zero, n)
+    o2, state, snap, n = step(part(x, 1), part(q, 1), state, snap, n)
+    assert int(n) == 12
+    _close(jnp.concatenate([o1, o2], 1), seq_o)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(seq_st), strict=True):
+        _close(a, b)
+
+
+def test_rule_defaults_are_hope_options_defaults():
+    """HopeRule's defaults are HopeOptions's; its keywords are hope_chunked's."""
+    assert HopeOptions().rule() == HopeRule()
+    opts = HopeOptions(chunk_memory=2, chunk_other=8, momentum=False, adaptive_q=True, remat=False)
+    rule = opts.rule()
+    for f in dataclasses.fields(HopeRule):
+        assert getattr(rule, f.name) == getattr(opts, f.name), f.name
+    params = inspect.signature(hope_chunked).parameters
+    assert set(rule.kwargs()) <= set(params) and set(rule.kwargs()) == {
+        f.name for f in dataclasses.fields(HopeRule)
+    }
+    assert rule.mu == 0.0 and HopeRule().mu == 0.9
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rule.chunk_memory = 4
+
+
+@pytest.mark.parametrize("op", ["hope_memories", "hope_decode"])
+@pytest.mark.parametrize("impl", ["pallas", "bogus"])
+def test_bad_impl_raises_naming_the_op(op, impl):
+    mems, ro, x, q = _setup()
+    st = _state(mems, RULE)
+    if op == "hope_memories":
+        call = functools.partial(ops_hope.hope_memories, x, q, st, ro, rule=RULE, impl=impl)
+    else:
+        call = functools.partial(
+            ops_hope.hope_decode, x, q, st, st.memories, 0, readout=ro, rule=RULE, impl=impl
+        )
+    with pytest.raises(ValueError, match=f"^{op}: impl"):
+        call()
+
+
+def test_rule_checks():
+    mems, ro, x, q = _setup()
+    horizon = dataclasses.replace(RULE, grad_horizon=4)
+    with pytest.raises(ValueError, match=r"^hope_memories: impl='recurrent'.*grad_horizon"):
+        ops_hope.hope_memories(x, q, _state(mems, RULE), ro, rule=horizon, impl="recurrent")
+    bad = dataclasses.replace(RULE, chunk_memory=8)  # Δ = 4: 8 does not divide it
+    with pytest.raises(ValueError, match=r"^HopeOptions\.chunk_memory: decoding with Proteus"):
+        ops_hope.check_hope_decode(bad, **PROTEUS, owner="HopeOptions")
+    ops_hope.check_hope_decode(bad)  # no Proteus: any chunk sizes decode
+    with pytest.raises(ValueError, match=r"^rule\.chunk_memory: decoding with Proteus"):
+        st = _state(mems, RULE)
+        ops_hope.hope_decode(x, q, st, st.memories, 0, readout=ro, rule=bad, **PROTEUS)
