@@ -56,16 +56,16 @@ from nested_jax.core.hola import (
 from nested_jax.core.hope import (
     HopeMemories,
     HopeReadout,
+    HopeRule,
     HopeState,
     MLPMemory,
     hope_chunked,
-    hope_decode_step,
     hope_init_state,
-    hope_linear_chunk_update,
-    hope_recurrent,
-    hope_step,
     mlp_memory_apply,
 )
+from nested_jax.core.hope_decode import hope_decode
+from nested_jax.core.hope_linear import hope_linear_chunk_update
+from nested_jax.core.hope_token import hope_decode_step, hope_recurrent, hope_step
 from nested_jax.core.proteus import (
     proteus_active_blocks,
     proteus_block_ids,
@@ -207,5 +207,7 @@ __all__ = [
     "hope_recurrent",
     "hope_chunked",
     "hope_decode_step",
+    "hope_decode",
+    "HopeRule",
     "hope_linear_chunk_update",
 ]

@@ -68,7 +68,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.associative import gated_delta_chunked
 from nested_jax.core.checks import check_positive_int
 from nested_jax.core.dgd import dgd_step_size
 
@@ -80,14 +79,23 @@ __all__ = [
     "HopeRule",
     "hope_init_state",
     "mlp_memory_apply",
-    "hope_step",
-    "hope_recurrent",
     "hope_chunked",
-    "hope_decode_step",
-    "hope_linear_chunk_update",
 ]
 
 _PROJ = ("k", "v", "eta", "alpha", "q")
+# The rule flags hope_step / hope_decode_step take as keywords (HopeRule.flags()).
+_FLAG_NAMES = (
+    "dgd",
+    "step",
+    "momentum",
+    "momentum_coef",
+    "decay",
+    "inner_k",
+    "inner_v",
+    "inner_q",
+    "adaptive_q",
+    "stop_gradient_targets",
+)
 
 
 class MLPMemory(NamedTuple):
@@ -596,203 +604,3 @@ def hope_chunked(
     (state, _), o = lax.scan(body, (state, big_of(state.memories)), xs)
     o = jnp.moveaxis(o, 0, 1).reshape(B, N * c, H, D)[:, :T]
     return o, state
-
-
-def hope_decode_step(
-    x_t,
-    q_t,
-    state: HopeState,
-    snapshot: HopeMemories,
-    index,
-    readout: HopeReadout,
-    *,
-    chunk_memory: int = 1,
-    chunk_other: int = 1,
-    **flags,
-):
-    """One token of :func:`hope_chunked` (SPEC §3.2), for decoding: equal to row ``index``.
-
-    The chunked form needs, besides the running state, the chunk-start snapshots of each group.
-    With ``index`` the 0-based position of this token (chunks aligned at 0), a group's snapshot is
-    refreshed from the running state when ``index`` is a multiple of its chunk size; then the token
-    is one in-order step of :func:`hope_chunked`'s chunk body with those snapshots.
-
-    Args:
-      x_t, q_t: ``[B, H, D]`` (``q_t`` ignored, may be None, when ``adaptive_q``).
-      state: running ``HopeState``, weights ``[B, H, ...]``.
-      snapshot: ``HopeMemories`` of the same structure: the chunk-start snapshots (read only where
-        ``index`` is not a multiple of the group's chunk size; any value at ``index = 0``).
-      index: int scalar or ``[B]``: the token's position.
-      readout: ``HopeReadout``.
-      chunk_memory, chunk_other: as in :func:`hope_chunked`.
-      **flags: the ablation flags of :func:`hope_chunked` (``dgd``, ``step``, ``momentum``, ...).
-
-    Returns:
-      ``(o_t [B, H, D], new HopeState, new snapshot)``.
-    """
-    x_t = jnp.asarray(x_t)
-    if x_t.ndim != 3:
-        raise ValueError(f"x_t must have shape [B, H, D], got {x_t.shape}")
-    adaptive_q = flags.get("adaptive_q", False)
-    qq = None if (q_t is None or adaptive_q) else jnp.asarray(q_t)[:, None]
-    x = x_t[:, None]
-    B = _validate(x, qq, state, readout, adaptive_q, flags.get("momentum", False))[0]
-    _check_chunks(chunk_memory, chunk_other)
-    if not isinstance(snapshot, HopeMemories) or jax.tree.map(jnp.shape, snapshot) != jax.tree.map(
-        jnp.shape, state.memories
-    ):
-        raise ValueError(
-            "snapshot must be a HopeMemories with the shapes of state.memories, got "
-            f"{jax.tree.map(jnp.shape, snapshot)}"
-        )
-    index = jnp.asarray(index)
-    if index.shape not in ((), (B,)):
-        raise ValueError(f"index must be a scalar or have shape [B]={(B,)}, got {index.shape}")
-    act = flags.pop("activation", jax.nn.silu)
-    _check_step(flags.get("step", "exact"))
-    unknown = set(flags) - set(_FLAG_NAMES)
-    if unknown:
-        raise ValueError(f"flags: unknown keyword(s) {sorted(unknown)}")
-    # the core default is the plain rule (no momentum), not HopeRule's (the layer's) default
-    rule = HopeRule(
-        chunk_memory=chunk_memory, chunk_other=chunk_other, **{"momentum": False, **flags}
-    )
-
-    def refresh(c, new, old):
-        r = (index % c) == 0
-        return jnp.where(r.reshape(r.shape + (1,) * (new.ndim - r.ndim)), new, old)
-
-    snap = {}
-    for n in _names(state.memories):
-        c = chunk_memory if n == "memory" else chunk_other
-        snap[n] = jax.tree.map(
-            functools.partial(refresh, c), getattr(state.memories, n), getattr(snapshot, n)
-        )
-    snapshot = HopeMemories(**snap)
-    x = jnp.asarray(x, jnp.promote_types(x.dtype, jnp.float32))
-    qq = x if adaptive_q else jnp.asarray(qq, x.dtype)
-    o, state = _chunk_body(
-        state,
-        snapshot._replace(memory=None),
-        snapshot.memory,
-        x,
-        qq,
-        jnp.ones((B, 1), bool),
-        readout,
-        rule=rule,
-        act=act,
-    )
-    return o[:, 0], state, snapshot
-
-
-_FLAG_NAMES = (
-    "dgd",
-    "step",
-    "momentum",
-    "momentum_coef",
-    "decay",
-    "inner_k",
-    "inner_v",
-    "inner_q",
-    "adaptive_q",
-    "stop_gradient_targets",
-)
-
-
-def hope_step(x_t, q_t, state: HopeState, readout: HopeReadout, **flags):
-    """One exact Hope token (SPEC §3.2): read ``o_t = M_{memory,t−1}(q_t)``, then write memories.
-
-    Args:
-      x_t, q_t: ``[B, H, D]`` (``q_t`` ignored when ``adaptive_q``).
-      state, readout: as in :func:`hope_chunked`.
-      **flags: the flags of :func:`hope_chunked` except the chunk sizes.
-
-    Returns:
-      ``(o_t [B, H, D], new HopeState)``.
-    """
-    x_t = jnp.asarray(x_t)
-    if x_t.ndim != 3:
-        raise ValueError(f"x_t must have shape [B, H, D], got {x_t.shape}")
-    qq = None if q_t is None else jnp.asarray(q_t)[:, None]
-    o, st = hope_chunked(x_t[:, None], qq, state, readout, chunk_memory=1, chunk_other=1, **flags)
-    return o[:, 0], st
-
-
-def hope_recurrent(x, q, state: HopeState, readout: HopeReadout, **flags):
-    """``lax.scan`` of :func:`hope_step` over time: exact per-token Hope (SPEC §3.2).
-
-    :func:`hope_step` is one token of :func:`hope_chunked` (both chunk sizes 1), so this form shares
-    its code and is not an independent check of it. The independent ground truth is the reference
-    twin :func:`nested_jax.core.reference.hope.hope_reference` (a per-token loop written from SPEC
-    §3.2, inner gradients by ``jax.grad``), which the tests compare with :func:`hope_chunked` on
-    values and gradients at chunk sizes 1 and (4, 2).
-
-    Args/Returns: as :func:`hope_chunked` with both chunk sizes 1.
-    """
-    x = jnp.asarray(x)
-    if x.ndim != 4:
-        raise ValueError(f"x must have shape [B, T, H, D], got {x.shape}")
-    adaptive_q = flags.get("adaptive_q", False)
-    _validate(x, q, state, readout, adaptive_q, flags.get("momentum", False))
-    qs = x if adaptive_q else jnp.asarray(q)
-
-    def body(st, inp):
-        x_t, q_t = inp
-        o_t, st = hope_step(x_t, q_t, st, readout, **flags)
-        return st, o_t
-
-    state, o = lax.scan(body, state, (jnp.moveaxis(x, 1, 0), jnp.moveaxis(qs, 1, 0)))
-    return jnp.moveaxis(o, 0, 1), state
-
-
-def hope_linear_chunk_update(
-    M0, k, v_hat, alpha, eta, *, step: str = "exact", chunk_size: int = 64
-):
-    """One Hope chunk of a linear memory ``y = M z`` through the gated delta kernel (SPEC §3.2).
-
-    ``M_t = M_{t−1}(α_t I − γ_t k_t k_tᵀ) − γ_t (M_0 k_t − v̂_t) k_tᵀ`` for ``t = 1..T`` (all
-    signals at the chunk-start ``M_0``; ``γ_t`` from :func:`dgd_step_size`). With ``S = Mᵀ`` this is
-    §1's gated delta rule with ``g = log α_t``, ``β_t = γ_t/α_t`` and values ``α_t(v̂_t − M_0 k_t)``,
-    computed by :func:`gated_delta_chunked` (β may exceed 1). Self-generated targets: ``v̂ = M_0 v``.
-
-    Args:
-      M0: ``[B, H, V, K]`` chunk-start memory.
-      k: ``[B, T, H, K]`` keys (the T tokens of one Hope chunk).
-      v_hat: ``[B, T, H, V]`` targets.
-      alpha: ``[B, T, H]`` retention in ``(0, 1]``.
-      eta: ``[B, T, H]`` inner rate.
-      step: ``"exact"`` or ``"paper"`` (SPEC §3.1).
-      chunk_size: the kernel's WY chunk length (any value; not the Hope chunk).
-
-    Returns:
-      ``M_T`` ``[B, H, V, K]`` (f32).
-    """
-    M0, k, v_hat = jnp.asarray(M0), jnp.asarray(k), jnp.asarray(v_hat)
-    if k.ndim != 4:
-        raise ValueError(f"k must have shape [B, T, H, K], got {k.shape}")
-    B, T, H, K = k.shape
-    if M0.ndim != 4 or M0.shape[0] != B or M0.shape[1] != H or M0.shape[3] != K:
-        raise ValueError(f"M0 must have shape [B={B}, H={H}, V, K={K}], got {M0.shape}")
-    V = M0.shape[2]
-    if v_hat.shape != (B, T, H, V):
-        raise ValueError(f"v_hat must have shape [B, T, H, V]={(B, T, H, V)}, got {v_hat.shape}")
-    for name, a in (("alpha", alpha), ("eta", eta)):
-        if jnp.shape(a) != (B, T, H):
-            raise ValueError(f"{name} must have shape [B, T, H]={(B, T, H)}, got {jnp.shape(a)}")
-    f32 = jnp.promote_types(jnp.result_type(M0, k, v_hat), jnp.float32)
-    M0, k, v_hat = M0.astype(f32), k.astype(f32), v_hat.astype(f32)
-    alpha, eta = jnp.asarray(alpha, f32), jnp.asarray(eta, f32)
-    gamma = dgd_step_size(eta, k, step=step)
-    M0k = jnp.einsum("bhvk,bthk->bthv", M0, k)
-    values = alpha[..., None] * (v_hat - M0k)
-    _, S = gated_delta_chunked(
-        k,
-        k,
-        values,
-        jnp.log(alpha),
-        gamma / alpha,
-        scale=1.0,
-        initial_state=jnp.swapaxes(M0, -1, -2),
-        chunk_size=chunk_size,
-    )
-    return jnp.swapaxes(S, -1, -2)

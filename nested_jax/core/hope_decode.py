@@ -32,9 +32,9 @@ from nested_jax.core.hope import (
     HopeReadout,
     HopeRule,
     HopeState,
-    hope_decode_step,
     hope_init_state,
 )
+from nested_jax.core.hope_token import hope_decode_step
 from nested_jax.core.proteus import (
     proteus_active_blocks,
     proteus_block_len,

@@ -70,9 +70,8 @@ from nested_jax.core.hope import (
     HopeState,
     MLPMemory,
     hope_chunked,
-    hope_recurrent,
-    hope_step,
 )
+from nested_jax.core.hope_token import hope_recurrent, hope_step
 from nested_jax.core.proteus import (
     proteus_active_blocks,
     proteus_block_ids,

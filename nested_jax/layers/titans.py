@@ -1,7 +1,8 @@
 """Titans sequence layers (SPEC §2): the neural memory branch, LMM, MAG and MAL mixers.
 
-The memory math lives in :mod:`nested_jax.core.titans_mlp` (``L_M = 1`` is the matrix memory of
-:mod:`nested_jax.core.titans`); this module wires it into NNX layers:
+The memory math is reached through :mod:`nested_jax.ops.titans` only (``titans_memory``,
+``titans_memory_step``, ...; the rule is ``core.titans_mlp``, ``L_M = 1`` the matrix memory); this
+module holds the parameters, gates and projections and wires them into NNX layers:
 
 - :class:`NeuralMemory`: learned initial memory ``M_0`` (per head, broadcast over the batch), the
   data-dependent gates ``θ_t, η_t, α_t = σ(x W + b)`` per head, the chunked / recurrent sequence
@@ -19,8 +20,9 @@ Decoding equals the full forward. The chunked rule takes all gradients of a chun
 start, so a token's output depends on the state at the start of its chunk (aligned at position 0)
 and on the earlier tokens of the chunk. :class:`MemoryCache` therefore holds the state at the
 current chunk start plus a buffer of the chunk's tokens; each decode step re-runs the (causal)
-chunk over the buffer, reads its own row, and commits the state when the chunk is full. With
-``memory_impl="recurrent"`` (or ``memory_chunk=1``) the step is ``titans_mlp_step``.
+chunk over the buffer, reads its own row, and commits the state when the chunk is full
+(``ops.titans.titans_memory_step``). With ``memory_impl="recurrent"`` (or ``memory_chunk=1``) the
+step is the per-token rule.
 
 **Decisions / limitations.** ``per_chunk_gates`` mean-pools the gates over the *whole* chunk (the
 paper's option), which looks at later tokens of the chunk: such models train but cannot decode
@@ -35,12 +37,12 @@ changes gradients only, never values).
 **Proteus** (``model.proteus``, SPEC §4): with ``blocks = E > 1`` the memory coordinates (key
 rows for ``L_M = 1``, hidden units for ``L_M ≥ 2``) open block by block over the training context
 ``N = context_len``; a token's position ``t`` is its 1-based position in the row (decoding: tokens
-already consumed + 1). The sequence form runs one memory call per span of constant mask
-(``proteus_spans``; spans of one length as one ``lax.scan``) from the gated state and puts the
-locked coordinates back (``proteus_gated_update``), as ``core.proteus_memory.proteus_titans_mlp_*``
-do; decoding uses the per-token ``proteus_titans_mlp_step`` (recurrent) or gates each chunk's
-buffer (chunked; needs ``memory_chunk`` to divide ``Δ = N // E``, since the forward's chunk grid
-restarts at every span).
+already consumed + 1). The sequence form (``ops.titans.titans_memory``) runs one memory call
+per span of constant mask (``proteus_spans``; spans of one length as one ``lax.scan``) from the
+gated state and puts the locked coordinates back (``proteus_gated_update``), as
+``core.proteus_memory.proteus_titans_mlp_*`` do; decoding uses the per-token
+``proteus_titans_mlp_step`` (recurrent) or gates each chunk's buffer (chunked; needs
+``memory_chunk`` to divide ``Δ = N // E``, since the forward's chunk grid restarts at every span).
 **Decision (packed rows):** the schedule follows the row position (the row is the training
 context) and the whole state, locked coordinates included, resets to ``(M_0, 0)`` at a document
 start. ``E = 1`` is the plain path, bit for bit. MAC has no Proteus option (``ModelConfig``
@@ -68,35 +70,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nested_jax.core.proteus import (
-    proteus_active_blocks,
-    proteus_block_len,
-    proteus_chunk_constant,
-    proteus_gate,
-    proteus_gated_update,
-)
-from nested_jax.core.proteus_memory import (
-    proteus_spans,
-    proteus_titans_mlp_masks,
-    proteus_titans_mlp_step,
-    run_proteus_spans,
-    run_proteus_spans_packed,
-)
-from nested_jax.core.titans_mlp import (
-    TitansMLPState,
-    titans_mlp_apply,
-    titans_mlp_chunked,
-    titans_mlp_init_weights,
-    titans_mlp_recurrent,
-    titans_mlp_state,
-    titans_mlp_step,
-)
 from nested_jax.layers.attention import AttentionCache, attention_mask, softmax_attention
 from nested_jax.layers.common import check_rank, dense, partitioned
 from nested_jax.layers.conv import ShortConv
 from nested_jax.layers.deltanet import l2_normalize
 from nested_jax.layers.norm import GatedRMSNorm, RMSNorm
 from nested_jax.layers.rope import apply_rope
+from nested_jax.ops.titans import (
+    MemoryCache,
+    TitansMemorySpec,
+    TitansMLPState,
+    titans_memory,
+    titans_memory_init_cache,
+    titans_memory_start,
+    titans_memory_step,
+    titans_mlp_apply,
+    titans_mlp_init_weights,
+    titans_mlp_state,
+)
 
 __all__ = [
     "MemoryCache",
@@ -140,35 +131,14 @@ def scan_tokens(step, cache, x: jax.Array, positions: jax.Array):
 # --------------------------------------------------------------------------------------------------
 
 
-class MemoryCache(NamedTuple):
-    """Decode state of one memory: the state at the current chunk start and the chunk's buffer.
-
-    Attributes:
-      weights, momentum: tuples of ``[B, H, d_l, d_{l+1}]`` f32, ``(M, S)`` at the chunk start.
-      q, k: ``[B, b, H, D]``; v: ``[B, b, H, D]``; theta, eta, alpha: ``[B, b, H]`` (the buffered
-        tokens of the current chunk, f32; slots ``≥ n`` are stale and never read).
-      n: int32 scalar, number of tokens of the current chunk already processed.
-      t: int32 scalar, tokens consumed so far (the Proteus position of the next token is t + 1).
-    """
-
-    weights: tuple
-    momentum: tuple
-    q: jax.Array
-    k: jax.Array
-    v: jax.Array
-    theta: jax.Array
-    eta: jax.Array
-    alpha: jax.Array
-    n: jax.Array
-    t: jax.Array
-
-
 class NeuralMemory(nnx.Module):
     """Titans memory ``M_θ`` of ``n_heads`` heads with key / value width ``head_dim`` (SPEC §2).
 
     Outer parameters: the initial memory ``w{l} [H, d_l, d_{l+1}]`` (``d = (D, h, ..., h, D)``,
     ``L_M`` layers; L_M = 1 is the matrix memory) and the gate map ``[θ, η, α] = σ(x W_g + b)``
-    (``W_g [d_in, 3H]``, biases at ``logit(theta_init / eta_init / alpha_init)``).
+    (``W_g [d_in, 3H]``, biases at ``logit(theta_init / eta_init / alpha_init)``). The memory
+    rule runs through :mod:`nested_jax.ops.titans` with ``impl = opts.memory_impl`` and the static
+    :class:`~nested_jax.ops.titans.TitansMemorySpec` built here (``spec``).
 
     ``proteus`` (``ProteusOptions`` or None): with ``blocks = E > 1`` the memory is gated by the
     Proteus schedule (SPEC §4, see the module docstring); ``E = 1`` / None is the plain memory.
@@ -179,17 +149,13 @@ class NeuralMemory(nnx.Module):
         self.n_heads, self.head_dim, self.dtype = n_heads, head_dim, dtype
         self.n_layers = opts.memory_layers
         self.impl = opts.memory_impl
+        # The recurrent rule is the chunk-1 rule (also its decode buffer).
         self.chunk = 1 if opts.memory_impl == "recurrent" else opts.memory_chunk
-        self.read_before_write = opts.read_before_write
-        self.per_chunk_gates = opts.per_chunk_gates
         self.grad_clip = float(opts.grad_clip) or None
-        self.grad_horizon = opts.grad_horizon
         self.theta_max = float(opts.theta_max)
         hidden = opts.resolved_memory_hidden(head_dim)
-        dims = (head_dim,) + (hidden,) * (self.n_layers - 1) + (head_dim,)
-        self.dims = dims
+        self.dims = (head_dim,) + (hidden,) * (self.n_layers - 1) + (head_dim,)
         self.p_blocks = 1 if proteus is None else proteus.blocks
-        self.p_context = 0 if proteus is None else proteus.context_len
         if self.p_blocks > 1:
             blocked = head_dim if self.n_layers == 1 else hidden
             what = "head_dim (key rows)" if self.n_layers == 1 else "memory_hidden (hidden units)"
@@ -198,7 +164,13 @@ class NeuralMemory(nnx.Module):
                     f"ProteusOptions.blocks: {self.p_blocks} blocks need {what} >= blocks, "
                     f"got {blocked}"
                 )
-        init = titans_mlp_init_weights(rngs.params(), n_heads, dims)
+        self.spec = TitansMemorySpec(
+            dims=self.dims, chunk=self.chunk, read_before_write=opts.read_before_write,
+            per_chunk_gates=opts.per_chunk_gates, grad_clip=self.grad_clip,
+            grad_horizon=opts.grad_horizon, proteus_blocks=self.p_blocks,
+            proteus_context_len=0 if proteus is None else proteus.context_len,
+        )  # fmt: skip
+        init = titans_mlp_init_weights(rngs.params(), n_heads, self.dims)
         for i, w in enumerate(init):
             setattr(self, f"w{i}", nnx.Param(partitioned(lambda *_, w=w: w, (None,) * 3)(None)))
         self.gate_proj = dense(d_in, 3 * n_heads, ("embed", None), dtype=dtype, rngs=rngs)
@@ -224,17 +196,15 @@ class NeuralMemory(nnx.Module):
         g = jax.nn.sigmoid(z + self.gate_bias[...])
         return self.theta_max * g[:, :, 0], g[:, :, 1], g[:, :, 2]
 
-    def _kw(self):
-        return dict(read_before_write=self.read_before_write, grad_clip=self.grad_clip)
-
     def __call__(self, q, k, v, theta, eta, alpha, *, state: TitansMLPState | None = None,
                  segment_ids=None, reset_state: TitansMLPState | None = None):  # fmt: skip
         """Sequence form: ``(y [B, T, H, D] f32, final state)`` from ``q, k, v [B, T, H, D]`` and
-        gates ``[B, T, H]`` (state None → :meth:`initial_state`).
+        gates ``[B, T, H]`` (state None → :meth:`initial_state`); ``ops.titans.titans_memory``.
 
         ``segment_ids [B, T]`` (packed rows): the core's exact reset — the memory and momentum
         return to ``reset_state`` (default: the learned ``(M_0, 0)``) at every document start and
-        each document keeps its own chunk grid (see the module docstring).
+        each document keeps its own chunk grid (see the module docstring). With Proteus (SPEC §4)
+        one memory call runs per span of constant mask at row positions ``t = 1 … T``.
 
         **Truncated backprop** (``grad_horizon = n > 0``, default 64): the carried memory state is
         a ``stop_gradient`` every ``n`` tokens (whole chunks, aligned at 0). Values are
@@ -246,51 +216,9 @@ class NeuralMemory(nnx.Module):
         state = self.initial_state(b) if state is None else state
         if segment_ids is not None and reset_state is None:
             reset_state = self.initial_state(b)
-        if self.p_blocks > 1:
-            return self._proteus_forward(
-                state, (q, k, v, theta, eta, alpha), segment_ids, reset_state
-            )
-        return self._core(state, (q, k, v, theta, eta, alpha), segment_ids, reset_state)
-
-    def _core(self, state, xs, segment_ids, reset_state):
-        kw = dict(segment_ids=segment_ids, reset_state=reset_state, grad_horizon=self.grad_horizon)
-        if self.impl == "recurrent":
-            return titans_mlp_recurrent(state, *xs, **kw, **self._kw())
-        return titans_mlp_chunked(
-            state, *xs, chunk_size=self.chunk, per_chunk_gates=self.per_chunk_gates, **kw,
-            **self._kw(),
-        )  # fmt: skip
-
-    def _proteus_forward(self, state, xs, segment_ids, reset_state):
-        """Proteus sequence form (SPEC §4) at row positions ``t = 1 … T``.
-
-        One core call per span of constant mask (``proteus_spans``; spans of one length as one
-        ``lax.scan``, ``run_proteus_spans``), from the gated state, then ``proteus_gated_update``
-        puts the locked coordinates back (the construction of ``proteus_titans_mlp_chunked`` /
-        ``_recurrent``, which this equals without segment_ids). Packed rows
-        (``run_proteus_spans_packed``): the schedule follows the row position; the whole state
-        (locked coordinates too) resets to ``reset_state`` at a document start.
-        """
-        spans = proteus_spans(xs[0].shape[1], 0, self.p_context, self.p_blocks)
-        e = self.p_blocks
-
-        def span_fn(st, mem_in, seg, active):
-            tree, mem_in = self._proteus_gate_inputs(active, mem_in)
-            rs = None if reset_state is None else proteus_gate(reset_state, tree)
-            y, cand = self._core(proteus_gate(st, tree), mem_in, seg, rs)
-            return y, proteus_gated_update(st, cand, tree)
-
-        def open_fn(st, mem_in, seg):
-            return self._core(st, mem_in, seg, reset_state)
-
-        if segment_ids is None:
-            return run_proteus_spans(
-                lambda st, p, k: span_fn(st, p, None, k), lambda st, p: open_fn(st, p, None),
-                state, tuple(xs), spans, e,
-            )  # fmt: skip
-        return run_proteus_spans_packed(
-            span_fn, open_fn, self._proteus_masks, state, reset_state, tuple(xs), segment_ids,
-            spans, e,
+        return titans_memory(
+            state, q, k, v, theta, eta, alpha, spec=self.spec, segment_ids=segment_ids,
+            reset_state=reset_state, impl=self.impl,
         )  # fmt: skip
 
     def read(self, weights: tuple, z: jax.Array) -> jax.Array:
@@ -300,38 +228,13 @@ class NeuralMemory(nnx.Module):
     def init_cache(self, batch_size: int) -> MemoryCache:
         """Decode state at position 0: ``n = −1`` marks "not started" and the weights are zero
         placeholders, because the LM shell builds caches from static attributes only (on the
-        layer-stacked module); the first :meth:`step` substitutes the learned ``M_0``."""
-        if self.per_chunk_gates:
-            raise ValueError(
-                "ModelConfig.titans.per_chunk_gates: per-chunk gates pool over later tokens of the "
-                "chunk, so the model cannot decode token by token; use per_chunk_gates=false"
-            )
-        ws = tuple(
-            jnp.zeros((batch_size, self.n_heads, a, b), jnp.float32)
-            for a, b in zip(self.dims[:-1], self.dims[1:], strict=True)
-        )
-        if self.p_blocks > 1 and not proteus_chunk_constant(
-            self.chunk, self.p_context, self.p_blocks
-        ):
-            delta = proteus_block_len(self.p_context, self.p_blocks)
-            raise ValueError(
-                f"TitansOptions.memory_chunk: decoding with Proteus needs memory_chunk to "
-                f"divide the block length Δ = context_len // blocks = {delta} (the forward's "
-                f"chunk grid restarts every Δ tokens), got {self.chunk}"
-            )
-        b, h, d = self.chunk, self.n_heads, self.head_dim
-        z = jnp.zeros((batch_size, b, h, d), jnp.float32)
-        g = jnp.zeros((batch_size, b, h), jnp.float32)
-        i0 = jnp.zeros((), jnp.int32)
-        return MemoryCache(ws, ws, z, z, z, g, g, g, jnp.full((), -1, jnp.int32), i0)
+        layer-stacked module); the first :meth:`step` substitutes the learned ``M_0``. Refuses
+        ``per_chunk_gates`` and Proteus with a chunk that does not divide ``Δ``."""
+        return titans_memory_init_cache(self.spec, batch_size, self.n_heads, impl=self.impl)
 
     def start(self, cache: MemoryCache) -> MemoryCache:
         """``cache`` with ``(M_0, 0)`` substituted if it has not started (``n < 0``), ``n ≥ 0``."""
-        fresh = cache.n < 0
-        st = self.initial_state(cache.q.shape[0])
-        w = jax.tree.map(lambda a, o: jnp.where(fresh, a, o), st.weights, cache.weights)
-        s = jax.tree.map(lambda o: jnp.where(fresh, 0.0, o), cache.momentum)
-        return cache._replace(weights=w, momentum=s, n=jnp.maximum(cache.n, 0))
+        return titans_memory_start(cache, self.initial_weights())
 
     def step(self, cache: MemoryCache, q, k, v, theta, eta, alpha, *, commit=None):
         """One token: ``q, k, v [B, H, D]``, gates ``[B, H]`` → ``(y [B, H, D] f32, cache)``.
@@ -340,66 +243,10 @@ class NeuralMemory(nnx.Module):
         scalar, optional) forces the chunk to close after this token (MAC segment ends; the
         caller guarantees the chunk is then full).
         """
-        f = lambda a: a.astype(jnp.float32)  # noqa: E731
-        q, k, v, theta, eta, alpha = map(f, (q, k, v, theta, eta, alpha))
-        cache = self.start(cache)
-        proteus = self.p_blocks > 1
-        if self.chunk == 1:
-            st = TitansMLPState(cache.weights, cache.momentum)
-            if proteus:
-                y, st = proteus_titans_mlp_step(
-                    st, q, k, v, theta, eta, alpha, t=cache.t + 1, context_len=self.p_context,
-                    num_blocks=self.p_blocks, **self._kw(),
-                )  # fmt: skip
-            else:
-                y, st = titans_mlp_step(st, q, k, v, theta, eta, alpha, **self._kw())
-            return y, cache._replace(weights=st.weights, momentum=st.momentum, t=cache.t + 1)
-        n = cache.n
-        put = lambda buf, a: jax.lax.dynamic_update_index_in_dim(buf, a, n, 1)  # noqa: E731
-        bufs = [put(cache.q, q), put(cache.k, k), put(cache.v, v)]
-        bufs += [put(cache.theta, theta), put(cache.eta, eta), put(cache.alpha, alpha)]
-        st = TitansMLPState(cache.weights, cache.momentum)
-        run_bufs, tree = bufs, None
-        if proteus:
-            # The chunk lies inside one Proteus span (memory_chunk divides Δ, checked in
-            # init_cache): gate the chunk-start state with the mask of the chunk's first token.
-            b = q.shape[0]
-            active = proteus_active_blocks(
-                jnp.broadcast_to(cache.t - n + 1, (b,)), self.p_context, self.p_blocks
-            )
-            tree, run_bufs = self._proteus_gate_inputs(active, bufs)
-            st = proteus_gate(st, tree)
-        # Later slots hold stale tokens: rows ≤ n of the dual form never read them, and the final
-        # state is used only when every slot is filled by the current chunk.
-        ys, new = titans_mlp_chunked(
-            st, *run_bufs, chunk_size=self.chunk, remat=False, **self._kw()
-        )
-        if proteus:
-            new = proteus_gated_update(TitansMLPState(cache.weights, cache.momentum), new, tree)
-        y = jax.lax.dynamic_index_in_dim(ys, n, 1, keepdims=False)
-        full = n == self.chunk - 1 if commit is None else commit
-        pick = lambda a, b: jnp.where(full, a, b)  # noqa: E731
-        w = jax.tree.map(pick, new.weights, cache.weights)
-        s = jax.tree.map(pick, new.momentum, cache.momentum)
-        n_new = jnp.where(full, 0, n + 1).astype(jnp.int32)
-        return y, MemoryCache(w, s, *bufs, n_new, cache.t + 1)
-
-    def _proteus_masks(self, active) -> TitansMLPState:
-        """Open coordinates of the weights and the momentum for ``active`` open blocks."""
-        masks = proteus_titans_mlp_masks(active, self.dims, self.p_blocks)
-        return TitansMLPState(masks, masks)
-
-    def _proteus_gate_inputs(self, active, xs):
-        """Masks (:meth:`_proteus_masks`) for ``active`` open blocks and the inputs ``xs = (q, k,
-        ...)`` ``[B, T, H, D]`` with masked q, k for the matrix memory (key-row blocks)."""
-        tree = self._proteus_masks(active)
-        if self.n_layers == 1:  # key rows: (g ⊙ M)ᵀq = Mᵀ(g ⊙ q); masking k keeps ∇ on open rows
-            rows = tree.weights[0][..., 0]  # static: [K]; traced: [B, 1, K]
-            rows = rows if rows.ndim == 1 else rows[:, :, None, :]
-            q, k, *rest = xs
-            zero = lambda a: jnp.where(rows, a, jnp.zeros((), a.dtype))  # noqa: E731
-            xs = [zero(q), zero(k), *rest]
-        return tree, list(xs)
+        return titans_memory_step(
+            cache, q, k, v, theta, eta, alpha, spec=self.spec,
+            initial_weights=self.initial_weights(), commit=commit, impl=self.impl,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------

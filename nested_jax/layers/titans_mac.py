@@ -38,13 +38,8 @@ from nested_jax.layers.common import check_rank, dense
 from nested_jax.layers.conv import ShortConv
 from nested_jax.layers.deltanet import l2_normalize
 from nested_jax.layers.norm import RMSNorm
-from nested_jax.layers.titans import (
-    MemoryCache,
-    NeuralMemory,
-    _positions,
-    _swa,
-    scan_tokens,
-)
+from nested_jax.layers.titans import NeuralMemory, _positions, _swa, scan_tokens
+from nested_jax.ops.titans import MemoryCache
 
 __all__ = ["MACCache", "TitansMAC"]
 
@@ -53,7 +48,7 @@ class MACCache(NamedTuple):
     """Decode state of MAC.
 
     Attributes:
-      memory: :class:`~nested_jax.layers.titans.MemoryCache` (state at the chunk start + buffer).
+      memory: :class:`~nested_jax.ops.titans.MemoryCache` (state at the chunk start + buffer).
       seg_weights: tuple of ``[B, H, d_l, d_{l+1}]``, ``M_{s-1}`` used for retrieval in segment s.
       conv_q: ``[B, W−1, H·D]`` taps of the retrieval-query conv.
       k_h, v_h, k_x, v_x: ``[B, N_s, H, D]`` keys / values of the current segment's retrieved and

@@ -1,16 +1,29 @@
 """The one door from layers to the math: ``op(..., impl="chunked" | "recurrent" | "pallas")``.
 
 Every mixer reaches its memory rule through this package (DESIGN.md, SPEC §0); layers import no
-function from ``nested_jax.core`` (an import-linter contract in ``pyproject.toml`` checks it). Each
-op takes ``impl``; an ``impl`` that cannot run raises ``ValueError`` (never a silent switch), and
-``"pallas"`` is the seam where the TPU kernels plug in.
+name from ``nested_jax.core`` (an import-linter ``forbidden`` contract in ``pyproject.toml``
+checks it), only the ops and the state types the ops modules re-export. Each op takes ``impl``;
+an ``impl`` that cannot run raises ``ValueError`` naming the op (never a silent switch), and
+``"pallas"`` is the seam where the TPU kernels plug in. Each module's docstring says which core
+function each ``impl`` reaches (and ``docs/from_yaml_to_core.md`` follows a config field there).
 
-Modules, one per mechanism: ``linear`` (linear attention, delta rule, gated delta; SPEC §1).
+One module per mechanism:
+
+- ``linear``: linear attention, delta rule, gated delta, decode steps, Proteus key rows (§1, §4)
+- ``titans``: the Titans neural memory, sequence and decode forms (SPEC §2, §4)
+- ``hope``: Hope's self-modifying memories, sequence and decode forms (SPEC §3.2, §4)
+- ``hola``: gated delta state + exact top-w KV cache (SPEC §5); ``ops.hola.hola`` is its sequence
+  form (the module keeps the name ``hola``, so the function is not re-exported here)
+- ``cms``: the Continuum Memory System at fixed weights and online (SPEC §3.3)
 """
 
 from __future__ import annotations
 
+from nested_jax.ops import cms, hola, hope, linear, titans
 from nested_jax.ops._impl import IMPLS, check_impl
+from nested_jax.ops.cms import cms_forward, cms_online
+from nested_jax.ops.hola import hola_step
+from nested_jax.ops.hope import hope_decode, hope_memories
 from nested_jax.ops.linear import (
     delta_rule,
     delta_rule_step,
@@ -20,10 +33,16 @@ from nested_jax.ops.linear import (
     linear_attention_step,
     proteus_key_rows,
 )
+from nested_jax.ops.titans import titans_memory, titans_memory_step
 
 __all__ = [
     "IMPLS",
     "check_impl",
+    "linear",
+    "titans",
+    "hope",
+    "hola",
+    "cms",
     "linear_attention",
     "delta_rule",
     "gated_delta",
@@ -31,4 +50,11 @@ __all__ = [
     "delta_rule_step",
     "gated_delta_step",
     "proteus_key_rows",
+    "titans_memory",
+    "titans_memory_step",
+    "hope_memories",
+    "hope_decode",
+    "hola_step",
+    "cms_forward",
+    "cms_online",
 ]

@@ -17,11 +17,10 @@ from nested_jax.core.hope import (
     HopeState,
     MLPMemory,
     hope_chunked,
-    hope_decode_step,
     hope_init_state,
-    hope_linear_chunk_update,
-    hope_recurrent,
 )
+from nested_jax.core.hope_linear import hope_linear_chunk_update
+from nested_jax.core.hope_token import hope_decode_step, hope_recurrent
 from nested_jax.core.reference.hope import hope_reference
 
 B, T, H, D, HID = 2, 6, 2, 4, 3

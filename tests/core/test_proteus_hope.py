@@ -20,9 +20,8 @@ from nested_jax.core.hope import (
     HopeState,
     MLPMemory,
     hope_chunked,
-    hope_recurrent,
-    hope_step,
 )
+from nested_jax.core.hope_token import hope_recurrent, hope_step
 from nested_jax.core.proteus_hope import (
     proteus_hope_chunked,
     proteus_hope_recurrent,

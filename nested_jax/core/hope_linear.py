@@ -1,0 +1,66 @@
+"""A Hope chunk of a *linear* memory through the gated delta kernel (SPEC §3.2, §1).
+
+Split from :mod:`nested_jax.core.hope`: it needs none of the MLP-memory machinery, only
+``core.dgd.dgd_step_size`` and ``core.associative.gated_delta_chunked``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from nested_jax.core.associative import gated_delta_chunked
+from nested_jax.core.dgd import dgd_step_size
+
+__all__ = ["hope_linear_chunk_update"]
+
+def hope_linear_chunk_update(
+    M0, k, v_hat, alpha, eta, *, step: str = "exact", chunk_size: int = 64
+):
+    """One Hope chunk of a linear memory ``y = M z`` through the gated delta kernel (SPEC §3.2).
+
+    ``M_t = M_{t−1}(α_t I − γ_t k_t k_tᵀ) − γ_t (M_0 k_t − v̂_t) k_tᵀ`` for ``t = 1..T`` (all
+    signals at the chunk-start ``M_0``; ``γ_t`` from :func:`dgd_step_size`). With ``S = Mᵀ`` this is
+    §1's gated delta rule with ``g = log α_t``, ``β_t = γ_t/α_t`` and values ``α_t(v̂_t − M_0 k_t)``,
+    computed by :func:`gated_delta_chunked` (β may exceed 1). Self-generated targets: ``v̂ = M_0 v``.
+
+    Args:
+      M0: ``[B, H, V, K]`` chunk-start memory.
+      k: ``[B, T, H, K]`` keys (the T tokens of one Hope chunk).
+      v_hat: ``[B, T, H, V]`` targets.
+      alpha: ``[B, T, H]`` retention in ``(0, 1]``.
+      eta: ``[B, T, H]`` inner rate.
+      step: ``"exact"`` or ``"paper"`` (SPEC §3.1).
+      chunk_size: the kernel's WY chunk length (any value; not the Hope chunk).
+
+    Returns:
+      ``M_T`` ``[B, H, V, K]`` (f32).
+    """
+    M0, k, v_hat = jnp.asarray(M0), jnp.asarray(k), jnp.asarray(v_hat)
+    if k.ndim != 4:
+        raise ValueError(f"k must have shape [B, T, H, K], got {k.shape}")
+    B, T, H, K = k.shape
+    if M0.ndim != 4 or M0.shape[0] != B or M0.shape[1] != H or M0.shape[3] != K:
+        raise ValueError(f"M0 must have shape [B={B}, H={H}, V, K={K}], got {M0.shape}")
+    V = M0.shape[2]
+    if v_hat.shape != (B, T, H, V):
+        raise ValueError(f"v_hat must have shape [B, T, H, V]={(B, T, H, V)}, got {v_hat.shape}")
+    for name, a in (("alpha", alpha), ("eta", eta)):
+        if jnp.shape(a) != (B, T, H):
+            raise ValueError(f"{name} must have shape [B, T, H]={(B, T, H)}, got {jnp.shape(a)}")
+    f32 = jnp.promote_types(jnp.result_type(M0, k, v_hat), jnp.float32)
+    M0, k, v_hat = M0.astype(f32), k.astype(f32), v_hat.astype(f32)
+    alpha, eta = jnp.asarray(alpha, f32), jnp.asarray(eta, f32)
+    gamma = dgd_step_size(eta, k, step=step)
+    M0k = jnp.einsum("bhvk,bthk->bthv", M0, k)
+    values = alpha[..., None] * (v_hat - M0k)
+    _, S = gated_delta_chunked(
+        k,
+        k,
+        values,
+        jnp.log(alpha),
+        gamma / alpha,
+        scale=1.0,
+        initial_state=jnp.swapaxes(M0, -1, -2),
+        chunk_size=chunk_size,
+    )
+    return jnp.swapaxes(S, -1, -2)
