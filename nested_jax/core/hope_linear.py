@@ -13,6 +13,7 @@ from nested_jax.core.dgd import dgd_step_size
 
 __all__ = ["hope_linear_chunk_update"]
 
+
 def hope_linear_chunk_update(
     M0, k, v_hat, alpha, eta, *, step: str = "exact", chunk_size: int = 64
 ):

@@ -34,6 +34,7 @@ from nested_jax.core.hope import (
 
 __all__ = ["hope_decode_step", "hope_step", "hope_recurrent"]
 
+
 def hope_decode_step(
     x_t,
     q_t,
