@@ -11,6 +11,7 @@ from nested_jax.bench import optim as bench_optim
 from nested_jax.bench import titans as bench_titans
 
 
+@pytest.mark.slow  # ~100 s on 2 cores (chunked / recurrent Titans memories, L = 1 and 2, three T)
 def test_bench_titans_json_keys(capsys):
     argv = ["--seq-len", "32", "--mem-seq-lens", "16,32", "--dim", "8", "--heads", "1"]
     argv += ["--chunk-size", "8", "--repeats", "1", "--skip-models", "--json"]

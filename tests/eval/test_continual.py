@@ -30,7 +30,8 @@ def _full_forward_ce(model, toks):
     return -jnp.take_along_axis(logp, jnp.asarray(toks[:, 1:])[..., None], -1)[..., 0]
 
 
-@pytest.mark.parametrize("name", ["gdn", "titans_lmm"])
+# titans_lmm: ~70 s on 2 cores, so slow (run with -m slow)
+@pytest.mark.parametrize("name", ["gdn", pytest.param("titans_lmm", marks=pytest.mark.slow)])
 def test_memory_stream_split_over_calls_equals_one_forward(name):
     model = build_model(ModelConfig(name=name, **SMALL), rngs=nnx.Rngs(0))
     apply_fn, params = stream_model(model)

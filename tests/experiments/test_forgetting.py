@@ -38,6 +38,7 @@ def test_nested_with_summed_rates_is_the_one_level_model():
     assert np.max(np.abs(mean["eval"] - one["eval"])) > 1e-3
 
 
+@pytest.mark.slow  # ~60 s on 2 cores (three pretraining + stream arms)
 def test_pretraining_on_both_languages_lowers_the_initial_loss():
     pre = dataclasses.replace(QUICK, pretrain_steps=20, pretrain_lr=1e-2)
     one = run_arm(pre, Arm("k1"), seed=0)

@@ -48,6 +48,7 @@ def test_bad_inputs_fail_before_training(capsys):
         mqar.MqarSettings(d_model=63, n_heads=2)
 
 
+@pytest.mark.slow  # ~85 s on 2 cores (three model compiles)
 def test_proteus_model_specs_and_longer_evaluation(tmp_path):
     assert mqar.parse_model("gdn") == ("gdn", 1)
     assert mqar.parse_model("gdn+proteus16") == ("gdn", 16)
