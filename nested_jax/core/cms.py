@@ -1,28 +1,7 @@
 """Continuum Memory System (CMS): MLP levels updated at several periods (SPEC §3.3, paper §7.1).
 
-**Levels.** Each level is a residual MLP on row vectors ``x ∈ R^d`` (kernels stored row-major
-like Flax ``Dense`` kernels, so a Transformer FFN can be copied into a level, SPEC §3.4)::
-
-    plain  (w_gate is None):  MLP(x) = x + σ(x W_up) W_down                 (SPEC §3.2 form)
-    gated  (SwiGLU):          MLP(x) = x + (σ(x W_gate) ⊙ x W_up) W_down
-
-with ``W_up, W_gate ∈ R^{d×h}``, ``W_down ∈ R^{h×d}``, ``σ`` = SiLU. In column form the plain level
-is SPEC §3.2's ``M(z) = z + W_1 σ(W_2 z)`` with ``W_1 = W_downᵀ``, ``W_2 = W_upᵀ``.
-
-**Variants** for ``k`` levels with periods ``C^(1) < … < C^(k)`` (tokens; level 1 is the fastest):
-
-- ``sequential``: ``y = MLP_k(… MLP_1(x))``.
-- ``independent`` (head-wise): ``y = Σ_ℓ w_ℓ MLP_ℓ(x)`` with ``w = softmax(mix_logits)``
-  (learned, outer parameters; ``Σ w_ℓ = 1``, so the residual ``x`` passes with weight 1).
-- ``nested``: only the fastest level computes the output, ``y = MLP_1(x)``; the slower levels are
-  its (meta-learned) initial states. **Reading (documented decision):** level ℓ's *context* is
-  one period of level ℓ+1. At the end of each period of level ℓ+1, level ℓ+1 applies its own
-  update and then level ℓ is reset to level ℓ+1's (new) state (top-down, so a boundary of level
-  ``m`` cascades to all faster levels). The slowest level is never reset. Requires
-  ``C^(ℓ) | C^(ℓ+1)`` so a context holds whole periods of the faster level. Level ℓ+1's update
-  signal is the first-order meta-gradient: the gradient of the loss w.r.t. the fast weights
-  (``∂θ_ℓ/∂θ_ℓ,0 ≈ I``, as first-order MAML/Reptile), accumulated over level ℓ+1's period with its
-  own rate. The given per-level parameters are the states at the start of the stream.
+**Levels and variants** (``sequential`` / ``independent`` / ``nested``, with the nested-reset
+decision): the docstring of :mod:`nested_jax.core.cms_levels`, where they are defined.
 
 **Online update mode** (:func:`cms_online`; test time / continual learning). Local surprise:
 ``δ_t = ∂L_t/∂y_t`` where ``y_t`` is the CMS output at token ``t`` and ``L_t`` the model's
