@@ -137,6 +137,38 @@ def test_seq_len_rule_does_not_apply_to_attention_or_recurrent_impl():
     load_config([], ["model.impl=recurrent", "data.seq_len=100"])
 
 
+@pytest.mark.parametrize(
+    "overrides,knob",
+    [
+        (
+            ["model.name=titans_lmm", "model.titans.memory_chunk=16"],
+            r"model\.titans\.memory_chunk = 16",
+        ),
+        (
+            ["model.name=titans_mac", "model.titans.memory_chunk=16"],
+            r"model\.titans\.memory_chunk = 16",
+        ),
+        (["model.name=hope", "model.hope.chunk_memory=16"], r"model\.hope\.chunk_memory = 16"),
+        (["model.name=hola", "model.chunk_size=64"], r"model\.chunk_size = 64"),
+    ],
+)
+def test_seq_len_rule_names_the_chunk_the_mixer_reads(overrides, knob):
+    """The registry asks each mixer which chunk it runs (models.registry.mixer_seq_len_multiples):
+    Titans and Hope are checked against their own chunk sizes, not model.chunk_size."""
+    with pytest.raises(ConfigError, match=rf"^data\.seq_len: 100 is not a multiple of {knob}"):
+        load_config([], [*overrides, "data.seq_len=100"])
+
+
+def test_seq_len_rule_ignores_knobs_a_mixer_does_not_read():
+    # 96: a multiple of the Titans / Hope chunks, not of model.chunk_size = 64 (which neither reads)
+    for name in ("titans_lmm", "titans_mag", "hope"):
+        load_config([], [f"model.name={name}", "model.chunk_size=64", "data.seq_len=96"])
+    load_config(
+        [], ["model.name=titans_lmm", "model.titans.memory_impl=recurrent", "data.seq_len=97"]
+    )
+    load_config([], ["model.name=hope", "model.impl=recurrent", "data.seq_len=97"])
+
+
 def test_bad_yaml_files_are_reported(tmp_path):
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match="not found"):

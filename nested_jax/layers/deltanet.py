@@ -130,6 +130,12 @@ class DeltaNet(nnx.Module):
         )
 
     @staticmethod
+    def seq_len_multiples(cfg) -> dict:
+        """``data.seq_len`` must hold whole WY/UT chunks of ``model.chunk_size`` when chunked
+        (``models.registry.mixer_seq_len_multiples``); the recurrent form has no chunk."""
+        return {"model.chunk_size": cfg.chunk_size} if cfg.impl == "chunked" else {}
+
+    @staticmethod
     def proteus_kwargs(cfg) -> dict:
         """``proteus_blocks`` / ``proteus_context_len`` from ``cfg.proteus`` (SPEC §4)."""
         return dict(proteus_blocks=cfg.proteus.blocks, proteus_context_len=cfg.proteus.context_len)

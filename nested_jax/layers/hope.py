@@ -163,6 +163,15 @@ class HopeMixer(nnx.Module):
             b = jnp.full((n_heads,), _logit(p), jnp.float32)
             setattr(self, f"{n}_b", nnx.Param(partitioned(_const(b), (None,))(None)))
 
+    @staticmethod
+    def seq_len_multiples(cfg) -> dict:
+        """``data.seq_len`` must hold whole chunks of both Hope chunk sizes when chunked
+        (``models.registry.mixer_seq_len_multiples``); ``model.chunk_size`` is not read."""
+        if cfg.impl != "chunked":
+            return {}
+        h = cfg.hope
+        return {"model.hope.chunk_memory": h.chunk_memory, "model.hope.chunk_other": h.chunk_other}
+
     @classmethod
     def from_config(cls, cfg, *, rngs: nnx.Rngs):
         """Build from a ``ModelConfig`` (registry ``hope``; options ``cfg.hope``, Proteus

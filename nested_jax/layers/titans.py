@@ -101,7 +101,16 @@ __all__ = [
     "MAGCache",
     "MALCache",
     "scan_tokens",
+    "titans_seq_len_multiples",
 ]
+
+
+def titans_seq_len_multiples(cfg) -> dict:
+    """``data.seq_len`` must hold whole memory chunks (``model.titans.memory_chunk``) when the
+    memory is chunked (``models.registry.mixer_seq_len_multiples``); ``model.chunk_size`` is not
+    read by the Titans mixers."""
+    t = cfg.titans
+    return {"model.titans.memory_chunk": t.memory_chunk} if t.memory_impl == "chunked" else {}
 
 
 def _logit(p: float) -> float:
@@ -333,6 +342,8 @@ def _titans_args(cfg):
 class TitansLMM(nnx.Module):
     """LMM mixer (SPEC §2 "LMM"): memory branch, ``RMSNorm(y) ⊙ silu(x W_g)`` per head, ``W_o``."""
 
+    seq_len_multiples = staticmethod(titans_seq_len_multiples)
+
     def __init__(self, d_model, n_heads, head_dim, opts, *, conv_size=4, norm_eps=1e-6,
                  dtype=jnp.float32, rngs: nnx.Rngs, proteus=None):  # fmt: skip
         self.d_model, self.n_heads, self.head_dim, self.dtype = d_model, n_heads, head_dim, dtype
@@ -492,6 +503,8 @@ class TitansMAG(nnx.Module):
     parallel; the memory output, normalised with its own gain, gates the normalised attention.
     """
 
+    seq_len_multiples = staticmethod(titans_seq_len_multiples)
+
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         h, d = cfg.n_heads, cfg.resolved_head_dim()
         self.n_heads, self.head_dim, self.dtype = h, d, cfg.activation_dtype()
@@ -547,6 +560,8 @@ class MALCache(NamedTuple):
 class TitansMAL(nnx.Module):
     """MAL mixer (SPEC §2 "MAL"): ``y = LMM(x)`` (full LMM layer), ``o = SWA(y) W_o`` with
     persistent tokens, inside one mixer."""
+
+    seq_len_multiples = staticmethod(titans_seq_len_multiples)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         h, d = cfg.n_heads, cfg.resolved_head_dim()

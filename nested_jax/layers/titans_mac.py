@@ -38,7 +38,13 @@ from nested_jax.layers.common import check_rank, dense
 from nested_jax.layers.conv import ShortConv
 from nested_jax.layers.deltanet import l2_normalize
 from nested_jax.layers.norm import RMSNorm
-from nested_jax.layers.titans import NeuralMemory, _positions, _swa, scan_tokens
+from nested_jax.layers.titans import (
+    NeuralMemory,
+    _positions,
+    _swa,
+    scan_tokens,
+    titans_seq_len_multiples,
+)
 from nested_jax.ops.titans import MemoryCache
 
 __all__ = ["MACCache", "TitansMAC"]
@@ -69,6 +75,8 @@ class MACCache(NamedTuple):
 class TitansMAC(nnx.Module):
     """MAC mixer (registry ``titans_mac``); options ``cfg.titans`` (segment_len, persistent_tokens,
     memory_*). See the module docstring for the equations."""
+
+    seq_len_multiples = staticmethod(titans_seq_len_multiples)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         opts = cfg.titans

@@ -75,6 +75,18 @@ def mixer_option_sections(name: str) -> tuple[str, ...]:
     return _OPTIONS[name]
 
 
+def mixer_seq_len_multiples(cfg) -> dict[str, int]:
+    """The chunk sizes ``data.seq_len`` must be a multiple of for ``cfg`` (a ``ModelConfig``).
+
+    Asked of the mixer class: ``cls.seq_len_multiples(cfg) -> {config field path: size}``, e.g.
+    ``{"model.chunk_size": 64}`` for a chunked GDN, ``{"model.titans.memory_chunk": 16}`` for a
+    chunked Titans memory. A mixer without the method (attention) needs nothing. Used by
+    ``train.config``'s cross-field check, so each mixer states the knob it really reads.
+    """
+    ask = getattr(get_mixer(cfg.name), "seq_len_multiples", None)
+    return {} if ask is None else dict(ask(cfg))
+
+
 def available_mixers() -> tuple[str, ...]:
     """Names currently registered, sorted."""
     return tuple(sorted(_MIXERS))

@@ -10,11 +10,14 @@ Cross-field rules checked at load (DESIGN.md "Configs"):
 - ``data.batch_size`` must be divisible by ``mesh.data × mesh.fsdp`` when both are explicit; with
   ``mesh.fsdp = -1`` the product is only known once the devices are, so the same check runs again
   when the mesh is built.
-- **Decision:** for recurrent mixers run with ``model.impl = "chunked"`` (everything except
-  attention-only models), ``data.seq_len`` must be a multiple of ``model.chunk_size``. The chunked
-  kernels would pad the tail chunk, but that pads every training sequence and silently wastes
-  compute, and Pallas kernels need whole chunks; a config that asks for it is almost always a typo.
-  ``impl = "recurrent"`` and attention models have no such constraint.
+- **Decision:** a chunked mixer needs ``data.seq_len`` to be a multiple of the chunk size it
+  really reads, and the registry asks the mixer which one (``mixer_seq_len_multiples``):
+  ``model.chunk_size`` for DeltaNet / GDN / HOLA with ``model.impl = "chunked"``,
+  ``model.titans.memory_chunk`` for the Titans mixers with ``memory_impl = "chunked"``, both
+  ``model.hope.chunk_memory`` and ``chunk_other`` for Hope with ``model.impl = "chunked"``. The
+  chunked kernels would pad the tail chunk, but that pads every training sequence and silently
+  wastes compute, and Pallas kernels need whole chunks; a config that asks for it is almost always
+  a typo. Recurrent forms and attention have no such constraint.
 - ``model.vocab_size`` must cover the tokenizer (257 ids for "byte", ``data.vocab_size`` for
   "sentencepiece"; a ``tokenizer.json`` is checked when it is loaded, at the start of training).
 - ``optimizer.name`` must be registered in :data:`nested_jax.train.optimizer.OPTIMIZERS`.
@@ -38,10 +41,8 @@ import yaml
 
 from nested_jax.data.config import DataConfig
 from nested_jax.models.config import ModelConfig
+from nested_jax.models.registry import mixer_seq_len_multiples
 from nested_jax.train.optimizer import OPTIMIZERS, OptimizerConfig
-
-# Models whose mixer has no chunked recurrence: `seq_len % chunk_size` is irrelevant for them.
-ATTENTION_ONLY_MODELS = frozenset({"transformer", "hope_attention"})
 
 
 class ConfigError(ValueError):
@@ -265,15 +266,12 @@ def _check_combinations(cfg: Config) -> None:
             f"data.batch_size: {cfg.data.batch_size} is not divisible by mesh.data × mesh.fsdp = "
             f"{m.data}×{m.fsdp} = {m.data * m.fsdp}"
         )
-    if (
-        cfg.model.impl == "chunked"
-        and cfg.model.name not in ATTENTION_ONLY_MODELS
-        and cfg.data.seq_len % cfg.model.chunk_size
-    ):
-        raise ConfigError(
-            f"data.seq_len: {cfg.data.seq_len} is not a multiple of model.chunk_size = "
-            f"{cfg.model.chunk_size} (required by model.impl=chunked for {cfg.model.name!r})"
-        )
+    for knob, size in mixer_seq_len_multiples(cfg.model).items():
+        if cfg.data.seq_len % size:
+            raise ConfigError(
+                f"data.seq_len: {cfg.data.seq_len} is not a multiple of {knob} = {size} "
+                f"(the chunked {cfg.model.name!r} mixer runs whole chunks)"
+            )
     needed = {"byte": 257, "sentencepiece": cfg.data.vocab_size}.get(cfg.data.tokenizer, 0)
     if cfg.model.vocab_size < needed:
         raise ConfigError(

@@ -67,7 +67,7 @@ def test_training_step_is_finite_with_packed_segments(name):
             "model.n_layers=1",
             "model.n_heads=2",
             "optimizer.warmup_steps=0",
-            "model.chunk_size=16",  # unused by Titans, but the trainer checks seq_len against it
+            "model.chunk_size=16",  # unused by Titans (the seq_len rule reads memory_chunk)
             "model.titans.memory_chunk=4",
             "model.titans.segment_len=8",
             "model.titans.window=8",
