@@ -1,4 +1,4 @@
-"""`nested-jax` command line: `train | eval | generate | bench <name>`.
+"""`nested-jax` command line: `train | eval | generate | bench <name> | launch <kind>`.
 
 Each sub-command lives in its own module and exposes `main(argv: list[str]) -> int`; this file only
 dispatches, so importing the CLI stays cheap and a broken sub-command cannot break the others.
@@ -13,7 +13,9 @@ COMMANDS = {
     "train": ("nested_jax.train.main", "train a model: --config FILE --workdir DIR"),
     "eval": ("nested_jax.eval.main", "evaluate the latest checkpoint: --workdir DIR"),
     "generate": ("nested_jax.eval.generate", "sample text: --workdir DIR --prompt TEXT"),
+    "aot": ("nested_jax.train.aot", "compile for a TPU slice on this CPU: --config F --topology T"),
     "bench": (None, "benchmarks: bench {core,titans,optim,hola,hope} [--json]"),
+    "launch": ("nested_jax.launch.main", "start runs: launch {tpu-vm,xpk,local} ... [--dry-run]"),
 }
 BENCHES = ("core", "titans", "optim", "hola", "hope")
 

@@ -13,6 +13,9 @@ Two sources:
 Every problem with the data (missing, empty, undecodable, corrupt cache) raises :class:`DataError`
 with one line naming the path. Cache files are written to a temporary name and renamed, so an
 interrupted run never leaves a half-written file behind.
+
+``data.corpus`` entries and ``data.data_dir`` may be URLs (``gs://bucket/texts``): they are read and
+written through :func:`nested_jax.files.as_path`.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from etils import epath
 
 from nested_jax.data.config import DataConfig
-from nested_jax.files import atomic_write_bytes
+from nested_jax.files import as_path, atomic_write_bytes, is_remote, resolve_path
 
 AUSTEN_NOVELS = (
     "emma",
@@ -62,13 +66,13 @@ def one_line(detail: object) -> str:
     return lines[0] if lines else type(detail).__name__
 
 
-def resolve_data_dir(data_dir: str = "") -> Path:
+def resolve_data_dir(data_dir: str = "") -> epath.Path:
     """Cache root: ``data_dir``, else ``$NESTED_JAX_DATA``, else ``~/.cache/nested_jax``."""
     root = data_dir or os.environ.get("NESTED_JAX_DATA", "") or "~/.cache/nested_jax"
-    return Path(root).expanduser()
+    return as_path(root, "data.data_dir").expanduser()
 
 
-def write_cache_bytes(path: Path, data: bytes) -> None:
+def write_cache_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Atomically writes a data-cache file (:func:`nested_jax.files.atomic_write_bytes`).
 
     Raises:
@@ -78,7 +82,7 @@ def write_cache_bytes(path: Path, data: bytes) -> None:
         atomic_write_bytes(path, data)
     except OSError as e:
         raise DataError(
-            f"{Path(path).parent}: cannot write the data cache ({e.strerror}); "
+            f"{as_path(path).parent}: cannot write the data cache ({e.strerror}); "
             f"set data.data_dir or $NESTED_JAX_DATA to a writable folder"
         ) from e
 
@@ -231,7 +235,7 @@ def _validate_novels(novels: object, where: Path) -> dict[str, list[str]]:
     return {name: novels[name] for name in AUSTEN_NOVELS}
 
 
-def austen_cache_path(data_dir: str = "") -> Path:
+def austen_cache_path(data_dir: str = "") -> epath.Path:
     """Where the decoded novels are cached (JSON)."""
     return resolve_data_dir(data_dir) / "austen" / "janeaustenr_v1.json"
 
@@ -258,9 +262,11 @@ def load_austen_novels(data_dir: str = "") -> dict[str, list[str]]:
     if (system / "Rdata.rdb").is_file():
         novels = decode_janeaustenr(system)
     else:
+        local = None if is_remote(cache) else cache.parent  # a gs:// cache downloads to /tmp
         try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            workdir = tempfile.TemporaryDirectory(dir=cache.parent, prefix=".download-")
+            if local is not None:
+                local.mkdir(parents=True, exist_ok=True)
+            workdir = tempfile.TemporaryDirectory(dir=local, prefix=".download-")
         except OSError as e:
             raise DataError(
                 f"{cache.parent}: cannot write the data cache ({e.strerror}); "
@@ -304,14 +310,28 @@ def austen_documents(data_dir: str = "") -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _user_files(spec: str) -> list[Path]:
-    files: list[Path] = []
+def _text_files(folder: epath.Path) -> list[epath.Path]:
+    """The ``*.txt`` files in `folder` and its subfolders, sorted by path."""
+    if not is_remote(folder):
+        return sorted(as_path(p) for p in Path(folder).rglob("*.txt") if p.is_file())
+    # epath has no rglob for URLs (and its walk() drops fsspec's scheme): list folder by folder.
+    found = []
+    for p in folder.iterdir():
+        if p.is_dir():
+            found += _text_files(p)
+        elif p.suffix == ".txt":
+            found.append(p)
+    return sorted(found)
+
+
+def _user_files(spec: str) -> list[epath.Path]:
+    files: list[epath.Path] = []
     for entry in (s.strip() for s in spec.split(",")):
         if not entry:
             continue
-        path = Path(entry).expanduser()
+        path = as_path(entry, "data.corpus").expanduser()
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*.txt") if p.is_file())
+            found = _text_files(path)
             if not found:
                 raise DataError(f"{path}: folder contains no .txt files")
             files.extend(found)
@@ -319,10 +339,10 @@ def _user_files(spec: str) -> list[Path]:
             files.append(path)
         else:
             raise DataError(f"{path}: no such file or folder (data.corpus)")
-    seen: set[Path] = set()
+    seen: set[epath.Path] = set()
     unique = []
     for f in files:
-        key = f.resolve()
+        key = resolve_path(f)
         if key not in seen:
             seen.add(key)
             unique.append(f)
@@ -331,14 +351,14 @@ def _user_files(spec: str) -> list[Path]:
     return unique
 
 
-def read_text_file(path: Path) -> str:
+def read_text_file(path: epath.Path) -> str:
     """One user document: UTF-8 text with ``\\r\\n`` normalised to ``\\n``; empty is an error."""
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 text (byte {e.start})") from e
     except OSError as e:
-        raise DataError(f"{path}: cannot read ({e.strerror})") from e
+        raise DataError(f"{path}: cannot read ({e.strerror or one_line(e)})") from e
     text = text.replace("\r\n", "\n")
     if not text.strip():
         raise DataError(f"{path}: file is empty")

@@ -24,14 +24,15 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import os
 import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grain
 import numpy as np
+from etils import epath
 
 from nested_jax.data.config import DataConfig
 from nested_jax.data.corpus import (
@@ -43,6 +44,7 @@ from nested_jax.data.corpus import (
 )
 from nested_jax.data.identity import corpus_fingerprint
 from nested_jax.data.tokenizers import Tokenizer, build_tokenizer
+from nested_jax.files import as_path
 
 Batch = dict[str, np.ndarray]
 
@@ -76,7 +78,7 @@ def _docs_key(tokenizer: Tokenizer, docs: Sequence[str]) -> str:
 
 
 def tokenize_documents(
-    tokenizer: Tokenizer, docs: Sequence[str], cache_dir: str | Path | None = None
+    tokenizer: Tokenizer, docs: Sequence[str], cache_dir: str | os.PathLike | None = None
 ) -> TokenStream:
     """Tokenize ``docs`` (each prefixed with ``tokenizer.bos_id`` when it has one), cached.
 
@@ -89,11 +91,11 @@ def tokenize_documents(
     with _MEMO_LOCK:
         if key in _MEMO:
             return _MEMO[key]
-    path = Path(cache_dir) / f"{key}.npz" if cache_dir is not None else None
+    path = as_path(cache_dir) / f"{key}.npz" if cache_dir is not None else None
     stream = None
     if path is not None and path.is_file():
         try:
-            with np.load(path) as z:
+            with path.open("rb") as f, np.load(f) as z:  # a file object: path may be a URL
                 stream = TokenStream(
                     z["tokens"].astype(np.int32), z["doc_lengths"].astype(np.int64)
                 )
@@ -241,7 +243,7 @@ def _process_args(
     return process_index, process_count
 
 
-def _token_cache_dir(cfg: DataConfig) -> Path:
+def _token_cache_dir(cfg: DataConfig) -> epath.Path:
     return resolve_data_dir(cfg.data_dir) / "tokens"
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from nested_jax.data.config import DataConfig
 from nested_jax.data.corpus import DataError, one_line, resolve_data_dir, write_cache_bytes
+from nested_jax.files import as_path
 
 
 @runtime_checkable
@@ -142,7 +143,7 @@ def train_sentencepiece(
         h.update(hashlib.sha256(d.encode("utf-8")).digest())
     path = None
     if cache_dir is not None:
-        path = Path(cache_dir) / f"spm_bpe_{vocab_size}_{h.hexdigest()[:16]}.model"
+        path = as_path(cache_dir) / f"spm_bpe_{vocab_size}_{h.hexdigest()[:16]}.model"
         if path.is_file():
             try:
                 return SentencePieceTokenizer(path.read_bytes())

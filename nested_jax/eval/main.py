@@ -20,18 +20,19 @@ stream can be continued across calls (and by ``nested-jax generate --state-in``)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from pathlib import Path
 
-import numpy as np
-
+from nested_jax.files import PathError, as_path, atomic_write_text, write_json
 from nested_jax.train.config import ConfigError, add_override_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nested-jax eval", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--workdir", required=True, help="a training workdir (config.json + checkpoints/)"
+        "--workdir",
+        required=True,
+        help="a training workdir (config.json + checkpoints/); a local path or a gs:// URL",
     )
     add_override_argument(
         p, "override a field of the saved config, e.g. --set eval.niah_per_cell=8"
@@ -59,27 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def niah_logits_fn(trained):
-    """``tokens int32[B, L] -> logits f32[B, L, V]`` with the restored parameters."""
-    import jax
-
-    from nested_jax.train.step import params_to_state
-
-    setup = trained.setup
-    from flax import nnx
-
-    @jax.jit
-    def forward(params, tokens):
-        model = nnx.merge(setup.graphdef, params_to_state(params, setup.state_def), setup.rest)
-        return model(tokens)[0]
-
-    return lambda tokens: np.asarray(forward(trained.params, np.asarray(tokens, np.int32)))
-
-
 def run_eval(trained) -> dict:
     """Validation metrics + NIAH grid for a :class:`~nested_jax.train.inference.TrainedModel`."""
     from nested_jax.data import pipeline
     from nested_jax.eval.tasks import niah_grid, score_niah
+    from nested_jax.train.inference import sharded_argmax_fn
     from nested_jax.train.loop import evaluate
 
     cfg = trained.config
@@ -118,7 +103,7 @@ def run_eval(trained) -> dict:
             cfg.eval.niah_per_cell,
             cfg.eval.niah_seed,
         )
-        result = score_niah(niah_logits_fn(trained), examples)
+        result = score_niah(sharded_argmax_fn(trained), examples)
         report["niah"] = {
             # JSON keys are strings: "length" -> {"depth": accuracy}
             "accuracy": {
@@ -175,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     maybe_initialize()
 
     try:
-        trained = load_trained(args.workdir, args.overrides)
+        workdir = as_path(args.workdir, "--workdir")
+        trained = load_trained(workdir, args.overrides)
         if args.stream:
             from nested_jax.eval.continual import run_stream, stream_markdown
 
@@ -186,25 +172,24 @@ def main(argv: list[str] | None = None) -> int:
             if trained.corpus_change is not None:
                 report["corpus_change"] = trained.corpus_change
             name, md = "eval_report", report_markdown(report)
-    except ConfigError as err:
+    except (ConfigError, PathError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
-    write_report(Path(args.workdir), name, report, md)
+    write_report(workdir, name, report, md)
     return 0
 
 
-def write_report(workdir: Path, name: str, report: dict, markdown: str) -> None:
+def write_report(workdir: str | os.PathLike, name: str, report: dict, markdown: str) -> None:
     """Process 0 writes ``<name>.json`` (strict JSON) and ``<name>.md`` atomically and prints the
     Markdown; the other processes of a multi-process evaluation write and print nothing."""
     import jax
 
-    from nested_jax.files import atomic_write_text, write_json
-
     if jax.process_index() != 0:
         return
+    workdir = as_path(workdir)
     write_json(workdir / f"{name}.json", report)
     atomic_write_text(workdir / f"{name}.md", markdown)
     print(markdown, end="")

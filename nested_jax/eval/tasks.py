@@ -164,11 +164,13 @@ def score_niah(
     """Teacher-forced exact-match accuracy, overall and by length × depth.
 
     Examples of one length are stacked into batches of up to ``batch_size`` and passed whole
-    (prompt + answer, ``int32[B, length]``) to ``logits_fn``; the logits at positions
-    ``prompt_len - 1 .. length - 2`` predict the answer tokens.
+    (prompt + answer, ``int32[B, length]``) to ``logits_fn``; the predictions at positions
+    ``prompt_len - 1 .. length - 2`` must equal the answer tokens.
 
     Args:
-      logits_fn: ``tokens int32[B, L] -> logits [B, L, V]`` (causal: position t sees tokens <= t).
+      logits_fn: ``tokens int32[B, L] -> logits [B, L, V]`` (causal: position t sees tokens <= t),
+        or directly the argmax ids ``int [B, L]`` (what a sharded evaluation returns, so that no
+        ``[B, L, V]`` array leaves the devices).
       examples: from :func:`niah_grid`.
       batch_size: examples per ``logits_fn`` call.
 
@@ -188,15 +190,10 @@ def score_niah(
         for a in range(0, len(idx), batch_size):
             chunk = idx[a : a + batch_size]
             tokens = np.stack([examples[i].tokens for i in chunk]).astype(np.int32)
-            logits = np.asarray(logits_fn(tokens))
-            if logits.ndim != 3 or logits.shape[:2] != tokens.shape:
-                raise ValueError(
-                    f"logits_fn: expected logits [B, L, V] with B, L = {tokens.shape}, "
-                    f"got {logits.shape}"
-                )
+            predicted = _argmax_ids(np.asarray(logits_fn(tokens)), tokens.shape)
             for row, i in enumerate(chunk):
                 ex = examples[i]
-                pred = logits[row, ex.prompt_len - 1 : length - 1].argmax(-1)
+                pred = predicted[row, ex.prompt_len - 1 : length - 1]
                 correct[i] = bool(np.array_equal(pred, ex.answer))
     table: dict[int, dict[float, float]] = {}
     cells: dict[tuple[int, float], list[bool]] = {}
@@ -210,6 +207,19 @@ def score_niah(
         "num_examples": len(examples),
         "correct": correct,
     }
+
+
+def _argmax_ids(out: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """``[B, L]`` predicted ids from logits ``[B, L, V]`` or from ids already taken."""
+    ok = out.shape[:2] == shape and (
+        out.ndim == 3 or (out.ndim == 2 and np.issubdtype(out.dtype, np.integer))
+    )
+    if not ok:
+        raise ValueError(
+            f"logits_fn: expected logits [B, L, V] or int ids [B, L] with B, L = {shape}, "
+            f"got {out.dtype} {out.shape}"
+        )
+    return out.argmax(-1) if out.ndim == 3 else out
 
 
 def niah_markdown(result: dict) -> str:

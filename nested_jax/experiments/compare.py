@@ -98,9 +98,8 @@ def evaluate_trained(
     import dataclasses
 
     from nested_jax.data import pipeline
-    from nested_jax.eval.main import niah_logits_fn
     from nested_jax.eval.tasks import niah_grid, score_niah
-    from nested_jax.train.inference import load_trained
+    from nested_jax.train.inference import load_trained, sharded_argmax_fn
     from nested_jax.train.loop import evaluate
 
     trained = load_trained(workdir)
@@ -122,7 +121,7 @@ def evaluate_trained(
         max(1, cfg.eval.niah_per_cell),
         cfg.eval.niah_seed,
     )
-    result = score_niah(niah_logits_fn(trained), examples)
+    result = score_niah(sharded_argmax_fn(trained), examples)
     by_length = {}
     for m, n in zip(multipliers, lengths, strict=True):
         oks = [ok for ex, ok in zip(examples, result["correct"], strict=True) if ex.length == n]

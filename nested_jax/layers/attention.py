@@ -3,6 +3,7 @@ cache."""
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -89,12 +90,101 @@ def softmax_attention(
     return o.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
 
 
+def blockwise_softmax_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_index: jax.Array,
+    k_index: jax.Array,
+    window: int = 0,
+    q_segment: jax.Array | None = None,
+    k_segment: jax.Array | None = None,
+    k_valid: jax.Array | None = None,
+    scale: float | None = None,
+    block: int = 512,
+) -> jax.Array:
+    """``softmax_attention(q, k, v, attention_mask(q_index, k_index, ...), scale=scale)`` computed
+    ``block`` queries at a time, without the ``[B, T, S]`` mask or the ``[B, H, T, S]`` scores.
+
+    Each query row's softmax runs over all ``S`` keys exactly as in the reference (same einsums,
+    f32 logits, same masking), so the result equals it up to float rounding; the difference is
+    memory. The queries are padded to a multiple of ``block`` (pad rows repeat the last real
+    query's index and segment, so they see a key and stay finite; they are dropped) and walked
+    with ``lax.map``; each block builds its ``[B, block, S]`` mask from the indices and is under
+    ``jax.checkpoint``, so the backward pass recomputes the block's scores instead of storing
+    them. Peak memory: ``O(B · H · block · S)`` f32 instead of ``O(B · H · T · S)``. ``block <= 0``
+    or ``T <= block`` runs the reference on one block.
+
+    Args:
+      q: ``[B, T, H, D]``; k, v: ``[B, S, H_kv, D]`` (GQA as in :func:`softmax_attention`).
+      q_index, k_index: ``[B, T]`` / ``[B, S]`` absolute positions (see :func:`attention_mask`).
+      window, q_segment, k_segment, k_valid: as in :func:`attention_mask`.
+      scale: default ``D ** -0.5``.
+      block: queries per block.
+
+    Returns:
+      ``[B, T, H, D]`` in ``q.dtype``.
+    """
+    check_rank("q", q, 4, "[B, T, H, D]")
+    check_rank("k", k, 4, "[B, S, H_kv, D]")
+    b, t = q.shape[:2]
+    s = k.shape[1]
+    if (q_segment is None) != (k_segment is None):
+        raise ValueError("q_segment, k_segment: pass both or neither")
+    for name, arr, shape in (
+        ("q_index", q_index, (b, t)),
+        ("k_index", k_index, (b, s)),
+        ("q_segment", q_segment, (b, t)),
+        ("k_segment", k_segment, (b, s)),
+        ("k_valid", k_valid, (b, s)),
+    ):
+        if arr is not None and tuple(arr.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(arr.shape)}")
+    if block <= 0 or t <= block:
+        mask = attention_mask(
+            q_index, k_index, window=window, q_segment=q_segment, k_segment=k_segment,
+            k_valid=k_valid,
+        )  # fmt: skip
+        return softmax_attention(q, k, v, mask, scale=scale)
+    n = -(-t // block)
+    pad = n * block - t
+
+    def blocks(x):  # [B, T, ...] -> [n, B, block, ...], pad rows repeating the last query
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), mode="edge")
+        return jnp.swapaxes(x.reshape(b, n, block, *x.shape[2:]), 0, 1)
+
+    # Keys and values enter the blocks in (at least) f32, cast back inside: their gradients are
+    # accumulated over the blocks in f32 rather than in a bf16 activation dtype. Forward values
+    # are unchanged (the round trip is exact).
+    acc = jnp.promote_types(k.dtype, jnp.float32), jnp.promote_types(v.dtype, jnp.float32)
+    k_acc, v_acc = k.astype(acc[0]), v.astype(acc[1])
+
+    # prevent_cse=False: inside lax.map the recomputation cannot be merged with the forward.
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def one(xs):
+        qb, qib, qsb = xs
+        mask = attention_mask(
+            qib, k_index, window=window, q_segment=qsb, k_segment=k_segment, k_valid=k_valid
+        )
+        kb, vb = k_acc.astype(k.dtype), v_acc.astype(v.dtype)
+        return softmax_attention(qb, kb, vb, mask, scale=scale)
+
+    xs = (blocks(q), blocks(q_index), None if q_segment is None else blocks(q_segment))
+    o = jax.lax.map(one, xs)  # [n, B, block, H, D]
+    return jnp.swapaxes(o, 0, 1).reshape(b, n * block, *o.shape[3:])[:, :t]
+
+
 class Attention(nnx.Module):
     """Multi-head causal softmax attention with RoPE, optional sliding window and GQA (SPEC §6).
 
     ``q = RoPE(x W_q)``, ``k = RoPE(x W_k)``, ``v = x W_v``, ``y = softmax_attention(q, k, v) W_o``.
     Kernels: ``W_q [d, H·D]`` ``("embed", "heads")``, ``W_k, W_v [d, H_kv·D]`` ``("embed", "kv")``,
     ``W_o [H·D, d]`` ``("heads", "embed")``.
+
+    ``attention_block``: above this many queries in one call (training, prefill) the scores are
+    computed per block of that many queries (:func:`blockwise_softmax_attention`, no
+    ``[B, H, T, S]`` scores); ``0`` always uses the full-scores reference.
     """
 
     def __init__(
@@ -106,10 +196,15 @@ class Attention(nnx.Module):
         n_kv_heads: int | None = None,
         window: int = 0,
         rope_theta: float = 10000.0,
+        attention_block: int = 512,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         n_kv_heads = n_kv_heads or n_heads
+        if not isinstance(attention_block, int) or attention_block < 0:
+            raise ValueError(
+                f"attention_block: expected an int >= 0 (0 = full scores), got {attention_block!r}"
+            )
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads: {n_kv_heads} must divide n_heads={n_heads}")
         if head_dim % 2:
@@ -121,6 +216,7 @@ class Attention(nnx.Module):
             rope_theta,
             dtype,
         )
+        self.attention_block = attention_block
         self.q_proj = dense(d_model, n_heads * head_dim, ("embed", "heads"), dtype=dtype, rngs=rngs)
         self.k_proj = dense(d_model, n_kv_heads * head_dim, ("embed", "kv"), dtype=dtype, rngs=rngs)
         self.v_proj = dense(d_model, n_kv_heads * head_dim, ("embed", "kv"), dtype=dtype, rngs=rngs)
@@ -137,6 +233,8 @@ class Attention(nnx.Module):
             n_kv_heads=cfg.resolved_kv_heads(),
             window=cfg.window,
             rope_theta=cfg.rope_theta,
+            # ModelConfig.attention_block when the config has the field; 512 until then.
+            attention_block=cfg.attention_block,
             dtype=cfg.activation_dtype(),
             rngs=rngs,
         )
@@ -181,12 +279,8 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, theta=self.rope_theta)
         k = apply_rope(k, positions, theta=self.rope_theta)
         q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        new_cache = None
-        if cache is None:
-            mask = attention_mask(
-                q_index, q_index, window=self.window, q_segment=segment_ids, k_segment=segment_ids
-            )
-        else:
+        k_index, new_cache = q_index, None
+        if cache is not None:
             pos = cache.pos
             # Past the last slot dynamic_update_slice clamps silently: catch it when pos is known.
             if not isinstance(pos, jax.core.Tracer) and int(pos) + t > cache.k.shape[1]:
@@ -198,8 +292,13 @@ class Attention(nnx.Module):
             slots = jnp.broadcast_to(
                 jnp.arange(k_all.shape[1], dtype=jnp.int32), (b, k_all.shape[1])
             )
-            mask = attention_mask(q_index + pos, slots, window=self.window)
+            q_index, k_index = q_index + pos, slots
             new_cache = AttentionCache(k_all, v_all, pos + t)
             k, v = k_all.astype(self.dtype), v_all.astype(self.dtype)
-        o = softmax_attention(q, k, v, mask)
+        # T > attention_block: per query block, no [B, T, S] mask / [B, H, T, S] scores; otherwise
+        # (and attention_block = 0) the reference softmax_attention(attention_mask(...)).
+        o = blockwise_softmax_attention(
+            q, k, v, q_index=q_index, k_index=k_index, window=self.window,
+            q_segment=segment_ids, k_segment=segment_ids, block=self.attention_block,
+        )  # fmt: skip
         return self.o_proj(o.reshape(b, t, self.n_heads * self.head_dim)), new_cache

@@ -17,6 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 Names = Sequence[str | None]
+# Per-head memory parameters ``[H, d_in, d_out]`` (Titans MLP memory, Hope's memories): the head
+# axis shards over the tensor axis like the heads of the projections that feed them.
+MEMORY_HEADS = ("heads", None, None)
 
 
 def partitioned(init: Callable, names: Names) -> Callable:

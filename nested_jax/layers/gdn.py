@@ -38,8 +38,8 @@ class GatedDeltaNet(DeltaNet):
     def __init__(self, d_model: int, n_heads: int, head_dim: int, *, rngs: nnx.Rngs, **kwargs):
         super().__init__(d_model, n_heads, head_dim, rngs=rngs, **kwargs)
         self.a_proj = dense(d_model, n_heads, ("embed", None), dtype=self.dtype, rngs=rngs)
-        self.A_log = nnx.Param(partitioned(_a_log_init, (None,))(rngs.params(), (n_heads,)))
-        self.dt_bias = nnx.Param(partitioned(_dt_bias_init, (None,))(rngs.params(), (n_heads,)))
+        self.A_log = nnx.Param(partitioned(_a_log_init, ("heads",))(rngs.params(), (n_heads,)))
+        self.dt_bias = nnx.Param(partitioned(_dt_bias_init, ("heads",))(rngs.params(), (n_heads,)))
 
     def _log_decay(self, x: jax.Array) -> jax.Array:
         a = self.a_proj(x).astype(jnp.float32) + self.dt_bias[...]

@@ -83,14 +83,14 @@ class HolaMixer(GatedDeltaNet):
         self.window, self.block_size = window, block_size
         self.eviction, self.read_norm = eviction, read_norm
         hk = (n_heads, head_dim)
-        ones = partitioned(nnx.initializers.ones, (None, None))
+        ones = partitioned(nnx.initializers.ones, ("heads", None))
         self.gamma_q = nnx.Param(ones(rngs.params(), hk))
         self.gamma_k = nnx.Param(ones(rngs.params(), hk))
         self.sink_logit = nnx.Param(
-            partitioned(nnx.initializers.zeros, (None,))(rngs.params(), (n_heads,))
+            partitioned(nnx.initializers.zeros, ("heads",))(rngs.params(), (n_heads,))
         )
         self.gate_logit = nnx.Param(
-            partitioned(nnx.initializers.constant(float(gate_init)), (None,))(
+            partitioned(nnx.initializers.constant(float(gate_init)), ("heads",))(
                 rngs.params(), (n_heads,)
             )
         )

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nested_jax.layers.common import check_rank, dense, partitioned
+from nested_jax.layers.common import MEMORY_HEADS, check_rank, dense, partitioned
 from nested_jax.layers.conv import ShortConv
 from nested_jax.layers.deltanet import l2_normalize
 from nested_jax.layers.norm import GatedRMSNorm
@@ -146,7 +146,7 @@ class HopeMixer(nnx.Module):
         self.o_proj = dense(hd, d_model, ("heads", "embed"), dtype=dtype, rngs=rngs)
         # Initial memories: W_2 fan-in scaled, W_1 small so every memory starts near M(z) = z
         # (the residual path), which keeps the inner loop's first steps well conditioned.
-        names3 = (None, None, None)
+        names3 = MEMORY_HEADS
         for n in self.names:
             w1 = (
                 opts.memory_init
@@ -159,9 +159,9 @@ class HopeMixer(nnx.Module):
         ro = opts.readout_init * head_dim**-0.5
         for n, p in (("eta", opts.eta_init), ("alpha", opts.alpha_init)):
             w = ro * jax.random.normal(rngs.params(), (n_heads, head_dim))
-            setattr(self, f"{n}_w", nnx.Param(partitioned(_const(w), (None, None))(None)))
+            setattr(self, f"{n}_w", nnx.Param(partitioned(_const(w), ("heads", None))(None)))
             b = jnp.full((n_heads,), _logit(p), jnp.float32)
-            setattr(self, f"{n}_b", nnx.Param(partitioned(_const(b), (None,))(None)))
+            setattr(self, f"{n}_b", nnx.Param(partitioned(_const(b), ("heads",))(None)))
 
     @staticmethod
     def seq_len_multiples(cfg) -> dict:

@@ -71,7 +71,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nested_jax.layers.attention import AttentionCache, attention_mask, softmax_attention
-from nested_jax.layers.common import check_rank, dense, partitioned
+from nested_jax.layers.common import MEMORY_HEADS, check_rank, dense, partitioned
 from nested_jax.layers.conv import ShortConv
 from nested_jax.layers.deltanet import l2_normalize
 from nested_jax.layers.norm import GatedRMSNorm, RMSNorm
@@ -181,13 +181,13 @@ class NeuralMemory(nnx.Module):
         )  # fmt: skip
         init = titans_mlp_init_weights(rngs.params(), n_heads, self.dims)
         for i, w in enumerate(init):
-            setattr(self, f"w{i}", nnx.Param(partitioned(lambda *_, w=w: w, (None,) * 3)(None)))
+            setattr(self, f"w{i}", nnx.Param(partitioned(lambda *_, w=w: w, MEMORY_HEADS)(None)))
         self.gate_proj = dense(d_in, 3 * n_heads, ("embed", None), dtype=dtype, rngs=rngs)
         # θ = θ_max·σ(z + b_θ): the bias starts θ at theta_init whatever the cap.
         th0 = opts.theta_init / opts.theta_max
         bias = jnp.array([_logit(th0), _logit(opts.eta_init), _logit(opts.alpha_init)])
         self.gate_bias = nnx.Param(
-            partitioned(lambda *_: jnp.repeat(bias[:, None], n_heads, 1), (None, None))(None)
+            partitioned(lambda *_: jnp.repeat(bias[:, None], n_heads, 1), (None, "heads"))(None)
         )
 
     def initial_weights(self) -> tuple:
@@ -421,7 +421,7 @@ class PersistentSWA(nnx.Module):
         self.q_proj = dense(d_in, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
         self.k_proj = dense(d_in, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
         self.v_proj = dense(d_in, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
-        init = partitioned(nnx.initializers.normal(1.0), (None, None, None))
+        init = partitioned(nnx.initializers.normal(1.0), (None, "heads", None))
         shape = (max(persistent, 1), n_heads, head_dim)  # a dummy row when N_p = 0 (never read)
         self.p_k = nnx.Param(init(rngs.params(), shape))
         self.p_v = nnx.Param(init(rngs.params(), shape))

@@ -42,6 +42,9 @@ class ModelConfig:
     impl: str = "chunked"  # kernel form for full sequences: chunked | recurrent (pallas later)
     window: int = 0  # attention sliding window: a query sees `window` keys incl. itself; 0 = global
     rope_theta: float = 10000.0  # RoPE base frequency
+    # softmax attention scores this many queries at a time when T is longer (never [B, H, T, T]
+    # scores; equal values, see layers.attention.blockwise_softmax_attention); 0 = all at once
+    attention_block: int = 512
     norm_eps: float = 1e-6  # epsilon of every RMSNorm
     dtype: str = (
         "float32"  # activation dtype: float32 | bfloat16 (params and memory states stay float32)
@@ -89,7 +92,7 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.{field}: must be positive, got {getattr(self, field)}"
                 )
-        for field in ("head_dim", "n_kv_heads", "mlp_hidden", "window"):
+        for field in ("head_dim", "n_kv_heads", "mlp_hidden", "window", "attention_block"):
             if getattr(self, field) < 0:
                 raise ValueError(
                     f"ModelConfig.{field}: must be >= 0 (0 = default), got {getattr(self, field)}"

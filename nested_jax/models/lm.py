@@ -24,6 +24,11 @@ from nested_jax.layers.norm import RMSNorm
 from nested_jax.layers.rope import segment_positions
 from nested_jax.models.config import ModelConfig
 from nested_jax.models.registry import get_mixer
+from nested_jax.parallel.mesh import constrain
+
+# The residual stream [B, T, d] lives on the batch axes (features replicated): see
+# nested_jax.parallel.mesh for why every block boundary pins it.
+STREAM = ("batch", None, None)
 
 
 class LMCache(NamedTuple):
@@ -115,14 +120,14 @@ class LanguageModel(nnx.Module):
         layers = jax.tree.map(lambda a: jnp.repeat(a[None], n, axis=0), one)
         return LMCache(jnp.zeros((), jnp.int32), layers)
 
-    def __call__(
+    def hidden(
         self,
         tokens: jax.Array,
         *,
         segment_ids: jax.Array | None = None,
         cache: LMCache | None = None,
     ) -> tuple[jax.Array, LMCache | None]:
-        """Next-token logits.
+        """Final hidden states (after the last RMSNorm), the input of the output head.
 
         Args:
           tokens: ``int32 [B, T]``.
@@ -135,8 +140,8 @@ class LanguageModel(nnx.Module):
             (positions start at ``cache.pos``). ``T == 1`` uses the mixers' exact single-step path.
 
         Returns:
-          ``(logits f32 [B, T, vocab_size], new_cache)``; ``new_cache`` is None when ``cache`` is
-          None.
+          ``(h [B, T, d_model] in model.dtype, new_cache)``; ``new_cache`` is None when ``cache``
+          is None.
         """
         cfg = self.cfg
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -157,27 +162,52 @@ class LanguageModel(nnx.Module):
                 f"cache: expected an LMCache from init_cache, got {type(cache).__name__}"
             )
         dtype = cfg.activation_dtype()
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
+        # FSDP: gather the table and look up locally; a lookup into the feature-sharded table
+        # would gather the GLOBAL batch's token ids on every chip instead. (f32 table: its
+        # gradient, a scatter-add over every occurrence of a token, must accumulate in f32.)
+        table = constrain(self.embed[...], ("vocab", None))
+        x = constrain(jnp.take(table, tokens, axis=0).astype(dtype), STREAM)
         positions = segment_positions(segment_ids, b, t, 0 if cache is None else cache.pos)
         x, new_layers = self._run_blocks(
             x, positions, segment_ids, None if cache is None else cache.layers
         )
-        x = self.final_norm(x)
-        if cfg.tie_embeddings:
-            logits = jnp.einsum(
-                "btd,vd->btv", x, self.embed[...].astype(dtype), preferred_element_type=jnp.float32
-            )
-        else:
-            logits = self.head(x)
         new_cache = None if cache is None else LMCache(cache.pos + t, new_layers)
-        return logits.astype(jnp.float32), new_cache
+        return self.final_norm(x), new_cache
+
+    def output_weight(self) -> tuple[jax.Array, str]:
+        """The output projection and its layout: ``(embed [V, d], "vd")`` when the head is tied,
+        else ``(head kernel [d, V], "dv")`` — what ``ops.chunked_cross_entropy`` takes."""
+        if self.cfg.tie_embeddings:
+            return self.embed[...], "vd"
+        return self.head.kernel[...], "dv"
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        cache: LMCache | None = None,
+    ) -> tuple[jax.Array, LMCache | None]:
+        """Next-token logits ``z = h W_out`` over the final hidden states ``h`` of :meth:`hidden`.
+
+        Args: as :meth:`hidden`.
+        Returns:
+          ``(logits f32 [B, T, vocab_size], new_cache)``; ``new_cache`` is None when ``cache`` is
+          None. The product accumulates in f32 from activation-dtype operands.
+        """
+        x, new_cache = self.hidden(tokens, segment_ids=segment_ids, cache=cache)
+        w, layout = self.output_weight()
+        equation = "btd,vd->btv" if layout == "vd" else "btd,dv->btv"
+        logits = jnp.einsum(equation, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", None, "vocab")), new_cache
 
     def _run_blocks(self, x, positions, segment_ids, layer_caches):
         graphdef, params = nnx.split(self.blocks)
 
         def body(h, xs):
             p, c = xs
-            return nnx.merge(graphdef, p)(h, positions=positions, segment_ids=segment_ids, cache=c)
+            h, c = nnx.merge(graphdef, p)(h, positions=positions, segment_ids=segment_ids, cache=c)
+            return constrain(h, STREAM), c
 
         if self.cfg.remat:
             # Inside lax.scan CSE cannot merge the recomputation with the forward, so prevent_cse is

@@ -15,6 +15,8 @@ One module per mechanism:
 - ``hola``: gated delta state + exact top-w KV cache (SPEC §5); ``ops.hola.hola`` is its sequence
   form (the module keeps the name ``hola``, so the function is not re-exported here)
 - ``cms``: the Continuum Memory System at fixed weights and online (SPEC §3.3)
+- ``cross_entropy``: the LM loss over the vocabulary in sequence chunks, without the batch's
+  ``[B, T, V]`` f32 logits (SPEC §6)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 from nested_jax.ops import cms, hola, hope, linear, titans
 from nested_jax.ops._impl import IMPLS, check_impl
 from nested_jax.ops.cms import cms_forward, cms_online
+from nested_jax.ops.cross_entropy import chunked_cross_entropy
 from nested_jax.ops.hola import hola_step
 from nested_jax.ops.hope import hope_decode, hope_memories
 from nested_jax.ops.linear import (
@@ -57,4 +60,5 @@ __all__ = [
     "hola_step",
     "cms_forward",
     "cms_online",
+    "chunked_cross_entropy",
 ]

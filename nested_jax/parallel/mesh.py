@@ -1,13 +1,24 @@
-"""Device mesh, logical-axis rules and shardings for parameters and batches.
+"""Device mesh, logical-axis rules and shardings for parameters, activations and batches.
 
-Model code names array dimensions logically (``nnx.with_partitioning(init, ("embed", "mlp"))``); ONE
-table, :data:`LOGICAL_AXIS_RULES`, maps those names to mesh axes. The mesh has axes ``("data",
-"fsdp")`` (Auto axis types, GSPMD-style): parameters are sharded along ``fsdp`` on their ``embed``
-dimension and replicated across ``data``; batches are split along ``(data, fsdp)``.
+Model code names array dimensions logically (``nnx.with_partitioning(init, ("embed", "mlp"))`` for
+parameters, :func:`constrain` for activations); ONE table, :data:`LOGICAL_AXIS_RULES`, maps those
+names to mesh axes. The mesh has axes ``("data", "fsdp", "tensor")`` (Auto axis types, GSPMD-style):
+
+- ``data``: pure data parallelism (parameters replicated); with ``mesh.slices > 1`` it spans the
+  slices of a multi-slice job, so only gradients cross the slower DCN links;
+- ``fsdp``: batch split AND parameters / optimizer state sharded on their ``embed`` dimension;
+- ``tensor``: model parallelism over heads, MLP width and vocabulary (Megatron-style; GSPMD inserts
+  the collectives).
+
+Activations are pinned to the batch axes at block boundaries and for the logits
+(:func:`constrain`); without that, GSPMD may shard the residual stream over features (``embed`` and
+``batch`` share ``fsdp``) and build partial-sum logits of the GLOBAL batch on every chip, so memory
+per chip would grow with the number of chips.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,62 +27,128 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the mesh axes a batch is split over
 
 # logical name -> mesh axis (str), tuple of mesh axes, or None (replicated).
 LOGICAL_AXIS_RULES: dict[str, Any] = {
-    "batch": ("data", "fsdp"),
+    "batch": BATCH_AXES,
     "embed": "fsdp",
-    "vocab": None,
-    "mlp": None,
-    "heads": None,
-    "kv": None,
+    "vocab": "tensor",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv": "tensor",
     "conv": None,
     "layers": None,
     "seq": None,
 }
 
 
-def resolve_mesh_shape(data: int, fsdp: int, n_devices: int) -> tuple[int, int]:
-    """Resolves a -1 entry to the remaining devices and checks ``data × fsdp == n_devices``.
+def resolve_mesh_shape(
+    data: int, fsdp: int, n_devices: int, tensor: int = 1
+) -> tuple[int, int, int]:
+    """Resolves the one -1 entry to the remaining devices; checks ``data × fsdp × tensor``.
 
+    Args:
+      data, fsdp, tensor: axis sizes (positive, or -1 = "all remaining" for at most one of them).
+      n_devices: the devices of the mesh (of one slice when the job has several).
+    Returns:
+      ``(data, fsdp, tensor)``.
     Raises:
-      ValueError: naming ``mesh.data`` / ``mesh.fsdp`` when the sizes do not fit the devices.
+      ValueError: naming ``mesh.<axis>`` when the sizes do not fit the devices.
     """
-    if data == -1 and fsdp == -1:
-        raise ValueError("mesh.data: at most one of mesh.data / mesh.fsdp may be -1")
-    if fsdp == -1:
-        if n_devices % data:
-            raise ValueError(f"mesh.data: {data} does not divide the {n_devices} available devices")
-        fsdp = n_devices // data
-    elif data == -1:
-        if n_devices % fsdp:
-            raise ValueError(f"mesh.fsdp: {fsdp} does not divide the {n_devices} available devices")
-        data = n_devices // fsdp
-    if data * fsdp != n_devices:
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    free = [name for name, size in sizes.items() if size == -1]
+    if len(free) > 1:
         raise ValueError(
-            f"mesh.fsdp: mesh.data × mesh.fsdp = {data}×{fsdp} = {data * fsdp} but {n_devices} "
-            "devices are available (use -1 for 'all remaining')"
+            f"mesh.{free[0]}: at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1"
         )
-    return data, fsdp
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if free:
+        if n_devices % fixed:
+            first = next(n for n, s in sizes.items() if s > 1)
+            raise ValueError(
+                f"mesh.{first}: {fixed} does not divide the {n_devices} available devices"
+            )
+        sizes[free[0]] = n_devices // fixed
+    elif fixed != n_devices:
+        formula = " × ".join(f"mesh.{n}" for n in sizes)
+        values = "×".join(str(s) for s in sizes.values())
+        raise ValueError(
+            f"mesh.fsdp: {formula} = {values} = {fixed} but {n_devices} devices are available "
+            "(use -1 for 'all remaining')"
+        )
+    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def _device_grid(shape: tuple[int, ...], devices: list, slices: int) -> np.ndarray:
+    """Devices arranged as ``shape`` (data axis first, already multiplied by ``slices``).
+
+    TPU devices go through ``mesh_utils`` so that neighbouring mesh coordinates are ICI
+    neighbours (and, with several slices, the data axis is the one that crosses DCN).
+    """
+    from jax.experimental import mesh_utils
+
+    if slices > 1:
+        ici = (shape[0] // slices,) + tuple(shape[1:])
+        dcn = (slices,) + (1,) * (len(shape) - 1)
+        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+    if devices and devices[0].platform == "tpu":
+        return mesh_utils.create_device_mesh(shape, devices)
+    return np.asarray(devices).reshape(shape)
 
 
 def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the ("data", "fsdp") mesh from a :class:`MeshConfig` (``data``, ``fsdp``; -1 =
-    remaining).
+    """Builds the ("data", "fsdp", "tensor") mesh from a :class:`MeshConfig`.
 
     Args:
-      mesh_cfg: object with int attributes ``data`` and ``fsdp``.
-      devices: devices to use (default: all of ``jax.devices()``).
+      mesh_cfg: object with int attributes ``data``, ``fsdp`` (-1 = remaining) and optionally
+        ``tensor`` (default 1) and ``slices`` (default 1: the number of TPU slices joined over DCN;
+        the sizes above are per slice and ``data`` is multiplied by ``slices``).
+      devices: devices to use (default: all of ``jax.devices()``; a TPU topology's devices for an
+        ahead-of-time compile).
     Returns:
       a ``jax.sharding.Mesh`` with Auto axis types.
+    Raises:
+      ValueError: naming the mesh field when the sizes do not fit the devices.
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_mesh_shape(mesh_cfg.data, mesh_cfg.fsdp, len(devices))
+    slices = int(getattr(mesh_cfg, "slices", 1))
+    if slices < 1 or len(devices) % slices:
+        raise ValueError(f"mesh.slices: {slices} does not divide the {len(devices)} devices")
+    data, fsdp, tensor = resolve_mesh_shape(
+        mesh_cfg.data, mesh_cfg.fsdp, len(devices) // slices, int(getattr(mesh_cfg, "tensor", 1))
+    )
+    shape = (data * slices, fsdp, tensor)
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-    if len(devices) == len(jax.devices()):
-        return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+    return Mesh(_device_grid(shape, devices, slices), MESH_AXES, axis_types=auto)
+
+
+def batch_shards(mesh: Mesh) -> int:
+    """How many pieces a batch is split into on `mesh` (the product of the batch axes)."""
+    return math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES)
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Pins activation `x` to the mesh axes its logical dimension names map to.
+
+    Inside ``jax.set_mesh(mesh)`` (how :mod:`nested_jax.train.setup` traces the steps) this is a
+    ``with_sharding_constraint`` through :data:`LOGICAL_AXIS_RULES` (dimensions that do not divide
+    the axes stay replicated); outside any mesh (a laptop, a unit test) it returns `x` unchanged.
+
+    Args:
+      x: any array; logical: one name (or None) per dimension of `x`, e.g. ``("batch", None,
+        "vocab")`` for ``[B, T, V]`` logits.
+    Raises:
+      ValueError: when `logical` does not name every dimension of `x`.
+    """
+    if len(logical) != x.ndim:
+        raise ValueError(f"logical: expected {x.ndim} names for shape {x.shape}, got {logical}")
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = logical_to_mesh_spec(logical, x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 def logical_to_mesh_spec(
@@ -179,7 +256,8 @@ def shardings_like_params(tree: Any, params: Any, param_shardings: Any, mesh: Me
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Sharding of a ``[batch, ...]`` array: batch split over (data, fsdp), the rest replicated."""
+    """Sharding of a ``[batch, ...]`` array: batch split over (data, fsdp), the rest replicated
+    (so the ``tensor`` axis holds identical copies of the batch)."""
     spec = logical_to_mesh_spec(("batch",) + (None,) * (ndim - 1), None, mesh)
     return NamedSharding(mesh, spec)
 

@@ -18,6 +18,8 @@ says what it was trained on. Guarantees:
   (never deleted) to ``workdir/corrupt_checkpoints/``, and the next older checkpoint is tried.
   Unreadable metadata alone is no verdict (the restore decides), and running out of memory while
   restoring is re-raised, not blamed on the checkpoint.
+- **Remote workdirs.** A ``gs://`` workdir is written there by orbax and tensorstore directly
+  (``nested_jax.files.as_path``); quarantining there copies the checkpoint's objects.
 - **Exactness.** Arrays are restored onto the shardings of a freshly initialised state
   (``ShapeDtypeStruct`` with ``sharding``), the grain iterator state restores the exact next batch.
 """
@@ -26,16 +28,17 @@ from __future__ import annotations
 
 import base64
 import datetime as _dt
-import shutil
+import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
+from nested_jax.files import as_path, move, resolve_path
 from nested_jax.train.config import ConfigError
 
 CHECKPOINT_DIR = "checkpoints"
@@ -48,9 +51,9 @@ class CheckpointMismatch(ConfigError):
     """A readable checkpoint holds another state than the config builds; ``str`` is one line."""
 
 
-def checkpoint_steps(workdir: str | Path) -> list[int]:
+def checkpoint_steps(workdir: str | os.PathLike) -> list[int]:
     """Steps of the complete checkpoints in ``workdir/checkpoints`` (read from the folder names)."""
-    directory = Path(workdir) / CHECKPOINT_DIR
+    directory = as_path(workdir) / CHECKPOINT_DIR
     if not directory.is_dir():
         return []
     return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
@@ -124,7 +127,7 @@ def abstract_like(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _tmp_dirs(directory: Path) -> list[Path]:
+def _tmp_dirs(directory: epath.Path) -> list[epath.Path]:
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.iterdir() if p.is_dir() and "tmp" in p.name)
@@ -139,7 +142,7 @@ class Checkpointer:
     """Saves and restores ``{"state", "data", "config"}`` checkpoints under ``workdir/checkpoints``.
 
     Args:
-      workdir: the run's directory.
+      workdir: the run's directory (a local path or a URL such as ``gs://bucket/runs/x``).
       keep: how many newest checkpoints to keep (train.keep_checkpoints).
       async_save: write in a background thread (train.async_checkpointing).
       read_only: never write, move or delete anything (eval / generate).
@@ -147,13 +150,13 @@ class Checkpointer:
 
     def __init__(
         self,
-        workdir: str | Path,
+        workdir: str | os.PathLike,
         *,
         keep: int = 3,
         async_save: bool = True,
         read_only: bool = False,
     ):
-        self.workdir = Path(workdir)
+        self.workdir = as_path(workdir)
         self.directory = self.workdir / CHECKPOINT_DIR
         if read_only and not self.directory.is_dir():
             raise FileNotFoundError(f"no checkpoints in {self.workdir} (expected {self.directory})")
@@ -168,7 +171,7 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only,
             read_only=read_only,
         )
-        self.manager = ocp.CheckpointManager(self.directory.resolve(), options=options)
+        self.manager = ocp.CheckpointManager(resolve_path(self.directory), options=options)
 
     # -- saving --------------------------------------------------------------------------------
     def save(
@@ -217,8 +220,7 @@ class Checkpointer:
         Raises:
           Exception: the metadata is unreadable.
         """
-        path = (self.directory / str(step) / "state").resolve()
-        meta = ocp.StandardCheckpointHandler().metadata(path)
+        meta = ocp.StandardCheckpointHandler().metadata(self._state_path(step))
         return leaf_table(getattr(meta, "tree", meta))
 
     def restore_latest(
@@ -284,19 +286,21 @@ class Checkpointer:
 
     def _restore_state(self, step: int, abstract_state: Any, *, partial: bool) -> Any:
         if partial:  # a subset of the saved tree: orbax's PyTree handler can restore that
-            path = (self.directory / str(step) / "state").resolve()
             args = ocp.args.PyTreeRestore(
                 item=abstract_state,
                 restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
                 partial_restore=True,
             )
             with ocp.PyTreeCheckpointer() as reader:
-                state = reader.restore(path, args=args)
+                state = reader.restore(self._state_path(step), args=args)
         else:
             args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
             state = self.manager.restore(step, args=args)["state"]
         jax.block_until_ready(state)
         return state
+
+    def _state_path(self, step: int) -> epath.Path:
+        return resolve_path(self.directory / str(step) / "state")
 
     def _skip_unreadable(self, step: int, err: BaseException, quarantine: bool) -> None:
         where = f"moved it to {self._quarantine(step)} and " if quarantine else ""
@@ -324,12 +328,11 @@ class Checkpointer:
             "config"
         ]
 
-    def _quarantine(self, step: int) -> Path:
+    def _quarantine(self, step: int) -> epath.Path:
         src = self.directory / str(step)
         stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S")
         dst = self.workdir / CORRUPT_DIR / f"step_{step}_{stamp}"
         if jax.process_index() == 0 and src.exists():
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(src), str(dst))
+            move(src, dst)
         self.manager.reload()
         return dst

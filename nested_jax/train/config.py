@@ -7,9 +7,9 @@ naming the full field path, e.g. ``config error: train.steps: expected int, got 
 as :class:`ConfigError`).
 
 Cross-field rules checked at load (DESIGN.md "Configs"):
-- ``data.batch_size`` must be divisible by ``mesh.data × mesh.fsdp`` when both are explicit; with
-  ``mesh.fsdp = -1`` the product is only known once the devices are, so the same check runs again
-  when the mesh is built.
+- ``data.batch_size`` must be divisible by ``mesh.data × mesh.fsdp × mesh.slices`` when explicit;
+  with ``mesh.fsdp = -1`` the product is only known once the devices are, so the same check runs
+  again when the mesh is built.
 - **Decision:** a chunked mixer needs ``data.seq_len`` to be a multiple of the chunk size it
   really reads, and the registry asks the mixer which one (``mixer_seq_len_multiples``):
   ``model.chunk_size`` for DeltaNet / GDN / HOLA with ``model.impl = "chunked"``,
@@ -40,6 +40,7 @@ from typing import Any, Literal
 import yaml
 
 from nested_jax.data.config import DataConfig
+from nested_jax.files import as_path, atomic_write_text
 from nested_jax.models.config import ModelConfig
 from nested_jax.models.registry import mixer_seq_len_multiples
 from nested_jax.train.optimizer import OPTIMIZERS, OptimizerConfig
@@ -51,10 +52,20 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh with axes ("data", "fsdp"); parameters are sharded along fsdp (logical rules)."""
+    """Device mesh with axes ("data", "fsdp", "tensor") (see nested_jax.parallel.mesh).
+
+    Sizes are per slice; at most one of data / fsdp / tensor may be -1 (all remaining devices).
+    """
 
     data: int = 1  # size of the pure data-parallel axis (parameters replicated across it)
     fsdp: int = -1  # size of the fully-sharded data-parallel axis; -1 = all remaining devices
+    # model-parallel axis over heads, MLP width and vocabulary (1 = none)
+    tensor: int = 1
+    # TPU slices joined over DCN (multi-slice); the data axis spans them (data × slices in all)
+    slices: int = 1
+    # the TPU slice this config is sized for, e.g. "v5e:4x4" (nested-jax aot compiles for it; a
+    # run itself uses whatever devices it finds)
+    topology: str = ""
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,9 @@ class TrainConfig:
     # with nan_policy=skip: stop with an error after more than this many skipped steps in a row
     max_consecutive_skips: int = 10
     progress_bar: bool = True  # show a tqdm progress bar (loss, bits/byte, tokens/s) on stderr
+    # the loss walks the sequence this many positions at a time, so the f32 logits [B, T, V] of
+    # the whole batch never exist at once (ops.chunked_cross_entropy; equal values); 0 = at once
+    loss_chunk: int = 512
     # DEBUG ONLY (tests of the NaN policy): steps (1-based) whose loss is replaced by NaN inside the
     # jitted step.
     debug_nan_at_steps: tuple[int, ...] = ()
@@ -254,17 +268,23 @@ def _check_combinations(cfg: Config) -> None:
         if not ok:
             raise ConfigError(f"optimizer.{name}: must be {what}, got {value!r}")
     m = cfg.mesh
-    for name, value in (("data", m.data), ("fsdp", m.fsdp)):
+    for name, value in (("data", m.data), ("fsdp", m.fsdp), ("tensor", m.tensor)):
         if value == 0 or value < -1:
             raise ConfigError(
                 f"mesh.{name}: must be a positive size or -1 (all remaining), got {value}"
             )
-    if m.data == -1 and m.fsdp == -1:
-        raise ConfigError("mesh.data: at most one of mesh.data / mesh.fsdp may be -1")
-    if m.data > 0 and m.fsdp > 0 and cfg.data.batch_size % (m.data * m.fsdp):
+    if m.slices < 1:
+        raise ConfigError(f"mesh.slices: must be >= 1, got {m.slices}")
+    free = [n for n, v in (("data", m.data), ("fsdp", m.fsdp), ("tensor", m.tensor)) if v == -1]
+    if len(free) > 1:
         raise ConfigError(
-            f"data.batch_size: {cfg.data.batch_size} is not divisible by mesh.data × mesh.fsdp = "
-            f"{m.data}×{m.fsdp} = {m.data * m.fsdp}"
+            f"mesh.{free[0]}: at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1"
+        )
+    shards = m.data * m.fsdp * m.slices
+    if m.data > 0 and m.fsdp > 0 and cfg.data.batch_size % shards:
+        raise ConfigError(
+            f"data.batch_size: {cfg.data.batch_size} is not divisible by mesh.data × mesh.fsdp × "
+            f"mesh.slices = {m.data}×{m.fsdp}×{m.slices} = {shards}"
         )
     for knob, size in mixer_seq_len_multiples(cfg.model).items():
         if cfg.data.seq_len % size:
@@ -282,7 +302,7 @@ def _check_combinations(cfg: Config) -> None:
     for name in ("steps", "log_every", "checkpoint_every", "keep_checkpoints"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name}: must be >= 1, got {getattr(t, name)}")
-    for name in ("eval_every", "max_consecutive_skips"):
+    for name in ("eval_every", "max_consecutive_skips", "loss_chunk"):
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name}: must be >= 0, got {getattr(t, name)}")
     e = cfg.eval
@@ -433,22 +453,17 @@ def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ())
 
 def save_config(cfg: Config, workdir: str | Path) -> Path:
     """Writes ``workdir/config.json`` and ``workdir/config.yaml``; returns the JSON path."""
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = as_path(workdir)
     d = config_to_dict(cfg)
     path = workdir / "config.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)  # atomic: a crash never leaves a half-written config
-    ytmp = workdir / "config.yaml.tmp"
-    ytmp.write_text(yaml.safe_dump(d, sort_keys=False))
-    ytmp.replace(workdir / "config.yaml")
+    atomic_write_text(path, json.dumps(d, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(workdir / "config.yaml", yaml.safe_dump(d, sort_keys=False))
     return path
 
 
 def load_workdir_config(workdir: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Reads ``workdir/config.json`` (written by training) and applies ``--set`` overrides."""
-    path = Path(workdir) / "config.json"
+    path = as_path(workdir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"workdir {workdir}: no config.json (is this a training workdir?)")
     try:

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from nested_jax.files import write_json
+from nested_jax.files import as_path, write_json
 from nested_jax.train.checkpoint import Checkpointer, abstract_like, checkpoint_steps
 from nested_jax.train.config import Config, config_to_dict, save_config
 from nested_jax.train.metrics import MetricsWriter, read_metrics
@@ -416,7 +416,7 @@ def train_and_evaluate(
     from nested_jax.data.identity import data_spec, tokenizer_payload
 
     t_start = time.time()
-    workdir = Path(workdir)
+    workdir = as_path(workdir)
     plan = plan_resume(config, workdir, reset_optimizer=reset_optimizer)
     tokenizer = None if plan.data is None else plan.data.tokenizer
     mesh, bundle, setup = prepare_run(config, devices, tokenizer=tokenizer)

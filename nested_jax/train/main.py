@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from nested_jax.files import PathError, as_path
 from nested_jax.train.config import ConfigError, add_override_argument
 from nested_jax.train.signals import (
     EXIT_ABORTED,
@@ -41,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
         "run saved in --workdir",
     )
     add_override_argument(p)
-    p.add_argument("--workdir", required=True, help="run directory (checkpoints, metrics, summary)")
+    p.add_argument(
+        "--workdir",
+        required=True,
+        help="run directory (checkpoints, metrics, summary); a local path or a gs:// URL",
+    )
     p.add_argument(
         "--reset-optimizer",
         action="store_true",
@@ -58,13 +62,13 @@ def _error(prefix: str, err: BaseException) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    workdir = Path(args.workdir)
     from nested_jax.data.corpus import DataError
     from nested_jax.train.workdir import resolve_config
 
     try:
+        workdir = as_path(args.workdir, "--workdir")
         config, source = resolve_config(workdir, args.config, args.overrides)
-    except ConfigError as err:
+    except (ConfigError, PathError) as err:
         _error("config error", err)
         return EXIT_CONFIG
 

@@ -19,6 +19,7 @@ from flax import nnx
 
 from nested_jax.parallel.mesh import (
     batch_sharding,
+    batch_shards,
     global_batch_from_local,
     make_mesh,
     replicated,
@@ -69,14 +70,71 @@ def _check_leaf_order(state_def: Any, abstract_state: Any, pure: dict) -> None:
         raise RuntimeError("internal: nnx.State and its pure dict flatten in different orders")
 
 
-def init_train_setup(
-    config: Config, mesh: jax.sharding.Mesh, *, token_bytes: np.ndarray | None = None
-) -> TrainSetup:
-    """Initialises the sharded train state and jits the train / eval steps on `mesh`.
+def _abstract(tree: Any, shardings: Any) -> Any:
+    """``ShapeDtypeStruct`` leaves (with their shardings) for a tree of arrays / abstract values."""
+    return jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings
+    )
 
-    Parameters are created directly with their shardings (a jitted initialiser with
-    ``out_shardings``), so a model larger than one device's memory never materialises unsharded.
-    Parameters stay float32 (master weights); activations use ``model.dtype``.
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """The array-free half of a run: model structure, shardings and the jitted (uncalled) steps.
+
+    Built without allocating a parameter (:func:`plan_train_setup`), so it serves both
+    :func:`init_train_setup` (which then materialises the state) and the ahead-of-time compile of
+    ``nested-jax aot`` (which lowers the steps for a TPU topology from :meth:`abstract_state`).
+    Call or lower the steps inside ``jax.set_mesh(plan.mesh)`` so the activation constraints of
+    the model (``nested_jax.parallel.mesh.constrain``) apply.
+    """
+
+    mesh: jax.sharding.Mesh
+    graphdef: Any  # nnx GraphDef of the model
+    state_def: Any  # pytree structure of the parameter nnx.State
+    create_model: Callable[[], nnx.Module]  # builds the model (under nnx.use_eager_sharding(False))
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    params: dict  # abstract parameters (pure dict of ShapeDtypeStruct)
+    rest: Any  # abstract non-parameter model state
+    opt_state: Any  # abstract optimizer state
+    state_shardings: dict
+    rest_shardings: Any
+    batch_shardings: dict
+    train_step: Callable  # jitted (state, rest, batch) -> (state, metrics); donates `state`
+    eval_step: Callable  # jitted (params, rest, batch) -> sums
+
+    def abstract_state(self) -> dict:
+        """The train state as ``ShapeDtypeStruct`` with shardings (nothing allocated)."""
+        scalar = jax.ShapeDtypeStruct((), jnp.int32)
+        tree = {
+            "step": scalar,
+            "params": self.params,
+            "opt_state": self.opt_state,
+            "consecutive_skips": scalar,
+        }
+        return _abstract(tree, self.state_shardings)
+
+    def abstract_rest(self) -> Any:
+        """The non-parameter model state as ``ShapeDtypeStruct`` with shardings."""
+        return _abstract(self.rest, self.rest_shardings)
+
+    def abstract_batch(self, batch_size: int, seq_len: int) -> dict:
+        """A global ``[batch_size, seq_len]`` int32 batch as ``ShapeDtypeStruct`` with shardings."""
+        shape = (batch_size, seq_len)
+        return {
+            k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
+            for k, sh in self.batch_shardings.items()
+        }
+
+
+def plan_train_setup(
+    config: Config, mesh: jax.sharding.Mesh, *, token_bytes: np.ndarray | None = None
+) -> StepPlan:
+    """Model structure, shardings and jitted train / eval steps on `mesh`, without any array.
+
+    Parameters are float32 master weights sharded by their logical names
+    (``nested_jax.parallel.mesh.LOGICAL_AXIS_RULES``); optimizer moments follow their parameter;
+    batches are split over the batch axes; the non-parameter state is replicated.
     """
 
     def create():
@@ -89,29 +147,18 @@ def init_train_setup(
     state_def = jax.tree.structure(abs_params)
     param_sh = nnx.to_pure_dict(state_shardings(abs_params, mesh))
     rest_sh = jax.tree.map(lambda _: replicated(mesh), abs_rest)
-
-    def init_params():
-        _, params, rest = nnx.split(create(), nnx.Param, ...)
-        return nnx.to_pure_dict(params), rest
-
-    params, rest = jax.jit(init_params, out_shardings=(param_sh, rest_sh))()
-    _check_leaf_order(state_def, abs_params, params)
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(abs_params)
+    )
+    rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abs_rest)
 
     tx, schedule = build_optimizer(config.optimizer, config.train.steps, model=config.model)
-    abs_opt = jax.eval_shape(tx.init, params)
+    opt_state = jax.eval_shape(tx.init, params)
     repl = replicated(mesh)
-    opt_sh = shardings_like_params(abs_opt, params, param_sh, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
-    state = {
-        "step": jax.device_put(jnp.zeros((), jnp.int32), repl),
-        "params": params,
-        "opt_state": opt_state,
-        "consecutive_skips": jax.device_put(jnp.zeros((), jnp.int32), repl),
-    }
+    opt_sh = shardings_like_params(opt_state, params, param_sh, mesh)
     state_sh = {"step": repl, "params": param_sh, "opt_state": opt_sh, "consecutive_skips": repl}
     batch_sh = {k: batch_sharding(mesh, 2) for k in BATCH_KEYS}
     tb = None if token_bytes is None else jnp.asarray(token_bytes, jnp.int32)
-
     step_fn = make_train_step(
         graphdef,
         state_def,
@@ -119,29 +166,106 @@ def init_train_setup(
         schedule,
         token_bytes=tb,
         debug_nan_at_steps=config.train.debug_nan_at_steps,
+        loss_chunk=config.train.loss_chunk,
     )
-    jit_step = jax.jit(
+    train_step = jax.jit(
         step_fn,
         in_shardings=(state_sh, rest_sh, batch_sh),
         out_shardings=(state_sh, repl),
         donate_argnums=(0,),
     )
-    jit_eval = jax.jit(
-        make_eval_step(graphdef, state_def, token_bytes=tb),
+    eval_step = jax.jit(
+        make_eval_step(graphdef, state_def, token_bytes=tb, loss_chunk=config.train.loss_chunk),
         in_shardings=(param_sh, rest_sh, batch_sh),
         out_shardings=repl,
     )
-    return TrainSetup(
+    return StepPlan(
         mesh=mesh,
         graphdef=graphdef,
         state_def=state_def,
+        create_model=create,
+        tx=tx,
+        schedule=schedule,
+        params=params,
+        rest=rest,
+        opt_state=opt_state,
+        state_shardings=state_sh,
+        rest_shardings=rest_sh,
+        batch_shardings=batch_sh,
+        train_step=train_step,
+        eval_step=eval_step,
+    )
+
+
+def on_mesh(mesh: jax.sharding.Mesh, fn: Callable) -> Callable:
+    """`fn` called inside ``jax.set_mesh(mesh)``, so a jitted step traces with its activation
+    constraints (``nested_jax.parallel.mesh.constrain``)."""
+
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    return call
+
+
+def init_rest(plan: StepPlan) -> Any:
+    """The model's non-parameter state (replicated); deterministic from the config, never saved."""
+
+    def rest():
+        return nnx.split(plan.create_model(), nnx.Param, ...)[2]
+
+    return jax.jit(rest, out_shardings=plan.rest_shardings)()
+
+
+def setup_from_state(plan: StepPlan, state: dict, rest: Any) -> TrainSetup:
+    """A :class:`TrainSetup` over an existing (fresh or restored) train `state`.
+
+    ``state`` may lack ``opt_state`` (evaluation restores only what it reads); the steps then need
+    only what they are given (``eval_step`` takes the parameters alone).
+    """
+    train_step, eval_step = on_mesh(plan.mesh, plan.train_step), on_mesh(plan.mesh, plan.eval_step)
+    return TrainSetup(
+        mesh=plan.mesh,
+        graphdef=plan.graphdef,
+        state_def=plan.state_def,
         rest=rest,
         state=state,
-        state_shardings=state_sh,
-        schedule=schedule,
-        train_step=lambda s, b: jit_step(s, rest, b),
-        eval_step=lambda p, b: jit_eval(p, rest, b),
+        state_shardings=plan.state_shardings,
+        schedule=plan.schedule,
+        train_step=lambda s, b: train_step(s, rest, b),
+        eval_step=lambda p, b: eval_step(p, rest, b),
     )
+
+
+def initialise(plan: StepPlan) -> TrainSetup:
+    """A fresh train state for `plan`: parameters created directly with their shardings (a jitted
+    initialiser with ``out_shardings``, so a model larger than one device's memory never
+    materialises unsharded; f32 master weights) and the optimizer state beside them."""
+    param_sh = plan.state_shardings["params"]
+
+    def init_params():
+        _, params, rest = nnx.split(plan.create_model(), nnx.Param, ...)
+        return nnx.to_pure_dict(params), rest
+
+    params, rest = jax.jit(init_params, out_shardings=(param_sh, plan.rest_shardings))()
+    _check_leaf_order(plan.state_def, plan.params, params)
+    opt_state = jax.jit(plan.tx.init, out_shardings=plan.state_shardings["opt_state"])(params)
+    repl = replicated(plan.mesh)
+    state = {
+        "step": jax.device_put(jnp.zeros((), jnp.int32), repl),
+        "params": params,
+        "opt_state": opt_state,
+        "consecutive_skips": jax.device_put(jnp.zeros((), jnp.int32), repl),
+    }
+    return setup_from_state(plan, state, rest)
+
+
+def init_train_setup(
+    config: Config, mesh: jax.sharding.Mesh, *, token_bytes: np.ndarray | None = None
+) -> TrainSetup:
+    """Initialises the sharded train state and jits the train / eval steps on `mesh`
+    (:func:`plan_train_setup` then :func:`initialise`). Activations use ``model.dtype``."""
+    return initialise(plan_train_setup(config, mesh, token_bytes=token_bytes))
 
 
 def evaluate(setup: TrainSetup, params: dict, batches: list[dict]) -> dict:
@@ -163,11 +287,11 @@ def evaluate(setup: TrainSetup, params: dict, batches: list[dict]) -> dict:
 
 
 def _check_mesh_batch(config: Config, mesh: jax.sharding.Mesh) -> None:
-    n = mesh.shape["data"] * mesh.shape["fsdp"]
+    n = batch_shards(mesh)
     if config.data.batch_size % n:
         raise ConfigError(
             f"data.batch_size: {config.data.batch_size} is not divisible by the mesh's "
-            f"data × fsdp = {mesh.shape['data']}×{mesh.shape['fsdp']} = {n} devices"
+            f"data × fsdp = {mesh.shape['data']}×{mesh.shape['fsdp']} = {n} batch shards"
         )
     if config.data.batch_size % jax.process_count():
         raise ConfigError(
@@ -176,17 +300,17 @@ def _check_mesh_batch(config: Config, mesh: jax.sharding.Mesh) -> None:
         )
 
 
-def prepare_run(
+def prepare_plan(
     config: Config,
     devices: Sequence[jax.Device] | None = None,
     *,
     tokenizer: Any = None,
-) -> tuple[jax.sharding.Mesh, Any, TrainSetup]:
-    """Mesh, data bundle (tokenizer, documents) and a freshly initialised :class:`TrainSetup`.
+) -> tuple[jax.sharding.Mesh, Any, StepPlan]:
+    """Mesh, data bundle (tokenizer, documents) and the array-free :class:`StepPlan` of a run.
 
     Args:
       config: the run's config.
-      devices: restrict the mesh to those devices (default: all; ``mesh.data × mesh.fsdp`` must
+      devices: restrict the mesh to those devices (default: all; the mesh sizes must
         match their number).
       tokenizer: the run's saved tokenizer (a workdir's copy); None builds it from ``config.data``.
 
@@ -212,4 +336,16 @@ def prepare_run(
     token_bytes = np.asarray(tok.token_bytes)
     if token_bytes.shape[0] < config.model.vocab_size:  # ids the tokenizer never produces: 0 bytes
         token_bytes = np.pad(token_bytes, (0, config.model.vocab_size - token_bytes.shape[0]))
-    return mesh, bundle, init_train_setup(config, mesh, token_bytes=token_bytes)
+    return mesh, bundle, plan_train_setup(config, mesh, token_bytes=token_bytes)
+
+
+def prepare_run(
+    config: Config,
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    tokenizer: Any = None,
+) -> tuple[jax.sharding.Mesh, Any, TrainSetup]:
+    """:func:`prepare_plan` and a freshly initialised :class:`TrainSetup` (same arguments and
+    errors)."""
+    mesh, bundle, plan = prepare_plan(config, devices, tokenizer=tokenizer)
+    return mesh, bundle, initialise(plan)

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from nested_jax.ops import chunked_cross_entropy
+
 TrainState = dict[str, Any]
 Batch = dict[str, jax.Array]
 
@@ -63,16 +65,27 @@ def params_to_state(params: dict, state_def: Any) -> nnx.State:
     return jax.tree.unflatten(state_def, jax.tree.leaves(params))
 
 
-def make_loss_fn(graphdef: Any, state_def: Any) -> Callable:
+def make_loss_fn(graphdef: Any, state_def: Any, *, loss_chunk: int = 0) -> Callable:
     """``loss_fn(params, rest, batch) -> (mean_loss, (loss_sum, weight_sum))`` for an nnx LM.
 
-    The model is called as ``model(inputs, segment_ids=...) -> (logits [B, T, V], cache)``.
+    The model gives its final hidden states (``model.hidden(inputs, segment_ids=...)``) and output
+    projection (``model.output_weight()``); the loss is :func:`masked_cross_entropy` of the f32
+    logits, computed ``loss_chunk`` positions at a time (``ops.chunked_cross_entropy``: equal
+    values and gradients, no ``[B, T, V]`` logits of the whole batch; 0 = all at once).
     """
 
     def loss_fn(params, rest, batch):
         model = nnx.merge(graphdef, params_to_state(params, state_def), rest)
-        logits, _ = model(batch["inputs"], segment_ids=batch.get("segment_ids"))
-        loss_sum, weight = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+        hidden, _ = model.hidden(batch["inputs"], segment_ids=batch.get("segment_ids"))
+        weight_matrix, layout = model.output_weight()
+        loss_sum, weight = chunked_cross_entropy(
+            hidden,
+            weight_matrix,
+            batch["targets"],
+            batch["loss_mask"],
+            chunk_tokens=loss_chunk,
+            weight_layout=layout,
+        )
         return loss_sum / jnp.maximum(weight, 1.0), (loss_sum, weight)
 
     return loss_fn
@@ -86,6 +99,7 @@ def make_train_step(
     *,
     token_bytes: jax.Array | None = None,
     debug_nan_at_steps: Sequence[int] = (),
+    loss_chunk: int = 0,
 ) -> Callable[[TrainState, Any, Batch], tuple[TrainState, dict]]:
     """Builds the pure ``train_step(state, rest, batch) -> (state, metrics)``.
 
@@ -93,8 +107,9 @@ def make_train_step(
     scalars): loss (mean nats/token), loss_sum, tokens, bytes, grad_norm, lr (of this step), finite
     (1/0), consecutive_skips. ``debug_nan_at_steps`` (tests only) multiplies the loss by NaN at
     those 1-based steps, so loss and gradients are NaN exactly as in a real blow-up.
+    ``loss_chunk``: see :func:`make_loss_fn`.
     """
-    loss_fn = make_loss_fn(graphdef, state_def)
+    loss_fn = make_loss_fn(graphdef, state_def, loss_chunk=loss_chunk)
     nan_steps = jnp.asarray(tuple(debug_nan_at_steps) or (-1,), jnp.int32)
 
     def train_step(state: TrainState, rest: Any, batch: Batch):
@@ -143,10 +158,10 @@ def make_train_step(
 
 
 def make_eval_step(
-    graphdef: Any, state_def: Any, *, token_bytes: jax.Array | None = None
+    graphdef: Any, state_def: Any, *, token_bytes: jax.Array | None = None, loss_chunk: int = 0
 ) -> Callable[[dict, Any, Batch], dict]:
     """Builds ``eval_step(params, rest, batch) -> {"loss_sum", "tokens", "bytes"}`` (sums)."""
-    loss_fn = make_loss_fn(graphdef, state_def)
+    loss_fn = make_loss_fn(graphdef, state_def, loss_chunk=loss_chunk)
 
     def eval_step(params, rest, batch):
         _, (loss_sum, weight) = loss_fn(params, rest, batch)

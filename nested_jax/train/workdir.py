@@ -28,8 +28,10 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
-from pathlib import Path
+import os
 from typing import Any
+
+from etils import epath
 
 from nested_jax.data.corpus import DataError
 from nested_jax.data.identity import (
@@ -39,7 +41,7 @@ from nested_jax.data.identity import (
     tokenizer_from_payload,
     tokenizer_payload,
 )
-from nested_jax.files import atomic_write_bytes, strict_json, write_json
+from nested_jax.files import append_text, as_path, atomic_write_bytes, strict_json, write_json
 from nested_jax.layers.options import OPTION_SECTIONS
 from nested_jax.train.checkpoint import Checkpointer, checkpoint_steps
 from nested_jax.train.config import (
@@ -70,6 +72,8 @@ SAFE_ON_RESUME = (
     "train.nan_policy",
     "train.max_consecutive_skips",
     "train.debug_nan_at_steps",
+    "train.loss_chunk",
+    "model.attention_block",
     "eval.*",
     "mesh.*",
     "data.corpus",
@@ -95,19 +99,19 @@ class ConfigChange:
         return f"{self.field} ({self.old!r} -> {self.new!r})"
 
 
-def has_run(workdir: str | Path) -> bool:
+def has_run(workdir: str | os.PathLike) -> bool:
     """Whether `workdir` holds a run to continue (a saved config or a complete checkpoint)."""
-    workdir = Path(workdir)
+    workdir = as_path(workdir)
     return (workdir / CONFIG_JSON).is_file() or bool(checkpoint_steps(workdir))
 
 
-def saved_config_dict(workdir: str | Path) -> tuple[dict, str] | None:
+def saved_config_dict(workdir: str | os.PathLike) -> tuple[dict, str] | None:
     """``(config dict, where it came from)`` of the run in `workdir`, or None without one.
 
     The newest checkpoint's own config comes first (it is what the arrays were saved with), then
     ``config.json``.
     """
-    workdir = Path(workdir)
+    workdir = as_path(workdir)
     steps = checkpoint_steps(workdir)
     if steps:
         ckpt = Checkpointer(workdir, read_only=True)
@@ -129,7 +133,7 @@ def saved_config_dict(workdir: str | Path) -> tuple[dict, str] | None:
 
 
 def resolve_config(
-    workdir: str | Path, config_paths: list[str], overrides: list[str]
+    workdir: str | os.PathLike, config_paths: list[str], overrides: list[str]
 ) -> tuple[Config, str]:
     """The config ``nested-jax train`` runs with, and a note saying where it came from.
 
@@ -141,7 +145,7 @@ def resolve_config(
     """
     if config_paths:
         return load_config(config_paths, overrides), "from " + ", ".join(config_paths)
-    workdir = Path(workdir)
+    workdir = as_path(workdir)
     path = workdir / CONFIG_JSON
     if path.is_file():
         return load_workdir_config(workdir, overrides), f"saved in {path}"
@@ -207,7 +211,7 @@ def _matches(path: str, patterns: tuple[str, ...]) -> bool:
 
 
 def check_resume(
-    saved: dict, config: Config, workdir: str | Path, *, reset_optimizer: bool = False
+    saved: dict, config: Config, workdir: str | os.PathLike, *, reset_optimizer: bool = False
 ) -> list[ConfigChange]:
     """The changes a resume of `workdir` with `config` may apply; raises for the others.
 
@@ -236,20 +240,22 @@ def check_resume(
     )
 
 
-def record_config_changes(workdir: str | Path, step: int, changes: list[ConfigChange]) -> None:
+def record_config_changes(
+    workdir: str | os.PathLike, step: int, changes: list[ConfigChange]
+) -> None:
     """Appends the changes applied on resume to ``config_history.jsonl`` (the run's record)."""
     if not changes:
         return
-    with (Path(workdir) / CONFIG_HISTORY).open("a") as f:
-        for c in changes:
-            record = {"resumed_at_step": step, "field": c.field, "old": c.old, "new": c.new}
-            f.write(strict_json(record) + "\n")
+    records = [
+        {"resumed_at_step": step, "field": c.field, "old": c.old, "new": c.new} for c in changes
+    ]
+    append_text(as_path(workdir) / CONFIG_HISTORY, "".join(strict_json(r) + "\n" for r in records))
 
 
 # -- the data a run was trained on -----------------------------------------------------------------
 
 
-def _read_saved_data(workdir: Path) -> tuple[dict, bytes | None, str] | None:
+def _read_saved_data(workdir: epath.Path) -> tuple[dict, bytes | None, str] | None:
     path = workdir / DATA_SPEC_JSON
     if path.is_file():
         try:
@@ -284,7 +290,7 @@ class SavedData:
     where: str  # where the tokenizer came from (for messages)
 
 
-def saved_data(workdir: str | Path) -> SavedData | None:
+def saved_data(workdir: str | os.PathLike) -> SavedData | None:
     """The tokenizer and corpus record saved in `workdir` (files, else the newest checkpoint).
 
     Returns None for a workdir that has none (a new run, or one written before data records).
@@ -292,20 +298,20 @@ def saved_data(workdir: str | Path) -> SavedData | None:
     Raises:
       DataError: a saved tokenizer that cannot be rebuilt (one line naming the file).
     """
-    found = _read_saved_data(Path(workdir))
+    found = _read_saved_data(as_path(workdir))
     if found is None:
         return None
     spec, payload, where = found
     return SavedData(spec, tokenizer_from_payload(spec["tokenizer"], payload, where), where)
 
 
-def write_data_spec(workdir: str | Path, spec: dict, tokenizer: Any) -> None:
+def write_data_spec(workdir: str | os.PathLike, spec: dict, tokenizer: Any) -> None:
     """Writes ``data_spec.json`` and the tokenizer file into `workdir` (atomically).
 
     Called only when the run's data is established: for a new run, or to restore missing files
     of a resumed one from its checkpoint.
     """
-    workdir = Path(workdir)
+    workdir = as_path(workdir)
     kind, payload = tokenizer_payload(tokenizer)
     if payload is not None:
         atomic_write_bytes(workdir / TOKENIZER_FILES[kind], payload)

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from nested_jax.parallel.mesh import (
     LOGICAL_AXIS_RULES,
     batch_sharding,
+    constrain,
     global_batch_from_local,
     logical_to_mesh_spec,
     make_mesh,
@@ -22,22 +23,51 @@ from nested_jax.train.loop import init_train_setup
 
 
 def test_resolve_mesh_shape():
-    assert resolve_mesh_shape(1, -1, 8) == (1, 8)
-    assert resolve_mesh_shape(-1, 2, 8) == (4, 2)
-    assert resolve_mesh_shape(4, 2, 8) == (4, 2)
-    with pytest.raises(ValueError, match=r"mesh\.fsdp: mesh\.data × mesh\.fsdp = 2×2 = 4 but 8"):
+    assert resolve_mesh_shape(1, -1, 8) == (1, 8, 1)
+    assert resolve_mesh_shape(-1, 2, 8) == (4, 2, 1)
+    assert resolve_mesh_shape(4, 2, 8) == (4, 2, 1)
+    assert resolve_mesh_shape(1, -1, 8, tensor=2) == (1, 4, 2)
+    assert resolve_mesh_shape(2, 2, 8, tensor=-1) == (2, 2, 2)
+    with pytest.raises(ValueError, match=r"mesh\.fsdp: mesh\.data × mesh\.fsdp × mesh\.tensor = "):
         resolve_mesh_shape(2, 2, 8)
     with pytest.raises(ValueError, match=r"mesh\.data: 3 does not divide"):
         resolve_mesh_shape(3, -1, 8)
+    with pytest.raises(ValueError, match=r"mesh\.tensor: 3 does not divide"):
+        resolve_mesh_shape(1, -1, 8, tensor=3)
+    with pytest.raises(ValueError, match=r"at most one of"):
+        resolve_mesh_shape(1, -1, 8, tensor=-1)
 
 
 def test_make_mesh_axes_and_types():
     mesh = make_mesh(MeshConfig(data=4, fsdp=2))
-    assert mesh.axis_names == ("data", "fsdp")
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 2}
+    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     one = make_mesh(MeshConfig(data=1, fsdp=-1), devices=jax.devices()[:1])
-    assert dict(one.shape) == {"data": 1, "fsdp": 1}
+    assert dict(one.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+    tp = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=2))
+    assert dict(tp.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+    with pytest.raises(ValueError, match=r"mesh\.slices: 3 does not divide the 8 devices"):
+        make_mesh(MeshConfig(slices=3))
+
+
+def test_constrain_pins_activations_on_a_mesh_and_is_a_no_op_without_one():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    x = np.ones((8, 4, 6), np.float32)
+
+    def f(a):
+        return constrain(a * 2.0, ("batch", None, "vocab"))
+
+    with jax.set_mesh(mesh):
+        y = jax.jit(f)(x)
+    assert y.sharding.spec == P(("data", "fsdp"), None, "tensor")
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), 2.0 * x)  # no mesh: unchanged
+    # A dimension the axes do not divide stays replicated instead of failing.
+    with jax.set_mesh(mesh):
+        z = jax.jit(lambda a: constrain(a, ("batch", None, "vocab")))(np.ones((6, 4, 5)))
+    assert z.sharding.spec == P()
+    with pytest.raises(ValueError, match=r"logical: expected 3 names"):
+        constrain(x, ("batch", None))
 
 
 def test_logical_rules_map_names_to_mesh_axes():
@@ -67,6 +97,10 @@ def test_param_shardings_follow_nnx_partition_metadata():
         lambda s: s.spec, nnx.to_pure_dict(state_shardings(nnx.state(model), mesh))
     )
     assert specs == {"w": P("fsdp"), "e": P(None, "fsdp"), "b": P()}
+    tp = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    specs = jax.tree.map(lambda s: s.spec, nnx.to_pure_dict(state_shardings(nnx.state(model), tp)))
+    # mlp and vocab go to the tensor axis (the vocab of 5 does not divide 2: replicated).
+    assert specs == {"w": P("fsdp", "tensor"), "e": P(None, "fsdp"), "b": P()}
 
 
 def test_global_batch_from_local_is_sharded_over_data_and_fsdp():
@@ -118,22 +152,25 @@ def test_data_fsdp_mesh_matches_one_device_trajectory(model_name):
         ],
     )
     batches = _batches(4)
-    losses = {}
-    for name, mesh in (
-        ("1x1", make_mesh(MeshConfig(data=1, fsdp=1), devices=jax.devices()[:1])),
-        ("4x2", make_mesh(MeshConfig(data=4, fsdp=2))),
-    ):
-        setup = init_train_setup(cfg, mesh, token_bytes=np.ones(257, np.int32))
-        if name == "4x2":  # parameters really are sharded along fsdp
-            specs = [x.sharding.spec for x in jax.tree.leaves(setup.state["params"])]
-            assert any("fsdp" in str(s) for s in specs)
-        state, out = setup.state, []
-        for b in batches:
-            state, m = setup.train_step(state, global_batch_from_local(b, mesh))
-            out.append(float(m["loss"]))
-        losses[name] = np.array(out)
-    assert np.all(np.isfinite(losses["1x1"]))
-    np.testing.assert_allclose(losses["4x2"], losses["1x1"], rtol=1e-5)
+    one, _ = _trajectory(cfg, make_mesh(MeshConfig(fsdp=1), devices=jax.devices()[:1]), batches)
+    assert np.all(np.isfinite(one))
+    fsdp, specs = _trajectory(cfg, make_mesh(MeshConfig(data=4, fsdp=2)), batches)
+    assert any("fsdp" in s for s in specs)  # parameters really are sharded along fsdp
+    np.testing.assert_allclose(fsdp, one, rtol=1e-5)
+    tp, specs = _trajectory(cfg, make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)), batches)
+    assert any("tensor" in s for s in specs)  # ... and along tensor
+    np.testing.assert_allclose(tp, one, rtol=1e-5)
+
+
+def _trajectory(cfg, mesh, batches) -> tuple[np.ndarray, list[str]]:
+    """Losses of a few train steps on `mesh` and the parameters' partition specs."""
+    setup = init_train_setup(cfg, mesh, token_bytes=np.ones(257, np.int32))
+    specs = [str(x.sharding.spec) for x in jax.tree.leaves(setup.state["params"])]
+    state, out = setup.state, []
+    for b in batches:
+        state, m = setup.train_step(state, global_batch_from_local(b, mesh))
+        out.append(float(m["loss"]))
+    return np.array(out), specs
 
 
 @pytest.mark.parametrize("name", ["adamw", "m3"])
@@ -159,3 +196,30 @@ def test_optimizer_state_shardings_follow_parameters(name):
         elif leaf.ndim == 0:
             assert sh.spec == P(), path  # counts stay replicated
     assert any(sh.spec == P("fsdp") for _, sh in specs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["gdn", "titans_lmm", "hope", "hola"])
+def test_tensor_axis_shards_memory_heads_and_matches_one_device(model_name):
+    """Per-head memory parameters carry the "heads" name: on a tensor axis they shard by head and
+    the trajectory equals one device's."""
+    cfg = load_config(
+        [f"configs/experiments/tiny_{model_name}.yaml"],
+        [
+            "model.d_model=32",
+            "model.n_layers=1",
+            "model.n_heads=2",
+            "model.head_dim=16",
+            "model.vocab_size=257",
+            "data.tokenizer=byte",
+            "data.seq_len=32",
+            "data.batch_size=8",
+            "optimizer.warmup_steps=0",
+        ],
+    )
+    batches = _batches(2)
+    one, _ = _trajectory(cfg, make_mesh(MeshConfig(fsdp=1), devices=jax.devices()[:1]), batches)
+    assert np.all(np.isfinite(one))
+    tp, specs = _trajectory(cfg, make_mesh(MeshConfig(data=1, fsdp=4, tensor=2)), batches)
+    assert any("tensor" in s for s in specs)
+    np.testing.assert_allclose(tp, one, rtol=2e-5)
