@@ -89,12 +89,16 @@ def _device_grid(shape: tuple[int, ...], devices: list, slices: int) -> np.ndarr
     """
     from jax.experimental import mesh_utils
 
+    # allow_split_physical_axes: a mesh axis may take part of a physical ring (data 4 × fsdp 64 on
+    # a 16x16 slice, tensor 2 on a 4x4), which mesh_utils refuses otherwise.
     if slices > 1:
         ici = (shape[0] // slices,) + tuple(shape[1:])
         dcn = (slices,) + (1,) * (len(shape) - 1)
-        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+        return mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, allow_split_physical_axes=True
+        )
     if devices and devices[0].platform == "tpu":
-        return mesh_utils.create_device_mesh(shape, devices)
+        return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     return np.asarray(devices).reshape(shape)
 
 
