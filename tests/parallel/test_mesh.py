@@ -210,6 +210,7 @@ def test_tensor_axis_shards_memory_heads_and_matches_one_device(model_name):
             "model.n_layers=1",
             "model.n_heads=2",
             "model.head_dim=16",
+            "model.chunk_size=16",
             "model.vocab_size=257",
             "data.tokenizer=byte",
             "data.seq_len=32",
