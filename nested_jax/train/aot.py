@@ -184,21 +184,12 @@ def compile_for_topology(
     """
     import jax
 
-    from nested_jax.parallel.mesh import batch_shards, make_mesh
-    from nested_jax.train.setup import plan_train_setup
+    from nested_jax.train.setup import build_mesh, plan_train_setup
 
     devices = topology_devices(topology, config.mesh.slices)
     if per_device_batch:
         config = with_per_device_batch(config, per_device_batch, len(devices))
-    try:
-        mesh = make_mesh(config.mesh, devices)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if config.data.batch_size % batch_shards(mesh):
-        raise ConfigError(
-            f"data.batch_size: {config.data.batch_size} is not divisible by the "
-            f"{batch_shards(mesh)} batch shards of {topology}"
-        )
+    mesh = build_mesh(config, devices)
     capacity = chip_capacity(topology)
     plan = plan_train_setup(config, mesh)
     batch = plan.abstract_batch(config.data.batch_size, config.data.seq_len)
@@ -240,25 +231,18 @@ def describe(config: Config, topology: str, mesh_shape: dict, results: list[Step
     return "\n".join(lines)
 
 
-def table_row(path: str, config: Config, topology: str, results: list[StepMemory]) -> str:
+def table_row(
+    path: str, config: Config, topology: str, mesh_shape: dict, results: list[StepMemory]
+) -> str:
     """One Markdown row: preset, topology, batch, per-chip peak of train / eval, fits."""
     per_chip = {r.step: (_gib(r.peak) if not r.error else "OOM") for r in results}
-    per_device = config.data.batch_size // max(1, _batch_chips(config, topology))
+    per_device = config.data.batch_size // (mesh_shape["data"] * mesh_shape["fsdp"])
     fits = "yes" if all(r.fits for r in results) else "**no**"
     return (
         f"| `{Path(path).stem}` | {topology} | {config.data.batch_size} ({per_device}/chip) | "
         f"{per_chip.get('train', '')} | {per_chip.get('eval', '')} | "
         f"{_gib(results[0].capacity)} | {fits} |"
     )
-
-
-def _batch_chips(config: Config, topology: str) -> int:
-    dims = topology.split(":")[1].split("x")
-    chips = 1
-    for d in dims:
-        chips *= int(d)
-    m = config.mesh
-    return chips * m.slices // max(1, m.tensor)
 
 
 TABLE_HEADER = (
@@ -320,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             if not args.json:
                 print(describe(config, topology, mesh_shape, results), flush=True)
-            rows.append(table_row(path, config, topology, results))
+            rows.append(table_row(path, config, topology, mesh_shape, results))
     except (ConfigError, AotError) as err:
         prefix = "config error" if isinstance(err, ConfigError) else "aot"
         print(f"{prefix}: {err}", file=sys.stderr)

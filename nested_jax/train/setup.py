@@ -286,6 +286,21 @@ def evaluate(setup: TrainSetup, params: dict, batches: list[dict]) -> dict:
     }
 
 
+def build_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+    """The run's mesh on `devices` (default: all), checked against ``data.batch_size``.
+
+    Raises:
+      ConfigError: the mesh sizes do not fit the devices, or the batch does not split over the
+        mesh's batch shards / the JAX processes.
+    """
+    try:
+        mesh = make_mesh(config.mesh, devices)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _check_mesh_batch(config, mesh)
+    return mesh
+
+
 def _check_mesh_batch(config: Config, mesh: jax.sharding.Mesh) -> None:
     n = batch_shards(mesh)
     if config.data.batch_size % n:
@@ -321,11 +336,7 @@ def prepare_plan(
     """
     from nested_jax.data import pipeline
 
-    try:
-        mesh = make_mesh(config.mesh, devices)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    _check_mesh_batch(config, mesh)
+    mesh = build_mesh(config, devices)
     bundle = pipeline.prepare_data(config.data, tokenizer=tokenizer)
     tok = bundle.tokenizer
     if tok.vocab_size > config.model.vocab_size:
