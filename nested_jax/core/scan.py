@@ -2,6 +2,10 @@
 
 - ``pad_to_multiple`` / ``chunk`` / ``unchunk``: split a time axis into ``[N, C]`` chunks (zero
   padding at the end) and back.
+- ``to_head_chunks`` / ``from_head_chunks``: the layout every chunked memory rule scans over,
+  ``[B, T, H, ...] → [N, B, H, C, ...]`` (chunk axis first so ``lax.scan`` walks it) and back.
+- ``segment_starts``: the packed-row boundaries (SPEC §0), ``True`` where token ``t > 0`` opens a
+  new document; every segment-reset mechanism derives its masks from it.
 - ``affine_scan``: all ``x_t = a_t · x_{t−1} + b_t`` in parallel (``lax.associative_scan`` over
   affine maps, composed as ``(a₂, b₂) ∘ (a₁, b₁) = (a₂ a₁, a₂ b₁ + b₂)``); used by Titans
   momentum/decay (SPEC §2).
@@ -17,7 +21,16 @@ from jax import lax
 
 from nested_jax.core.checks import check_positive_int
 
-__all__ = ["pad_to_multiple", "chunk", "unchunk", "affine_scan", "scan_remat"]
+__all__ = [
+    "pad_to_multiple",
+    "chunk",
+    "unchunk",
+    "to_head_chunks",
+    "from_head_chunks",
+    "segment_starts",
+    "affine_scan",
+    "scan_remat",
+]
 
 
 def _axis(x, axis: int, name: str = "axis") -> int:
@@ -85,6 +98,61 @@ def unchunk(x, length: int | None = None, axis: int = 1):
             raise ValueError(f"unchunk: length must be in [0, {n * c}], got {length}")
         x = lax.slice_in_dim(x, 0, length, axis=axis)
     return x
+
+
+def to_head_chunks(x, chunk_size: int):
+    """``[B, T, H, ...] → [N, B, H, C, ...]``, zero padded at the end of time (``N = ⌈T / C⌉``).
+
+    The layout the chunked rules scan over: chunks lead (``lax.scan`` walks axis 0), then batch and
+    heads (independent), then the ``C`` positions of one chunk. Zero padding is a no-op write for
+    every rule whose write strength (β, θ, gate) is zero there; callers pad those inputs too.
+
+    Args:
+      x: array ``[B, T, H, ...]`` (rank ≥ 3).
+      chunk_size: C > 0; T need not be a multiple of C.
+
+    Returns:
+      array ``[N, B, H, C, ...]``.
+    """
+    check_positive_int("chunk_size", chunk_size)
+    if x.ndim < 3:
+        raise ValueError(f"to_head_chunks: x must have shape [B, T, H, ...], got {x.shape}")
+    x = chunk(x, chunk_size, axis=1)  # [B, N, C, H, ...]
+    return jnp.swapaxes(jnp.moveaxis(x, 1, 0), 2, 3)
+
+
+def from_head_chunks(x, length: int | None = None):
+    """Inverse of ``to_head_chunks``: ``[N, B, H, C, ...] → [B, T, H, ...]`` trimmed to ``length``.
+
+    Args:
+      x: array ``[N, B, H, C, ...]`` (rank ≥ 4).
+      length: original T (default ``N · C``).
+
+    Returns:
+      array ``[B, length, H, ...]``.
+    """
+    if x.ndim < 4:
+        raise ValueError(f"from_head_chunks: x must have shape [N, B, H, C, ...], got {x.shape}")
+    x = jnp.moveaxis(jnp.swapaxes(x, 2, 3), 0, 1)  # [B, N, C, H, ...]
+    return unchunk(x, length, axis=1)
+
+
+def segment_starts(segment_ids):
+    """Where a packed row opens a new document (SPEC §0): bool ``[B, T]``.
+
+    ``out[b, t]`` is ``True`` iff ``t > 0`` and ``segment_ids[b, t] != segment_ids[b, t − 1]``;
+    position 0 is never a start (the state there is the initial one anyway).
+
+    Args:
+      segment_ids: int ``[B, T]``.
+
+    Returns:
+      bool ``[B, T]``.
+    """
+    if segment_ids.ndim != 2:
+        raise ValueError(f"segment_starts: segment_ids must have shape [B, T], got {segment_ids.shape}")
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return jnp.pad(change, ((0, 0), (1, 0)))
 
 
 def affine_scan(a, b, axis: int = 0, reverse: bool = False, initial=None):

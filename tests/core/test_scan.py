@@ -5,7 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.scan import affine_scan, chunk, pad_to_multiple, scan_remat, unchunk
+from nested_jax.core.scan import (
+    affine_scan,
+    chunk,
+    from_head_chunks,
+    pad_to_multiple,
+    scan_remat,
+    segment_starts,
+    to_head_chunks,
+    unchunk,
+)
 
 
 def _rand(seed, *shape):
@@ -154,3 +163,30 @@ def test_scan_remat_saves_fewer_residuals():
     plain = jax.jit(jax.grad(loss(jax.lax.scan))).lower(c0).compile().memory_analysis()
     remat = jax.jit(jax.grad(loss(lambda f_, c, x: scan_remat(f_, c, x, n)))).lower(c0).compile()
     assert remat.memory_analysis().temp_size_in_bytes < plain.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("T,C", [(7, 3), (8, 4), (5, 1), (2, 5)])
+def test_head_chunks_layout_and_roundtrip(T, C):
+    x = jnp.arange(2 * T * 3 * 2, dtype=jnp.float32).reshape(2, T, 3, 2)
+    xc = to_head_chunks(x, C)
+    N = -(-T // C)
+    assert xc.shape == (N, 2, 3, C, 2)
+    # element (n, b, h, c) is token n·C + c of row b, head h; the padding is zero
+    for n in range(N):
+        for c in range(C):
+            t = n * C + c
+            want = x[:, t] if t < T else jnp.zeros_like(x[:, 0])
+            np.testing.assert_array_equal(xc[n, :, :, c], want)
+    np.testing.assert_array_equal(from_head_chunks(xc, T), x)
+    with pytest.raises(ValueError, match="B, T, H"):
+        to_head_chunks(x[:, :, 0, 0], C)
+    with pytest.raises(ValueError, match="N, B, H, C"):
+        from_head_chunks(x[:, :, 0], T)
+
+
+def test_segment_starts_marks_document_openings_after_position_zero():
+    seg = jnp.array([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 5, 5]])
+    want = np.array([[0, 0, 1, 0, 0, 1], [0, 0, 0, 0, 0, 0]], bool)
+    np.testing.assert_array_equal(segment_starts(seg), want)
+    with pytest.raises(ValueError, match="segment_ids"):
+        segment_starts(seg[0])
