@@ -90,6 +90,25 @@ def softmax_attention(
     return o.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
 
 
+def _check_blockwise_inputs(q, k, q_index, k_index, q_segment, k_segment, k_valid) -> None:
+    """Shapes of :func:`blockwise_softmax_attention`'s arguments, one ValueError per problem."""
+    check_rank("q", q, 4, "[B, T, H, D]")
+    check_rank("k", k, 4, "[B, S, H_kv, D]")
+    b, t = q.shape[:2]
+    s = k.shape[1]
+    if (q_segment is None) != (k_segment is None):
+        raise ValueError("q_segment, k_segment: pass both or neither")
+    for name, arr, shape in (
+        ("q_index", q_index, (b, t)),
+        ("k_index", k_index, (b, s)),
+        ("q_segment", q_segment, (b, t)),
+        ("k_segment", k_segment, (b, s)),
+        ("k_valid", k_valid, (b, s)),
+    ):
+        if arr is not None and tuple(arr.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(arr.shape)}")
+
+
 def blockwise_softmax_attention(
     q: jax.Array,
     k: jax.Array,
@@ -126,21 +145,8 @@ def blockwise_softmax_attention(
     Returns:
       ``[B, T, H, D]`` in ``q.dtype``.
     """
-    check_rank("q", q, 4, "[B, T, H, D]")
-    check_rank("k", k, 4, "[B, S, H_kv, D]")
+    _check_blockwise_inputs(q, k, q_index, k_index, q_segment, k_segment, k_valid)
     b, t = q.shape[:2]
-    s = k.shape[1]
-    if (q_segment is None) != (k_segment is None):
-        raise ValueError("q_segment, k_segment: pass both or neither")
-    for name, arr, shape in (
-        ("q_index", q_index, (b, t)),
-        ("k_index", k_index, (b, s)),
-        ("q_segment", q_segment, (b, t)),
-        ("k_segment", k_segment, (b, s)),
-        ("k_valid", k_valid, (b, s)),
-    ):
-        if arr is not None and tuple(arr.shape) != shape:
-            raise ValueError(f"{name}: expected shape {shape}, got {tuple(arr.shape)}")
     if block <= 0 or t <= block:
         mask = attention_mask(
             q_index, k_index, window=window, q_segment=q_segment, k_segment=k_segment,

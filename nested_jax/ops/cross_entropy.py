@@ -83,7 +83,19 @@ def chunked_cross_entropy(
     Returns:
       ``(loss_sum, weight_sum)`` f32 scalars (nats and counted weight).
     """
+    chunk_tokens = _check_loss_inputs(hidden, weight, targets, mask, chunk_tokens, weight_layout)
     _check_impl("chunked_cross_entropy", impl, ("chunked",))
+    if chunk_tokens <= 0 or chunk_tokens >= hidden.shape[1]:
+        nll = _token_nll(hidden, weight, targets, weight_layout)
+    else:
+        nll = _scanned_token_nll(hidden, weight, targets, weight_layout, chunk_tokens)
+    m = mask.astype(jnp.float32)
+    # where(): positions outside the mask may hold inf/NaN and must not leak into the sum.
+    return jnp.sum(jnp.where(m > 0, nll, 0.0) * m), jnp.sum(m)
+
+
+def _check_loss_inputs(hidden, weight, targets, mask, chunk_tokens, weight_layout) -> int:
+    """Validates the arguments of :func:`chunked_cross_entropy`; returns ``chunk_tokens`` as int."""
     if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout: expected one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
     if hidden.ndim != 3:
@@ -103,35 +115,37 @@ def chunked_cross_entropy(
     if mask.shape != (b, t):
         raise ValueError(f"mask: expected shape [B, T] = {(b, t)}, got {tuple(mask.shape)}")
     try:
-        chunk_tokens = operator.index(chunk_tokens)
+        return operator.index(chunk_tokens)
     except TypeError:
         raise ValueError(f"chunk_tokens: expected an int, got {chunk_tokens!r}") from None
 
-    if chunk_tokens <= 0 or chunk_tokens >= t:
-        nll = _token_nll(hidden, weight, targets, weight_layout)
-    else:
-        c = chunk_tokens
-        n = -(-t // c)
-        pad = n * c - t
-        # Padded positions: zero hidden (finite logits), target 0; their mask is 0 below.
-        hp = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        yp = jnp.pad(targets, ((0, 0), (0, pad)))
-        # [B, n·c, ...] -> [n, B, c, ...]: the scan walks the chunk axis.
-        hs = jnp.swapaxes(hp.reshape(b, n, c, d), 0, 1)
-        ys = jnp.swapaxes(yp.reshape(b, n, c), 0, 1)
 
-        # The weight enters the body in its own dtype (the cast is inside): its gradient is
-        # accumulated over the chunks in that dtype (f32 for f32 parameters).
-        # prevent_cse=False: inside lax.scan the recomputation cannot be merged with the forward.
-        @functools.partial(jax.checkpoint, prevent_cse=False)
-        def chunk(h, y):
-            return _token_nll(h, weight, y, weight_layout)
+def _scanned_token_nll(hidden, weight, targets, weight_layout, chunk_tokens):
+    """Per-token NLL ``[B, T]`` f32 computed ``chunk_tokens`` positions at a time.
 
-        def body(carry, xs):
-            return carry, chunk(*xs)
+    A ``lax.scan`` over ``[n, B, c, ...]`` chunks (``T`` padded to ``n·c``) whose body is
+    checkpointed, so only one chunk's ``[B, c, V]`` logits exist at a time, forward or backward.
+    """
+    b, t, d = hidden.shape
+    c = chunk_tokens
+    n = -(-t // c)
+    pad = n * c - t
+    # Padded positions: zero hidden (finite logits), target 0; the caller's mask drops them.
+    hp = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    yp = jnp.pad(targets, ((0, 0), (0, pad)))
+    # [B, n·c, ...] -> [n, B, c, ...]: the scan walks the chunk axis.
+    hs = jnp.swapaxes(hp.reshape(b, n, c, d), 0, 1)
+    ys = jnp.swapaxes(yp.reshape(b, n, c), 0, 1)
 
-        _, nlls = jax.lax.scan(body, None, (hs, ys))  # [n, B, c]
-        nll = jnp.swapaxes(nlls, 0, 1).reshape(b, n * c)[:, :t]
-    m = mask.astype(jnp.float32)
-    # where(): positions outside the mask may hold inf/NaN and must not leak into the sum.
-    return jnp.sum(jnp.where(m > 0, nll, 0.0) * m), jnp.sum(m)
+    # The weight enters the body in its own dtype (the cast is inside): its gradient is
+    # accumulated over the chunks in that dtype (f32 for f32 parameters).
+    # prevent_cse=False: inside lax.scan the recomputation cannot be merged with the forward.
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def chunk(h, y):
+        return _token_nll(h, weight, y, weight_layout)
+
+    def body(carry, xs):
+        return carry, chunk(*xs)
+
+    _, nlls = jax.lax.scan(body, None, (hs, ys))  # [n, B, c]
+    return jnp.swapaxes(nlls, 0, 1).reshape(b, n * c)[:, :t]
