@@ -85,33 +85,17 @@ def hola_reference(
                 S = a * S + beta[b, t, h] * np.outer(k[b, t, h], e)
                 e_all[b, t, h] = e
                 o_state[b, t, h] = S.T @ (sc * q[b, t, h])
-                score[b, t, h] = {
-                    "beta_e": beta[b, t, h] * np.linalg.norm(e),
-                    "e": np.linalg.norm(e),
-                    "beta_v": beta[b, t, h] * np.linalg.norm(v[b, t, h]),
-                    "recency": float(t - d0),
-                    "cumulative_attention": 0.0,
-                }[eviction]
+                score[b, t, h] = _insertion_score(eviction, beta[b, t, h], e, v[b, t, h], t - d0)
                 n = (t - d0) // C  # block of the document
                 visible = list(cache) + list(range(d0 + n * C, t + 1))
                 qn = _norm(q[b, t, h], gamma_q[h], read_norm)
-                logits = np.array(
-                    [cs * qn @ _norm(k[b, j, h], gamma_k[h], read_norm) for j in visible]
-                    + [sink_logit[h]]
-                )
-                p = np.exp(logits - logits.max())
-                p /= p.sum()
+                keys = [_norm(k[b, j, h], gamma_k[h], read_norm) for j in visible]
+                p = _softmax_with_sink([cs * qn @ kj for kj in keys], sink_logit[h])
                 o_cache[b, t, h] = sum(p[i] * v[b, j, h] for i, j in enumerate(visible))
                 for i, j in enumerate(visible):
                     mass[j] += p[i]
                 if (t - d0) % C == C - 1:
-                    if eviction == "cumulative_attention":
-                        cand = list(cache) + list(range(d0 + n * C, t + 1))
-                        cache = sorted(cand, key=lambda j: (-mass[j], j))[:W]
-                    elif eviction == "recency":
-                        cache = sorted(range(d0, t + 1), key=lambda j: -j)[:W]
-                    else:  # fixed scores: global top-w over every token of the document so far
-                        cache = sorted(range(d0, t + 1), key=lambda j: (-score[b, j, h], j))[:W]
+                    cache = _evict(eviction, cache, d0, n * C, t, W, mass, score[b, :, h])
                     if segment_ids is None:
                         caches[n][b][h] = list(cache)
             S_out[b, h] = S
@@ -122,3 +106,37 @@ def hola_reference(
         o=o, o_state=o_state, o_cache=o_cache, score=score, e=e_all, S=S_out, caches=caches,
         last_cache=last_cache,
     )  # fmt: skip
+
+
+def _insertion_score(eviction, beta, e, v, doc_position):
+    """A token's fixed eviction score: β‖e‖, ‖e‖, β‖v‖, its document position, or 0 (SPEC §5)."""
+    return {
+        "beta_e": beta * np.linalg.norm(e),
+        "e": np.linalg.norm(e),
+        "beta_v": beta * np.linalg.norm(v),
+        "recency": float(doc_position),
+        "cumulative_attention": 0.0,
+    }[eviction]
+
+
+def _softmax_with_sink(logits, sink_logit):
+    """Softmax over the visible keys' logits plus the sink's (whose value is zero); the sink's
+    probability is dropped, so the returned weights sum to less than one."""
+    z = np.array(list(logits) + [sink_logit])
+    p = np.exp(z - z.max())
+    return (p / p.sum())[:-1]
+
+
+def _evict(eviction, cache, d0, block_start, t, window, mass, score):
+    """The cache after the block ending at ``t`` (document start ``d0``, block start
+    ``d0 + block_start``): the ``window`` positions to keep, in selection order (SPEC §5).
+
+    ``cumulative_attention`` ranks the old cache and the block by attention received so far;
+    ``recency`` keeps the newest; the fixed scores rank every token of the document so far.
+    """
+    if eviction == "cumulative_attention":
+        cand = list(cache) + list(range(d0 + block_start, t + 1))
+        return sorted(cand, key=lambda j: (-mass[j], j))[:window]
+    if eviction == "recency":
+        return sorted(range(d0, t + 1), key=lambda j: -j)[:window]
+    return sorted(range(d0, t + 1), key=lambda j: (-score[j], j))[:window]
