@@ -5,22 +5,24 @@ One run, as named steps (each a function below):
 1. :func:`plan_resume` reads what `workdir` already holds (the saved config and data record) and
    decides which changed settings a resume may apply (:mod:`nested_jax.train.workdir`). Nothing is
    written yet, so a refused resume, a bad mesh or an unreadable corpus leaves no trace.
-2. :func:`~nested_jax.train.setup.prepare_run` builds the mesh, loads the data with the workdir's
-   own tokenizer, initialises the sharded state and jits the steps; the corpus is checked against
-   the saved fingerprint.
+2. :func:`prepare_data` builds the mesh, loads the data with the workdir's own tokenizer,
+   initialises the sharded state and jits the steps
+   (:func:`~nested_jax.train.setup.prepare_run`); the corpus is checked against the saved
+   fingerprint.
 3. :func:`restore_or_start` restores the newest good checkpoint (params, optimizer, data
    iterator, step) or starts from scratch; :func:`record_run` writes the config, the data record
    and the config history.
-4. :func:`run_steps` trains: jitted steps, NaN policy, validation, checkpoints, and a clean stop
-   on SIGTERM / Ctrl-C (checkpoint saved, ``preempted: True``).
-5. :func:`write_summary` writes ``summary.json`` (strict JSON) and prints the summary.
+4. :func:`open_run` opens the metrics and the progress bar; :func:`run_and_close` runs
+   :func:`run_steps` (jitted steps, NaN policy, validation, checkpoints, and a clean stop on
+   SIGTERM / Ctrl-C: checkpoint saved, ``preempted: True``) and closes them all.
+5. :func:`build_summary`, then :func:`write_summary` writes ``summary.json`` (strict JSON) and
+   prints the summary.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -106,6 +108,65 @@ def check_corpus(plan: ResumePlan, bundle: Any, workdir: Path) -> None:
             "split refer to the old text. Restore the corpus, or train on the new one in a new "
             "workdir; nothing was changed"
         )
+
+
+# -- 2. mesh, data and steps ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRun:
+    """The mesh, data and jitted steps of a run (step 2), and the data facts its records need."""
+
+    data: Any  # the config's data section
+    mesh: Any
+    setup: TrainSetup
+    bundle: Any  # the loaded corpus: tokenizer, train_docs, val_docs, corpus record
+    spec: dict  # the data record written to data_spec.json and saved with every checkpoint
+    entropy: float  # unigram byte entropy of the whole corpus (bits/byte)
+    eval_batches: list[dict]  # this process's validation batches
+
+    def make_iterator(self) -> Any:
+        """A fresh training-data iterator (this process's share); a checkpoint restores its
+        position."""
+        from nested_jax.data import pipeline
+
+        return pipeline.make_train_iterator(
+            self.data,
+            self.bundle.tokenizer,
+            self.bundle.train_docs,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+
+
+def prepare_data(
+    config: Config, workdir: Path, plan: ResumePlan, devices: Sequence[jax.Device] | None
+) -> PreparedRun:
+    """Builds the mesh, loads the data with the workdir's own tokenizer (when it has one), sets up
+    the state and steps (:func:`~nested_jax.train.setup.prepare_run`), then checks the corpus
+    against the saved fingerprint; nothing is written.
+
+    Raises:
+      DataError: the corpus cannot be read. ResumeRefused: the corpus changed.
+    """
+    from nested_jax.data import pipeline
+    from nested_jax.data.identity import data_spec
+
+    tokenizer = None if plan.data is None else plan.data.tokenizer
+    mesh, bundle, setup = prepare_run(config, devices, tokenizer=tokenizer)
+    check_corpus(plan, bundle, workdir)
+    tok = bundle.tokenizer
+    spec = data_spec(config.data, tok, bundle.corpus)
+    entropy = pipeline.unigram_byte_entropy(list(bundle.train_docs) + list(bundle.val_docs))
+    eval_batches = pipeline.make_eval_batches(
+        config.data,
+        tok,
+        bundle.val_docs,
+        max_batches=config.eval.eval_batches or None,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    return PreparedRun(config.data, mesh, setup, bundle, spec, entropy, eval_batches)
 
 
 # -- 3. restore and record -------------------------------------------------------------------------
@@ -313,6 +374,62 @@ def run_steps(run: RunContext, state: dict, start: int) -> tuple[dict, StepStats
     return state, stats
 
 
+def open_run(
+    config: Config, workdir: Path, prep: PreparedRun, ckpt: Checkpointer, iterator: Any,
+    state: dict, start: int,
+) -> RunContext:  # fmt: skip
+    """Opens the metrics (a resume event when continuing), prints the run's first line and
+    starts the progress bar: the :class:`RunContext` of :func:`run_steps`."""
+    from nested_jax.data.identity import tokenizer_payload
+
+    writer = MetricsWriter(workdir)
+    if start:
+        writer.write(start, "event", {"event": "resume"})
+    tc = config.train
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
+    _say(
+        f"model {config.model.name}: {n_params / 1e6:.2f}M params; mesh {dict(prep.mesh.shape)}; "
+        f"{max(tc.steps - start, 0)} steps to go; unigram byte entropy {prep.entropy:.3f} bits/byte"
+    )
+    progress = Progress(
+        tc.steps,
+        initial=start,
+        desc="train",
+        unit="step",
+        enabled=tc.progress_bar and jax.process_index() == 0 and start < tc.steps,
+        echo=jax.process_index() == 0,
+    )
+    save_extras = {
+        "config": config_to_dict(config),
+        "data_spec": prep.spec,
+        "tokenizer_file": tokenizer_payload(prep.bundle.tokenizer)[1],
+    }
+    return RunContext(
+        config, prep.setup, ckpt, iterator, prep.eval_batches, writer, progress, save_extras
+    )
+
+
+def run_and_close(run: RunContext, state: dict, start: int) -> tuple[dict, StepStats]:
+    """:func:`run_steps`, then closes the progress bar, the metrics and the checkpointer whatever
+    happened (a failed background save is reported, not allowed to mask the original error)."""
+    steps_failed = True
+    try:
+        result = run_steps(run, state, start)
+        steps_failed = False
+        return result
+    finally:
+        run.progress.close()
+        run.writer.close()
+        try:
+            run.ckpt.close()
+        except Exception as err:  # a failed background save: report it, do not mask the original
+            _say(f"checkpoint: the last save did not complete ({type(err).__name__}: {err})")
+            # Inside this handler sys.exc_info() is `err` itself, so it cannot tell whether the
+            # steps failed; the flag can. Without an earlier error the failed save is the error.
+            if not steps_failed:
+                raise
+
+
 # -- 5. the summary --------------------------------------------------------------------------------
 
 
@@ -381,6 +498,13 @@ def format_summary(summary: dict) -> str:
     )
 
 
+def write_summary(workdir: Path, summary: dict) -> None:
+    """Process 0 writes ``summary.json`` (strict JSON); every process prints the summary."""
+    if jax.process_index() == 0:
+        write_json(workdir / "summary.json", summary)
+    _say(format_summary(summary))
+
+
 # -- the whole run ---------------------------------------------------------------------------------
 
 
@@ -412,76 +536,18 @@ def train_and_evaluate(
       DataError: the corpus cannot be read; nothing was written.
       TrainingError: NaN/Inf policy stop, too many consecutive skipped steps, or exhausted data.
     """
-    from nested_jax.data import pipeline
-    from nested_jax.data.identity import data_spec, tokenizer_payload
-
     t_start = time.time()
     workdir = as_path(workdir)
     plan = plan_resume(config, workdir, reset_optimizer=reset_optimizer)
-    tokenizer = None if plan.data is None else plan.data.tokenizer
-    mesh, bundle, setup = prepare_run(config, devices, tokenizer=tokenizer)
-    check_corpus(plan, bundle, workdir)
-    tok = bundle.tokenizer
-    spec = data_spec(config.data, tok, bundle.corpus)
-    entropy = pipeline.unigram_byte_entropy(list(bundle.train_docs) + list(bundle.val_docs))
-    eval_batches = pipeline.make_eval_batches(
-        config.data,
-        tok,
-        bundle.val_docs,
-        max_batches=config.eval.eval_batches or None,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
+    prep = prepare_data(config, workdir, plan, devices)
+    ckpt, start, state, iterator = restore_or_start(
+        config, workdir, prep.setup, prep.make_iterator, plan
     )
-
-    def make_iterator():
-        return pipeline.make_train_iterator(
-            config.data,
-            tok,
-            bundle.train_docs,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-        )
-
-    ckpt, start, state, iterator = restore_or_start(config, workdir, setup, make_iterator, plan)
-    record_run(config, workdir, plan, spec, tok, start)
-    writer = MetricsWriter(workdir)
-    if start:
-        writer.write(start, "event", {"event": "resume"})
-    tc = config.train
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
-    _say(
-        f"model {config.model.name}: {n_params / 1e6:.2f}M params; mesh {dict(mesh.shape)}; "
-        f"{max(tc.steps - start, 0)} steps to go; unigram byte entropy {entropy:.3f} bits/byte"
-    )
-    progress = Progress(
-        tc.steps,
-        initial=start,
-        desc="train",
-        unit="step",
-        enabled=tc.progress_bar and jax.process_index() == 0 and start < tc.steps,
-        echo=jax.process_index() == 0,
-    )
-    save_extras = {
-        "config": config_to_dict(config),
-        "data_spec": spec,
-        "tokenizer_file": tokenizer_payload(tok)[1],
-    }
-    run = RunContext(config, setup, ckpt, iterator, eval_batches, writer, progress, save_extras)
-    try:
-        state, stats = run_steps(run, state, start)
-    finally:
-        progress.close()
-        writer.close()
-        try:
-            ckpt.close()
-        except Exception as err:  # a failed background save: report it, do not mask the original
-            _say(f"checkpoint: the last save did not complete ({type(err).__name__}: {err})")
-            if sys.exc_info()[0] is None:
-                raise
+    record_run(config, workdir, plan, prep.spec, prep.bundle.tokenizer, start)
+    run = open_run(config, workdir, prep, ckpt, iterator, state, start)
+    state, stats = run_and_close(run, state, start)
     if not stats.val and stats.stopped_by is None:  # nothing trained: evaluate what was restored
-        stats.val = evaluate(setup, state["params"], eval_batches)
-    summary = build_summary(workdir, stats, state, start, entropy, t_start)
-    if jax.process_index() == 0:
-        write_json(workdir / "summary.json", summary)
-    _say(format_summary(summary))
+        stats.val = evaluate(prep.setup, state["params"], prep.eval_batches)
+    summary = build_summary(workdir, stats, state, start, prep.entropy, t_start)
+    write_summary(workdir, summary)
     return summary
