@@ -11,6 +11,7 @@ import functools
 import importlib
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,7 +55,8 @@ def _hola_inputs(seed=0):
     return x, p
 
 
-OPTS = dict(window=W, block_size=C, eviction="beta_e", read_norm="rmsnorm")
+OPTS = dict(window=W, block_size=C, eviction="beta_e", read_norm="rmsnorm")  # core keywords
+RULE = ops_hola.HolaRule(**OPTS, chunk_size=CHUNK)  # the same options for the ops
 
 
 def _same_program(f, g, *args):
@@ -70,24 +72,19 @@ def _grad_of(fn, w):
 @functools.cache
 def _fwd(impl):
     """Jitted ``ops.hola`` (one compile per ``impl``, shared by the tests)."""
-    return jax.jit(functools.partial(ops_hola.hola, **OPTS, chunk_size=CHUNK, impl=impl))
+    return jax.jit(functools.partial(ops_hola.hola, rule=RULE, impl=impl))
 
 
 @functools.cache
 def _vjp(impl):
     """Jitted ``(o, ∇_args Σ w ⊙ o)`` of ``ops.hola``."""
-    fn = functools.partial(ops_hola.hola, **OPTS, chunk_size=CHUNK, impl=impl)
+    fn = functools.partial(ops_hola.hola, rule=RULE, impl=impl)
 
     def run(args, w):
         (o, state), vjp = jax.vjp(lambda a: fn(*a), args)
         return o, vjp((w, jax.tree.map(jnp.zeros_like, state)))[0]
 
     return jax.jit(run)
-
-
-def _close(a, b, atol):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-4)
 
 
 def _args(x, p):
@@ -103,11 +100,11 @@ _W = np.random.default_rng(2).normal(size=(B, T, H, V)).astype(np.float32)
 
 def test_hola_chunked_is_core_forward_values_and_gradients():
     args = _args(*_hola_inputs())
-    ops_fn = functools.partial(ops_hola.hola, **OPTS, chunk_size=CHUNK, impl="chunked")
+    ops_fn = functools.partial(ops_hola.hola, rule=RULE, impl="chunked")
     core_fn = functools.partial(core_hola.hola_forward, **OPTS, chunk_size=CHUNK)
     _same_program(ops_fn, core_fn, *args)
     _same_program(_grad_of(ops_fn, _W), _grad_of(core_fn, _W), args)
-    rec_fn = functools.partial(ops_hola.hola, **OPTS, impl="recurrent")
+    rec_fn = functools.partial(ops_hola.hola, rule=RULE, impl="recurrent")
     _same_program(rec_fn, functools.partial(core_hola.hola_recurrent, **OPTS), *args)
 
 
@@ -116,7 +113,7 @@ def test_hola_recurrent_equals_chunked_values_and_state():
     o_c, s_c = _fwd("chunked")(*args)
     o_r, s_r = _fwd("recurrent")(*args)
     np.testing.assert_allclose(o_r, o_c, atol=2e-5, rtol=1e-4)
-    _close(s_r, s_c, atol=2e-5)
+    chex.assert_trees_all_close(s_r, s_c, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.slow  # two backward compiles (~25 s CPU)
@@ -125,7 +122,7 @@ def test_hola_recurrent_equals_chunked_gradients():
     o_c, g_c = _vjp("chunked")(args, _W)
     o_r, g_r = _vjp("recurrent")(args, _W)
     np.testing.assert_allclose(o_r, o_c, atol=2e-5, rtol=1e-4)
-    _close(g_r, g_c, atol=5e-5)
+    chex.assert_trees_all_close(g_r, g_c, atol=5e-5, rtol=1e-4)
     assert np.abs(np.asarray(g_c[0])).max() > 0  # gradients reach q
 
 
@@ -139,23 +136,24 @@ def test_hola_recurrent_continues_a_chunked_state():
     _, s_head = _fwd("chunked")(*head)
     o_tail, s_tail = _fwd("recurrent")(*tail, initial_state=s_head)
     np.testing.assert_allclose(o_tail, o_c[:, t0:], atol=2e-5, rtol=1e-4)
-    _close(s_tail, s_c, atol=2e-5)
+    chex.assert_trees_all_close(s_tail, s_c, atol=2e-5, rtol=1e-4)
 
 
 def test_hola_step_token_by_token_equals_the_sequence_form():
     x, p = _hola_inputs()
     o_seq, s_seq = _fwd("chunked")(*_args(x, p))
-    step = jax.jit(ops_hola.hola_step)
+    ops_step = functools.partial(ops_hola.hola_step, rule=RULE)
+    step = jax.jit(ops_step)
     state = ops_hola.init_hola_state(B, H, K, V, W, C)
     assert isinstance(state, ops_hola.HolaState)
     one = [x[n][:, 0] for n in SEQ] + [p[n] for n in PAR]
-    _same_program(ops_hola.hola_step, core_hola.hola_decode_step, state, *one)
+    _same_program(ops_step, core_hola.hola_decode_step, state, *one)
     outs = []
     for t in range(T):
         o_t, state = step(state, *[x[n][:, t] for n in SEQ], *[p[n] for n in PAR])
         outs.append(o_t)
     np.testing.assert_allclose(np.stack(outs, axis=1), o_seq, atol=2e-5, rtol=1e-4)
-    _close(state, s_seq, atol=2e-5)
+    chex.assert_trees_all_close(state, s_seq, atol=2e-5, rtol=1e-4)
 
 
 def test_hola_reexports_are_core_names():
@@ -187,7 +185,8 @@ def test_cms_forward_is_core(variant):
     mix = np.array([0.3, -0.2], np.float32) if variant == "independent" else None
 
     def ops_fn(lv, xx):
-        return ops_cms.cms_forward(lv, xx, variant=variant, mix_logits=mix, impl="chunked")
+        rule = ops_cms.CMSRule(periods=(1, 2), variant=variant)
+        return ops_cms.cms_forward(lv, xx, rule=rule, mix_logits=mix, impl="chunked")
 
     def core_fn(lv, xx):
         return core_cms.cms_forward(lv, xx, variant=variant, mix_logits=mix)
@@ -201,17 +200,11 @@ def test_cms_online_is_core():
     def sq_loss(y, side):
         return 0.5 * jnp.sum(jnp.square(y - side), axis=-1)
 
-    kw = dict(
-        periods=(2, 4),
-        delta_fn=ops_cms.surprise_from_loss(sq_loss),
-        side=target,
-        variant="sequential",
-        lr=(0.1, 0.05),
-        inner="dgd",
-    )
+    rule = dict(periods=(2, 4), variant="sequential", lr=(0.1, 0.05), inner="dgd")
+    kw = dict(delta_fn=ops_cms.surprise_from_loss(sq_loss), side=target)
     _same_program(
-        lambda lv, xx: ops_cms.cms_online(lv, xx, **kw, impl="chunked"),
-        lambda lv, xx: core_cms.cms_online(lv, xx, **kw),
+        lambda lv, xx: ops_cms.cms_online(lv, xx, rule=ops_cms.CMSRule(**rule), **kw),
+        lambda lv, xx: core_cms.cms_online(lv, xx, **rule, **kw),
         levels,
         x,
     )
@@ -230,12 +223,13 @@ def _calls():
     one = tuple(x[n][:, 0] for n in SEQ) + tuple(p[n] for n in PAR)
     s0 = ops_hola.init_hola_state(B, H, K, V, W, C)
     levels, xc, _ = _cms_setup()
+    cms_rule = ops_cms.CMSRule(periods=(2, 4))
     return {
-        "hola": lambda impl: ops_hola.hola(*seq, **OPTS, impl=impl),
-        "hola_step": lambda impl: ops_hola.hola_step(s0, *one, impl=impl),
-        "cms_forward": lambda impl: ops_cms.cms_forward(levels, xc, impl=impl),
+        "hola": lambda impl: ops_hola.hola(*seq, rule=RULE, impl=impl),
+        "hola_step": lambda impl: ops_hola.hola_step(s0, *one, rule=RULE, impl=impl),
+        "cms_forward": lambda impl: ops_cms.cms_forward(levels, xc, rule=cms_rule, impl=impl),
         "cms_online": lambda impl: ops_cms.cms_online(
-            levels, xc, periods=(2, 4), delta=np.zeros_like(xc), impl=impl
+            levels, xc, rule=cms_rule, delta=np.zeros_like(xc), impl=impl
         ),
     }
 
@@ -256,7 +250,7 @@ def test_no_recurrent_cms_and_no_packed_recurrent_hola():
     seq = tuple(x[n] for n in SEQ) + tuple(p[n] for n in PAR)
     seg = np.zeros((B, T), np.int32)
     with pytest.raises(ValueError, match="^hola: impl='recurrent'.*segment_ids"):
-        ops_hola.hola(*seq, **OPTS, segment_ids=seg, impl="recurrent")
+        ops_hola.hola(*seq, rule=RULE, segment_ids=seg, impl="recurrent")
 
 
 # --------------------------------------------------------------------------------------------------

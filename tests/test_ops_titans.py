@@ -2,6 +2,7 @@
 gradients, Proteus packed rows through ops == the layer == the core wrapper per document, the
 decode step == the sequence form, and explicit impl errors."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,8 +48,7 @@ def test_chunk_one_equals_recurrent_values_and_gradients():
 
     ((_, y_c), g_c), ((_, y_r), g_r) = both(m0, xs)
     np.testing.assert_allclose(np.asarray(y_c), np.asarray(y_r), rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_r), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(g_c, g_r, rtol=1e-4, atol=1e-5)
 
 
 def test_proteus_packed_rows_through_ops_equal_the_layer_and_the_core_wrapper():

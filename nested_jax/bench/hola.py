@@ -92,22 +92,17 @@ def decode_memory(model, max_len: int) -> tuple[int, int]:
     return _bytes(cache), int(peak)
 
 
-def run(
-    *, T: int = 2048, d_model: int = 256, heads: int = 4, head_dim: int = 64, window: int = 64,
-    block_size: int = 256, model_T: int = 1024, repeats: int = 5,
-) -> dict:  # fmt: skip
-    """All measurements; returns the results dict (keys in the module docstring)."""
-    t0 = time.perf_counter()
-    res: dict = {}
-    gf = matmul_gflops()
-    res["matmul_gflops"] = gf
-    progress(f"[bench hola] f32 matmul: {gf:.1f} GFLOP/s")
+# The tiny LMs of measurements 2 and 3 (byte vocabulary + 1).
+_MODEL_BASE = dict(vocab_size=257, d_model=128, n_layers=2, n_heads=2, chunk_size=64)
 
-    # 1. Mixer fwd+bwd.
+
+def _time_mixers(T, d_model, heads, head_dim, window, block_size, repeats, res) -> None:
+    """Measurement 1: HOLA vs GDN mixer fwd+bwd at ``[1, T, d_model]``; fills ``res``."""
     common = dict(conv_size=4, chunk_size=64)
     hola = HolaMixer(
-        d_model, heads, head_dim, window=window, block_size=block_size, rngs=nnx.Rngs(0), **common
-    )
+        d_model, heads, head_dim, HolaOptions(window=window, block_size=block_size),
+        rngs=nnx.Rngs(0), **common,
+    )  # fmt: skip
     gdn = GatedDeltaNet(d_model, heads, head_dim, rngs=nnx.Rngs(0), **common)
     x = jax.random.normal(jax.random.key(1), (1, T, d_model), jnp.float32)
     fh, ph = _mixer_grad(hola)
@@ -124,14 +119,10 @@ def run(
         f"{T / t['gdn']:.0f} tok/s (HOLA takes x{t['hola'] / t['gdn']:.2f} the GDN time)"
     )
 
-    # 2. Model fwd+bwd and decode step.
-    base = dict(vocab_size=257, d_model=128, n_layers=2, n_heads=2, chunk_size=64)
-    hopts = HolaOptions(window=window, block_size=block_size)
-    models = {
-        "hola": build_model(ModelConfig(name="hola", hola=hopts, **base), rngs=nnx.Rngs(0)),
-        "gdn": build_model(ModelConfig(name="gdn", **base), rngs=nnx.Rngs(0)),
-        "transformer": build_model(ModelConfig(name="transformer", **base), rngs=nnx.Rngs(0)),
-    }
+
+def _time_models(models: dict, model_T: int, repeats: int, res) -> None:
+    """Measurement 2: HOLA vs GDN LM fwd+bwd at ``model_T``, then one decode step; fills
+    ``res``."""
     tokens = jax.random.randint(jax.random.key(2), (1, model_T + 1), 0, 257, jnp.int32)
     grads = {k: _model_grad(models[k]) for k in ("hola", "gdn")}
     t = time_interleaved(
@@ -156,7 +147,9 @@ def run(
         f"(x{t['hola'] / t['gdn']:.2f})"
     )
 
-    # 3. Decode memory at 2K and 32K.
+
+def _decode_memory_all(models: dict, res) -> None:
+    """Measurement 3: decode state and compiled step bytes of every model at 2K and 32K."""
     for k, model in models.items():
         for n in DECODE_LENGTHS:
             state, peak = decode_memory(model, n)
@@ -168,9 +161,30 @@ def run(
             f"[bench hola] decode memory {k}: state {sa / 2**20:.2f} MiB @2K, {sb / 2**20:.2f} MiB"
             f" @32K; compiled step peak {a / 2**20:.2f} MiB @2K, {b / 2**20:.2f} MiB @32K"
         )
-    h = HolaOptions(window=window, block_size=block_size)
+
+
+def run(
+    *, T: int = 2048, d_model: int = 256, heads: int = 4, head_dim: int = 64, window: int = 64,
+    block_size: int = 256, model_T: int = 1024, repeats: int = 5,
+) -> dict:  # fmt: skip
+    """All measurements; returns the results dict (keys in the module docstring)."""
+    t0 = time.perf_counter()
+    res: dict = {}
+    gf = matmul_gflops()
+    res["matmul_gflops"] = gf
+    progress(f"[bench hola] f32 matmul: {gf:.1f} GFLOP/s")
+    _time_mixers(T, d_model, heads, head_dim, window, block_size, repeats, res)
+    base = _MODEL_BASE
+    hopts = HolaOptions(window=window, block_size=block_size)
+    models = {
+        "hola": build_model(ModelConfig(name="hola", hola=hopts, **base), rngs=nnx.Rngs(0)),
+        "gdn": build_model(ModelConfig(name="gdn", **base), rngs=nnx.Rngs(0)),
+        "transformer": build_model(ModelConfig(name="transformer", **base), rngs=nnx.Rngs(0)),
+    }
+    _time_models(models, model_T, repeats, res)
+    _decode_memory_all(models, res)
     K = base["d_model"] // base["n_heads"]
-    spec = base["n_layers"] * base["n_heads"] * (K * K + (h.window + h.block_size) * 2 * K) * 4
+    spec = base["n_layers"] * base["n_heads"] * (K * K + (window + block_size) * 2 * K) * 4
     res["hola_spec_state_bytes"] = spec  # SPEC §5 formula (matrix + cache + block, f32)
     res["wall_s"] = time.perf_counter() - t0
     return res

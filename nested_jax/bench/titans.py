@@ -151,32 +151,9 @@ def _model_tokens_per_s(T, B, repeats, results):
     )
 
 
-def run(
-    T: int = 2048,
-    B: int = 1,
-    H: int = 4,
-    D: int = 64,
-    chunk_size: int = 16,
-    mem_seq_lens=DEFAULT_MEM_SEQ_LENS,
-    repeats: int = 5,
-    model_seq_len: int = 256,
-    model_batch: int = 4,
-    models: bool = True,
-) -> dict:
-    """All measurements; returns the results dict (keys in the module docstring)."""
-    from nested_jax.models import available_mixers
-
-    t_start = time.perf_counter()
-    results: dict = {}
-    gf = matmul_gflops()
-    results["matmul_gflops"] = gf
-    results["T"] = T
-    results["chunk_size"] = chunk_size
-    progress(f"[bench titans] f32 matmul: {gf:.1f} GFLOP/s")
-    progs = memory_programs(chunk_size)
-    weights = titans_mlp_init_weights(jax.random.PRNGKey(7), H, (D, 2 * D, D))
-
-    # 1 + 2 (cores): chunked vs recurrent, and vs GDN, all interleaved in one round.
+def _time_cores(progs, weights, T, B, H, D, chunk_size, repeats, results) -> None:
+    """Measurements 1 and 2 (cores): chunked vs recurrent (L_M = 1, 2) and vs GDN, all timed
+    interleaved in one round; fills ``results``."""
     q, k, v, th, et, al = titans_inputs(T, B, H, D)
     g, beta = _gdn_gates(th, al)
     fns = {
@@ -207,15 +184,10 @@ def run(
         f"{results['core_tokens_per_s_titans_L2']:.0f}"
     )
 
-    # 2 (models): only when the LMM mixer exists in the registry.
-    registered = "titans_lmm" in available_mixers()
-    results["titans_lmm_registered"] = registered
-    if registered and models:
-        _model_tokens_per_s(model_seq_len, model_batch, repeats, results)
-    elif not registered:
-        progress("[bench titans] mixer 'titans_lmm' not registered: memory cores compared only")
 
-    # 3: peak temp memory of the chunked fwd+bwd vs T (compile only).
+def _temp_memory_vs_T(progs, weights, mem_seq_lens, B, H, D, results, t_start) -> None:
+    """Measurement 3: peak temp bytes of the chunked fwd+bwd (L_M = 1, 2) at every length
+    (compile only), per token and as added bytes per added token; fills ``results``."""
     for L in (1, 2):
         per_token = []
         for Tm in mem_seq_lens:
@@ -243,6 +215,43 @@ def run(
             + ", ".join(f"{s:.0f}" for s in slopes)
             + f" ({time.perf_counter() - t_start:.0f} s)"
         )
+
+
+def run(
+    T: int = 2048,
+    B: int = 1,
+    H: int = 4,
+    D: int = 64,
+    chunk_size: int = 16,
+    mem_seq_lens=DEFAULT_MEM_SEQ_LENS,
+    repeats: int = 5,
+    model_seq_len: int = 256,
+    model_batch: int = 4,
+    models: bool = True,
+) -> dict:
+    """All measurements; returns the results dict (keys in the module docstring)."""
+    from nested_jax.models import available_mixers
+
+    t_start = time.perf_counter()
+    results: dict = {}
+    gf = matmul_gflops()
+    results["matmul_gflops"] = gf
+    results["T"] = T
+    results["chunk_size"] = chunk_size
+    progress(f"[bench titans] f32 matmul: {gf:.1f} GFLOP/s")
+    progs = memory_programs(chunk_size)
+    weights = titans_mlp_init_weights(jax.random.PRNGKey(7), H, (D, 2 * D, D))
+    _time_cores(progs, weights, T, B, H, D, chunk_size, repeats, results)
+
+    # 2 (models): only when the LMM mixer exists in the registry.
+    registered = "titans_lmm" in available_mixers()
+    results["titans_lmm_registered"] = registered
+    if registered and models:
+        _model_tokens_per_s(model_seq_len, model_batch, repeats, results)
+    elif not registered:
+        progress("[bench titans] mixer 'titans_lmm' not registered: memory cores compared only")
+
+    _temp_memory_vs_T(progs, weights, mem_seq_lens, B, H, D, results, t_start)
     results["wall_s"] = time.perf_counter() - t_start
     return results
 

@@ -17,6 +17,7 @@ from nested_jax.core.proteus import (
     proteus_block_len,
     proteus_gated_update,
 )
+from nested_jax.core.scan import segment_starts
 
 __all__ = ["proteus_spans", "run_proteus_spans", "run_proteus_spans_packed"]
 
@@ -193,7 +194,7 @@ def run_proteus_spans_packed(
     Returns:
       ``(out [B, T, ...], final state)``.
     """
-    starts = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))  # never at 0
+    starts = segment_starts(segment_ids)  # never at 0
 
     def pick(flag, a, b):  # per batch row: a where flag [B] else b
         row = lambda x: flag.reshape(-1, *[1] * (x.ndim - 1))  # noqa: E731

@@ -5,8 +5,9 @@ Every rule has three forms with one meaning (SPEC §0):
 - ``*_step``: one token, ``(state, q_t, k_t, v_t, ...) -> (o_t, new_state)``, per-token arrays
   ``[B, H, D]``;
 - ``*_recurrent``: ``lax.scan`` of the step over time, the ground truth;
-- ``*_chunked``: the WY/UT chunk form (derivation in ``core/README.md``), parallel inside chunks
-  of size ``C`` and sequential across chunks.
+- ``*_chunked``: the WY/UT chunk form (derivation in ``core/README.md``; its stages ``kkt →
+  solve_tril → w_u → state_pass → chunk_output`` in ``core/wy.py``), parallel inside chunks of
+  size ``C`` and sequential across chunks.
 
 Per head, with column vectors, ``S ∈ R^{K×V}`` and ``α_t = exp(g_t)``::
 
@@ -27,9 +28,16 @@ Packed sequences: with ``segment_ids [B, T]`` (integer), the state is reset to `
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
+
+from nested_jax.core.scan import (
+    from_head_chunks,
+    pad_to_multiple,
+    segment_starts,
+    to_head_chunks,
+)
+from nested_jax.core.wy import chunk_output, kkt, solve_tril, state_pass, w_u, wy_delta_core
 
 __all__ = [
     "linear_attention_step",
@@ -228,14 +236,6 @@ def gated_delta_step(state, q_t, k_t, v_t, g_t, beta_t, *, scale=None):
 # --------------------------------------------------------------------------------------------------
 
 
-def _segment_resets(segment_ids, T):
-    """``[B, T]`` bool: True where the state must be reset before processing token t."""
-    change = segment_ids[:, 1:] != segment_ids[:, :-1]
-    # The first token never resets; built from the batch size so T = 1 (no pairs) works too.
-    first = jnp.zeros((segment_ids.shape[0], 1), bool)
-    return jnp.concatenate([first, change], axis=1)
-
-
 def _recurrent(q, k, v, g, beta, scale, initial_state, segment_ids, delta: bool):
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -246,7 +246,7 @@ def _recurrent(q, k, v, g, beta, scale, initial_state, segment_ids, delta: bool)
     def tm(x):  # time-major so lax.scan walks over T
         return None if x is None else jnp.moveaxis(x, 1, 0)
 
-    resets = None if segment_ids is None else tm(_segment_resets(segment_ids, T))
+    resets = None if segment_ids is None else tm(segment_starts(segment_ids))
 
     def body(S, xs):
         q_t, k_t, v_t, g_t, b_t, r_t = xs
@@ -318,192 +318,8 @@ def gated_delta_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, s
 
 
 # --------------------------------------------------------------------------------------------------
-# Chunked (WY/UT) forms
+# Chunked (WY/UT) forms: the stages of core/wy.py on [N, B, H, C, ·] chunks
 # --------------------------------------------------------------------------------------------------
-
-
-def _mT(x):
-    return jnp.swapaxes(x, -1, -2)
-
-
-_BASE = 16  # blocks of at most this size are inverted by forward substitution
-
-
-def _forward_substitution(A):
-    """``(I + A)^{-1}`` for strictly lower ``A [..., c, c]`` (small c), one row at a time:
-    ``X_i = e_i − Σ_{j<i} A_ij X_j``. Exact up to rounding and stable (no powers of A); a
-    ``fori_loop`` keeps the compiled program small."""
-    c = A.shape[-1]
-    eye = jnp.broadcast_to(jnp.eye(c, dtype=A.dtype), A.shape)
-
-    def row(i, X):
-        a_i = lax.dynamic_slice_in_dim(A, i, 1, axis=-2)  # zero at columns ≥ i
-        x_i = lax.dynamic_slice_in_dim(eye, i, 1, axis=-2) - a_i @ X
-        return lax.dynamic_update_slice_in_dim(X, x_i, i, axis=-2)
-
-    return lax.fori_loop(1, c, row, eye)
-
-
-def _tri_inverse_impl(A):
-    """``(I + A)^{-1}`` for strictly lower-triangular ``A [..., C, C]`` by blockwise doubling.
-
-    ``[[L11, 0], [L21, L22]]^{-1} = [[T11, 0], [−T22 L21 T11, T22]]`` with ``T11, T22`` inverted
-    recursively (both halves batched together when C is even) down to forward substitution on
-    blocks of ≤ 16. Only products of inverses of unit triangular blocks appear, never powers of A.
-    """
-    C = A.shape[-1]
-    if C <= _BASE:
-        return _forward_substitution(A)
-    h = C // 2
-    A11, A21, A22 = A[..., :h, :h], A[..., h:, :h], A[..., h:, h:]
-    if C % 2 == 0:
-        T11, T22 = _tri_inverse_impl(jnp.stack([A11, A22]))
-    else:
-        T11, T22 = _tri_inverse_impl(A11), _tri_inverse_impl(A22)
-    T21 = -(T22 @ (A21 @ T11))
-    top = jnp.concatenate([T11, jnp.zeros(T11.shape[:-1] + (C - h,), A.dtype)], axis=-1)
-    return jnp.concatenate([top, jnp.concatenate([T21, T22], axis=-1)], axis=-2)
-
-
-@jax.custom_vjp
-def _tri_inverse(A):
-    return _tri_inverse_impl(A)
-
-
-def _tri_inverse_fwd(A):
-    X = _tri_inverse_impl(A)
-    return X, X
-
-
-def _tri_inverse_bwd(X, dX):
-    # d(M^{-1}) = −M^{-1} dM M^{-1}  ⇒  dA = −Xᵀ dX Xᵀ on A's strictly lower support
-    return (-jnp.tril(_mT(X) @ dX @ _mT(X), -1),)
-
-
-_tri_inverse.defvjp(_tri_inverse_fwd, _tri_inverse_bwd)
-
-
-def _chunk(x, C):
-    """``[B, T, H, ...]`` (T a multiple of C) → ``[N, B, H, C, ...]``."""
-    B, T, H = x.shape[:3]
-    x = x.reshape(B, T // C, C, H, *x.shape[3:])
-    return jnp.swapaxes(jnp.moveaxis(x, 1, 0), 2, 3)
-
-
-def _unchunk(x):
-    """``[N, B, H, C, ...]`` → ``[B, N·C, H, ...]``."""
-    N, B, H, C = x.shape[:4]
-    x = jnp.moveaxis(jnp.swapaxes(x, 2, 3), 0, 1)
-    return x.reshape(B, N * C, H, *x.shape[4:])
-
-
-def _pad_time(x, Tp):
-    T = x.shape[1]
-    if Tp == T:
-        return x
-    return jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
-
-
-def _rowdot(a, b):
-    # Row-wise dot products as an einsum: on XLA:CPU a fused multiply+reduce over the last axis
-    # lowers to a reduction ~30x slower than the equivalent dot (measured here).
-    return jnp.einsum("...ij,...ij->...i", a, b)
-
-
-# ---- the delta-rule chunk core with a hand-written VJP ---------------------------------------
-#
-# Arrays are chunk-major ``[N, B, H, C, ·]``. Inputs: Q (scaled), K, V, β [N,B,H,C], Γ [N,B,H,C,C]
-# (decays e^{b_i − b_j} on the causal same-segment mask, zero elsewhere), dc [N,B,H,C] (coefficient
-# of the carried state for token i: e^{b_i}, zeroed after an in-chunk reset) and S_init [B,H,K,V].
-# The backward recomputes nothing expensive: it reuses T, W, Ũ, QKᵀ, KKᵀ, the chunk-start states
-# S_n and U_n saved by the forward, and runs the state recurrence backwards (core/README.md §2).
-
-
-def _wy_forward(Q, K, V, beta, gamma, dc, S_init):
-    KT = _mT(K)
-    QK, KK = Q @ KT, K @ KT
-    QK_KK = (QK, KK)
-    A = jnp.tril(beta[..., :, None] * KK * gamma, -1)
-    T = _tri_inverse(A)
-    W = T @ (K * (beta * dc)[..., None])
-    Ut = T @ (V * beta[..., None])
-    Kdec = K * gamma[..., -1, :][..., None]  # K ⊙ e^{b_C − b_j}
-    dl = dc[..., -1]
-
-    def body(S, xs):
-        W_n, Ut_n, Kdec_n, dl_n = xs
-        U_n = Ut_n - W_n @ S
-        return dl_n[..., None, None] * S + _mT(Kdec_n) @ U_n, (S, U_n)
-
-    S_final, (S_n, U) = lax.scan(body, S_init, (W, Ut, Kdec, dl))
-    P = QK * gamma
-    O = (Q * dc[..., None]) @ S_n + P @ U
-    return O, S_final, (T, W, Ut, QK_KK, S_n, U)
-
-
-@jax.custom_vjp
-def _wy_core(Q, K, V, beta, gamma, dc, S_init):
-    O, S_final, _ = _wy_forward(Q, K, V, beta, gamma, dc, S_init)
-    return O, S_final
-
-
-def _wy_core_fwd(Q, K, V, beta, gamma, dc, S_init):
-    O, S_final, saved = _wy_forward(Q, K, V, beta, gamma, dc, S_init)
-    return (O, S_final), (Q, K, V, beta, gamma, dc) + saved
-
-
-def _wy_core_bwd(res, cts):
-    Q, K, V, beta, gamma, dc, T, W, Ut, QK_KK, S_n, U = res
-    dO, dS_final = cts
-    QK, KK = QK_KK
-    kdec = gamma[..., -1, :]
-    Kdec = K * kdec[..., None]
-    dl = dc[..., -1]
-    P = QK * gamma
-    Qdc = Q * dc[..., None]
-
-    # Reverse state recurrence: dU_n = Pᵀ dO_n + Kdec G, dS_n = dl G + Qdcᵀ dO_n − W_nᵀ dU_n,
-    # with G = dS_{n+1}. The dO terms are batched over all chunks first.
-    Xp = _mT(P) @ dO
-    Yq = _mT(Qdc) @ dO
-
-    def body(G, xs):
-        Xp_n, Yq_n, Kdec_n, W_n, dl_n = xs
-        dU_n = Xp_n + Kdec_n @ G
-        dS = dl_n[..., None, None] * G + Yq_n - _mT(W_n) @ dU_n
-        return dS, (dU_n, G)
-
-    dS_init, (dU, G) = lax.scan(body, dS_final, (Xp, Yq, Kdec, W, dl), reverse=True)
-
-    dQdc = dO @ _mT(S_n)
-    dP = dO @ _mT(U)
-    dKdec = U @ _mT(G)
-    ddl = jnp.einsum("...kv,...kv->...", S_n, G)
-    dW = -(dU @ _mT(S_n))
-    TT = _mT(T)
-    dRk, dRv = TT @ dW, TT @ dU  # dR = Tᵀ [dW | dŨ]
-    # dA = −Tᵀ dY Rᵀ Tᵀ = −dR Yᵀ with Y = [W | Ũ], on A's strictly lower support
-    dA = -jnp.tril(dRk @ _mT(W) + dRv @ _mT(Ut), -1)
-
-    rk = _rowdot(dRk, K)
-    dbeta = dc * rk + _rowdot(dRv, V) + _rowdot(dA, KK * gamma)
-    ddc = beta * rk + _rowdot(dQdc, Q)
-    ddc = ddc.at[..., -1].add(ddl)
-    dV = dRv * beta[..., None]
-
-    dKK = dA * gamma * beta[..., :, None]
-    dQK = dP * gamma
-    dgamma = dA * KK * beta[..., :, None] + dP * QK
-    dgamma = dgamma.at[..., -1, :].add(_rowdot(dKdec, K))
-
-    dKKs = dKK + _mT(dKK)
-    dK = dKKs @ K + _mT(dQK) @ Q
-    dK = dK + dRk * (beta * dc)[..., None] + dKdec * kdec[..., None]
-    dQ = dQK @ K + dQdc * dc[..., None]
-    return dQ, dK, dV, dbeta, dgamma, ddc, dS_init
-
-
-_wy_core.defvjp(_wy_core_fwd, _wy_core_bwd)
 
 
 def _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, C, delta: bool):
@@ -512,92 +328,75 @@ def _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, C, delta: bool
     B, T, H, K = q.shape
     V = v.shape[-1]
     f32 = jnp.float32
-    N = -(-T // C)
-    Tp = N * C
-    scale = _scale(scale, K)
-    Q = _chunk(_pad_time(q.astype(f32) * scale, Tp), C)  # [N, B, H, C, K]
-    Kc = _chunk(_pad_time(k.astype(f32), Tp), C)
-    Vc = _chunk(_pad_time(v.astype(f32), Tp), C)  # [N, B, H, C, V]
+    Q = to_head_chunks(q.astype(f32) * _scale(scale, K), C)  # [N, B, H, C, K]
+    Kc = to_head_chunks(k.astype(f32), C)
+    Vc = to_head_chunks(v.astype(f32), C)  # [N, B, H, C, V]
+    gamma, d, m = _chunk_decays(g, segment_ids, C, Q.shape[:3])
     s0 = None if initial_state is None else initial_state.astype(f32)
+    bc = to_head_chunks(beta.astype(f32), C) if delta else None  # [N, B, H, C]
+    if delta and (m is None or s0 is None):
+        init = jnp.zeros((B, H, K, V), f32) if s0 is None else s0
+        O, S_final = wy_delta_core(Q, Kc, Vc, bc, gamma, d if m is None else d * m, init)
+    else:
+        O, S_final = _chunked_autodiff(Q, Kc, Vc, bc, gamma, d, m, s0)
+    return from_head_chunks(O, T).astype(v.dtype), S_final
 
+
+def _chunk_decays(g, segment_ids, C, lead):
+    """Decays of the chunk form (core/README.md §1, §3), ``lead = (N, B, H)``.
+
+    Returns ``Γ [N, B, H, C, C]`` (``e^{b_i − b_j}`` on the causal same-segment mask, else 0),
+    ``d [N, B, H, C]`` (``e^{Σ g}`` from the segment-local chunk start) and ``m [N, B, 1, C]``
+    (1 while no segment started in the chunk up to i; ``None`` without ``segment_ids``).
+    """
+    f32 = jnp.float32
     causal = jnp.tril(jnp.ones((C, C), bool))
     if segment_ids is not None:
-        resets = _pad_time(_segment_resets(segment_ids, T), Tp)  # [B, Tp]
-        z = _chunk(jnp.cumsum(resets, axis=1)[:, :, None], C)  # [N, B, 1, C] global segment index
+        # padded before the cumsum so that padding continues the last segment
+        resets = pad_to_multiple(segment_starts(segment_ids), C)  # [B, Tp]
+        z = to_head_chunks(jnp.cumsum(resets, axis=1)[:, :, None], C)  # [N, B, 1, C] segment index
         mask = causal & (z[..., :, None] == z[..., None, :])  # same segment and j ≤ i
         # m_i = 1 while no reset happened in this chunk up to i: those tokens see the carried state.
-        m = (jnp.cumsum(_chunk(resets[:, :, None], C), axis=-1) == 0).astype(f32)
+        m = (jnp.cumsum(to_head_chunks(resets[:, :, None], C), axis=-1) == 0).astype(f32)
     else:
         mask, m = causal, None
-
+    if g is None:
+        return jnp.broadcast_to(mask, (*lead, C, C)).astype(f32), jnp.ones((*lead, C), f32), m
     # Decays are only ever exponentiated on the mask, where b_i − b_j ≤ 0 for g ≤ 0: no overflow,
     # and the masked-out entries get an exact zero (and a zero gradient), never exp(−inf).
-    if g is not None:
-        gc = _chunk(_pad_time(g.astype(f32), Tp), C)  # [N, B, H, C]
-        b = jnp.cumsum(gc, axis=-1)
-        diff = b[..., :, None] - b[..., None, :]
-        gamma = jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)  # [N, B, H, C, C]
-        # log decay from the (segment-local) chunk start to i: Σ_{j ≤ i, same segment} g_j
-        logd = b if segment_ids is None else jnp.sum(jnp.where(mask, gc[..., None, :], 0.0), -1)
-        d = jnp.exp(logd)  # [N, B, H, C]
-    else:
-        gamma = jnp.broadcast_to(mask, (N, B, H, C, C)).astype(f32)
-        d = jnp.ones((N, B, H, C), f32)
+    gc = to_head_chunks(g.astype(f32), C)  # [N, B, H, C]
+    b = jnp.cumsum(gc, axis=-1)
+    diff = b[..., :, None] - b[..., None, :]
+    gamma = jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
+    # log decay from the (segment-local) chunk start to i: Σ_{j ≤ i, same segment} g_j
+    logd = b if segment_ids is None else jnp.sum(jnp.where(mask, gc[..., None, :], 0.0), -1)
+    return gamma, jnp.exp(logd), m
+
+
+def _chunked_autodiff(Q, Kc, Vc, bc, gamma, d, m, s0):
+    """Linear attention (``bc is None``: ``W = 0``, ``U = V``), and the delta rules when a segment
+    restarts from a non-zero initial state: plain autodiff of the wy stages, with the ``s0``
+    restart as a second incoming state of coefficient ``d ⊙ (1 − m)`` (core/README.md §3)."""
+    N, B, H, C, K = Kc.shape
+    restart = m is not None and s0 is not None
     d_carry = d if m is None else d * m  # coefficient of the carried state for token i
-    reset_to_s0 = m is not None and s0 is not None
-    init = jnp.zeros((B, H, K, V), f32) if s0 is None else s0
-
-    if delta:
-        bc = _chunk(_pad_time(beta.astype(f32), Tp), C)  # [N, B, H, C]
-        if not reset_to_s0:
-            O, S_final = _wy_core(Q, Kc, Vc, bc, gamma, d_carry, init)
-            return _unchunk(O)[:, :T].astype(v.dtype), S_final
-
-    # Linear attention, and the delta rules when a segment restarts from a non-zero initial state:
-    # plain autodiff of the same chunk algebra, with the s0 restart as a second incoming state
-    # (coefficient d ⊙ (1 − m), see core/README.md).
-    kdec = gamma[..., -1, :]  # e^{b_C − b_j} restricted to the last token's segment
-    d_last = d_carry[..., -1]  # [N, B, H]
-    Kdec = Kc * kdec[..., None]
-    if delta:
-        kk = Kc @ _mT(Kc)
-        A = jnp.tril(bc[..., :, None] * kk * gamma, -1)
-        Tinv = _tri_inverse(A)
-        W = Tinv @ (Kc * (bc * d_carry)[..., None])  # [N, B, H, C, K]
-        Ut = Tinv @ (Vc * bc[..., None])  # [N, B, H, C, V]
-        if reset_to_s0:
-            W0 = Tinv @ (Kc * (bc * d * (1.0 - m))[..., None])
-            Ut = Ut - W0 @ s0
+    init = jnp.zeros((B, H, K, Vc.shape[-1]), jnp.float32) if s0 is None else s0
+    if bc is not None:
+        T = solve_tril(kkt(Kc, gamma, bc))
+        W, U = w_u(Kc, Vc, bc, d_carry, T=T)
+        if restart:
+            W0 = T @ (Kc * (bc * d * (1.0 - m))[..., None])
+            U = U - W0 @ s0
     else:
-        W, Ut = None, Vc
-
-    if reset_to_s0:
-        reset_bias = (d[..., -1] * (1.0 - m[..., -1]))[..., None, None] * s0  # [N, B, H, K, V]
-    else:
-        reset_bias = None
-
-    def body(S, xs):
-        if delta:
-            W_n, Ut_n, Kdec_n, dl_n, rb_n = xs
-            U_n = Ut_n - W_n @ S
-        else:
-            Ut_n, Kdec_n, dl_n, rb_n = xs
-            U_n = Ut_n
-        S_next = dl_n[..., None, None] * S + _mT(Kdec_n) @ U_n
-        if rb_n is not None:
-            S_next = S_next + rb_n
-        return S_next, ((S, U_n) if delta else S)
-
-    xs = (W, Ut, Kdec, d_last, reset_bias) if delta else (Ut, Kdec, d_last, reset_bias)
-    S_final, ys = lax.scan(body, init, xs)
-    S_starts, U = ys if delta else (ys, Ut)
-
-    P = (Q @ _mT(Kc)) * gamma
-    O = (Q * d_carry[..., None]) @ S_starts + P @ U
-    if reset_to_s0:
-        O = O + (Q * (d * (1.0 - m))[..., None]) @ s0
-    o = _unchunk(O)[:, :T]
-    return o.astype(v.dtype), S_final
+        W, U = None, Vc
+    d_s0 = d * (1.0 - m) if restart else None  # coefficient of s0 for token i
+    bias = d_s0[..., -1][..., None, None] * s0 if restart else None  # [N, B, H, K, V]
+    k_dec = Kc * gamma[..., -1, :][..., None]  # e^{b_C − b_j} within the last token's segment
+    S_final, S_starts, U = state_pass(W, U, k_dec, d_carry[..., -1], init, bias)
+    O = chunk_output(Q, Kc, gamma, d_carry, S_starts, U)
+    if restart:
+        O = O + (Q * d_s0[..., None]) @ s0
+    return O, S_final
 
 
 def linear_attention_chunked(
@@ -652,8 +451,8 @@ def gated_delta_chunked(
     ``W = T diag(β e^{b}) K``, ``Ũ = T diag(β) V``; sequentially over chunks ``U_n = Ũ − W S_n``,
     ``S_{n+1} = e^{b_C} S_n + (K ⊙ e^{b_C − b})ᵀ U_n``; then
     ``O = (Q ⊙ e^{b}) S_n + (Q Kᵀ ⊙ Γ) U_n``.
-    Gradients: a hand-written VJP that runs the state recurrence backwards (README §2); segment
-    resets fold into the masks of Γ (README §3).
+    Gradients: a hand-written VJP that runs the state recurrence backwards (README §2,
+    ``wy.wy_delta_core``); segment resets fold into the masks of Γ (README §3).
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.

@@ -8,7 +8,8 @@ decision): the docstring of :mod:`nested_jax.core.cms_levels`, where they are de
 next-token loss at ``t`` (a per-token loss, so the signal does not depend on how tokens are
 grouped). Level ℓ's per-token signal ``g_t^(ℓ)`` is ``∂L_t/∂θ_ℓ`` obtained from ``δ_t`` by
 ``jax.vjp`` of the CMS forward at the current weights; it is accumulated over the level's period
-``B_j^(ℓ)`` and applied only at its boundary (token count a multiple of ``C^(ℓ)``)::
+``B_j^(ℓ)`` and applied only at its boundary (token count a multiple of ``C^(ℓ)``;
+:mod:`nested_jax.core.periods`)::
 
     sgd:  θ_ℓ ← θ_ℓ − Σ_{t∈B_j} η_ℓ g_t^(ℓ)
     dgd:  W ← W − Σ_{t∈B_j} γ_t a_t (a_t W + g_t)ᵀ,   γ_t = η_ℓ / (1 + η_ℓ ‖a_t‖²)   (per layer)
@@ -57,6 +58,7 @@ from nested_jax.core.cms_levels import (
     cms_mix_weights,
 )
 from nested_jax.core.dgd import dgd_step_size
+from nested_jax.core.periods import accumulate, apply_at_boundary, period_boundary, reset_to_slower
 from nested_jax.core.scan import scan_remat
 
 __all__ = [
@@ -183,38 +185,17 @@ def _zero_taps(levels, x_c, variant):
 
 
 def _apply_boundaries(lv, acc, fire, variant):
-    """Levels whose period ends apply ``θ ← θ − accum`` and clear it; ``nested`` then resets."""
-
-    def sel(f, a, b):
-        return jax.tree.map(lambda u, v: jnp.where(f, u, v), a, b)
-
-    new_lv, out_acc = [], []
-    for j in range(len(lv)):
-        applied = jax.tree.map(lambda w, a: (w - a).astype(w.dtype), lv[j], acc[j])
-        new_lv.append(sel(fire[j], applied, lv[j]))
-        out_acc.append(sel(fire[j], jax.tree.map(jnp.zeros_like, acc[j]), acc[j]))
+    """Levels whose period ends apply ``θ ← θ − accum`` and clear it; ``nested`` then resets the
+    faster levels top-down (:mod:`nested_jax.core.periods`)."""
+    done = [apply_at_boundary(w, a, f) for w, a, f in zip(lv, acc, fire, strict=True)]
+    new_lv, new_acc = [w for w, _ in done], [a for _, a in done]
     if variant == "nested":
-        for j in range(len(lv) - 2, -1, -1):  # top-down: a slow boundary cascades to faster ones
-            new_lv[j] = sel(fire[j + 1], new_lv[j + 1], new_lv[j])
-            out_acc[j] = sel(fire[j + 1], jax.tree.map(jnp.zeros_like, out_acc[j]), out_acc[j])
-    return tuple(new_lv), tuple(out_acc)
+        new_lv, new_acc = reset_to_slower(new_lv, new_acc, fire)
+    return tuple(new_lv), tuple(new_acc)
 
 
-def _validate_online(
-    levels,
-    x,
-    periods,
-    delta_fn,
-    delta,
-    side,
-    variant,
-    lr,
-    inner,
-    mix_logits,
-    initial_state,
-    remat_every,
-):
-    """Trace-time checks of :func:`cms_online`; returns the normalised inputs."""
+def _check_modes(variant, inner, delta_fn, delta):
+    """Trace-time checks of :func:`cms_online`'s variant, inner rule and source of ``δ``."""
     _check_variant(variant)
     if inner not in _INNER:
         raise ValueError(f"inner must be one of {_INNER}, got {inner!r}")
@@ -222,10 +203,19 @@ def _validate_online(
         raise ValueError("give exactly one of delta_fn (callable) or delta (array [B, T, d])")
     if delta_fn is not None and not callable(delta_fn):
         raise ValueError(f"delta_fn must be callable, got {type(delta_fn).__name__}")
+
+
+def _validate_levels(levels, x, periods, variant, lr, mix_logits, initial_state):
+    """Trace-time checks of ``x``, the levels (or carried state), periods, mixing and ``η``.
+
+    Returns:
+      ``(x, state, periods, mix_logits, lrs)`` normalised (``state`` fresh from ``levels`` when
+      ``initial_state`` is None).
+    """
     x = jnp.asarray(x)
     if x.ndim != 3:
         raise ValueError(f"x must have shape [B, T, d], got {x.shape}")
-    B, T, _ = x.shape
+    B = x.shape[0]
     if initial_state is None:
         d = _check_levels(levels)
         k = len(levels)
@@ -239,11 +229,17 @@ def _validate_online(
     x = _check_x(x, d)
     periods = check_periods(periods, k, variant)
     mix_logits = _check_mix(mix_logits, k, variant)
-    lrs = _per_level("lr", lr, k)
+    return x, state, periods, mix_logits, _per_level("lr", lr, k)
+
+
+def _check_signal(delta, side, remat_every, shape):
+    """Trace-time checks of the precomputed ``δ``, the ``side`` inputs and ``remat_every``;
+    returns ``δ`` as an array (or None)."""
+    B, T, _ = shape
     if delta is not None:
         delta = jnp.asarray(delta)
-        if delta.shape != x.shape:
-            raise ValueError(f"delta must have shape [B, T, d] = {x.shape}, got {delta.shape}")
+        if delta.shape != shape:
+            raise ValueError(f"delta must have shape [B, T, d] = {shape}, got {delta.shape}")
     if side is not None:
         for leaf in jax.tree.leaves(side):
             if jnp.ndim(leaf) < 2 or jnp.shape(leaf)[:2] != (B, T):
@@ -252,7 +248,108 @@ def _validate_online(
                 )
     if remat_every is not None:
         check_positive_int("remat_every (or None)", remat_every)
-    return x, state, periods, mix_logits, lrs, delta
+    return delta
+
+
+def _chunk_grid(pos, T: int, c: int, resumed: bool):
+    """``(off, n)``: the call's tokens start at slot ``off`` of ``n`` chunks of ``c`` tokens.
+
+    Chunks lie on the absolute grid of multiples of ``c``: a stream resumed at ``pos % c = off``
+    starts at slot ``off`` of its first chunk (the leading slots are masked), so every boundary
+    stays at a chunk end whatever the call lengths. A fresh stream has ``off = 0`` (static).
+    """
+    if not resumed:
+        return 0, -(-T // c)
+    return pos % c, -(-(T + c - 1) // c)
+
+
+def _chunk_inputs(x, delta, side, off, n: int, c: int) -> dict:
+    """The scan's inputs: ``x``, ``δ`` and ``side`` (``[B, T, ...]``) placed from slot ``off`` of
+    ``n·c`` zero slots and cut into ``[n, B, c, ...]`` chunks, with the ``valid [n, c]`` slot mask
+    and the chunk index ``j [n]``."""
+    B, T = x.shape[:2]
+    L = n * c
+
+    def place(a):
+        a = jnp.asarray(a)
+        buf = jnp.zeros((B, L) + a.shape[2:], a.dtype)
+        start = (0, off) + (0,) * (a.ndim - 2)
+        return lax.dynamic_update_slice(buf, a, start)
+
+    def to_chunks(a):  # [B, L, ...] -> [n, B, c, ...]
+        a = a.reshape((B, n, c) + a.shape[2:])
+        return jnp.moveaxis(a, 1, 0)
+
+    slots = jnp.arange(L)
+    valid = (slots >= off) & (slots < off + T)  # [L]
+    return {
+        "x": to_chunks(place(x)),
+        "valid": valid.reshape(n, c),
+        "j": jnp.arange(n),
+        "delta": None if delta is None else to_chunks(place(delta)),
+        "side": None if side is None else jax.tree.map(lambda a: to_chunks(place(a)), side),
+    }
+
+
+def _surprise_signals(lv, inp, vm, delta_fn, variant, mix_logits):
+    """One chunk at its weights: ``y``, every layer's input ``a`` and output signal ``g``.
+
+    ``y = CMS(lv; x_chunk)``; ``δ = delta_fn(y, side_chunk)`` (or the given ``δ``), zeroed on the
+    slots outside the call (``vm [1, c, 1]``); ``g = ∂⟨δ, y⟩/∂(a W)`` per layer by ``jax.vjp``
+    through zero taps added to each layer's output.
+
+    Returns:
+      ``(y [B, c, d], ins, gtaps)``: per level (``nested``: level 1 only) the layer inputs and
+      output signals.
+    """
+    x_c = inp["x"]
+
+    def fwd(taps):
+        return _apply(lv, x_c, variant, mix_logits, taps)
+
+    y, vjp_fn, ins = jax.vjp(fwd, _zero_taps(lv, x_c, variant), has_aux=True)
+    if delta_fn is not None:
+        dl = delta_fn(y, inp["side"])
+        if jnp.shape(dl) != y.shape:
+            raise ValueError(f"delta_fn must return δ of shape {y.shape}, got {jnp.shape(dl)}")
+    else:
+        dl = inp["delta"]
+    dl = jnp.asarray(dl, y.dtype) * vm
+    (gtaps,) = vjp_fn(dl)
+    return y, ins, gtaps
+
+
+def _accumulate_levels(lv, acc, ins, gtaps, vm, inner, lrs, variant) -> list:
+    """``A_ℓ ← A_ℓ + Σ_t`` (SGD or DGD) over the chunk's valid tokens, every level; ``nested``
+    levels all learn from level 1's signals (the only level read)."""
+    new_acc = []
+    for j in range(len(acc)):
+        src = 0 if variant == "nested" else j
+        ins_j = tuple(None if a is None else a * vm for a in ins[src])
+        u = _level_update(inner, lrs[j], ins_j, lv[src], gtaps[src])
+        new_acc.append(accumulate(acc[j], u))
+    return new_acc
+
+
+def _chunk_step(*, delta_fn, variant, mix_logits, inner, lrs, periods, c, grid0, end):
+    """The ``lax.scan`` body over chunks: ``((levels, accum), inp) -> ((levels, accum), y)``.
+
+    ``grid0``: absolute position of slot 0 (a multiple of ``c``); ``end``: slots before the call's
+    end (``off + T``). Level ℓ fires at a chunk whose absolute end is a multiple of ``C^(ℓ)``,
+    only if the chunk is complete (tokens past the call never trigger a boundary).
+    """
+
+    def step(carry, inp):
+        lv, acc = carry
+        vm = inp["valid"][None, :, None].astype(inp["x"].dtype)
+        y, ins, gtaps = _surprise_signals(lv, inp, vm, delta_fn, variant, mix_logits)
+        new_acc = _accumulate_levels(lv, acc, ins, gtaps, vm, inner, lrs, variant)
+        consumed = (inp["j"] + 1) * c  # slots up to this chunk's end
+        complete = consumed <= end
+        fire = [complete & period_boundary(grid0 + consumed, p) for p in periods]
+        return _apply_boundaries(lv, new_acc, fire, variant), y
+
+    return step
 
 
 def cms_online(
@@ -304,95 +401,26 @@ def cms_online(
     Returns:
       ``(y [B, T, d], CMSState)``, ``y`` in ``x``'s dtype (accumulators are f32).
     """
-    x, state, periods, mix_logits, lrs, delta = _validate_online(
-        levels,
-        x,
-        periods,
-        delta_fn,
-        delta,
-        side,
-        variant,
-        lr,
-        inner,
-        mix_logits,
-        initial_state,
-        remat_every,
+    _check_modes(variant, inner, delta_fn, delta)
+    x, state, periods, mix_logits, lrs = _validate_levels(
+        levels, x, periods, variant, lr, mix_logits, initial_state
     )
+    delta = _check_signal(delta, side, remat_every, x.shape)
     B, T, d = x.shape
-    k = len(periods)
     if T == 0:
         return x, state
-
     c = math.gcd(*periods)
-    # Chunks lie on the absolute grid of multiples of c: a stream resumed at pos % c = off starts
-    # at slot ``off`` of its first chunk (the leading slots are masked), so every boundary stays
-    # at a chunk end whatever the call lengths. A fresh stream has off = 0 (static).
-    if initial_state is None:
-        off = 0
-        n = -(-T // c)
-    else:
-        off = state.pos % c
-        n = -(-(T + c - 1) // c)
-    L = n * c
-
-    def place(a):
-        a = jnp.asarray(a)
-        buf = jnp.zeros((B, L) + a.shape[2:], a.dtype)
-        start = (0, off) + (0,) * (a.ndim - 2)
-        return lax.dynamic_update_slice(buf, a, start)
-
-    def to_chunks(a):  # [B, L, ...] -> [n, B, c, ...]
-        a = a.reshape((B, n, c) + a.shape[2:])
-        return jnp.moveaxis(a, 1, 0)
-
-    slots = jnp.arange(L)
-    valid = (slots >= off) & (slots < off + T)  # [L]
-    xs = {
-        "x": to_chunks(place(x)),
-        "valid": valid.reshape(n, c),
-        "j": jnp.arange(n),
-        "delta": None if delta is None else to_chunks(place(delta)),
-        "side": None if side is None else jax.tree.map(lambda a: to_chunks(place(a)), side),
-    }
-    grid0 = state.pos - off  # absolute position of slot 0 (a multiple of c)
-    periods_arr = [jnp.asarray(p, jnp.int32) for p in periods]
-
-    def step(carry, inp):
-        lv, acc = carry
-        x_c, val = inp["x"], inp["valid"]
-        vm = val[None, :, None].astype(x_c.dtype)
-
-        def fwd(taps):
-            return _apply(lv, x_c, variant, mix_logits, taps)
-
-        y, vjp_fn, ins = jax.vjp(fwd, _zero_taps(lv, x_c, variant), has_aux=True)
-        if delta_fn is not None:
-            dl = delta_fn(y, inp["side"])
-            if jnp.shape(dl) != y.shape:
-                raise ValueError(f"delta_fn must return δ of shape {y.shape}, got {jnp.shape(dl)}")
-        else:
-            dl = inp["delta"]
-        dl = jnp.asarray(dl, y.dtype) * vm
-        (gtaps,) = vjp_fn(dl)
-
-        new_acc = []
-        for j in range(k):
-            src = 0 if variant == "nested" else j
-            ins_j = tuple(None if a is None else a * vm for a in ins[src])
-            u = _level_update(inner, lrs[j], ins_j, lv[src], gtaps[src])
-            new_acc.append(jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc[j], u))
-
-        end_abs = grid0 + (inp["j"] + 1) * c
-        complete = (inp["j"] + 1) * c <= off + T
-        fire = [complete & (end_abs % p == 0) for p in periods_arr]
-
-        return _apply_boundaries(lv, new_acc, fire, variant), y
-
+    off, n = _chunk_grid(state.pos, T, c, resumed=initial_state is not None)
+    xs = _chunk_inputs(x, delta, side, off, n, c)
+    step = _chunk_step(
+        delta_fn=delta_fn, variant=variant, mix_logits=mix_logits, inner=inner, lrs=lrs,
+        periods=periods, c=c, grid0=state.pos - off, end=off + T,
+    )  # fmt: skip
     carry0 = (tuple(state.levels), tuple(state.accum))
     if remat_every is None:
         (lv_f, acc_f), ys = lax.scan(step, carry0, xs)
     else:
         (lv_f, acc_f), ys = scan_remat(step, carry0, xs, remat_every)
-    ys = jnp.moveaxis(ys, 0, 1).reshape((B, L, d))
+    ys = jnp.moveaxis(ys, 0, 1).reshape((B, n * c, d))
     y = lax.dynamic_slice_in_dim(ys, off, T, axis=1).astype(x.dtype)
     return y, CMSState(levels=lv_f, accum=acc_f, pos=state.pos + T)

@@ -28,12 +28,14 @@ is SPEC §3.2's ``M(z) = z + W_1 σ(W_2 z)`` with ``W_1 = W_downᵀ``, ``W_2 = W
   own rate. The given per-level parameters are the states at the start of the stream.
 
 The periods ``C^(ℓ)`` matter only to the updates (``core.cms.cms_online``,
-``nested_jax.optim.multifreq``); the forward here reads the levels as given.
+``nested_jax.optim.multifreq``); the forward here reads the levels as given. :class:`CMSRule`
+holds the periods, the variant and the online inner step as one frozen value (``ops.cms`` takes it).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -41,7 +43,9 @@ import jax.numpy as jnp
 
 __all__ = [
     "CMSLevel",
+    "CMSRule",
     "VARIANTS",
+    "INNERS",
     "check_periods",
     "cms_init_levels",
     "cms_level_apply",
@@ -50,6 +54,7 @@ __all__ = [
 ]
 
 VARIANTS = ("sequential", "nested", "independent")
+INNERS = ("sgd", "dgd")  # inner optimizers of the online mode (``core.cms.cms_online``)
 
 
 class CMSLevel(NamedTuple):
@@ -98,6 +103,69 @@ def check_periods(periods, k: int | None = None, variant: str | None = None) -> 
             f"periods of the faster level), got {periods}"
         )
     return periods
+
+
+@dataclass(frozen=True)
+class CMSRule:
+    """The CMS rule as one typed value (SPEC §3.3): periods, variant and the online inner step.
+
+    ``CMSOptions.rule()`` (the ``model.cms`` config section) builds it, and the defaults below are
+    ``CMSOptions``'s (a test keeps them equal). Frozen and hashable (lists become tuples). The
+    core functions keep their plain keywords: ``ops.cms`` passes ``variant`` (fixed-weight forward)
+    or :meth:`online_kwargs` (online mode) on. The level widths, ``gated`` and the pretrain
+    optimizer's ``mode`` / ``accumulate`` are not part of the rule: they shape the parameters and
+    the outer optimizer, not the CMS function.
+
+    Attributes:
+      periods: ``(C^(1), …, C^(k))``, one per level, strictly increasing (``nested``: each divides
+        the next); tokens in the online mode.
+      variant: one of ``VARIANTS``.
+      lr: online inner rate ``η > 0``, one float or one per level.
+      inner: online inner optimizer, one of ``INNERS`` (SPEC §3.1).
+      remat_every: online: checkpoint the chunk scan every n chunks (None: no checkpoints).
+    """
+
+    periods: tuple[int, ...] = (1, 4, 16)
+    variant: str = "sequential"
+    lr: float | tuple[float, ...] = 1e-2
+    inner: str = "sgd"
+    remat_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(
+                f"CMSRule.variant: unknown {self.variant!r}; expected one of {VARIANTS}"
+            )
+        try:
+            periods = check_periods(self.periods, variant=self.variant)
+        except ValueError as err:  # check_periods' message, under the field's name
+            raise ValueError(f"CMSRule.periods: {str(err).removeprefix('periods ')}") from None
+        object.__setattr__(self, "periods", periods)
+        lrs = self.lr if isinstance(self.lr, tuple | list) else (self.lr,)
+        if isinstance(self.lr, tuple | list):
+            if len(lrs) != len(periods):
+                raise ValueError(
+                    f"CMSRule.lr: one rate per level ({len(periods)}) or one float, got {self.lr!r}"
+                )
+            object.__setattr__(self, "lr", tuple(lrs))
+        for v in lrs:
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise ValueError(f"CMSRule.lr: must be a float > 0 (or one per level), got {v!r}")
+        if self.inner not in INNERS:
+            raise ValueError(f"CMSRule.inner: unknown {self.inner!r}; expected one of {INNERS}")
+        r = self.remat_every
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+            raise ValueError(f"CMSRule.remat_every: must be None or a positive int, got {r!r}")
+
+    def online_kwargs(self) -> dict:
+        """Every field as keywords of ``core.cms.cms_online``."""
+        return dict(
+            periods=self.periods,
+            variant=self.variant,
+            lr=self.lr,
+            inner=self.inner,
+            remat_every=self.remat_every,
+        )
 
 
 def _check_levels(levels, d: int | None = None, batch: int | None = None) -> int:

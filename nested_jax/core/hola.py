@@ -45,7 +45,7 @@ Decisions (documented options, SPEC §5):
 - ``segment_ids`` (packed sequences, SPEC §0): each document runs as if alone — own GDN state
   and scores from zero, own block grid from its first token, own cache (starts empty, top-w over its
   own tokens only), reads masked to its own document (the sink stays visible). Equations in
-  ``hola_forward``; the scan is ``hola_cache.cache_blocks_packed``. Not with ``initial_state``;
+  core/README.md §5; the scan is ``hola_cache.cache_blocks_packed``. Not with ``initial_state``;
   decoding (``hola_decode_step``) is one stream and takes no segment ids.
 
 Memory per head of the decoding state: ``K·V + (w + C)(K + V)`` floats plus ``O(w + C)``
@@ -82,6 +82,8 @@ from nested_jax.core.hola_decode import (
     hola_recurrent,
     init_hola_state,
 )
+from nested_jax.core.scan import chunk, from_head_chunks, segment_starts, to_head_chunks
+from nested_jax.core.wy import kkt, state_pass, w_u
 
 __all__ = [
     "EVICTIONS",
@@ -101,38 +103,29 @@ __all__ = [
 # --------------------------------------------------------------------------------------------------
 
 
-def _residual_chunk_local(kc, vc, gc, bc, zc=None):
-    """State-independent part of the residual pass, batched over chunks.
+def _residual_decays(gc, zc=None):
+    """Decays of the residual pass from the chunked log decays ``gc [..., c]``.
 
-    ``kc [..., c, K]``, ``vc [..., c, V]``, ``gc, bc [..., c]``. Solves the WY/UT system once per
-    chunk for both right-hand sides, ``(I + A) [W | Ũ] = [diag(βγ) K | diag(β) V]``, so the
-    sequential pass only needs ``Δ = Ũ − W S_n``. Returns ``(W, Ũ, KKΓ, γ, γ_C/γ, γ_C)``.
-
-    ``zc [..., c]`` (optional, int): number of segment starts in the chunk up to and including each
-    token. Then ``Γ_{ti} = 0`` across segments, ``γ_t = 0`` after a start (the state restarts from
-    zero) and ``γ_C/γ_i = 0``, ``γ_C = 0`` outside the chunk's last segment.
+    Returns ``(Γ, γ, γ_C/γ, γ_C)``: ``Γ [..., c, c]`` with ``Γ_{ti} = γ_t/γ_i`` for ``i < t`` (zero
+    on and above the diagonal), ``γ_t = Π_{i≤t} α_i`` inside the chunk, ``[..., c]``, and
+    ``γ_C [...]``. ``zc [..., c]`` (optional, int): number of segment starts in the chunk up to and
+    including each token. Then ``Γ_{ti} = 0`` across segments, ``γ_t = 0`` after a start (the state
+    restarts from zero) and ``γ_C/γ_i = 0``, ``γ_C = 0`` outside the chunk's last segment.
     """
-    c, Kd = kc.shape[-2], kc.shape[-1]
-    G = jnp.cumsum(gc, axis=-1)  # log γ_t, γ_t = Π_{i≤t} α_i inside the chunk
+    c = gc.shape[-1]
+    G = jnp.cumsum(gc, axis=-1)  # log γ_t
     strict = jnp.arange(c)[None, :] < jnp.arange(c)[:, None]
     if zc is not None:
         strict = strict & (zc[..., :, None] == zc[..., None, :])
-    # Γ_{ti} = γ_t/γ_i for i < t; masked before exp so no overflow from the upper triangle.
+    # masked before exp so no overflow from the upper triangle
     gam = jnp.exp(jnp.where(strict, G[..., :, None] - G[..., None, :], -jnp.inf))
-    kk_gam = jnp.einsum("...tk,...ik->...ti", kc, kc) * gam  # zero on and above the diagonal
     gamma = jnp.exp(G) if zc is None else jnp.where(zc == 0, jnp.exp(G), 0.0)
-    rhs = jnp.concatenate([kc * (bc * gamma)[..., None], vc * bc[..., None]], axis=-1)
-    # Forward substitution (stable; SPEC §1), one batched solve for all chunks.
-    eye = jnp.eye(c, dtype=kc.dtype)
-    Y = lax.linalg.triangular_solve(
-        eye + bc[..., :, None] * kk_gam, rhs, left_side=True, lower=True, unit_diagonal=True
-    )
     decay_out = jnp.exp(G[..., -1:] - G)  # γ_C/γ_i
     gamma_c = jnp.exp(G[..., -1])
     if zc is not None:
         decay_out = jnp.where(zc == zc[..., -1:], decay_out, 0.0)
         gamma_c = jnp.where(zc[..., -1] == 0, gamma_c, 0.0)
-    return Y[..., :Kd], Y[..., Kd:], kk_gam, gamma, decay_out, gamma_c
+    return gam, gamma, decay_out, gamma_c
 
 
 def gdn_residuals(k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_size=64):
@@ -175,35 +168,18 @@ def gdn_residuals(k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_
         _check_array(fn, "initial_state", initial_state, (B, H, K, V))
         S0 = initial_state.astype(_F32)
     c = chunk_size
-    n = -(-T // c)
-    pad = n * c - T
-
-    def chunks(x):  # [B, T, H, ...] -> [n, B, H, c, ...]; padding has β = 0, g = 0 (no-op write)
-        x = jnp.pad(x.astype(_F32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape((B, n, c) + x.shape[2:])
-        perm = (1, 0, 3, 2) + tuple(range(4, x.ndim))
-        return jnp.transpose(x, perm)
-
-    kc, vc = chunks(k), chunks(v)
+    kc, vc = to_head_chunks(k.astype(_F32), c), to_head_chunks(v.astype(_F32), c)
+    bc = to_head_chunks(beta.astype(_F32), c)  # padding has β = 0, g = 0: a no-op write
     zc = None
     if segment_ids is not None:  # starts counted inside each chunk (padding continues the last)
-        starts = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, pad)))
-        zc = jnp.cumsum(starts.reshape(B, n, c).astype(jnp.int32), axis=-1)
-        zc = jnp.broadcast_to(jnp.moveaxis(zc, 1, 0)[:, :, None], (n, B, H, c))
-    Wm, Ut, kk_gam, gamma, decay_out, gamma_c = _residual_chunk_local(
-        kc, vc, chunks(g), chunks(beta), zc
-    )
-
-    def body(S, xs):  # only the S-dependent matmuls are sequential
-        Wn, Un, kkn, gn, dn, gcn, kn, vn = xs
-        delta = Un - Wn @ S  # Δ = β ⊙ e
-        e = vn - gn[..., None] * (kn @ S) - kkn @ delta
-        S_new = gcn[..., None, None] * S + jnp.swapaxes(kn * dn[..., None], -1, -2) @ delta
-        return S_new, e
-
-    S_T, e = lax.scan(body, S0, (Wm, Ut, kk_gam, gamma, decay_out, gamma_c, kc, vc))
-    e = jnp.transpose(e, (1, 0, 3, 2, 4)).reshape(B, n * c, H, V)[:, :T]
-    return e, S_T
+        zc = jnp.cumsum(chunk(segment_starts(segment_ids), c).astype(jnp.int32), axis=-1)
+        zc = jnp.broadcast_to(jnp.moveaxis(zc, 1, 0)[:, :, None], kc.shape[:4])  # [n, B, H, c]
+    gam, gamma, decay_out, gamma_c = _residual_decays(to_head_chunks(g.astype(_F32), c), zc)
+    kk_gam = kkt(kc, gam)  # strict_tril(K Kᵀ ⊙ Γ); A = diag(β) of it
+    Wm, Ut = w_u(kc, vc, bc, gamma, A=bc[..., :, None] * kk_gam)
+    S_T, S_n, delta = state_pass(Wm, Ut, kc * decay_out[..., None], gamma_c, S0)  # Δ = β ⊙ e
+    e = vc - gamma[..., None] * (kc @ S_n) - kk_gam @ delta
+    return from_head_chunks(e, T), S_T
 
 
 def hola_scores(
@@ -276,17 +252,12 @@ def hola_forward(
     buffer (not merged), so continuing with ``initial_state`` (another ``hola_forward`` call or
     ``hola_decode_step``) gives the same result as one call over the concatenated sequence.
 
-    Packed rows (``segment_ids``, SPEC §0): every document is run as if alone — the gated delta
-    state and the scores ``e_t`` restart from zero at its start, its blocks are counted from its
-    own first token (document position ``p_t = t − D_t``, block ``⌊p_t/C⌋``), its cache starts
-    empty and holds only its own tokens (top-w over its own earlier blocks), and a query reads only
-    cache entries and block tokens of its own document (plus the sink)::
-
-        V_t = A_{d(t)}(⌊p_t/C⌋ − 1) ∪ {j : D_j = D_t, ⌊p_j/C⌋ = ⌊p_t/C⌋, j ≤ t} ∪ {sink}
-
-    so outputs and gradients equal those of each document alone (tested). See
-    ``hola_cache.cache_blocks_packed`` for the scan. ``recency`` scores and ``cache_pos`` are
-    document positions.
+    Packed rows (``segment_ids``, SPEC §0): every document runs as if alone — GDN state and scores
+    restart from zero at its start, its blocks count from its own first token (document position
+    ``p_t = t − D_t``), its cache starts empty and holds only its own tokens, and a query reads
+    only its own document's cache entries and block tokens plus the sink (equations in
+    core/README.md §5; scan ``hola_cache.cache_blocks_packed``). Outputs and gradients equal those
+    of each document alone (tested); ``recency`` scores and ``cache_pos`` are document positions.
 
     Args:
       q, k: ``[B, T, H, K]`` (the state path expects unit-norm q, k as in GDN layers).
@@ -310,42 +281,67 @@ def hola_forward(
       length, so it continues every row exactly only when those lengths agree (e.g. ``B = 1``).
     """
     fn = "hola_forward"
+    params = (gamma_q, gamma_k, sink_logit)
+    sizes = (window, block_size, chunk_size)
+    state0, S0 = _check_forward(
+        fn, q, k, v, g, beta, (*params, gate_logit), sizes, eviction, read_norm, initial_state,
+        segment_ids,
+    )  # fmt: skip
+    o_state, S_T = gated_delta_chunked(
+        q, k, v, g, beta, scale=scale, initial_state=S0, segment_ids=segment_ids,
+        chunk_size=chunk_size,
+    )  # fmt: skip
+    o_cache, cache, blk, pos = _cache_path(
+        q, k, v, g, beta, params, state0, S0, segment_ids, sizes, eviction, read_norm, cache_scale
+    )
+    o = o_state.astype(_F32) + _sigmoid_gate(gate_logit)[None, None, :, None] * o_cache
+    return o.astype(v.dtype), HolaState(S_T, *cache, *blk, pos=pos)
+
+
+def _check_forward(
+    fn, q, k, v, g, beta, params, sizes, eviction, read_norm, initial_state, segment_ids
+):
+    """Argument checks of ``hola_forward``; returns ``(state0, S0)``: the ``HolaState`` it
+    continues (an empty one without ``initial_state``) and the GDN state ``S_{-1}`` (or None)."""
     B, T, H, K, V = _validate_seq(fn, q, k, v, g, beta)
-    _check_params(fn, H, K, gamma_q, gamma_k, sink_logit, gate_logit)
+    _check_params(fn, H, K, *params)
+    window, block_size, chunk_size = sizes
     check_positive_int(f"{fn}: window", window)
     check_positive_int(f"{fn}: block_size", block_size)
     check_positive_int(f"{fn}: chunk_size", chunk_size)
     _check_options(fn, eviction, read_norm)
     _check_segments(fn, segment_ids, B, T, initial_state)
-    if initial_state is not None:
-        _check_state(fn, initial_state, B, H, K, V, window, block_size)
-        state0, S0 = initial_state, initial_state.S
-    else:
-        state0, S0 = init_hola_state(B, H, K, V, window, block_size), None
+    if initial_state is None:
+        return init_hola_state(B, H, K, V, window, block_size), None
+    _check_state(fn, initial_state, B, H, K, V, window, block_size)
+    return initial_state, initial_state.S
 
-    o_state, S_T = gated_delta_chunked(
-        q, k, v, g, beta, scale=scale, initial_state=S0, segment_ids=segment_ids,
-        chunk_size=chunk_size,
-    )  # fmt: skip
+
+def _cache_path(
+    q, k, v, g, beta, params, state0, S0, segment_ids, sizes, eviction, read_norm, cache_scale
+):
+    """The cache half of ``hola_forward`` (SPEC §5): insertion scores, then the block scan over one
+    stream continuing ``state0`` (``S0`` is None for a fresh start) or over packed documents.
+
+    Returns ``(o_cache [B, T, H, V] f32, cache, block buffer, pos)`` (``HolaState`` parts).
+    """
+    B, T, H, K = q.shape
+    window, block_size, chunk_size = sizes
     if segment_ids is None:
         positions = jnp.broadcast_to(state0.pos + jnp.arange(T, dtype=jnp.int32), (B, T))
     else:
         doc, positions = doc_starts(segment_ids)
     scores = _insertion_scores(k, v, g, beta, positions, S0, segment_ids, eviction, chunk_size)
     cs = K**-0.5 if cache_scale is None else cache_scale
-    params = (gamma_q, gamma_k, sink_logit)
     if segment_ids is None:
         o_cache, cache, blk = cache_blocks(
-            q, k, v, scores, *params, state0, initial_state is not None,
+            q, k, v, scores, *params, state0, S0 is not None,
             window, block_size, eviction, read_norm, cs,
         )  # fmt: skip
-        pos = state0.pos + T
-    else:
-        o_cache, cache, blk, pos = cache_blocks_packed(
-            q, k, v, scores, doc, positions, *params, window, block_size, eviction, read_norm, cs
-        )
-    o = o_state.astype(_F32) + _sigmoid_gate(gate_logit)[None, None, :, None] * o_cache
-    return o.astype(v.dtype), HolaState(S_T, *cache, *blk, pos=pos)
+        return o_cache, cache, blk, state0.pos + T
+    return cache_blocks_packed(
+        q, k, v, scores, doc, positions, *params, window, block_size, eviction, read_norm, cs
+    )
 
 
 def _insertion_scores(k, v, g, beta, positions, S0, segment_ids, eviction, chunk_size):

@@ -122,31 +122,56 @@ def cache_blocks(
         n_blocks = -(-T // C)
     L = n_blocks * C
 
-    def to_slots(x, buf):  # x [B, T, H, ...] -> [B, L, H, ...]; buf [B, H, C, ...] or None
-        out = jnp.zeros((B, L) + x.shape[2:], _F32)
-        if buf is not None:
-            out = out.at[:, :C].set(jnp.moveaxis(buf.astype(_F32), 2, 1))
-        start = (jnp.zeros((), jnp.int32), r) + (jnp.zeros((), jnp.int32),) * (x.ndim - 2)
-        return lax.dynamic_update_slice(out, x.astype(_F32), start)
-
-    def to_blocks(x):  # [B, L, H, ...] -> [n, B, H, C, ...]
-        x = x.reshape((B, n_blocks, C) + x.shape[2:])
-        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
-
     buf = (state0.block_k, state0.block_v, state0.block_score) if lead else (None, None, None)
-    qs = to_blocks(to_slots(q, None))
-    ks = to_blocks(to_slots(k, buf[0]))
-    vs = to_blocks(to_slots(v, buf[1]))
-    ss = to_blocks(to_slots(lax.stop_gradient(scores), buf[2]))
+    qs = _to_blocks(q, None, r, n_blocks, C)
+    ks = _to_blocks(k, buf[0], r, n_blocks, C)
+    vs = _to_blocks(v, buf[1], r, n_blocks, C)
+    ss = _to_blocks(lax.stop_gradient(scores), buf[2], r, n_blocks, C)
     slot = jnp.arange(L, dtype=jnp.int32)
     filled = (slot < r + T).reshape(n_blocks, C)
     is_query = ((slot >= r) & (slot < r + T)).reshape(n_blocks, C)
     abs_pos = (pos0 - r + slot).reshape(n_blocks, C)
+    body = _stream_block_fn(gamma_q, gamma_k, sink, W, C, eviction, read_norm, cs)
+    cache0 = (
+        state0.cache_k.astype(_F32),
+        state0.cache_v.astype(_F32),
+        state0.cache_score.astype(_F32),
+        state0.cache_pos,
+        state0.cache_valid,
+    )
+    cache, (o_blocks, s_blocks) = lax.scan(
+        body, cache0, (qs, ks, vs, ss, filled, is_query, abs_pos)
+    )
+    # [n, B, H, C, V] -> [B, L, H, V] -> the T query slots.
+    o = jnp.moveaxis(o_blocks, 0, 1).transpose(0, 1, 3, 2, 4).reshape(B, L, H, V)
+    o = lax.dynamic_slice_in_dim(o, r, T, axis=1)
+    return o, cache, _unfinished_block(ks, vs, s_blocks, r + T, n_blocks, C)
+
+
+def _to_blocks(x, buf, r, n_blocks, C):
+    """``x [B, T, H, ...]`` on the slots ``[r, r + T)`` of ``n_blocks · C`` (slots ``[0, C)``
+    first filled from the buffer ``buf [B, H, C, ...]`` unless None; the rest zero), as f32
+    blocks ``[n, B, H, C, ...]``."""
+    B = x.shape[0]
+    L = n_blocks * C
+    out = jnp.zeros((B, L) + x.shape[2:], _F32)
+    if buf is not None:
+        out = out.at[:, :C].set(jnp.moveaxis(buf.astype(_F32), 2, 1))
+    start = (jnp.zeros((), jnp.int32), r) + (jnp.zeros((), jnp.int32),) * (x.ndim - 2)
+    x = lax.dynamic_update_slice(out, x.astype(_F32), start)
+    x = x.reshape((B, n_blocks, C) + x.shape[2:])
+    return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+
+def _stream_block_fn(gamma_q, gamma_k, sink, W, C, eviction, read_norm, cs):
+    """The scan body of :func:`cache_blocks`: one block ``n`` reads ``[A_{n-1} ‖ block (causal,
+    filled slots) ‖ sink]``, then a complete block is merged, ``A_n = top-w(A_{n-1} ∪ block)``."""
     causal = jnp.tril(jnp.ones((C, C), bool))
     cumulative = eviction == "cumulative_attention"
 
     def body(cache, xs):
         qb, kb, vb, sb, fb, iq, pb = xs
+        B, H = qb.shape[:2]
         ck, cv, cscore, cpos, cval = cache
         qn = read_normalize(qb, gamma_q, read_norm)
         b_mask = jnp.broadcast_to(causal & fb[None, :], (B, H, C, C))
@@ -167,28 +192,19 @@ def cache_blocks(
         new = tuple(jnp.where(complete, m, o_) for m, o_ in zip(merged, old, strict=True))
         return new, (o, sb)
 
-    cache0 = (
-        state0.cache_k.astype(_F32),
-        state0.cache_v.astype(_F32),
-        state0.cache_score.astype(_F32),
-        state0.cache_pos,
-        state0.cache_valid,
-    )
-    cache, (o_blocks, s_blocks) = lax.scan(
-        body, cache0, (qs, ks, vs, ss, filled, is_query, abs_pos)
-    )
-    # [n, B, H, C, V] -> [B, L, H, V] -> the T query slots.
-    o = jnp.moveaxis(o_blocks, 0, 1).transpose(0, 1, 3, 2, 4).reshape(B, L, H, V)
-    o = lax.dynamic_slice_in_dim(o, r, T, axis=1)
-    # The unfinished last block becomes the buffer (empty when r + T is a multiple of C).
-    end = r + T
+    return body
+
+
+def _unfinished_block(ks, vs, s_blocks, end, n_blocks, C):
+    """The block buffer after slot ``end``: the unfinished last block's keys, values and final
+    scores (empty when ``end`` is a multiple of ``C``), ``[B, H, C, ...]``."""
     last = jnp.minimum(end // C, n_blocks - 1)
     n_fill = end % C
     keep = jnp.arange(C) < n_fill
     bk = jnp.where(keep[None, None, :, None], ks[last], 0.0)
     bv = jnp.where(keep[None, None, :, None], vs[last], 0.0)
     bs = jnp.where(keep[None, None, :], s_blocks[last], 0.0)
-    return o, cache, (bk, bv, bs)
+    return bk, bv, bs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,32 +286,7 @@ def cache_blocks_packed(
     """
     B, T, H, _ = q.shape
     n = -(-T // C)
-    pad = n * C - T
-
-    def slots(x, fill):  # [B, T, ...] -> [n + 1, B, C, ...]: an empty block in front, padding
-        x = jnp.pad(x, [(0, 0), (C, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-        return jnp.moveaxis(x.reshape((B, n + 1, C) + x.shape[2:]), 1, 0)
-
-    def heads(x):  # [n + 1, B, C, H, ...] -> [n + 1, B, H, C, ...]
-        return jnp.swapaxes(x, 2, 3)
-
-    def pairs(x, axis):  # [n + 1, ...] -> [n, ...]: (previous block ‖ block) along axis
-        return jnp.concatenate([x[:-1], x[1:]], axis=axis)
-
-    ks = heads(slots(k.astype(_F32), 0.0))
-    vs = heads(slots(v.astype(_F32), 0.0))
-    xs = (
-        heads(slots(q.astype(_F32), 0.0))[1:],
-        pairs(ks, 3),
-        pairs(vs, 3),
-        heads(slots(lax.stop_gradient(scores).astype(_F32), 0.0))[1:],
-        pairs(slots(D, -1), 2),  # padding belongs to no document
-        pairs(slots(p, 0), 2),
-        slots(D + (p // C) * C, _INT_MAX)[1:],  # s_t of each query (padding reads nothing)
-        slots((p > 0) & (p % C == 0), False)[1:],  # document-block boundaries
-        slots(jnp.ones((B, T), bool), False)[1:],  # real queries
-        jnp.arange(n, dtype=jnp.int32) * C,
-    )
+    xs = _packed_scan_inputs(q, k, v, scores, D, p, C)
     body = _packed_block_fn(gamma_q, gamma_k, sink, W, C, eviction, read_norm, cs)
     cache0 = (
         jnp.zeros((B, H, W) + k.shape[3:], _F32),
@@ -312,6 +303,42 @@ def cache_blocks_packed(
         s = jnp.concatenate([s_prev[1:], s_last[None]], axis=0)
         scores = jnp.transpose(s, (1, 0, 3, 2)).reshape(B, n * C, H)[:, :T]
     return (o, *_last_document_state(k, v, scores, D, p, cache, W, C, eviction))
+
+
+def _packed_scan_inputs(q, k, v, scores, D, p, C):
+    """The per-row-block inputs of :func:`cache_blocks_packed`'s scan, ``n = ⌈T/C⌉`` blocks:
+    queries ``[n, B, H, C, K]``; keys, values of (previous block ‖ block) ``[n, B, H, 2C, ·]``;
+    the block's scores ``[n, B, H, C]``; ``D, p`` of (previous ‖ block) ``[n, B, 2C]``; each
+    query's document-block start ``s_t``, its document-block boundary flag and whether it is a real
+    token ``[n, B, C]``; the row block's first row index ``[n]``."""
+    B, T = D.shape
+    n = -(-T // C)
+    pad = n * C - T
+
+    def slots(x, fill):  # [B, T, ...] -> [n + 1, B, C, ...]: an empty block in front, padding
+        x = jnp.pad(x, [(0, 0), (C, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(x.reshape((B, n + 1, C) + x.shape[2:]), 1, 0)
+
+    def heads(x):  # [n + 1, B, C, H, ...] -> [n + 1, B, H, C, ...]
+        return jnp.swapaxes(x, 2, 3)
+
+    def pairs(x, axis):  # [n + 1, ...] -> [n, ...]: (previous block ‖ block) along axis
+        return jnp.concatenate([x[:-1], x[1:]], axis=axis)
+
+    ks = heads(slots(k.astype(_F32), 0.0))
+    vs = heads(slots(v.astype(_F32), 0.0))
+    return (
+        heads(slots(q.astype(_F32), 0.0))[1:],
+        pairs(ks, 3),
+        pairs(vs, 3),
+        heads(slots(lax.stop_gradient(scores).astype(_F32), 0.0))[1:],
+        pairs(slots(D, -1), 2),  # padding belongs to no document
+        pairs(slots(p, 0), 2),
+        slots(D + (p // C) * C, _INT_MAX)[1:],  # s_t of each query (padding reads nothing)
+        slots((p > 0) & (p % C == 0), False)[1:],  # document-block boundaries
+        slots(jnp.ones((B, T), bool), False)[1:],  # real queries
+        jnp.arange(n, dtype=jnp.int32) * C,
+    )
 
 
 def _packed_block_fn(gamma_q, gamma_k, sink, W, C, eviction, read_norm, cs):

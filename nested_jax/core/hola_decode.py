@@ -9,14 +9,17 @@ residual pass and the scores, and re-exports every public name here). Per head a
     o_t = S_tᵀ (scale · q_t) + σ(λ_h) Σ_{j∈V_t} softmax_j(cache_scale · q̃_tᵀ k̃_j) v_j
     A_n = top-w(A_{n-1} ∪ block n)                 at the end of block n (position ≡ −1 mod C)
 
-``hola_decode_step`` is one token; ``hola_recurrent`` is the same step in a ``lax.scan`` over a
-sequence (the per-token form of ``hola_forward``, equal to it token by token). The state's size is
-independent of the number of tokens: per head ``K·V + (w + C)(K + V)`` floats plus ``O(w + C)``
-scores and positions. The trace-time argument checks shared with ``core.hola`` live here too.
+:class:`HolaRule` holds the static options (``window``, ``block_size``, ``eviction``,
+``read_norm``, the two scales, ``chunk_size``) as one frozen value. ``hola_decode_step`` is one
+token; ``hola_recurrent`` is the same step in a ``lax.scan`` over a sequence (the per-token form
+of ``hola_forward``, equal to it token by token). The state's size is independent of the number of
+tokens: per head ``K·V + (w + C)(K + V)`` floats plus ``O(w + C)`` scores and positions. The
+trace-time argument checks shared with ``core.hola`` live here too.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -29,6 +32,7 @@ from nested_jax.core.hola_cache import attend, merge_top_w, read_normalize
 __all__ = [
     "EVICTIONS",
     "READ_NORMS",
+    "HolaRule",
     "HolaState",
     "init_hola_state",
     "hola_decode_step",
@@ -38,6 +42,72 @@ __all__ = [
 EVICTIONS = ("beta_e", "recency", "e", "beta_v", "cumulative_attention")
 READ_NORMS = ("rmsnorm", "l2")
 _F32 = jnp.float32
+
+
+@dataclass(frozen=True)
+class HolaRule:
+    """The HOLA rule as one typed value (SPEC §5): cache, blocks, eviction, read, scales, chunks.
+
+    ``HolaOptions.rule()`` (the ``model.hola`` config section, with the shell's
+    ``model.chunk_size``) builds it; the defaults below are ``HolaOptions``'s and
+    ``ModelConfig.chunk_size``'s (a test keeps them equal) and the core functions' keyword
+    defaults. Frozen and hashable (a jit static). The core functions keep their plain keywords:
+    ``ops.hola`` passes :meth:`kwargs` / :meth:`step_kwargs` on.
+
+    Attributes:
+      window: cache capacity ``w`` (entries per head); block_size: block length ``C`` (the cache
+        is merged, top-w, at every block end).
+      eviction: one of ``EVICTIONS``; read_norm: one of ``READ_NORMS`` (module ``core.hola``).
+      scale: state-path query scale; cache_scale: cache logit scale (None: ``K ** -0.5``).
+      chunk_size: chunk length of the WY/UT state path and of the residual pass (the
+        block-parallel form only; decoding ignores it).
+    """
+
+    window: int = 64
+    block_size: int = 256
+    eviction: str = "beta_e"
+    read_norm: str = "rmsnorm"
+    scale: float | None = None
+    cache_scale: float | None = None
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("window", "block_size", "chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"HolaRule.{name}: must be a positive int, got {value!r}")
+        for name, allowed in (("eviction", EVICTIONS), ("read_norm", READ_NORMS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"HolaRule.{name}: unknown {getattr(self, name)!r}; expected one of {allowed}"
+                )
+        for name in ("scale", "cache_scale"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+            ):
+                raise ValueError(
+                    f"HolaRule.{name}: must be None (K ** -0.5) or a float > 0, got {value!r}"
+                )
+
+    def step_kwargs(self) -> dict:
+        """Keywords of :func:`hola_decode_step` (``window``, ``block_size`` are the state's)."""
+        return dict(
+            eviction=self.eviction,
+            read_norm=self.read_norm,
+            scale=self.scale,
+            cache_scale=self.cache_scale,
+        )
+
+    def kwargs(self) -> dict:
+        """Every field as keywords of ``core.hola.hola_forward`` (:func:`hola_recurrent` takes
+        them all but ``chunk_size``)."""
+        return dict(
+            window=self.window,
+            block_size=self.block_size,
+            chunk_size=self.chunk_size,
+            **self.step_kwargs(),
+        )
 
 
 class HolaState(NamedTuple):
@@ -226,54 +296,23 @@ def hola_decode_step(
     Returns:
       ``(o_t [B, H, V] in v_t's dtype, new HolaState)`` with the same shapes as ``state``.
     """
-    fn = "hola_decode_step"
-    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
-        if getattr(x, "ndim", None) != 3:
-            raise ValueError(
-                f"{fn}: {name} must have shape [B, H, D], got {getattr(x, 'shape', None)}"
-            )
-    B, H, K = q_t.shape
-    V = v_t.shape[-1]
-    _check_array(fn, "q_t", q_t, (B, H, K))
-    _check_array(fn, "k_t", k_t, (B, H, K))
-    _check_array(fn, "v_t", v_t, (B, H, V))
-    _check_array(fn, "g_t", g_t, (B, H))
-    _check_array(fn, "beta_t", beta_t, (B, H))
-    _check_params(fn, H, K, gamma_q, gamma_k, sink_logit, gate_logit)
-    _check_options(fn, eviction, read_norm)
-    if not isinstance(state, HolaState):
-        raise ValueError(f"{fn}: state must be a HolaState, got {type(state)}")
-    W, C = state.cache_k.shape[2], state.block_k.shape[2]
-    _check_state(fn, state, B, H, K, V, W, C)
+    params = (gamma_q, gamma_k, sink_logit, gate_logit)
+    B, H, K, V, W, C = _check_step(state, (q_t, k_t, v_t, g_t, beta_t), params, eviction, read_norm)
     sc = K**-0.5 if scale is None else scale
     cs = K**-0.5 if cache_scale is None else cache_scale
 
     q, k, v = (x.astype(_F32) for x in (q_t, k_t, v_t))
     g, b = g_t.astype(_F32), beta_t.astype(_F32)
-    # State path, keeping e_t for the score (SPEC §1 GDN, decay first).
-    S = jnp.exp(g)[..., None, None] * state.S.astype(_F32)
-    e = v - jnp.einsum("bhk,bhkv->bhv", k, S)
-    S = S + b[..., None, None] * k[..., :, None] * e[..., None, :]
-    o_state = jnp.einsum("bhk,bhkv->bhv", q * sc, S)
-
+    S, e, o_state = _gdn_token(state.S, q, k, v, g, b, sc)
     r = state.pos % C
-    if eviction == "beta_e":
-        score = b * jnp.linalg.norm(e, axis=-1)
-    elif eviction == "e":
-        score = jnp.linalg.norm(e, axis=-1)
-    elif eviction == "beta_v":
-        score = b * jnp.linalg.norm(v, axis=-1)
-    elif eviction == "recency":
-        score = jnp.broadcast_to(state.pos.astype(_F32), (B, H))
-    else:
-        score = jnp.zeros((B, H), _F32)
-    score = lax.stop_gradient(score)
+    score = lax.stop_gradient(_token_score(eviction, b, e, v, state.pos))
     at_r = jnp.arange(C) == r
     bk = jnp.where(at_r[None, None, :, None], k[:, :, None, :], state.block_k.astype(_F32))
     bv = jnp.where(at_r[None, None, :, None], v[:, :, None, :], state.block_v.astype(_F32))
     bs = jnp.where(at_r[None, None, :], score[:, :, None], state.block_score.astype(_F32))
     filled = jnp.arange(C) <= r
 
+    # Read: A_{n-1} ∪ the filled buffer (this token included) ∪ sink.
     qn = read_normalize(q[:, :, None, :], gamma_q, read_norm)
     ck_n = read_normalize(state.cache_k.astype(_F32), gamma_k, read_norm)
     o_cache, pc, pb = attend(
@@ -295,10 +334,74 @@ def hola_decode_step(
         state.cache_valid,
     )
     pos_new = state.pos + 1
+    cache, bk, bv, bs = _close_block(cache, (bk, bv, bs), state.pos, pos_new, r, W, eviction)
+    new_state = HolaState(S, *cache, bk, bv, bs, pos_new)
+    return o.astype(v_t.dtype), new_state
+
+
+def _check_step(state, xs, params, eviction, read_norm):
+    """Trace-time checks of :func:`hola_decode_step`'s arguments (``xs = (q_t, k_t, v_t, g_t,
+    beta_t)``); returns ``(B, H, K, V, W, C)`` with ``W, C`` from the state's shapes."""
+    fn = "hola_decode_step"
+    q_t, k_t, v_t, g_t, beta_t = xs
+    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        if getattr(x, "ndim", None) != 3:
+            raise ValueError(
+                f"{fn}: {name} must have shape [B, H, D], got {getattr(x, 'shape', None)}"
+            )
+    B, H, K = q_t.shape
+    V = v_t.shape[-1]
+    _check_array(fn, "q_t", q_t, (B, H, K))
+    _check_array(fn, "k_t", k_t, (B, H, K))
+    _check_array(fn, "v_t", v_t, (B, H, V))
+    _check_array(fn, "g_t", g_t, (B, H))
+    _check_array(fn, "beta_t", beta_t, (B, H))
+    _check_params(fn, H, K, *params)
+    _check_options(fn, eviction, read_norm)
+    if not isinstance(state, HolaState):
+        raise ValueError(f"{fn}: state must be a HolaState, got {type(state)}")
+    W, C = state.cache_k.shape[2], state.block_k.shape[2]
+    _check_state(fn, state, B, H, K, V, W, C)
+    return B, H, K, V, W, C
+
+
+def _gdn_token(S_prev, q, k, v, g, b, scale):
+    """One token of the gated delta state path (SPEC §1 GDN, decay first), keeping the residual
+    ``e_t = v_t − α_t S_{t-1}ᵀ k_t`` for the score. All f32 ``[B, H, ...]``.
+
+    Returns ``(S_t [B, H, K, V], e_t [B, H, V], o_t = S_tᵀ (scale · q_t) [B, H, V])``.
+    """
+    S = jnp.exp(g)[..., None, None] * S_prev.astype(_F32)
+    e = v - jnp.einsum("bhk,bhkv->bhv", k, S)
+    S = S + b[..., None, None] * k[..., :, None] * e[..., None, :]
+    return S, e, jnp.einsum("bhk,bhkv->bhv", q * scale, S)
+
+
+def _token_score(eviction, b, e, v, pos):
+    """The token's insertion score ``[B, H]`` f32 (SPEC §5; not yet under ``stop_gradient``):
+    ``β‖e‖``, ``‖e‖``, ``β‖v‖``, its position (``recency``) or 0 (``cumulative_attention``, which
+    accumulates attention mass later)."""
+    if eviction == "beta_e":
+        return b * jnp.linalg.norm(e, axis=-1)
+    if eviction == "e":
+        return jnp.linalg.norm(e, axis=-1)
+    if eviction == "beta_v":
+        return b * jnp.linalg.norm(v, axis=-1)
+    if eviction == "recency":
+        return jnp.broadcast_to(pos.astype(_F32), b.shape)
+    return jnp.zeros(b.shape, _F32)
+
+
+def _close_block(cache, blk, pos, pos_new, r, W, eviction):
+    """At a block end (``pos_new ≡ 0 mod C``): ``A_n = top-w(A_{n-1} ∪ block n)`` and an empty
+    buffer; otherwise everything unchanged. ``cache`` is the 5-tuple of ``HolaState`` cache fields,
+    ``blk = (block_k, block_v, block_score)`` the filled buffer; ``pos`` the token's position and
+    ``r = pos % C`` its slot. Returns ``(cache, block_k, block_v, block_score)``."""
+    B, H, C = blk[2].shape
 
     def merge_and_clear(operands):
         cache, bk, bv, bs = operands
-        pos_b = jnp.broadcast_to(state.pos - r + jnp.arange(C, dtype=jnp.int32), (B, H, C))
+        pos_b = jnp.broadcast_to(pos - r + jnp.arange(C, dtype=jnp.int32), (B, H, C))
         val_b = jnp.ones((B, H, C), bool)
         merged = merge_top_w(cache, (bk, bv, bs, pos_b, val_b), W, eviction)
         return merged, jnp.zeros_like(bk), jnp.zeros_like(bv), jnp.zeros_like(bs)
@@ -306,9 +409,7 @@ def hola_decode_step(
     def keep(operands):
         return operands
 
-    cache, bk, bv, bs = lax.cond(pos_new % C == 0, merge_and_clear, keep, (cache, bk, bv, bs))
-    new_state = HolaState(S, *cache, bk, bv, bs, pos_new)
-    return o.astype(v_t.dtype), new_state
+    return lax.cond(pos_new % C == 0, merge_and_clear, keep, (cache, *blk))
 
 
 def hola_recurrent(

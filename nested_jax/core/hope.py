@@ -30,6 +30,9 @@ its state; ``M_η``, ``M_α`` and ``M_memory`` always adapt). ``cms`` is the lay
 :class:`HopeRule` holds the chunk sizes, these flags, ``grad_horizon`` and ``remat`` as one frozen
 value (``HopeRule.kwargs()`` are this module's keywords; the mixer passes it through ``ops.hope``).
 The short causal conv on q, k, v (SPEC §3.2) is also the layer's business.
+The value types (``MLPMemory``, ``HopeMemories``, ``HopeReadout``, ``HopeState``, ``HopeRule``)
+and ``hope_init_state`` / ``mlp_memory_apply`` live in :mod:`nested_jax.core.hope_state` and are
+re-exported here.
 
 Chunked form (**Decision**, SPEC §3.2): chunk ``n`` uses the state at the end of chunk ``n−1``
 (``M_{□,0}``) to produce all projections, targets and signals (``x_ℓ``, ``g_ℓ``) of its tokens in
@@ -61,8 +64,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,17 @@ from jax import lax
 
 from nested_jax.core.checks import check_positive_int
 from nested_jax.core.dgd import dgd_step_size
+from nested_jax.core.hope_state import (
+    HopeMemories,
+    HopeReadout,
+    HopeRule,
+    HopeState,
+    MLPMemory,
+    _names,
+    hope_init_state,
+    mlp_memory_apply,
+)
+from nested_jax.core.scan import chunk, segment_starts, unchunk
 
 __all__ = [
     "MLPMemory",
@@ -82,168 +94,9 @@ __all__ = [
     "hope_chunked",
 ]
 
-_PROJ = ("k", "v", "eta", "alpha", "q")
-# The rule flags hope_step / hope_decode_step take as keywords (HopeRule.flags()).
-_FLAG_NAMES = (
-    "dgd",
-    "step",
-    "momentum",
-    "momentum_coef",
-    "decay",
-    "inner_k",
-    "inner_v",
-    "inner_q",
-    "adaptive_q",
-    "stop_gradient_targets",
-)
-
-
-class MLPMemory(NamedTuple):
-    """Residual MLP ``M(z) = z + W_1 σ(W_2 z)``; ``w1 [.., H, D, h]``, ``w2 [.., H, h, D]``."""
-
-    w1: jax.Array
-    w2: jax.Array
-
-
-class HopeMemories(NamedTuple):
-    """The self-modifying memories (``q`` is ``None`` unless ``adaptive_q``)."""
-
-    k: MLPMemory
-    v: MLPMemory
-    eta: MLPMemory
-    alpha: MLPMemory
-    memory: MLPMemory
-    q: MLPMemory | None = None
-
-
-class HopeReadout(NamedTuple):
-    """Outer scalar readouts of ``M_η``, ``M_α``: ``*_w [H, D]``, ``*_b [H]``."""
-
-    eta_w: jax.Array
-    eta_b: jax.Array
-    alpha_w: jax.Array
-    alpha_b: jax.Array
-
-
-class HopeState(NamedTuple):
-    """Carried state: the memories ``[B, H, ...]`` and (``momentum=True``) their momenta."""
-
-    memories: HopeMemories
-    momentum: HopeMemories | None = None
-
-
-@dataclass(frozen=True)
-class HopeRule:
-    """The Hope memory rule as one typed value (SPEC §3.2): chunk sizes, ablation flags, backprop.
-
-    ``HopeOptions.rule()`` (the ``model.hope`` config section) builds it, and the defaults below
-    are ``HopeOptions``'s (a test keeps them equal). The keyword defaults of the core functions
-    (``hope_chunked``, ``hope_step``, ``hope_decode_step``, ...) are the plain per-token rule
-    instead and stay as they are: ``chunk_memory = chunk_other = 1``, ``momentum=False``,
-    ``remat=False``. A rule is checked where it runs (the core forms), with their messages.
-
-    Attributes:
-      chunk_memory: chunk size of ``M_memory``; chunk_other: of ``M_k, M_v, M_η, M_α`` (``M_q``);
-        the larger a multiple of the smaller (SPEC §3.2 Decision; 1 = per token).
-      dgd, step, momentum, momentum_coef, decay, inner_k, inner_v, inner_q, adaptive_q,
-      stop_gradient_targets: the ablation flags of :func:`hope_chunked` (SPEC §3.2, Table 6).
-      grad_horizon: truncated backprop every ``grad_horizon`` tokens (0 = full backprop).
-      remat: rematerialise each chunk in the backward pass (values and gradients unchanged).
-    """
-
-    chunk_memory: int = 16
-    chunk_other: int = 4
-    dgd: bool = True
-    step: str = "exact"
-    momentum: bool = True
-    momentum_coef: float = 0.9
-    decay: bool = True
-    inner_k: bool = True
-    inner_v: bool = True
-    inner_q: bool = True
-    adaptive_q: bool = False
-    stop_gradient_targets: bool = False
-    grad_horizon: int = 0
-    remat: bool = True
-
-    @property
-    def mu(self):
-        """The momentum coefficient in effect: ``μ`` with ``momentum``, else 0."""
-        return self.momentum_coef if self.momentum else 0.0
-
-    def flags(self) -> dict:
-        """The ablation flags as keywords of :func:`hope_step` / :func:`hope_decode_step`."""
-        return {name: getattr(self, name) for name in _FLAG_NAMES}
-
-    def kwargs(self) -> dict:
-        """Every field as keywords of :func:`hope_chunked` (and ``proteus_hope_chunked``)."""
-        return dict(
-            chunk_memory=self.chunk_memory,
-            chunk_other=self.chunk_other,
-            grad_horizon=self.grad_horizon,
-            remat=self.remat,
-            **self.flags(),
-        )
-
-
-def _names(mems: HopeMemories):
-    return [n for n in HopeMemories._fields if getattr(mems, n) is not None]
-
-
-def mlp_memory_apply(mem: MLPMemory, z, activation: Callable = jax.nn.silu):
-    """``M(z) = z + W_1 σ(W_2 z)`` per head (SPEC §3.2).
-
-    Args:
-      mem: ``MLPMemory`` with ``w1 [B, H, D, h]``, ``w2 [B, H, h, D]``.
-      z: ``[B, N, H, D]`` (``N`` tokens read with the same weights).
-      activation: elementwise ``σ``.
-
-    Returns:
-      ``[B, N, H, D]``.
-    """
-    a = jnp.einsum("bhkd,bnhd->bnhk", mem.w2, z)
-    return z + jnp.einsum("bhdk,bnhk->bnhd", mem.w1, activation(a))
-
 
 def _l2norm(x, eps=1e-6):
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def hope_init_state(
-    memories: HopeMemories, batch_size: int, *, momentum: bool = False, dtype=jnp.float32
-) -> HopeState:
-    """Broadcast initial (meta-learned) memories to a batch and add zero momenta if asked.
-
-    Args:
-      memories: ``HopeMemories`` with ``w1 [H, D, h]``/``w2 [H, h, D]`` or already ``[B, ...]``.
-      batch_size: ``B``.
-      momentum: also create zero momentum buffers.
-      dtype: state dtype (f32 or wider).
-
-    Returns:
-      ``HopeState`` with every weight ``[B, H, ...]``.
-    """
-    if not isinstance(memories, HopeMemories):
-        raise ValueError(f"memories must be a HopeMemories, got {type(memories).__name__}")
-
-    def bcast(name, w, kind):
-        w = jnp.asarray(w, dtype)
-        if w.ndim == 3:
-            w = jnp.broadcast_to(w, (batch_size,) + w.shape)
-        if w.ndim != 4 or w.shape[0] != batch_size:
-            raise ValueError(
-                f"memories.{name}.{kind} must have shape [H, ., .] or [B={batch_size}, H, ., .], "
-                f"got {w.shape}"
-            )
-        return w
-
-    out = {}
-    for n in _names(memories):
-        m = getattr(memories, n)
-        out[n] = MLPMemory(bcast(n, m.w1, "w1"), bcast(n, m.w2, "w2"))
-    mems = HopeMemories(**out)
-    mom = jax.tree.map(jnp.zeros_like, mems) if momentum else None
-    return HopeState(mems, mom)
 
 
 def _validate(x, q, state, readout, adaptive_q, momentum):
@@ -470,12 +323,100 @@ def _segment_flags(segment_ids, B, T, chunk_memory, chunk_other):
         raise ValueError(
             f"segment_ids must have shape [B, T]={(B, T)}, got {jnp.shape(segment_ids)}"
         )
-    seg = jnp.asarray(segment_ids)
-    reset = jnp.pad(seg[:, 1:] != seg[:, :-1], ((0, 0), (1, 0)))
+    reset = segment_starts(jnp.asarray(segment_ids))
     t = jnp.arange(T)
     last = lax.cummax(jnp.where(reset, t, -1), axis=1)  # last document start ≤ t (−1: none)
     fresh = lambda c: last >= (t // c) * c  # noqa: E731  (a start inside t's chunk)
     return reset, fresh(chunk_other), fresh(chunk_memory)
+
+
+def _checked_rule(**fields) -> HopeRule:
+    """``hope_chunked``'s keywords as a :class:`HopeRule`, after the checks of the chunk sizes, of
+    ``grad_horizon`` (an int ≥ 0, a multiple of the larger chunk: the state is cut between
+    chunks) and of ``step``."""
+    _, big = _check_chunks(fields["chunk_memory"], fields["chunk_other"])
+    grad_horizon = fields["grad_horizon"]
+    if isinstance(grad_horizon, bool) or not isinstance(grad_horizon, int) or grad_horizon < 0:
+        raise ValueError(f"grad_horizon must be an int >= 0, got {grad_horizon!r}")
+    if grad_horizon % big:
+        raise ValueError(
+            f"grad_horizon={grad_horizon} must be a multiple of "
+            f"max(chunk_memory, chunk_other)={big}"
+        )
+    _check_step(fields["step"])
+    return HopeRule(**fields)
+
+
+def _time_chunks(a, c):
+    """``[B, T, ...] → [N, B, c, ...]`` (zero padded, ``N = ⌈T / c⌉``): the scan walks the chunks,
+    the chunk body reads its tokens as ``[B, c, H, D]``."""
+    return jnp.moveaxis(chunk(a, c), 1, 0)
+
+
+def _scan_chunks(state: HopeState, xs, readout: HopeReadout, rule: HopeRule, act, init):
+    """The scan over chunks of the smaller size ``c`` (SPEC §3.2 Decision).
+
+    Carries the state and the larger group's snapshot, refreshed from the running memories every
+    ``R = big / c`` chunks (the smaller group's snapshot is the chunk-start state); runs
+    :func:`_chunk_body`; cuts the state's gradient after every ``grad_horizon`` tokens.
+    ``xs = (chunk index [N], x, q, valid, packed-row flags or None)``, all ``[N, B, c, ...]``.
+    Returns ``(final HopeState, o [N, B, c, H, D])``.
+    """
+    c = min(rule.chunk_memory, rule.chunk_other)
+    R = max(rule.chunk_memory, rule.chunk_other) // c
+    memory_is_big = rule.chunk_memory > rule.chunk_other
+    horizon = rule.grad_horizon // c
+
+    def proj_of(mems):
+        return mems._replace(memory=None)
+
+    big_of = (lambda m: m.memory) if memory_is_big else proj_of
+
+    def body(carry, inp):
+        st, snap_big = carry
+        n, x_c, q_c, v_c, fl = inp
+        refresh = (n % R) == 0
+        snap_big = jax.tree.map(
+            lambda new, old: jnp.where(refresh, new, old), big_of(st.memories), snap_big
+        )
+        if memory_is_big:
+            snap_proj, snap_mem = proj_of(st.memories), snap_big
+        else:
+            snap_proj = snap_big if R > 1 else proj_of(st.memories)
+            snap_mem = st.memories.memory
+        resets = None if fl is None else (init, *fl)
+        o, st = _chunk_body(
+            st, snap_proj, snap_mem, x_c, q_c, v_c, readout, rule=rule, act=act, resets=resets
+        )
+        if horizon:
+            cut = (n + 1) % horizon == 0
+            st = jax.tree.map(lambda a: jnp.where(cut, lax.stop_gradient(a), a), st)
+        return (st, snap_big), o
+
+    if rule.remat:
+        body = jax.checkpoint(body)
+    (state, _), o = lax.scan(body, (state, big_of(state.memories)), xs)
+    return state, o
+
+
+def _chunked(x, q, state, readout, rule: HopeRule, act, segment_ids, initial_memories):
+    """:func:`hope_chunked` after its checks: inputs in f32 (or wider) cut into chunks of the
+    smaller size (``valid`` marks the real tokens of the padded last chunk), the packed-row flags
+    likewise, the scan, and the outputs back to ``[B, T, H, D]``."""
+    x = jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32))
+    B, T = x.shape[:2]
+    c = min(rule.chunk_memory, rule.chunk_other)
+    q = x if rule.adaptive_q else jnp.asarray(q, x.dtype)
+    flags = None
+    init = None
+    if segment_ids is not None:
+        init = _initial(initial_memories, state, B)
+        fl = _segment_flags(segment_ids, B, T, rule.chunk_memory, rule.chunk_other)
+        flags = tuple(_time_chunks(f, c) for f in fl)
+    valid = jnp.ones((B, T), bool)
+    xs = (jnp.arange(-(-T // c)), *(_time_chunks(a, c) for a in (x, q, valid)), flags)
+    state, o = _scan_chunks(state, xs, readout, rule, act, init)
+    return unchunk(jnp.moveaxis(o, 0, 1), T), state
 
 
 def hope_chunked(
@@ -537,70 +478,11 @@ def hope_chunked(
       ``(o [B, T, H, D], final HopeState)``.
     """
     )
-    B, T, H, D = _validate(x, q, state, readout, adaptive_q, momentum)
-    c, big = _check_chunks(chunk_memory, chunk_other)
-    if isinstance(grad_horizon, bool) or not isinstance(grad_horizon, int) or grad_horizon < 0:
-        raise ValueError(f"grad_horizon must be an int >= 0, got {grad_horizon!r}")
-    if grad_horizon % big:
-        raise ValueError(
-            f"grad_horizon={grad_horizon} must be a multiple of "
-            f"max(chunk_memory, chunk_other)={big}"
-        )
-    R = big // c
-    memory_is_big = chunk_memory > chunk_other
-    _check_step(step)
-    rule = HopeRule(
+    _validate(x, q, state, readout, adaptive_q, momentum)
+    rule = _checked_rule(
         chunk_memory=chunk_memory, chunk_other=chunk_other, dgd=dgd, step=step, momentum=momentum,
         momentum_coef=momentum_coef, decay=decay, inner_k=inner_k, inner_v=inner_v,
         inner_q=inner_q, adaptive_q=adaptive_q, stop_gradient_targets=stop_gradient_targets,
         grad_horizon=grad_horizon, remat=remat,
     )  # fmt: skip
-    x = jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32))
-    q = x if adaptive_q else jnp.asarray(q, x.dtype)
-    N = -(-T // c)
-    pad = N * c - T
-    padt = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-    valid = padt(jnp.ones((B, T), bool))
-    resh = lambda a: jnp.moveaxis(a.reshape((B, N, c) + a.shape[2:]), 1, 0)  # noqa: E731
-    flags = None
-    init = None
-    if segment_ids is not None:
-        init = _initial(initial_memories, state, B)
-        flags = tuple(
-            resh(padt(f)) for f in _segment_flags(segment_ids, B, T, chunk_memory, chunk_other)
-        )
-    xs = (jnp.arange(N), resh(padt(x)), resh(padt(q)), resh(valid), flags)
-    horizon = grad_horizon // c
-
-    def proj_of(mems):
-        return mems._replace(memory=None)
-
-    big_of = (lambda m: m.memory) if memory_is_big else proj_of
-
-    def body(carry, inp):
-        st, snap_big = carry
-        n, x_c, q_c, v_c, fl = inp
-        refresh = (n % R) == 0
-        snap_big = jax.tree.map(
-            lambda new, old: jnp.where(refresh, new, old), big_of(st.memories), snap_big
-        )
-        if memory_is_big:
-            snap_proj, snap_mem = proj_of(st.memories), snap_big
-        else:
-            snap_proj = snap_big if R > 1 else proj_of(st.memories)
-            snap_mem = st.memories.memory
-        resets = None if fl is None else (init, *fl)
-        o, st = _chunk_body(
-            st, snap_proj, snap_mem, x_c, q_c, v_c, readout,
-            rule=rule, act=activation, resets=resets,
-        )  # fmt: skip
-        if horizon:
-            cut = (n + 1) % horizon == 0
-            st = jax.tree.map(lambda a: jnp.where(cut, lax.stop_gradient(a), a), st)
-        return (st, snap_big), o
-
-    if remat:
-        body = jax.checkpoint(body)
-    (state, _), o = lax.scan(body, (state, big_of(state.memories)), xs)
-    o = jnp.moveaxis(o, 0, 1).reshape(B, N * c, H, D)[:, :T]
-    return o, state
+    return _chunked(x, q, state, readout, rule, activation, segment_ids, initial_memories)

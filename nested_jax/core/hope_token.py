@@ -18,21 +18,46 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.hope import (
+from nested_jax.core.hope import _check_chunks, _check_step, _chunk_body, _validate, hope_chunked
+from nested_jax.core.hope_state import (
     _FLAG_NAMES,
     HopeMemories,
     HopeReadout,
     HopeRule,
     HopeState,
-    _check_chunks,
-    _check_step,
-    _chunk_body,
     _names,
-    _validate,
-    hope_chunked,
 )
 
 __all__ = ["hope_decode_step", "hope_step", "hope_recurrent"]
+
+
+def _decode_rule(chunk_memory, chunk_other, flags) -> HopeRule:
+    """The :class:`HopeRule` of a decode step's keywords (``activation`` already taken out);
+    the core default is the plain rule (no momentum), not ``HopeRule``'s (the layer's) default."""
+    _check_step(flags.get("step", "exact"))
+    unknown = set(flags) - set(_FLAG_NAMES)
+    if unknown:
+        raise ValueError(f"flags: unknown keyword(s) {sorted(unknown)}")
+    return HopeRule(
+        chunk_memory=chunk_memory, chunk_other=chunk_other, **{"momentum": False, **flags}
+    )
+
+
+def _refresh_snapshots(memories: HopeMemories, snapshot: HopeMemories, index, rule: HopeRule):
+    """Each group's chunk-start snapshot: the running ``memories`` where ``index`` (scalar or
+    ``[B]``) is a multiple of the group's chunk size, else the carried ``snapshot``."""
+
+    def refresh(c, new, old):
+        r = (index % c) == 0
+        return jnp.where(r.reshape(r.shape + (1,) * (new.ndim - r.ndim)), new, old)
+
+    snap = {}
+    for n in _names(memories):
+        c = rule.chunk_memory if n == "memory" else rule.chunk_other
+        snap[n] = jax.tree.map(
+            functools.partial(refresh, c), getattr(memories, n), getattr(snapshot, n)
+        )
+    return HopeMemories(**snap)
 
 
 def hope_decode_step(
@@ -86,26 +111,8 @@ def hope_decode_step(
     if index.shape not in ((), (B,)):
         raise ValueError(f"index must be a scalar or have shape [B]={(B,)}, got {index.shape}")
     act = flags.pop("activation", jax.nn.silu)
-    _check_step(flags.get("step", "exact"))
-    unknown = set(flags) - set(_FLAG_NAMES)
-    if unknown:
-        raise ValueError(f"flags: unknown keyword(s) {sorted(unknown)}")
-    # the core default is the plain rule (no momentum), not HopeRule's (the layer's) default
-    rule = HopeRule(
-        chunk_memory=chunk_memory, chunk_other=chunk_other, **{"momentum": False, **flags}
-    )
-
-    def refresh(c, new, old):
-        r = (index % c) == 0
-        return jnp.where(r.reshape(r.shape + (1,) * (new.ndim - r.ndim)), new, old)
-
-    snap = {}
-    for n in _names(state.memories):
-        c = chunk_memory if n == "memory" else chunk_other
-        snap[n] = jax.tree.map(
-            functools.partial(refresh, c), getattr(state.memories, n), getattr(snapshot, n)
-        )
-    snapshot = HopeMemories(**snap)
+    rule = _decode_rule(chunk_memory, chunk_other, flags)
+    snapshot = _refresh_snapshots(state.memories, snapshot, index, rule)
     x = jnp.asarray(x, jnp.promote_types(x.dtype, jnp.float32))
     qq = x if adaptive_q else jnp.asarray(qq, x.dtype)
     o, state = _chunk_body(

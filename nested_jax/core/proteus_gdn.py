@@ -38,6 +38,7 @@ from nested_jax.core.associative import (
     gated_delta_recurrent,
     gated_delta_step,
 )
+from nested_jax.core.checks import check_positive_int
 from nested_jax.core.proteus import (
     proteus_active_blocks,
     proteus_block_ids,
@@ -215,8 +216,7 @@ def proteus_gated_delta_chunked(
     B, T, H, K, V = _check_gdn(fn, q, k, v, g, beta, initial_state)
     _check_blocked(fn, "key dim K", K, e)
     t0 = _check_static_t0(fn, t0)
-    if not _is_int(chunk_size) or chunk_size < 1:
-        raise ValueError(f"{fn}: chunk_size must be a positive int, got {chunk_size!r}")
+    check_positive_int(f"{fn}: chunk_size", chunk_size)
     spans = proteus_spans(T, t0, n, e)
     if _statically_open(t0, n, e) or not spans:
         return gated_delta_chunked(

@@ -150,7 +150,9 @@ def segment_starts(segment_ids):
       bool ``[B, T]``.
     """
     if segment_ids.ndim != 2:
-        raise ValueError(f"segment_starts: segment_ids must have shape [B, T], got {segment_ids.shape}")
+        raise ValueError(
+            f"segment_starts: segment_ids must have shape [B, T], got {segment_ids.shape}"
+        )
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
     return jnp.pad(change, ((0, 0), (1, 0)))
 

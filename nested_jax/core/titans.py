@@ -16,7 +16,7 @@ Three forms with one meaning (SPEC §0): ``titans_linear_step`` (one token),
 ``titans_linear_recurrent`` (``lax.scan`` of the step; ground truth) and ``titans_linear_chunked``
 (gradients at chunk start, exact momentum/decay inside the chunk, dual-form reads;
 ``chunk_size=1`` equals the recurrence). The chunked form is the ``L_M = 1`` case of the MLP engine
-in ``titans_mlp`` (the deep-memory API lives there and is re-exported here).
+in ``titans_mlp_chunk`` (the deep-memory API lives in ``titans_mlp`` and is re-exported here).
 """
 
 from __future__ import annotations
@@ -30,12 +30,6 @@ from jax import lax
 from nested_jax.core.titans_mlp import (
     DEFAULT_MLP_GRAD_CLIP,
     TitansMLPState,
-    _chunked_core,
-    _segment_resets,
-    _softclamp_factor,
-    _validate_chunk_size,
-    _validate_common,
-    _validate_segment_ids,
     titans_mlp_apply,
     titans_mlp_chunked,
     titans_mlp_init_weights,
@@ -43,6 +37,14 @@ from nested_jax.core.titans_mlp import (
     titans_mlp_state,
     titans_mlp_step,
     titans_pool_gates,
+)
+from nested_jax.core.titans_mlp_chunk import _chunked_core
+from nested_jax.core.titans_mlp_net import (
+    _segment_resets,
+    _softclamp_factor,
+    _validate_chunk_size,
+    _validate_common,
+    _validate_segment_ids,
 )
 
 __all__ = [
@@ -222,7 +224,7 @@ def titans_linear_chunked(
     Inside a chunk of size b all surprises are taken at the chunk-start memory ``M⁰``:
     ``u_j = k_j (M⁰ᵀ k_j − v_j)ᵀ``; then exactly ``M_t = A_t M⁰ + C_t S⁰ − Σ_{j≤t} D_tj θ_j u_j``
     and ``o_t = A_t M⁰ᵀq_t + C_t S⁰ᵀq_t − Σ_j D_tj θ_j (q_t·k_j) e_j`` (coefficients from the
-    momentum and decay products, see ``titans_mlp``). ``chunk_size=1`` equals
+    momentum and decay products, see ``titans_mlp_chunk``). ``chunk_size=1`` equals
     ``titans_linear_recurrent``.
 
     Args:

@@ -8,7 +8,8 @@ carries those memories. This module makes that state a first-class, resumable ob
 **Online CMS (dynamic evaluation at several time scales).** The parameters of CMS level ``ℓ`` of
 every block (leaves under ``levels/<ℓ>`` in the parameter tree) become *fast weights* ``θ_ℓ`` that
 belong to the stream. The stream is read in chunks of ``c = gcd(C^(1), …, C^(k))`` tokens on the
-absolute grid of multiples of ``c``. For a chunk ``B`` with targets, at the weights in force::
+absolute grid of multiples of ``c``. For a chunk ``B`` with targets, at the weights in force
+(the rule of :mod:`nested_jax.core.periods`)::
 
     L_B = Σ_{t∈B} CE(logits_t, target_t)                  (the model's next-token loss)
     A_ℓ ← A_ℓ + η ∂L_B/∂θ_ℓ                               (every chunk, every level)
@@ -47,6 +48,7 @@ from flax import nnx
 
 from nested_jax.core.checks import check_positive_int
 from nested_jax.core.cms import check_periods
+from nested_jax.core.periods import accumulate, apply_at_boundary, period_boundary, reset_to_slower
 from nested_jax.files import write_json
 
 __all__ = [
@@ -188,24 +190,40 @@ def _make_chunk_fn(apply_fn, periods, lr, levels, variant, levels_key):
             return ce, st._replace(pos=st.pos + n, cache=cache)
         (_, (ce, cache)), grads = jax.value_and_grad(loss, has_aux=True)(st.fast)
         end = st.pos + n
-        fire = {name: end % periods[levels[name]] == 0 for name in st.fast}
-        fast, accum = {}, {}
-        for name, w in st.fast.items():
-            # nested: only level 1 is read; every level learns from ∂L/∂θ_1 (first order, as
-            # core.cms) at its own period.
-            src = _level_name(name, 0, levels_key) if variant == "nested" else name
-            a = st.accum[name] + lr * grads[src]
-            fast[name] = jnp.where(fire[name], w - a, w)
-            accum[name] = jnp.where(fire[name], jnp.zeros_like(a), a)
-        if variant == "nested":  # top-down: a slow boundary resets every faster level to it
-            for j in range(len(periods) - 2, -1, -1):
-                for name in [m for m in fast if levels[m] == j]:
-                    slow = _level_name(name, j + 1, levels_key)
-                    fast[name] = jnp.where(fire[slow], fast[slow], fast[name])
-                    accum[name] = jnp.where(fire[slow], jnp.zeros_like(accum[name]), accum[name])
+        fast, accum = _level_updates(st, grads, end, periods, levels, lr, variant, levels_key)
         return ce, StreamState(end, st.capacity, cache, fast, accum)
 
     return chunk
+
+
+def _level_updates(st: StreamState, grads, end, periods, levels, lr, variant, levels_key):
+    """The fast weights after a chunk ending at token ``end`` (SPEC §3.3, :mod:`core.periods`).
+
+    Per level ℓ: ``A_ℓ ← A_ℓ + η ∂L_B/∂θ_ℓ``; where ``end ≡ 0 (mod C^(ℓ))``: ``θ_ℓ ← θ_ℓ − A_ℓ``,
+    ``A_ℓ ← 0``; ``nested`` then resets faster levels to slower ones top-down. The leaves of
+    level ℓ are grouped as ``{level-1 path: array}`` so that every level's tree lines up.
+
+    Returns:
+      ``(fast, accum)`` dicts keyed like ``st.fast``.
+    """
+    by_level = [{} for _ in periods]  # level ℓ: {level-1 path: path}
+    for name in st.fast:
+        by_level[levels[name]][_level_name(name, 0, levels_key)] = name
+    fire = [period_boundary(end, p) for p in periods]
+    new_fast, new_acc = [], []
+    for j, names in enumerate(by_level):
+        # nested: only level 1 is read; every level learns from ∂L/∂θ_1 (first order, as
+        # core.cms) at its own period.
+        sig = {k: lr * grads[k if variant == "nested" else m] for k, m in names.items()}
+        acc = accumulate({k: st.accum[m] for k, m in names.items()}, sig)
+        w, acc = apply_at_boundary({k: st.fast[m] for k, m in names.items()}, acc, fire[j])
+        new_fast.append(w)
+        new_acc.append(acc)
+    if variant == "nested":
+        new_fast, new_acc = reset_to_slower(new_fast, new_acc, fire)
+    fast = {m: new_fast[levels[m]][_level_name(m, 0, levels_key)] for m in st.fast}
+    accum = {m: new_acc[levels[m]][_level_name(m, 0, levels_key)] for m in st.fast}
+    return fast, accum
 
 
 @functools.lru_cache(maxsize=32)

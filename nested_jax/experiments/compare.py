@@ -78,6 +78,46 @@ def check_same_recipe(configs: dict[str, Config]) -> None:
                 )
 
 
+def _validation(trained, data) -> dict:
+    """``evaluate`` of a trained run on the first ``eval.eval_batches`` validation batches made
+    with the data section ``data`` (the run's own, or one with a longer ``seq_len``)."""
+    from nested_jax.data import pipeline
+    from nested_jax.train.loop import evaluate
+
+    batches = pipeline.make_eval_batches(
+        data,
+        trained.tokenizer,
+        trained.bundle.val_docs,
+        max_batches=trained.config.eval.eval_batches or None,
+    )
+    return evaluate(trained.setup, trained.params, batches)
+
+
+def _niah_by_length(trained, multipliers: Sequence[int]) -> dict:
+    """``{str(m): {length, accuracy, examples}}``: passkey exact match of single-needle NIAH at
+    ``m × data.seq_len`` tokens, all depths ``eval.niah_depths``."""
+    from nested_jax.eval.tasks import niah_grid, score_niah
+    from nested_jax.train.inference import sharded_argmax_fn
+
+    cfg = trained.config
+    lengths = [m * cfg.data.seq_len for m in multipliers]
+    haystack = "\n\n".join(trained.bundle.val_docs or trained.bundle.train_docs)
+    examples = niah_grid(
+        haystack,
+        trained.tokenizer,
+        lengths,
+        cfg.eval.niah_depths,
+        max(1, cfg.eval.niah_per_cell),
+        cfg.eval.niah_seed,
+    )
+    result = score_niah(sharded_argmax_fn(trained), examples)
+    by_length = {}
+    for m, n in zip(multipliers, lengths, strict=True):
+        oks = [ok for ex, ok in zip(examples, result["correct"], strict=True) if ex.length == n]
+        by_length[str(m)] = {"length": n, "accuracy": sum(oks) / len(oks), "examples": len(oks)}
+    return by_length
+
+
 def evaluate_trained(
     workdir: Path, multipliers: Sequence[int], val_multipliers: Sequence[int] = ()
 ) -> dict:
@@ -97,65 +137,29 @@ def evaluate_trained(
     """
     import dataclasses
 
-    from nested_jax.data import pipeline
-    from nested_jax.eval.tasks import niah_grid, score_niah
-    from nested_jax.train.inference import load_trained, sharded_argmax_fn
-    from nested_jax.train.loop import evaluate
-
-    trained = load_trained(workdir)
-    cfg = trained.config
-    batches = pipeline.make_eval_batches(
-        cfg.data,
-        trained.tokenizer,
-        trained.bundle.val_docs,
-        max_batches=cfg.eval.eval_batches or None,
-    )
-    val = evaluate(trained.setup, trained.params, batches)
-    lengths = [m * cfg.data.seq_len for m in multipliers]
-    haystack = "\n\n".join(trained.bundle.val_docs or trained.bundle.train_docs)
-    examples = niah_grid(
-        haystack,
-        trained.tokenizer,
-        lengths,
-        cfg.eval.niah_depths,
-        max(1, cfg.eval.niah_per_cell),
-        cfg.eval.niah_seed,
-    )
-    result = score_niah(sharded_argmax_fn(trained), examples)
-    by_length = {}
-    for m, n in zip(multipliers, lengths, strict=True):
-        oks = [ok for ex, ok in zip(examples, result["correct"], strict=True) if ex.length == n]
-        by_length[str(m)] = {"length": n, "accuracy": sum(oks) / len(oks), "examples": len(oks)}
     import jax
     import numpy as np
 
+    from nested_jax.train.inference import load_trained
+
+    trained = load_trained(workdir)
+    data = trained.config.data
+    val = _validation(trained, data)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trained.params))
     out = {
         "step": trained.step,
         "params": n_params,
         "val_loss": val["val_loss"],
         "val_bits_per_byte": val["val_bits_per_byte"],
-        "niah": by_length,
+        "niah": _niah_by_length(trained, multipliers),
     }
     if val_multipliers:
         out["val_by_length"] = {}
     for m in val_multipliers:
-        if m == 1:
-            v = val
-        else:
-            data = dataclasses.replace(cfg.data, seq_len=m * cfg.data.seq_len)
-            v = evaluate(
-                trained.setup,
-                trained.params,
-                pipeline.make_eval_batches(
-                    data,
-                    trained.tokenizer,
-                    trained.bundle.val_docs,
-                    max_batches=cfg.eval.eval_batches or None,
-                ),
-            )
+        longer = dataclasses.replace(data, seq_len=m * data.seq_len)
+        v = val if m == 1 else _validation(trained, longer)
         out["val_by_length"][str(m)] = {
-            "length": m * cfg.data.seq_len,
+            "length": m * data.seq_len,
             "val_loss": v["val_loss"],
             "val_bits_per_byte": v["val_bits_per_byte"],
             "val_tokens": v["val_tokens"],

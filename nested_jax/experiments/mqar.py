@@ -176,20 +176,13 @@ def _batches(s: MqarSettings, n: int, seed: int, seq_len: int | None = None) -> 
     ]
 
 
-def train_and_score(name: str, s: MqarSettings, d_model: int, log_every: int = 50) -> dict:
-    """Train model ``name`` on MQAR from scratch and score it on held-out batches.
-
-    Returns:
-      a row: ``model, d_model, params, steps, final_train_loss, eval_loss, accuracy,
-      eval_queries, train_seconds`` (compilation included), ``tokens_per_s`` (steps after the
-      first), ``by_length`` (``{str(m): {seq_len, accuracy, eval_loss, eval_queries}}`` for each
-      of ``s.eval_multipliers``; the top-level accuracy / eval_loss / eval_queries are those of
-      ``m = 1``, or of the first multiplier when 1 is not among them).
-    """
+def _build_training(name: str, s: MqarSettings, d_model: int):
+    """Model ``name`` at ``d_model`` (init seed ``s.seed``), its jitted AdamW train step and the
+    initial train state: ``(graphdef, state_def, rest, step, state, n_params)``."""
     from nested_jax.models import build_model
     from nested_jax.train.config import OptimizerConfig
     from nested_jax.train.optimizer import build_optimizer
-    from nested_jax.train.step import make_eval_step, make_train_step
+    from nested_jax.train.step import make_train_step
 
     cfg = model_config(name, s, d_model)
     model = build_model(cfg, rngs=nnx.Rngs(s.seed))
@@ -213,6 +206,16 @@ def train_and_score(name: str, s: MqarSettings, d_model: int, log_every: int = 5
         "opt_state": tx.init(params),
         "consecutive_skips": jnp.zeros((), jnp.int32),
     }
+    return graphdef, state_def, rest, step, state, n_params
+
+
+def _train(name: str, s: MqarSettings, step, state: dict, rest, log_every: int):
+    """``s.steps`` steps on fresh MQAR batches (seed ``s.seed``, the same for every model).
+
+    Returns:
+      ``(state, losses, seconds, steady_seconds)``: wall time of all steps (compilation
+      included) and of the steps after the first.
+    """
     rng = np.random.default_rng(s.seed)
     losses = []
     t_start = t0 = time.perf_counter()
@@ -227,9 +230,13 @@ def train_and_score(name: str, s: MqarSettings, d_model: int, log_every: int = 5
             print(f"  [{name}] step {i}/{s.steps} loss {float(m['loss']):.4f}", flush=True)
     jax.block_until_ready(state["params"])
     t_end = time.perf_counter()
-    seconds = t_end - t_start
-    timed_steps = s.steps - 1
-    tail = np.asarray(jax.device_get(losses[-10:]), np.float64)
+    return state, losses, t_end - t_start, t_end - t0
+
+
+def _score_by_length(s: MqarSettings, graphdef, state_def, rest, params) -> dict:
+    """``{str(m): {seq_len, accuracy, eval_loss, eval_queries}}`` on held-out batches of length
+    ``m × s.seq_len`` for each ``m`` of ``s.eval_multipliers``."""
+    from nested_jax.train.step import make_eval_step
 
     eval_step = jax.jit(make_eval_step(graphdef, state_def))
     logits_fn = jax.jit(
@@ -243,9 +250,9 @@ def train_and_score(name: str, s: MqarSettings, d_model: int, log_every: int = 5
         # the same held-out seed at every length (batches differ in length, not in their source)
         for b in _batches(s, s.eval_batches, s.seed + 10_000, m * s.seq_len):
             n = int(b["loss_mask"].sum())
-            correct += mqar_accuracy(logits_fn(state["params"], b["inputs"]), b) * n
+            correct += mqar_accuracy(logits_fn(params, b["inputs"]), b) * n
             total += n
-            sums = eval_step(state["params"], rest, b)
+            sums = eval_step(params, rest, b)
             loss_sum += float(sums["loss_sum"])
             tokens += float(sums["tokens"])
         by_length[str(m)] = {
@@ -254,6 +261,24 @@ def train_and_score(name: str, s: MqarSettings, d_model: int, log_every: int = 5
             "eval_loss": loss_sum / tokens,
             "eval_queries": total,
         }
+    return by_length
+
+
+def train_and_score(name: str, s: MqarSettings, d_model: int, log_every: int = 50) -> dict:
+    """Train model ``name`` on MQAR from scratch and score it on held-out batches.
+
+    Returns:
+      a row: ``model, d_model, params, steps, final_train_loss, eval_loss, accuracy,
+      eval_queries, train_seconds`` (compilation included), ``tokens_per_s`` (steps after the
+      first), ``by_length`` (``{str(m): {seq_len, accuracy, eval_loss, eval_queries}}`` for each
+      of ``s.eval_multipliers``; the top-level accuracy / eval_loss / eval_queries are those of
+      ``m = 1``, or of the first multiplier when 1 is not among them).
+    """
+    graphdef, state_def, rest, step, state, n_params = _build_training(name, s, d_model)
+    state, losses, seconds, steady = _train(name, s, step, state, rest, log_every)
+    timed_steps = s.steps - 1
+    tail = np.asarray(jax.device_get(losses[-10:]), np.float64)
+    by_length = _score_by_length(s, graphdef, state_def, rest, state["params"])
     ref = by_length["1" if 1 in s.eval_multipliers else str(s.eval_multipliers[0])]
     return {
         "model": name,
@@ -268,7 +293,7 @@ def train_and_score(name: str, s: MqarSettings, d_model: int, log_every: int = 5
         "train_seconds": seconds,  # compilation included
         # steady-state training throughput (steps after the first); NaN with a single step
         "tokens_per_s": (
-            timed_steps * s.batch_size * s.seq_len / (t_end - t0) if timed_steps else float("nan")
+            timed_steps * s.batch_size * s.seq_len / steady if timed_steps else float("nan")
         ),
     }
 

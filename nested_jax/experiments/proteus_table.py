@@ -124,6 +124,67 @@ def markdown_table(rows: list[dict], multipliers: Sequence[int], lm_len: int, mq
     return markdown_lines(head, body)
 
 
+def _lm_rows(configs: dict, out: Path, multipliers: list[int]) -> list[dict]:
+    """Part 1: trains (or reuses) every config in ``<out>/lm/<stem>`` and evaluates it at every
+    multiplier; one row per config."""
+    from nested_jax.experiments.compare import _describe, evaluate_trained
+    from nested_jax.train.loop import train_and_evaluate
+
+    rows = []
+    for name, cfg in configs.items():
+        print(f"== {name}: training {_describe(cfg)}", flush=True)
+        summary = train_and_evaluate(cfg, out / "lm" / name)
+        print(f"== {name}: evaluating at {multipliers}× seq_len", flush=True)
+        ev = evaluate_trained(out / "lm" / name, multipliers, multipliers)
+        rows.append(
+            {
+                "config": name,
+                "mixer": cfg.model.name,
+                "blocks": cfg.model.proteus.blocks,
+                "context_len": cfg.model.proteus.context_len,
+                "tokens_per_s": train_tokens_per_s(summary, out / "lm" / name),
+                "wall_time_s": summary["wall_time_s"],
+                **ev,
+            }
+        )
+    return rows
+
+
+def _add_mqar(rows: list[dict], configs: dict, s, out: Path) -> str:
+    """Part 2: trains every config's MQAR twin under settings ``s`` in ``<out>/mqar``, adds its
+    row to the config's row as ``"mqar"``; returns the MQAR Markdown."""
+    from nested_jax.experiments.mqar import run_mqar
+
+    specs = list(dict.fromkeys(mqar_spec(c.model) for c in configs.values()))
+    print(f"== MQAR: {specs}", flush=True)
+    res = run_mqar(specs, s, out / "mqar")
+    by_spec = {r["model"]: r for r in res["rows"]}
+    for row, cfg in zip(rows, configs.values(), strict=True):
+        row["mqar"] = by_spec[mqar_spec(cfg.model)]
+    return res["markdown"]
+
+
+def _header(first, s) -> str:
+    """The paragraph above the table: the LM recipe of ``first`` and, when ``s`` is not None,
+    the MQAR settings."""
+    md = (
+        f"Proteus (SPEC §4) E=16 vs E=1. LM: {first.train.steps} steps each on "
+        f"`{first.data.corpus}` (seq_len N = {first.data.seq_len}, batch "
+        f"{first.data.batch_size}, seed {first.train.seed}), model.proteus.context_len = N; "
+        "validation loss on the same validation text cut into windows of m×N tokens (first "
+        f"{first.eval.eval_batches} batches per length); NIAH: depths "
+        f"{list(first.eval.niah_depths)}, {first.eval.niah_per_cell} example(s) per depth and "
+        "length, passkey exact match."
+    )
+    if s is not None:
+        md += (
+            f" MQAR: trained at L = {s.seq_len}, {s.num_kv_pairs} pairs, vocab {s.vocab}, "
+            f"{s.steps} steps, d_model {s.d_model}; accuracy on {s.eval_batches} held-out batches "
+            f"of length m×L (chance {s.chance:.4f})."
+        )
+    return md
+
+
 def run_table(
     config_paths: Sequence[str | Path],
     out: str | Path,
@@ -144,9 +205,7 @@ def run_table(
     Returns:
       ``{"rows": [...], "notes": [...], "markdown": str, "wall_s": float}``.
     """
-    from nested_jax.experiments.compare import _describe, check_same_recipe, evaluate_trained
-    from nested_jax.experiments.mqar import run_mqar
-    from nested_jax.train.loop import train_and_evaluate
+    from nested_jax.experiments.compare import check_same_recipe
 
     multipliers = [int(m) for m in multipliers]
     if (
@@ -159,52 +218,14 @@ def run_table(
     out = Path(out)
     configs, notes = load_configs(config_paths, overrides)
     check_same_recipe(configs)
-    rows = []
-    for name, cfg in configs.items():
-        print(f"== {name}: training {_describe(cfg)}", flush=True)
-        summary = train_and_evaluate(cfg, out / "lm" / name)
-        print(f"== {name}: evaluating at {multipliers}× seq_len", flush=True)
-        ev = evaluate_trained(out / "lm" / name, multipliers, multipliers)
-        rows.append(
-            {
-                "config": name,
-                "mixer": cfg.model.name,
-                "blocks": cfg.model.proteus.blocks,
-                "context_len": cfg.model.proteus.context_len,
-                "tokens_per_s": train_tokens_per_s(summary, out / "lm" / name),
-                "wall_time_s": summary["wall_time_s"],
-                **ev,
-            }
-        )
-    mqar_len = None
-    mqar_md = ""
+    rows = _lm_rows(configs, out, multipliers)
+    s, mqar_md = None, ""
     if mqar_settings is not None:
         s = dataclasses.replace(mqar_settings, eval_multipliers=tuple(multipliers))
-        specs = list(dict.fromkeys(mqar_spec(c.model) for c in configs.values()))
-        print(f"== MQAR: {specs}", flush=True)
-        res = run_mqar(specs, s, out / "mqar")
-        by_spec = {r["model"]: r for r in res["rows"]}
-        for row, cfg in zip(rows, configs.values(), strict=True):
-            row["mqar"] = by_spec[mqar_spec(cfg.model)]
-        mqar_len = s.seq_len
-        mqar_md = res["markdown"]
+        mqar_md = _add_mqar(rows, configs, s, out)
     first = next(iter(configs.values()))
-    n = first.data.seq_len
-    md = (
-        f"Proteus (SPEC §4) E=16 vs E=1. LM: {first.train.steps} steps each on "
-        f"`{first.data.corpus}` (seq_len N = {n}, batch {first.data.batch_size}, seed "
-        f"{first.train.seed}), model.proteus.context_len = N; validation loss on the same "
-        f"validation text cut into windows of m×N tokens (first {first.eval.eval_batches} "
-        f"batches per length); NIAH: depths {list(first.eval.niah_depths)}, "
-        f"{first.eval.niah_per_cell} example(s) per depth and length, passkey exact match."
-    )
-    if mqar_settings is not None:
-        md += (
-            f" MQAR: trained at L = {mqar_len}, {s.num_kv_pairs} pairs, vocab {s.vocab}, "
-            f"{s.steps} steps, d_model {s.d_model}; accuracy on {s.eval_batches} held-out batches "
-            f"of length m×L (chance {s.chance:.4f})."
-        )
-    md += "\n\n" + markdown_table(rows, multipliers, n, mqar_len)
+    md = _header(first, s) + "\n\n"
+    md += markdown_table(rows, multipliers, first.data.seq_len, None if s is None else s.seq_len)
     for line in notes:
         md += f"\nnote: {line}"
     if mqar_md:

@@ -1,7 +1,9 @@
 """Continuum Memory System as the FFN of the LM shell (SPEC §3.3, §3.4).
 
 :class:`CMSFFN` owns ``k`` CMS levels (residual MLPs, plain or SwiGLU) as NNX parameters and runs
-``nested_jax.ops.cms.cms_forward`` (``impl="chunked"``, its one form) for the three variants.
+``nested_jax.ops.cms.cms_forward`` (``impl="chunked"``, its one form) for the three variants. Its
+options are the ``model.cms`` section (:class:`~nested_jax.layers.options.CMSOptions`, one level
+per period); ``CMSOptions.rule()`` is the frozen ``CMSRule`` the op takes.
 Parameter layout (per block)::
 
     mlp/levels/<ℓ>/w_up    [d, h]   ("embed", "mlp")
@@ -29,7 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nested_jax.layers.common import partitioned
-from nested_jax.ops.cms import VARIANTS, CMSLevel, cms_forward
+from nested_jax.layers.options import CMSOptions
+from nested_jax.ops.cms import CMSLevel, cms_forward
 
 __all__ = ["CMSFFN", "CMSLevelParams"]
 
@@ -75,9 +78,11 @@ class CMSFFN(nnx.Module):
     Args:
       d_model: residual width ``d``.
       hidden: per-level hidden width ``h``.
-      num_levels: ``k``.
-      variant: ``"sequential" | "nested" | "independent"``.
-      gated: SwiGLU levels (``w_gate``), as the transformer FFN; False = plain ``σ(x W_up) W_down``.
+      opts: :class:`~nested_jax.layers.options.CMSOptions` (None = the defaults): one level per
+        entry of ``periods``, ``variant``, ``gated`` (SwiGLU levels with ``w_gate``, as the
+        transformer FFN; False = plain ``σ(x W_up) W_down``). The layer keeps
+        ``rule = opts.rule()``, the :class:`~nested_jax.ops.cms.CMSRule` it hands to
+        ``ops.cms.cms_forward``.
       dtype: activation dtype (kernels are cast to it for the matmuls; params stay float32).
       rngs: NNX random streams.
     """
@@ -86,41 +91,37 @@ class CMSFFN(nnx.Module):
         self,
         d_model: int,
         hidden: int,
-        num_levels: int,
+        opts: CMSOptions | None = None,
         *,
-        variant: str = "sequential",
-        gated: bool = True,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
-        if variant not in VARIANTS:
-            raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
-        for name, value in (("d_model", d_model), ("hidden", hidden), ("num_levels", num_levels)):
+        opts = CMSOptions() if opts is None else opts
+        if not isinstance(opts, CMSOptions):
+            raise ValueError(f"opts: expected a CMSOptions, got {type(opts).__name__}")
+        for name, value in (("d_model", d_model), ("hidden", hidden)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        self.d_model, self.hidden, self.num_levels = d_model, hidden, num_levels
-        self.variant, self.gated, self.dtype = variant, gated, dtype
+        self.d_model, self.hidden, self.dtype = d_model, hidden, dtype
+        self.opts, self.rule = opts, opts.rule()
+        num_levels = len(opts.periods)
         self.levels = nnx.List(
-            [CMSLevelParams(d_model, hidden, gated=gated, rngs=rngs) for _ in range(num_levels)]
+            [
+                CMSLevelParams(d_model, hidden, gated=opts.gated, rngs=rngs)
+                for _ in range(num_levels)
+            ]
         )
         self.mix_logits = (
             nnx.Param(partitioned(nnx.initializers.zeros, (None,))(rngs.params(), (num_levels,)))
-            if variant == "independent"
+            if opts.variant == "independent"
             else None
         )
 
     @classmethod
     def from_config(cls, cfg, *, rngs: nnx.Rngs) -> CMSFFN:
         """Build from a :class:`nested_jax.models.config.ModelConfig` (``model.cms.*``)."""
-        c = cfg.cms
         return cls(
-            cfg.d_model,
-            cfg.resolved_cms_hidden(),
-            len(c.periods),
-            variant=c.variant,
-            gated=c.gated,
-            dtype=cfg.activation_dtype(),
-            rngs=rngs,
+            cfg.d_model, cfg.resolved_cms_hidden(), cfg.cms, dtype=cfg.activation_dtype(), rngs=rngs
         )
 
     def levels_tuple(self, dtype=None) -> tuple[CMSLevel, ...]:
@@ -141,5 +142,5 @@ class CMSFFN(nnx.Module):
         z = z.astype(self.dtype)
         mix = None if self.mix_logits is None else self.mix_logits[...]
         levels = self.levels_tuple(self.dtype)
-        y = cms_forward(levels, z, variant=self.variant, mix_logits=mix, impl="chunked")
+        y = cms_forward(levels, z, rule=self.rule, mix_logits=mix, impl="chunked")
         return y - z

@@ -190,9 +190,8 @@ class DeltaNet(nnx.Module):
                 f"positions: expected int [B, T] = {(b, t)}, got "
                 f"{getattr(positions, 'dtype', None)} {getattr(positions, 'shape', None)}"
             )
-        return ops.proteus_key_rows(
-            q, k, positions, context_len=self.proteus_context_len, num_blocks=self.proteus_blocks
-        )
+        rule = ops.linear.ProteusRule(self.proteus_blocks, self.proteus_context_len)
+        return ops.proteus_key_rows(q, k, positions, rule=rule)
 
     def _rule(self, q, k, v, g, beta, *, state, segment_ids, single_step: bool):
         """The memory recurrence: one exact step when decoding a single token, else ``ops`` over

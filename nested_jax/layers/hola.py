@@ -8,7 +8,9 @@ memory rule is replaced by ``nested_jax.ops.hola`` (the math: ``nested_jax.core.
 
 with the learnable cache-read parameters ``γ_q, γ_k [H, K]`` (RMSNorm scales, init 1), the sink
 logit ``s [H]`` (init 0) and the gate logit ``λ [H]`` (init ``gate_init`` = −4). Options
-(``ModelConfig.hola``): ``window`` w, ``block_size`` C, ``eviction``, ``read_norm``.
+(``ModelConfig.hola``, a :class:`~nested_jax.layers.options.HolaOptions`): ``window`` w,
+``block_size`` C, ``eviction``, ``read_norm``, ``gate_init``; the layer turns them (with the shell's
+``chunk_size``) into one frozen ``HolaRule`` for ``ops.hola``.
 
 Decoding: the layer cache is a :class:`~nested_jax.layers.deltanet.DeltaCache` whose ``state`` is a
 :class:`~nested_jax.ops.hola.HolaState` (GDN state + persistent cache + current block buffer);
@@ -32,14 +34,8 @@ from flax import nnx
 from nested_jax.layers.common import partitioned
 from nested_jax.layers.deltanet import DeltaCache
 from nested_jax.layers.gdn import GatedDeltaNet
-from nested_jax.ops.hola import (
-    EVICTIONS,
-    READ_NORMS,
-    HolaState,
-    hola,
-    hola_step,
-    init_hola_state,
-)
+from nested_jax.layers.options import HolaOptions
+from nested_jax.ops.hola import HolaState, hola, hola_step, init_hola_state
 
 __all__ = ["HolaMixer"]
 
@@ -48,9 +44,10 @@ class HolaMixer(GatedDeltaNet):
     """HOLA layer (SPEC §5): GDN state read + ``σ(λ_h)`` · exact top-w cache read.
 
     Args (beyond :class:`~nested_jax.layers.deltanet.DeltaNet`'s):
-      window: cache capacity ``w``; block_size: block length ``C``.
-      eviction: one of ``ops.hola.EVICTIONS``; read_norm: one of ``ops.hola.READ_NORMS``.
-      gate_init: initial gate logit ``λ_h`` (all heads).
+      opts: :class:`~nested_jax.layers.options.HolaOptions` (``window`` w, ``block_size`` C,
+        ``eviction``, ``read_norm``, ``gate_init`` = the initial gate logit ``λ_h`` of all heads);
+        None = the defaults. The layer keeps ``rule = opts.rule(chunk_size=chunk_size)``, the
+        :class:`~nested_jax.ops.hola.HolaRule` it hands to ``ops.hola`` / ``ops.hola_step``.
     """
 
     def __init__(
@@ -58,30 +55,22 @@ class HolaMixer(GatedDeltaNet):
         d_model: int,
         n_heads: int,
         head_dim: int,
+        opts: HolaOptions | None = None,
         *,
-        window: int = 64,
-        block_size: int = 256,
-        eviction: str = "beta_e",
-        read_norm: str = "rmsnorm",
-        gate_init: float = -4.0,
         rngs: nnx.Rngs,
         **kwargs,
     ):
+        opts = HolaOptions() if opts is None else opts
+        if not isinstance(opts, HolaOptions):
+            raise ValueError(f"opts: expected a HolaOptions, got {type(opts).__name__}")
         if kwargs.get("impl", "chunked") != "chunked":
             # The layer runs ops.hola's chunked (block-parallel) form; never switch silently.
             raise ValueError(
                 f"impl: the hola mixer supports 'chunked' only, got {kwargs['impl']!r}"
             )
-        for name, value in (("window", window), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if eviction not in EVICTIONS:
-            raise ValueError(f"eviction: expected one of {EVICTIONS}, got {eviction!r}")
-        if read_norm not in READ_NORMS:
-            raise ValueError(f"read_norm: expected one of {READ_NORMS}, got {read_norm!r}")
         super().__init__(d_model, n_heads, head_dim, rngs=rngs, **kwargs)
-        self.window, self.block_size = window, block_size
-        self.eviction, self.read_norm = eviction, read_norm
+        self.opts = opts
+        self.rule = opts.rule(chunk_size=self.chunk_size)
         hk = (n_heads, head_dim)
         ones = partitioned(nnx.initializers.ones, ("heads", None))
         self.gamma_q = nnx.Param(ones(rngs.params(), hk))
@@ -90,7 +79,7 @@ class HolaMixer(GatedDeltaNet):
             partitioned(nnx.initializers.zeros, ("heads",))(rngs.params(), (n_heads,))
         )
         self.gate_logit = nnx.Param(
-            partitioned(nnx.initializers.constant(float(gate_init)), ("heads",))(
+            partitioned(nnx.initializers.constant(float(opts.gate_init)), ("heads",))(
                 rngs.params(), (n_heads,)
             )
         )
@@ -98,16 +87,11 @@ class HolaMixer(GatedDeltaNet):
     @classmethod
     def from_config(cls, cfg, *, rngs: nnx.Rngs):
         """Build from a ``ModelConfig`` (registry entry ``hola``; options in ``cfg.hola``)."""
-        h = cfg.hola
         return cls(
             cfg.d_model,
             cfg.n_heads,
             cfg.resolved_head_dim(),
-            window=h.window,
-            block_size=h.block_size,
-            eviction=h.eviction,
-            read_norm=h.read_norm,
-            gate_init=h.gate_init,
+            cfg.hola,
             **cls.shell_kwargs(cfg),
             rngs=rngs,
         )
@@ -116,9 +100,9 @@ class HolaMixer(GatedDeltaNet):
         """Empty decode state: a ``HolaState`` (its size is independent of ``max_len``) + conv
         taps."""
         del max_len
-        h, d = self.n_heads, self.head_dim
+        h, d, r = self.n_heads, self.head_dim, self.rule
         return DeltaCache(
-            init_hola_state(batch_size, h, d, d, self.window, self.block_size),
+            init_hola_state(batch_size, h, d, d, r.window, r.block_size),
             self.q_conv.init_state(batch_size),
             self.k_conv.init_state(batch_size),
             self.v_conv.init_state(batch_size),
@@ -128,23 +112,10 @@ class HolaMixer(GatedDeltaNet):
         if segment_ids is not None and state is not None:
             raise ValueError("segment_ids: packed segments cannot be combined with a cache")
         params = (self.gamma_q[...], self.gamma_k[...], self.sink_logit[...], self.gate_logit[...])
-        opts = dict(eviction=self.eviction, read_norm=self.read_norm, impl=self.impl)
+        opts = dict(rule=self.rule, impl=self.impl)
         if single_step:
             o, s = hola_step(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], *params, **opts)
             return o[:, None], s
         if state is not None and not isinstance(state, HolaState):
             raise ValueError(f"cache: expected a HolaState in the layer cache, got {type(state)}")
-        return hola(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            *params,
-            window=self.window,
-            block_size=self.block_size,
-            initial_state=state,
-            segment_ids=segment_ids,
-            chunk_size=self.chunk_size,
-            **opts,
-        )
+        return hola(q, k, v, g, beta, *params, initial_state=state, segment_ids=segment_ids, **opts)

@@ -7,7 +7,10 @@ dataclass here and one field on ``ModelConfig`` (``model.<section>.<field>`` in 
 ``--set``). A section is read only by its mixer, so the shared shell stays free of mechanism
 flags. Field types stay plain (int / float / str / bool / tuple) so the strict config loader can
 check them; each section validates its own values in ``__post_init__`` and names the field
-(``ModelConfig.<section>.<field>``).
+(``ModelConfig.<section>.<field>``). A mechanism whose math takes static options gets them as one
+frozen value from ``<Section>.rule()`` (``HopeRule``, ``HolaRule``, ``CMSRule``, ``ProteusRule``,
+defined next to their core code and re-exported by ``nested_jax.ops``); a test keeps each
+section's defaults equal to its rule's.
 """
 
 from __future__ import annotations
@@ -47,6 +50,22 @@ class HolaOptions:
             )
         if isinstance(self.gate_init, bool) or not isinstance(self.gate_init, int | float):
             raise ValueError(f"HolaOptions.gate_init: expected float, got {self.gate_init!r}")
+
+    def rule(self, *, chunk_size: int | None = None):
+        """The HOLA rule these options select (SPEC §5): a ``HolaRule`` with this section's
+        ``window``, ``block_size``, ``eviction``, ``read_norm`` and the shell's ``chunk_size``
+        (``model.chunk_size``; None: ``HolaRule``'s default). ``gate_init`` only initialises a
+        parameter, so it is the layer's, not the rule's."""
+        from nested_jax.ops.hola import HolaRule  # lazy: keeps config import light
+
+        shell = {} if chunk_size is None else {"chunk_size": chunk_size}
+        return HolaRule(
+            window=self.window,
+            block_size=self.block_size,
+            eviction=self.eviction,
+            read_norm=self.read_norm,
+            **shell,
+        )
 
 
 OPTION_SECTIONS["hola"] = HolaOptions
@@ -168,6 +187,13 @@ class ProteusOptions:
     def enabled(self) -> bool:
         """True when Proteus gates the memory (``blocks > 1``)."""
         return self.blocks > 1
+
+    def rule(self):
+        """The Proteus schedule these options select (SPEC §4): a ``ProteusRule(blocks,
+        context_len)``."""
+        from nested_jax.ops.linear import ProteusRule  # lazy: keeps config import light
+
+        return ProteusRule(blocks=self.blocks, context_len=self.context_len)
 
 
 OPTION_SECTIONS["proteus"] = ProteusOptions
@@ -315,6 +341,17 @@ class CMSOptions:
         lr = self.online_lr
         if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
             raise ValueError(f"CMSOptions.online_lr: must be a float > 0, got {lr!r}")
+
+    def rule(self):
+        """The CMS rule these options select (SPEC §3.3): a ``CMSRule`` with this section's
+        ``periods`` and ``variant`` and the online inner step (``lr = online_lr``,
+        ``inner = online_inner``). ``hidden`` and ``gated`` shape the levels (the layer's);
+        ``mode`` and ``accumulate`` drive the pretrain optimizer (``nested_jax.optim``)."""
+        from nested_jax.ops.cms import CMSRule  # lazy: keeps config import light
+
+        return CMSRule(
+            periods=self.periods, variant=self.variant, lr=self.online_lr, inner=self.online_inner
+        )
 
 
 OPTION_SECTIONS["cms"] = CMSOptions

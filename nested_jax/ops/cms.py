@@ -20,13 +20,15 @@ Two ops, each with ``impl`` (never switched silently; an ``impl`` that cannot ru
   No per-token ``"recurrent"`` form exists in core, so it raises.
 
 ``"pallas"`` is the seam for ``pallas_kernels/cms``; no kernel is wired, so it raises
-``ValueError``. ``VARIANTS``, ``CMSLevel``, ``check_periods``, ``CMSState``,
-``cms_initial_state`` and ``surprise_from_loss`` are re-exported so callers import CMS from here.
+``ValueError``. Both take the static options as one frozen :class:`CMSRule` (``rule=``; built by
+``CMSOptions.rule()`` from the ``model.cms`` section); the core functions keep their plain keywords.
+``VARIANTS``, ``CMSLevel``, ``CMSRule``, ``check_periods``, ``CMSState``, ``cms_initial_state`` and
+``surprise_from_loss`` are re-exported so callers import CMS from here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from nested_jax.core import cms as _cms
@@ -38,11 +40,13 @@ from nested_jax.core.cms import (
     cms_initial_state,
     surprise_from_loss,
 )
+from nested_jax.core.cms_levels import CMSRule
 from nested_jax.ops._impl import check_impl as _check_impl
 
 __all__ = [
     "VARIANTS",
     "CMSLevel",
+    "CMSRule",
     "CMSState",
     "check_periods",
     "cms_initial_state",
@@ -59,14 +63,15 @@ def _check(op: str, impl: str) -> None:
     _check_impl(op, impl, _AVAILABLE)
 
 
-def cms_forward(levels, x, *, variant: str = "sequential", mix_logits=None, impl: str = "chunked"):
+def cms_forward(levels, x, *, rule: CMSRule, mix_logits=None, impl: str = "chunked"):
     """CMS output at fixed weights (SPEC §3.3): the formulas of the module docstring.
 
     Args:
       levels: tuple of ``k`` :class:`CMSLevel` (``w_up [d, h]``, ``w_down [h, d]``, optional
         ``w_gate [d, h]``).
       x: ``[B, T, d]``.
-      variant: ``"sequential" | "nested" | "independent"``.
+      rule: :class:`CMSRule`; its ``variant`` combines the levels and its ``periods`` must have
+        one entry per level (the forward reads no period).
       mix_logits: ``[k]`` for ``independent`` (None = uniform); must be None otherwise.
       impl: ``"chunked"`` (``"recurrent"``, ``"pallas"``: ValueError).
 
@@ -74,23 +79,24 @@ def cms_forward(levels, x, *, variant: str = "sequential", mix_logits=None, impl
       ``y [B, T, d]`` in ``x``'s dtype.
     """
     _check("cms_forward", impl)
-    return _cms.cms_forward(levels, x, variant=variant, mix_logits=mix_logits)
+    if isinstance(levels, tuple | list) and len(levels) != len(rule.periods):
+        raise ValueError(
+            f"cms_forward: rule.periods has {len(rule.periods)} entries, one per level; got "
+            f"{len(levels)} levels"
+        )
+    return _cms.cms_forward(levels, x, variant=rule.variant, mix_logits=mix_logits)
 
 
 def cms_online(
     levels,
     x,
     *,
-    periods: Sequence[int],
+    rule: CMSRule,
     delta_fn: Callable | None = None,
     delta=None,
     side: Any = None,
-    variant: str = "sequential",
-    lr=1e-2,
-    inner: str = "sgd",
     mix_logits=None,
     initial_state: CMSState | None = None,
-    remat_every: int | None = None,
     impl: str = "chunked",
 ):
     """CMS in ``online`` mode (SPEC §3.3): each level learns from the local surprise at its period.
@@ -104,14 +110,14 @@ def cms_online(
       levels: tuple of ``k`` :class:`CMSLevel` (unbatched), the initial weights of every row
         (ignored when ``initial_state`` is given).
       x: ``[B, T, d]``.
-      periods: ``(C^(1), …, C^(k))`` strictly increasing (``nested``: each divides the next).
+      rule: :class:`CMSRule`: ``periods`` ``(C^(1), …, C^(k))`` in tokens, ``variant``, the inner
+        rate ``lr`` (``η``, one or one per level), ``inner`` (``"sgd" | "dgd"``) and
+        ``remat_every`` (checkpoint the chunk scan every n chunks).
       delta_fn: ``(y [B, c, d], side_chunk) -> δ [B, c, d]`` (see :func:`surprise_from_loss`), or
       delta: a precomputed ``δ [B, T, d]``; exactly one of the two.
       side: optional pytree of ``[B, T, ...]`` arrays handed to ``delta_fn`` chunk by chunk.
-      variant, mix_logits: as in :func:`cms_forward`.
-      lr: ``η``, a scalar or one per level; inner: ``"sgd" | "dgd"``.
+      mix_logits: as in :func:`cms_forward`.
       initial_state: :class:`CMSState` to continue (or :func:`cms_initial_state`).
-      remat_every: checkpoint the chunk scan every n chunks.
       impl: ``"chunked"`` (``"recurrent"``, ``"pallas"``: ValueError).
 
     Returns:
@@ -121,14 +127,10 @@ def cms_online(
     return _cms.cms_online(
         levels,
         x,
-        periods=periods,
         delta_fn=delta_fn,
         delta=delta,
         side=side,
-        variant=variant,
-        lr=lr,
-        inner=inner,
         mix_logits=mix_logits,
         initial_state=initial_state,
-        remat_every=remat_every,
+        **rule.online_kwargs(),
     )

@@ -25,8 +25,11 @@ decoded token), never a core form. ``impl`` picks the form and is never switched
 form token by token, so it takes ``"chunked"`` and ``"recurrent"`` alike (a layer passes its own
 ``impl``) and raises for ``"pallas"`` until a decode kernel is wired.
 
-``HolaState``, ``init_hola_state``, ``EVICTIONS`` and ``READ_NORMS`` are re-exported so a layer or
-a config imports HOLA from here only.
+Both take the static options as one frozen :class:`HolaRule` (``rule=``; built by
+``HolaOptions.rule()`` from the ``model.hola`` config section and ``model.chunk_size``); the core
+functions keep their plain keywords (``rule.kwargs()``, ``rule.step_kwargs()``). ``HolaRule``,
+``HolaState``, ``init_hola_state``, ``EVICTIONS`` and ``READ_NORMS`` are re-exported so a layer or a
+config imports HOLA from here only.
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ from nested_jax.core.hola import (
     hola_recurrent,
     init_hola_state,
 )
+from nested_jax.core.hola_decode import HolaRule
 from nested_jax.ops._impl import check_impl as _check_impl
 
 __all__ = [
     "EVICTIONS",
     "READ_NORMS",
+    "HolaRule",
     "HolaState",
     "init_hola_state",
     "hola",
@@ -63,15 +68,9 @@ def hola(
     sink_logit,
     gate_logit,
     *,
-    window: int = 64,
-    block_size: int = 256,
-    eviction: str = "beta_e",
-    read_norm: str = "rmsnorm",
-    scale=None,
-    cache_scale=None,
+    rule: HolaRule,
     initial_state: HolaState | None = None,
     segment_ids=None,
-    chunk_size: int = 64,
     impl: str = "chunked",
 ):
     """HOLA over a sequence (SPEC §5): ``o_t = S_tᵀ (scale·q_t) + σ(λ_h) · o_cache,t``.
@@ -81,13 +80,12 @@ def hola(
       g: ``[B, T, H]`` log decay; beta: ``[B, T, H]`` in ``[0, 1]``.
       gamma_q, gamma_k: ``[H, K]`` cache-read RMSNorm scales (unused for ``read_norm="l2"``).
       sink_logit: ``[H]`` sink logit (its value is zero); gate_logit: ``[H]`` gate ``λ_h``.
-      window: cache capacity ``w``; block_size: block length ``C``.
-      eviction: one of ``EVICTIONS``; read_norm: one of ``READ_NORMS``.
-      scale: state-path query scale; cache_scale: cache logit scale (both default ``K ** -0.5``).
-      initial_state: optional ``HolaState`` to continue (same ``B, H, K, V, w, C``).
+      rule: :class:`HolaRule` (cache capacity ``w``, block length ``C``, eviction, read norm, the
+        two scales, and the ``chunk_size`` of the WY/UT state path, used by ``"chunked"`` only).
+      initial_state: optional ``HolaState`` to continue (same ``B, H, K, V`` and the rule's
+        ``w, C``).
       segment_ids: optional ``int [B, T]`` packed documents (``"chunked"`` only; not with
         ``initial_state``).
-      chunk_size: chunk length of the WY/UT state path and residual pass (``"chunked"``).
       impl: ``"chunked"`` | ``"recurrent"`` (``"pallas"`` not yet available: ValueError).
 
     Returns:
@@ -95,24 +93,17 @@ def hola(
     """
     _check_impl("hola", impl)
     params = (gamma_q, gamma_k, sink_logit, gate_logit)
-    opts = dict(
-        window=window,
-        block_size=block_size,
-        eviction=eviction,
-        read_norm=read_norm,
-        scale=scale,
-        cache_scale=cache_scale,
-        initial_state=initial_state,
-    )
+    kw = rule.kwargs()
     if impl == "recurrent":
         if segment_ids is not None:
             raise ValueError(
                 "hola: impl='recurrent' runs one stream and takes no segment_ids; use "
                 "impl='chunked' for packed rows"
             )
-        return hola_recurrent(q, k, v, g, beta, *params, **opts)
+        del kw["chunk_size"]
+        return hola_recurrent(q, k, v, g, beta, *params, initial_state=initial_state, **kw)
     return hola_forward(
-        q, k, v, g, beta, *params, segment_ids=segment_ids, chunk_size=chunk_size, **opts
+        q, k, v, g, beta, *params, initial_state=initial_state, segment_ids=segment_ids, **kw
     )
 
 
@@ -128,29 +119,33 @@ def hola_step(
     sink_logit,
     gate_logit,
     *,
-    eviction: str = "beta_e",
-    read_norm: str = "rmsnorm",
-    scale=None,
-    cache_scale=None,
+    rule: HolaRule,
     impl: str = "chunked",
 ):
     """One decoded HOLA token (SPEC §5); token by token it equals :func:`hola` over the sequence.
 
     The token's write and score go to the block buffer slot ``pos % C``; the read sees
     ``A_{n-1}`` ∪ the filled buffer ∪ sink; a completed block is merged (top-w) into the cache.
-    ``window`` and ``block_size`` come from the state's shapes.
 
     Args:
-      state: ``HolaState`` (from ``init_hola_state`` or a previous call).
+      state: ``HolaState`` (from ``init_hola_state`` or a previous call); its cache and block
+        buffer must have the rule's ``window`` and ``block_size`` entries.
       q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; g_t, beta_t: ``[B, H]``.
-      gamma_q, gamma_k, sink_logit, gate_logit, eviction, read_norm, scale, cache_scale: as in
-        :func:`hola`.
+      gamma_q, gamma_k, sink_logit, gate_logit, rule: as in :func:`hola` (``rule.chunk_size`` is
+        not used).
       impl: ``"chunked"`` | ``"recurrent"`` (one step form for both; ``"pallas"``: ValueError).
 
     Returns:
       ``(o_t [B, H, V] in v_t's dtype, new HolaState)``.
     """
     _check_impl("hola_step", impl)
+    if isinstance(state, HolaState):  # the core step checks the type and every other shape
+        w, c = state.cache_k.shape[2], state.block_k.shape[2]
+        if (w, c) != (rule.window, rule.block_size):
+            raise ValueError(
+                f"hola_step: the state holds window={w}, block_size={c} entries; the rule says "
+                f"window={rule.window}, block_size={rule.block_size}"
+            )
     return hola_decode_step(
         state,
         q_t,
@@ -162,8 +157,5 @@ def hola_step(
         gamma_k,
         sink_logit,
         gate_logit,
-        eviction=eviction,
-        read_norm=read_norm,
-        scale=scale,
-        cache_scale=cache_scale,
+        **rule.step_kwargs(),
     )

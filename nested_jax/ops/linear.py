@@ -11,7 +11,8 @@ value. The implementation is never switched silently (not on sequence length, no
   ``impl="pallas"`` to it.
 
 The single-token steps (``*_step``) are the decode forms; ``proteus_key_rows`` is the Proteus
-key-row gate of the linear rules (SPEC §4), which turns each rule into its Proteus form.
+key-row gate of the linear rules (SPEC §4), which turns each rule into its Proteus form; its
+schedule is a :class:`ProteusRule` (``ProteusOptions.rule()``), re-exported here for layers.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 
 from nested_jax.core import associative as _assoc
 from nested_jax.core.associative import delta_rule_step, gated_delta_step, linear_attention_step
-from nested_jax.core.proteus import proteus_active_blocks, proteus_block_ids
+from nested_jax.core.proteus import ProteusRule, proteus_active_blocks, proteus_block_ids
 from nested_jax.ops._impl import check_impl as _check_impl
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "delta_rule_step",
     "gated_delta_step",
     "proteus_key_rows",
+    "ProteusRule",
 ]
 
 
@@ -149,24 +151,26 @@ def gated_delta(
     )
 
 
-def proteus_key_rows(q, k, positions, *, context_len: int, num_blocks: int):
+def proteus_key_rows(q, k, positions, *, rule: ProteusRule):
     """Proteus key-row gate of the linear rules (SPEC §4): ``(g_t ⊙ q_t, g_t ⊙ k_t)``.
 
-    ``g_t`` opens the first ``k(t) = min(E, 1 + ⌊(t−1)/Δ⌋)`` of ``E = num_blocks`` contiguous
+    ``g_t`` opens the first ``k(t) = min(E, 1 + ⌊(t−1)/Δ⌋)`` of ``E = rule.blocks`` contiguous
     blocks of key rows at the 1-based position ``t = positions + 1`` (``Δ = ⌊N/E⌋``,
-    ``N = context_len``). With a state that starts at zero (and resets to zero), running a linear
-    rule on the gated ``q, k`` is its Proteus form (``nested_jax.layers.deltanet`` says why).
+    ``N = rule.context_len``). With a state that starts at zero (and resets to zero), running a
+    linear rule on the gated ``q, k`` is its Proteus form (``nested_jax.layers.deltanet`` says why).
 
     Args:
       q, k: ``[B, T, H, K]``; positions: int ``[B, T]`` 0-based.
-      context_len, num_blocks: ``N`` and ``E`` (``E ≤ K``).
+      rule: :class:`ProteusRule` (``E ≤ K``); ``E = 1`` returns ``q, k`` themselves (no gate).
 
     Returns:
       ``(q, k)`` with locked key rows set to zero, same shapes and dtypes.
     """
+    if not rule.enabled:
+        return q, k
     b, t, _, kd = q.shape
-    active = proteus_active_blocks(positions + 1, context_len, num_blocks)  # [B, T]
-    ids = jnp.asarray(proteus_block_ids(kd, num_blocks))
+    active = proteus_active_blocks(positions + 1, rule.context_len, rule.blocks)  # [B, T]
+    ids = jnp.asarray(proteus_block_ids(kd, rule.blocks))
     is_open = (ids < active[..., None])[:, :, None, :]  # [B, T, 1, K]
     zero = jnp.zeros((), q.dtype)
     return jnp.where(is_open, q, zero), jnp.where(is_open, k, zero)

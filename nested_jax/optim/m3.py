@@ -85,6 +85,7 @@ Decisions / options:
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, NamedTuple
 
@@ -94,6 +95,9 @@ import numpy as np
 import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
+
+from nested_jax.core.periods import accumulate as accumulate_period
+from nested_jax.core.periods import period_boundary
 
 __all__ = [
     "M3State",
@@ -199,10 +203,6 @@ def _acc(fn, state, g):
     return jax.tree.map(lambda m, x: fn(m, x).astype(m.dtype), state, g)
 
 
-def _resolve_dtype(state_dtype):
-    return None if state_dtype is None else jnp.dtype(state_dtype)
-
-
 def _matrix_axes(x) -> tuple[int, ...]:
     """The axes one "matrix" spans: the last two, or all of them for ``ndim < 2``."""
     return tuple(range(max(0, x.ndim - 2), x.ndim))
@@ -246,6 +246,86 @@ def _rms_direction(o, v, eps, target_rms):
     return jnp.asarray(target_rms, dt) * _safe_div(d, _rms(d, axes))
 
 
+def _check_m3_options(accumulate, normalize, target_rms, slow_every, ns_steps, ns_coeffs):
+    """Trace-time checks of :func:`scale_by_m3`'s options (``ValueError`` naming the option)."""
+    if accumulate not in _ACCUMULATE:
+        raise ValueError(f"accumulate must be one of {_ACCUMULATE}, got {accumulate!r}")
+    if normalize not in _NORMALIZE:
+        raise ValueError(f"normalize must be one of {_NORMALIZE}, got {normalize!r}")
+    if isinstance(target_rms, bool) or (
+        isinstance(target_rms, (int, float, np.integer, np.floating)) and not target_rms > 0
+    ):
+        raise ValueError(f"target_rms must be a positive number, got {target_rms!r}")
+    if _is_static_int(slow_every) and slow_every < 1:
+        raise ValueError(f"slow_every must be a positive int, got {slow_every}")
+    elif not _is_static_int(slow_every) and not isinstance(slow_every, (jax.Array, np.ndarray)):
+        raise ValueError(f"slow_every must be a positive int, got {slow_every!r}")
+    if _is_static_int(ns_steps) and ns_steps < 0:
+        raise ValueError(f"ns_steps must be >= 0, got {ns_steps}")
+    if len(ns_coeffs) != 3:
+        raise ValueError(f"ns_coeffs must be (a, b, c), got {ns_coeffs!r}")
+
+
+def _zero_state(params, state_dtype) -> M3State:
+    """:class:`M3State` at step 0: zeros in ``state_dtype`` (None: each parameter's dtype)."""
+
+    def zeros(p):
+        # Derived from p (not a bare constant) so that a jitted init in GSPMD/Auto mode keeps the
+        # parameter's sharding (a constant zeros_like would come out replicated there).
+        dt = state_dtype if state_dtype is not None else p.dtype
+        return jnp.where(jnp.isfinite(p), jnp.abs(p) * 0, 0).astype(dt)
+
+    z = lambda: jax.tree.map(zeros, params)
+    return M3State(count=jnp.zeros([], jnp.int32), m1=z(), m2=z(), v=z(), slow_buffer=z(), o2=z())
+
+
+def _orthogonalize(x, *, rms: bool, ns_steps, ns_coeffs, ns_eps):
+    """``NS`` of a momentum leaf, in its dtype: ``newton_schulz(x)`` (``rms``: of ``x / ‖x‖_F``,
+    so ``ns_eps`` is relative); leaves with ``ndim < 2`` are returned as they are."""
+    if x.ndim < 2:
+        return x  # vectors/scalars: no orthogonalisation (documented)
+    y = _unit_frobenius(x) if rms else x
+    return newton_schulz(y, ns_steps, ns_coeffs, ns_eps).astype(x.dtype)
+
+
+def _fast_moments(m1, v, g, count, beta1, beta2, ema: bool):
+    """Every step: ``M1 ← M1 + β1 g``, ``V ← V + β2 g²`` (Algorithm 1), or their EMAs.
+
+    Returns:
+      ``(M1, V, v_corr)``: ``v_corr = 1 − β2^t`` (Adam's bias correction of the EMA ``V``), None
+      for ``"additive"``.
+    """
+    if ema:
+        m1 = _acc(lambda m, x: beta1 * m + (1 - beta1) * x, m1, g)
+        v = _acc(lambda m, x: beta2 * m + (1 - beta2) * x * x, v, g)
+        return m1, v, 1.0 - jnp.asarray(beta2, jnp.float32) ** count.astype(jnp.float32)
+    m1 = _acc(lambda m, x: m + beta1 * x, m1, g)
+    v = _acc(lambda m, x: m + beta2 * x * x, v, g)
+    return m1, v, None
+
+
+def _slow_step(carry, *, ns, beta3, slow_every, ema: bool):
+    """The slow step, ``(M2, B, O2) -> (M2', 0, NS(M2'))`` with ``M2' = M2 + β3 B`` (Algorithm 1)
+    or ``β3 M2 + (1−β3) B / slow_every`` (``"ema"``); ``ns`` is :func:`_orthogonalize` bound."""
+    m2, b, _ = carry
+    if ema:
+        m2 = _acc(
+            lambda m, x: beta3 * m + (1 - beta3) * x / jnp.asarray(slow_every, x.dtype), m2, b
+        )
+    else:
+        m2 = _acc(lambda m, x: m + beta3 * x, m2, b)
+    return m2, jax.tree.map(jnp.zeros_like, b), jax.tree.map(ns, m2)
+
+
+def _direction(u, o1, o2, v, v_corr, alpha, eps, target_rms):
+    """One leaf's direction ``(O1 + α O2) / (√V + ε)`` (``V / v_corr`` for ``"ema"``), or the
+    ``normalize="rms"`` direction when ``target_rms`` is not None; in ``u``'s dtype."""
+    v = v / v_corr.astype(v.dtype) if v_corr is not None else v
+    if target_rms is not None:  # scale-invariant variant (module docstring)
+        return _rms_direction(o1 + alpha * o2, v, eps, target_rms).astype(u.dtype)
+    return ((o1 + alpha * o2) / (jnp.sqrt(v) + eps)).astype(u.dtype)
+
+
 def scale_by_m3(
     beta1=0.9,
     beta2=0.999,
@@ -269,11 +349,10 @@ def scale_by_m3(
     leaves with fewer than two dimensions (no orthogonalisation) and the derivation of
     ``normalize="rms"``.
 
-    Algorithm 1's direction (``normalize="none"``) is not scale-invariant: multiplying every
-    gradient by ``c`` multiplies it by ``1/c`` (``RMS ≈ (1+α) / (√max(m,n) · RMS(√V))``), so its
-    usable learning rate depends on the problem's gradient scale. ``normalize="rms"`` returns
-    ``ρ · D / RMS(D)`` per matrix with ``D = (NS(M1/‖M1‖) + α NS(M2/‖M2‖)) / (√V/RMS(√V) + ε)``:
-    the same direction, with RMS exactly ``ρ = target_rms`` and unchanged under ``g → c g``.
+    Algorithm 1's direction (``normalize="none"``) scales like ``1/c`` under ``g → c g``, so its
+    usable learning rate depends on the gradient scale. ``normalize="rms"`` returns
+    ``ρ · D / RMS(D)`` per matrix, ``D = (NS(M1/‖M1‖) + α NS(M2/‖M2‖)) / (√V/RMS(√V) + ε)``: the
+    same direction with RMS exactly ``ρ = target_rms``, unchanged under ``g → c g``.
 
     Args:
       beta1: ``β1``, fast momentum rate.
@@ -296,82 +375,33 @@ def scale_by_m3(
       ``optax.GradientTransformation`` with state :class:`M3State`; the update is the direction (not
       yet scaled by ``−lr``), leaf dtypes equal to the gradients'.
     """
-    if accumulate not in _ACCUMULATE:
-        raise ValueError(f"accumulate must be one of {_ACCUMULATE}, got {accumulate!r}")
-    if normalize not in _NORMALIZE:
-        raise ValueError(f"normalize must be one of {_NORMALIZE}, got {normalize!r}")
-    if isinstance(target_rms, bool) or (
-        isinstance(target_rms, (int, float, np.integer, np.floating)) and not target_rms > 0
-    ):
-        raise ValueError(f"target_rms must be a positive number, got {target_rms!r}")
-    if _is_static_int(slow_every) and slow_every < 1:
-        raise ValueError(f"slow_every must be a positive int, got {slow_every}")
-    elif not _is_static_int(slow_every) and not isinstance(slow_every, (jax.Array, np.ndarray)):
-        raise ValueError(f"slow_every must be a positive int, got {slow_every!r}")
-    if _is_static_int(ns_steps) and ns_steps < 0:
-        raise ValueError(f"ns_steps must be >= 0, got {ns_steps}")
-    if len(ns_coeffs) != 3:
-        raise ValueError(f"ns_coeffs must be (a, b, c), got {ns_coeffs!r}")
-    sdt = _resolve_dtype(state_dtype)
+    _check_m3_options(accumulate, normalize, target_rms, slow_every, ns_steps, ns_coeffs)
+    sdt = None if state_dtype is None else jnp.dtype(state_dtype)
     ema = accumulate == "ema"
     rms = normalize == "rms"
-
-    def ns(x):
-        if x.ndim < 2:
-            return x  # vectors/scalars: no orthogonalisation (documented)
-        y = _unit_frobenius(x) if rms else x  # "rms": NS of M/‖M‖_F, so ns_eps is relative
-        return newton_schulz(y, ns_steps, ns_coeffs, ns_eps).astype(x.dtype)
-
-    def zeros(p):
-        # Derived from p (not a bare constant) so that a jitted init in GSPMD/Auto mode keeps the
-        # parameter's sharding (a constant zeros_like would come out replicated there).
-        dt = sdt if sdt is not None else p.dtype
-        return jnp.where(jnp.isfinite(p), jnp.abs(p) * 0, 0).astype(dt)
+    ns = functools.partial(
+        _orthogonalize, rms=rms, ns_steps=ns_steps, ns_coeffs=ns_coeffs, ns_eps=ns_eps
+    )
 
     def init_fn(params):
-        z = lambda: jax.tree.map(zeros, params)
-        return M3State(
-            count=jnp.zeros([], jnp.int32), m1=z(), m2=z(), v=z(), slow_buffer=z(), o2=z()
-        )
+        return _zero_state(params, sdt)
 
     def update_fn(updates, state, params=None):
         del params
         count = optax.safe_increment(state.count)
         g = jax.tree.map(lambda u, m: u.astype(m.dtype), updates, state.m1)
-        if ema:
-            m1 = _acc(lambda m, x: beta1 * m + (1 - beta1) * x, state.m1, g)
-            v = _acc(lambda m, x: beta2 * m + (1 - beta2) * x * x, state.v, g)
-            v_corr = 1.0 - jnp.asarray(beta2, jnp.float32) ** count.astype(jnp.float32)
-        else:
-            m1 = _acc(lambda m, x: m + beta1 * x, state.m1, g)
-            v = _acc(lambda m, x: m + beta2 * x * x, state.v, g)
-            v_corr = None
-        buf = jax.tree.map(jnp.add, state.slow_buffer, g)
+        m1, v, v_corr = _fast_moments(state.m1, state.v, g, count, beta1, beta2, ema)
+        buf = accumulate_period(state.slow_buffer, g)  # B ← B + g (core.periods)
         o1 = jax.tree.map(ns, m1)
-
-        def direction(u, a, b, vv):
-            vv = vv / v_corr.astype(vv.dtype) if ema else vv
-            if rms:  # scale-invariant variant (module docstring)
-                return _rms_direction(a + alpha * b, vv, eps, target_rms).astype(u.dtype)
-            return ((a + alpha * b) / (jnp.sqrt(vv) + eps)).astype(u.dtype)
-
+        direction = functools.partial(
+            _direction, v_corr=v_corr, alpha=alpha, eps=eps, target_rms=target_rms if rms else None
+        )
         new_updates = jax.tree.map(direction, updates, o1, state.o2, v)
-
-        def slow_step(carry):
-            m2, b, _ = carry
-            if ema:
-                m2 = _acc(
-                    lambda m, x: beta3 * m + (1 - beta3) * x / jnp.asarray(slow_every, x.dtype),
-                    m2,
-                    b,
-                )
-            else:
-                m2 = _acc(lambda m, x: m + beta3 * x, m2, b)
-            return m2, jax.tree.map(jnp.zeros_like, b), jax.tree.map(ns, m2)
-
-        # One compiled update for every step: the slow step is a branch on the traced count.
-        is_slow = (count % jnp.asarray(slow_every, count.dtype)) == 0
-        m2, buf, o2 = lax.cond(is_slow, slow_step, lambda c: c, (state.m2, buf, state.o2))
+        # One compiled update for every step: the slow step is a branch on the traced count. A
+        # lax.cond, not core.periods' where-select, so the second NS runs only on slow steps.
+        is_slow = period_boundary(count, slow_every)
+        slow = functools.partial(_slow_step, ns=ns, beta3=beta3, slow_every=slow_every, ema=ema)
+        m2, buf, o2 = lax.cond(is_slow, slow, lambda c: c, (state.m2, buf, state.o2))
         return new_updates, M3State(count=count, m1=m1, m2=m2, v=v, slow_buffer=buf, o2=o2)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -459,28 +489,12 @@ def m3(
       ``optax.GradientTransformationExtraArgs``; works under ``optax.inject_hyperparams`` (pass
       ``m3_mask``/``weight_decay_mask`` callables via ``static_args``).
     """
-    mask = default_m3_mask if m3_mask is None else m3_mask
-
-    def labels(params):
-        flags = mask(params) if callable(mask) else mask
-        return jax.tree.map(lambda f: "m3" if f else "adam", flags)
-
+    direction = scale_by_m3(
+        beta1, beta2, beta3, alpha, eps, slow_every, ns_steps, ns_coeffs, accumulate,
+        ns_eps=ns_eps, state_dtype=state_dtype, normalize=normalize, target_rms=target_rms,
+    )  # fmt: skip
     m3_chain = optax.chain(
-        scale_by_m3(
-            beta1,
-            beta2,
-            beta3,
-            alpha,
-            eps,
-            slow_every,
-            ns_steps,
-            ns_coeffs,
-            accumulate,
-            ns_eps=ns_eps,
-            state_dtype=state_dtype,
-            normalize=normalize,
-            target_rms=target_rms,
-        ),
+        direction,
         optax.add_decayed_weights(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -492,7 +506,18 @@ def m3(
         weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay,
         mask=weight_decay_mask,
     )
+    labels = _route_labels(default_m3_mask if m3_mask is None else m3_mask)
     return optax.partition({"m3": m3_chain, "adam": adam}, labels)
+
+
+def _route_labels(mask):
+    """``params -> pytree of "m3" | "adam"`` from ``m3_mask`` (pytree of bools or callable)."""
+
+    def labels(params):
+        flags = mask(params) if callable(mask) else mask
+        return jax.tree.map(lambda f: "m3" if f else "adam", flags)
+
+    return labels
 
 
 _CONFIG_KEYS = (

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import optax
 
 from nested_jax.core.cms import check_periods
+from nested_jax.core.periods import accumulate as _add
+from nested_jax.core.periods import clear_at_boundary, period_boundary, select_at_boundary
 
 __all__ = ["MultiFreqState", "multi_frequency", "level_labels_by_index"]
 
@@ -95,6 +97,57 @@ def level_labels_by_index(levels_key: str = "levels") -> Callable[[Any], Any]:
     return fn
 
 
+def _zero_accum(labels, params):
+    """``A = 0`` (at least float32) for every leaf with a level; ``MaskedNode`` for ``None``."""
+    return jax.tree.map(
+        lambda lab, p: (
+            optax.MaskedNode()
+            if lab == _NONE
+            else jnp.zeros(jnp.shape(p), jnp.promote_types(jnp.result_type(p), jnp.float32))
+        ),
+        labels,
+        params,
+    )
+
+
+def _is_masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _accumulate_grads(labels, accum, updates):
+    """``A_ℓ ← A_ℓ + g`` on every leaf with a level (every step)."""
+    return jax.tree.map(
+        lambda lab, a, g: a if lab == _NONE else _add(a, g),
+        labels,
+        accum,
+        updates,
+        is_leaf=_is_masked,
+    )
+
+
+def _inner_input(labels, accum, updates, periods, accumulate: str):
+    """What the inner instances see: ``g`` for ``None`` leaves, ``A_ℓ`` (``"mean"``:
+    ``A_ℓ / C^(ℓ)``) in ``g``'s dtype for leaves of level ℓ."""
+
+    def fed(lab, a, g):
+        if lab == _NONE:
+            return g
+        a = a / periods[lab] if accumulate == "mean" else a
+        return a.astype(g.dtype)
+
+    return jax.tree.map(fed, labels, accum, updates, is_leaf=_is_masked)
+
+
+def _clear_fired(labels, accum, fire: dict):
+    """``A_ℓ ← 0`` on the leaves of the levels at their boundary."""
+    return jax.tree.map(
+        lambda lab, a: a if lab == _NONE else clear_at_boundary(a, fire[lab]),
+        labels,
+        accum,
+        is_leaf=_is_masked,
+    )
+
+
 def multi_frequency(
     inner: optax.GradientTransformation,
     *,
@@ -103,6 +156,9 @@ def multi_frequency(
     accumulate: str = "sum",
 ) -> optax.GradientTransformationExtraArgs:
     """Steps level ℓ's parameters every ``periods[ℓ]`` optimizer steps (CMS pretrain, SPEC §3.3).
+
+    The accumulate / boundary rule is :mod:`nested_jax.core.periods`'s, except that at the
+    boundary ``A_ℓ`` goes through ``inner_ℓ`` instead of being subtracted (module docstring).
 
     Args:
       inner: the optimizer (e.g. ``optax.adamw(3e-4)``); one instance per level group.
@@ -126,18 +182,9 @@ def multi_frequency(
 
     def init_fn(params):
         labels = _labels(level_of, params, k)
-        accum = jax.tree.map(
-            lambda lab, p: (
-                optax.MaskedNode()
-                if lab == _NONE
-                else jnp.zeros(jnp.shape(p), jnp.promote_types(jnp.result_type(p), jnp.float32))
-            ),
-            labels,
-            params,
-        )
         return MultiFreqState(
             count=jnp.zeros([], jnp.int32),
-            accum=accum,
+            accum=_zero_accum(labels, params),
             inner_states=tuple(masked(labels, g).init(params) for g in groups),
         )
 
@@ -146,46 +193,26 @@ def multi_frequency(
         n = optax.safe_increment(state.count)
         fire = {_NONE: jnp.asarray(True)}
         for j, p in enumerate(periods):
-            fire[j] = n % p == 0
-
-        def add(lab, a, g):
-            return a if lab == _NONE else a + g.astype(a.dtype)
-
-        acc = jax.tree.map(
-            add, labels, state.accum, updates, is_leaf=lambda x: isinstance(x, optax.MaskedNode)
-        )
-
-        def fed(lab, a, g):
-            if lab == _NONE:
-                return g
-            a = a / periods[lab] if accumulate == "mean" else a
-            return a.astype(g.dtype)
-
-        feed = jax.tree.map(
-            fed, labels, acc, updates, is_leaf=lambda x: isinstance(x, optax.MaskedNode)
-        )
-
+            fire[j] = period_boundary(n, p)
+        acc = _accumulate_grads(labels, state.accum, updates)
+        feed = _inner_input(labels, acc, updates, periods, accumulate)
+        # Every group's inner update is computed each step (one compiled update) and kept, with
+        # its new inner state, only at the group's boundary; elsewhere its leaves get 0.
         out = jax.tree.map(jnp.zeros_like, updates)
         new_states = []
         for g, s in zip(groups, state.inner_states, strict=True):
             u, s_new = masked(labels, g).update(feed, s, params, **extra_args)
             f = fire[g]
-            new_states.append(jax.tree.map(lambda a, b, f=f: jnp.where(f, a, b), s_new, s))
+            new_states.append(select_at_boundary(f, s_new, s))
             out = jax.tree.map(
                 lambda lab, o, uu, f=f, g=g: (
-                    jnp.where(f, uu, jnp.zeros_like(uu)).astype(o.dtype) if lab == g else o
+                    select_at_boundary(f, uu, jnp.zeros_like(uu)).astype(o.dtype) if lab == g else o
                 ),
                 labels,
                 out,
                 u,
             )
-
-        def clear(lab, a):
-            if lab == _NONE:
-                return a
-            return jnp.where(fire[lab], jnp.zeros_like(a), a)
-
-        acc = jax.tree.map(clear, labels, acc, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+        acc = _clear_fired(labels, acc, fire)
         return out, MultiFreqState(count=n, accum=acc, inner_states=tuple(new_states))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

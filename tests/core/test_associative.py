@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from nested_jax.core import associative as A
+from nested_jax.core.wy import solve_tril
 
 TOL = 1e-4
 RULES = ("linear_attention", "delta_rule", "gated_delta")
@@ -292,7 +293,7 @@ def test_triangular_inverse_stable_in_f32(C):
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     a = np.tril(k @ k.T, -1)
     batch = np.stack([a, 0.5 * a, np.zeros_like(a)]).astype(np.float32)
-    got = np.asarray(jax.jit(A._tri_inverse)(batch))
+    got = np.asarray(jax.jit(solve_tril)(batch))
     ref = np.linalg.inv(np.eye(C) + batch.astype(np.float64))
     np.testing.assert_allclose(got, ref, atol=1e-4 * max(1.0, np.abs(ref).max()))
     np.testing.assert_array_equal(np.triu(got, 1), 0)

@@ -3,6 +3,7 @@
 import math
 from functools import partial
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,13 +110,6 @@ def ref_online(levels, x, tgt, periods, variant, lrs, mix=None, delta=None, pos0
     return jnp.stack(ys), stack(finals), stack(accs)
 
 
-def assert_tree_close(a, b, tol=2e-5):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(la) == len(lb)
-    for u, v in zip(la, lb, strict=True):
-        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=tol, atol=tol)
-
-
 CASES = [
     # (variant, periods, T): T is never a multiple of the largest period
     ("sequential", (2, 3, 5), 13),  # gcd 1: chunk of one token
@@ -140,9 +134,9 @@ def test_online_equals_hand_loop_and_changes_only_at_boundaries(variant, periods
     kw = dict(periods=periods, delta_fn=DELTA_FN, variant=variant, lr=lrs, mix_logits=mix)
     y, st_full = cms_online(levels, x, side=tgt, **kw)
     y_ref, lv_ref, acc_ref = ref_online(levels, x, tgt, periods, variant, lrs, mix)
-    assert_tree_close(y, y_ref)
-    assert_tree_close(st_full.levels, tuple(lv_ref))
-    assert_tree_close(st_full.accum, tuple(acc_ref))
+    chex.assert_trees_all_close(y, y_ref, rtol=2e-5, atol=2e-5)
+    chex.assert_trees_all_close(st_full.levels, tuple(lv_ref), rtol=2e-5, atol=2e-5)
+    chex.assert_trees_all_close(st_full.accum, tuple(acc_ref), rtol=2e-5, atol=2e-5)
     assert int(st_full.pos) == T
     # the weights did move, so the output is not the static forward (the test can fail)
     y_static = cms_forward(levels, x, variant=variant, mix_logits=mix)
@@ -166,16 +160,16 @@ def test_online_equals_hand_loop_and_changes_only_at_boundaries(variant, periods
                 elif p % periods[j] == 0:  # level j stepped on its own inside its context
                     assert tree_changed(st.levels[j], st.levels[j + 1])
         prev = st.levels
-    assert_tree_close(jnp.concatenate(ys, axis=1), y)
-    assert_tree_close(st, st_full)
+    chex.assert_trees_all_close(jnp.concatenate(ys, axis=1), y, rtol=2e-5, atol=2e-5)
+    chex.assert_trees_all_close(st, st_full, rtol=2e-5, atol=2e-5)
 
     if math.gcd(*periods) == 1:
         return  # every call is aligned to one-token chunks: the split below adds nothing
     # an uneven split: the second call starts mid-chunk
     y1, st = cms_online(levels, x[:, :3], side=tgt[:, :3], **kw)
     y2, st = cms_online(levels, x[:, 3:], side=tgt[:, 3:], initial_state=st, **kw)
-    assert_tree_close(jnp.concatenate([y1, y2], axis=1), y)
-    assert_tree_close(st, st_full)
+    chex.assert_trees_all_close(jnp.concatenate([y1, y2], axis=1), y, rtol=2e-5, atol=2e-5)
+    chex.assert_trees_all_close(st, st_full, rtol=2e-5, atol=2e-5)
 
 
 def test_period_one_equals_plain_per_token_sgd():
@@ -195,7 +189,9 @@ def test_period_one_equals_plain_per_token_sgd():
         for t in range(T):
             yt, w = sgd_token(w, x[b, t], tgt[b, t])
             np.testing.assert_allclose(y[b, t], yt, rtol=1e-5, atol=1e-5)
-        assert_tree_close(jax.tree.map(lambda a, b=b: a[b], st.levels[0]), w)
+        chex.assert_trees_all_close(
+            jax.tree.map(lambda a, b=b: a[b], st.levels[0]), w, rtol=2e-5, atol=2e-5
+        )
 
 
 def test_period_one_dgd_equals_per_token_dgd_update_layers():
@@ -233,11 +229,11 @@ def test_precomputed_delta_and_remat():
     kw = dict(periods=(2, 4), variant="sequential", lr=(0.1, 0.05))
     y, st = cms_online(levels, x, delta=delta, **kw)
     y_ref, lv_ref, _ = ref_online(levels, x, tgt, (2, 4), "sequential", (0.1, 0.05), delta=delta)
-    assert_tree_close(y, y_ref)
-    assert_tree_close(st.levels, tuple(lv_ref))
+    chex.assert_trees_all_close(y, y_ref, rtol=2e-5, atol=2e-5)
+    chex.assert_trees_all_close(st.levels, tuple(lv_ref), rtol=2e-5, atol=2e-5)
     y2, st2 = cms_online(levels, x, delta=delta, remat_every=2, **kw)
-    assert_tree_close(y2, y, tol=1e-6)
-    assert_tree_close(st2, st, tol=1e-6)
+    chex.assert_trees_all_close(y2, y, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(st2, st, rtol=1e-6, atol=1e-6)
 
 
 def test_gradients_through_online_updates_match_hand_loop():
@@ -258,8 +254,8 @@ def test_gradients_through_online_updates_match_hand_loop():
 
     g = jax.grad(loss)(levels)
     g_ref = jax.grad(loss_ref)(levels)
-    assert_tree_close(g, g_ref, tol=1e-4)
-    assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree.leaves(g))
+    chex.assert_trees_all_close(g, g_ref, rtol=1e-4, atol=1e-4)
+    chex.assert_tree_all_finite(g)
 
     # stop_gradient=True drops the second-order path through δ(y): a different meta-gradient
     first = surprise_from_loss(sq_loss, stop_gradient=True)

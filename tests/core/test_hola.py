@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -273,10 +274,7 @@ def test_forward_state_then_decode_and_state_size_constant():
     np.testing.assert_allclose(np.concatenate(parts, axis=1), np.asarray(o), atol=2e-5, rtol=1e-5)
     assert_states_close(s5, st)
 
-    def spec(s):
-        return [(a.shape, a.dtype) for a in jax.tree_util.tree_leaves(s)]
-
-    assert all(spec(s0) == spec(s_) for s_ in (s1, s2, s3, s4, s5, st))
+    chex.assert_trees_all_equal_shapes_and_dtypes(s0, s1, s2, s3, s4, s5, st)
     nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(st))
     per_head_floats = K * V + (W + C) * (K + V) + W + C  # S, cache + buffer k/v, scores
     assert nbytes == B * H * (4 * per_head_floats + W * (4 + 1)) + 4  # + positions, flags, pos

@@ -9,6 +9,7 @@ gradients across Δ-boundaries, and the argument checks.
 
 from functools import partial
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,9 +211,8 @@ def test_locked_coordinates_bit_identical_every_step():
     assert n_locked > 0
     # the step form is the recurrent form
     _, new = rec(x, q, st, ro, t0=T0, **N48, **FLAGS)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a[-1], b, rtol=1e-6, atol=1e-6), states, new
-    )
+    last = jax.tree.map(lambda a: a[-1], states)
+    chex.assert_trees_all_close(last, new, rtol=1e-6, atol=1e-6)
 
 
 def _same_jaxpr(f, g, *args):
@@ -242,14 +242,14 @@ def test_single_block_and_beyond_context_are_the_backbone():
     o1, s1 = chk(x, q, st, ro, t0=3, context_len=48, num_blocks=1, chunk_memory=2, **FLAGS)
     o0, s0 = jax.jit(partial(hope_chunked, chunk_memory=2, **FLAGS))(x, q, st, ro)
     np.testing.assert_array_equal(o1, o0)
-    jax.tree.map(np.testing.assert_array_equal, s1, s0)
+    chex.assert_trees_all_equal(s1, s0)
     # beyond N with a traced position (no static dispatch): the backbone's values
     o2, s2 = jax.jit(partial(proteus_hope_recurrent, **N48, **FLAGS))(
         x, q, st, ro, t0=jnp.int32(40)
     )
     o3, s3 = jax.jit(partial(hope_recurrent, **FLAGS))(x, q, st, ro)
     np.testing.assert_allclose(o2, o3, rtol=1e-6, atol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), s2, s3)
+    chex.assert_trees_all_close(s2, s3, rtol=1e-6, atol=1e-6)
 
 
 def _grads(fn, st, ro, x, q, **kw):

@@ -8,6 +8,7 @@ straddling Δ-boundaries, and streaming with a position offset t0.
 
 from functools import partial
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -460,13 +461,14 @@ def test_titans_recurrent_matches_reference_and_streams(L):
         y, new = mlp_rec(st, *seq, t0=5, read_before_write=rbw, **N60, **NOCLIP)
         y_ref, W_ref, S_ref = ref_proteus_titans(st.weights, st.momentum, *seq, 60, 4, 5, rbw=rbw)
         np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
-        for a, b in zip(new.weights + new.momentum, W_ref + S_ref, strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_close(
+            (*new.weights, *new.momentum), (*W_ref, *S_ref), rtol=1e-5, atol=1e-5
+        )
     # streaming: [0, 20) then [20, 37) carrying the state equals one call (y, new: rbw = False)
     y1, s1 = mlp_rec(st, *(x[:, :20] for x in seq), t0=5, **N60, **NOCLIP)
     y2, s2 = mlp_rec(s1, *(x[:, 20:] for x in seq), t0=25, **N60, **NOCLIP)
     np.testing.assert_allclose(np.concatenate([y1, y2], 1), y, rtol=1e-6, atol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), s2, new)
+    chex.assert_trees_all_close(s2, new, rtol=1e-6, atol=1e-6)
     if L == 1:  # the matrix-memory API is the same memory
         y_lin, lin = jax.jit(partial(proteus_titans_linear_recurrent, t0=5, **N60))(
             *seq, initial_state=TitansLinearState(st.weights[0], st.momentum[0])
@@ -563,8 +565,9 @@ def test_titans_chunked_equals_recurrent_and_reference(L, t0, B, T):
     y4, s4 = jax.jit(partial(chk_fn, chunk_size=4, **kw))(st0, *seq)
     y_ref, W_ref, S_ref = ref_proteus_titans(st.weights, st.momentum, *seq, 60, 4, t0, chunk=4)
     np.testing.assert_allclose(y4, y_ref, rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(s4), jax.tree.leaves((W_ref, S_ref)), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(
+        jax.tree.leaves(s4), jax.tree.leaves((W_ref, S_ref)), rtol=1e-5, atol=1e-5
+    )
     # coordinates still locked at the end of the call (2 or 3 blocks) kept their initial bits
     dims = (seq[0].shape[-1], *(w.shape[-1] for w in st.weights))
     ms = ref_masks(t0 + T, 60, 4, dims)
@@ -608,7 +611,7 @@ def test_titans_single_block_and_beyond_context_are_the_backbone():
     y, s = jax.jit(partial(proteus_titans_mlp_recurrent, **N60))(st, *seq, t0=jnp.int32(60))
     y0, s0 = jax.jit(titans_mlp_recurrent)(st, *seq)
     np.testing.assert_allclose(y, y0, rtol=1e-6, atol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), s, s0)
+    chex.assert_trees_all_close(s, s0, rtol=1e-6, atol=1e-6)
 
 
 def test_titans_errors():

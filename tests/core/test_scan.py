@@ -1,5 +1,6 @@
 """nested_jax.core.scan against plain Python loops (values and gradients)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,10 +128,7 @@ def test_scan_remat_equals_scan_values_and_grads(T, n):
     np.testing.assert_allclose(got[1], ref[1], atol=1e-6)
     g_ref = jax.grad(loss(jax.lax.scan), (0, 1))(c0, xs)
     g_got = jax.grad(loss(lambda f_, c, x: scan_remat(f_, c, x, remat_every=n)), (0, 1))(c0, xs)
-    for x, y in zip(
-        jax.tree_util.tree_leaves(g_got), jax.tree_util.tree_leaves(g_ref), strict=True
-    ):
-        np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(g_got, g_ref, atol=1e-5, rtol=1e-5)
 
 
 def test_scan_remat_without_xs_and_errors():

@@ -10,11 +10,13 @@ from flax import nnx
 
 from nested_jax.core.cms import CMSLevel, cms_forward
 from nested_jax.layers.cms import CMSFFN
+from nested_jax.layers.options import CMSOptions
 from nested_jax.optim.multifreq import level_labels_by_index
 
 
 def _ffn(variant="sequential", gated=True, k=3, d=12, h=20, dtype=jnp.float32, seed=0):
-    return CMSFFN(d, h, k, variant=variant, gated=gated, dtype=dtype, rngs=nnx.Rngs(seed))
+    opts = CMSOptions(periods=tuple(2**i for i in range(k)), variant=variant, gated=gated)
+    return CMSFFN(d, h, opts, dtype=dtype, rngs=nnx.Rngs(seed))
 
 
 @pytest.mark.parametrize("variant", ["sequential", "nested", "independent"])
@@ -84,10 +86,12 @@ def test_bfloat16_activations_keep_f32_params():
 
 
 def test_bad_inputs_are_named():
-    with pytest.raises(ValueError, match=r"^variant: expected one of"):
+    with pytest.raises(ValueError, match=r"^CMSOptions\.variant: unknown 'parallel'"):
         _ffn("parallel")
-    with pytest.raises(ValueError, match=r"^num_levels: expected a positive int"):
+    with pytest.raises(ValueError, match=r"^CMSOptions\.periods: must be a non-empty tuple"):
         _ffn(k=0)
+    with pytest.raises(ValueError, match=r"^hidden: expected a positive int"):
+        _ffn(h=0)
     with pytest.raises(ValueError, match=r"^z: expected shape \[B, T, 12\]"):
         _ffn()(jnp.zeros((2, 5, 13)))
     with pytest.raises(ValueError, match=r"^z: expected shape"):

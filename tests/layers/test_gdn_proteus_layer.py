@@ -1,6 +1,7 @@
 """Proteus GDN / DeltaNet layer (SPEC §4): model.proteus options, equality with the core Proteus
 functions, decode == forward, packed rows, evaluation beyond the training context, E=1 bitwise."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,5 +175,4 @@ def test_language_model_decode_equals_forward_and_packed_training_runs():
         return jnp.mean(jax.nn.logsumexp(logits, -1))
 
     grads = nnx.jit(nnx.grad(loss))(model)
-    leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
-    assert all(bool(jnp.isfinite(g).all()) for g in leaves)
+    chex.assert_tree_all_finite(nnx.state(grads, nnx.Param))

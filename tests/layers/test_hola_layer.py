@@ -2,6 +2,7 @@
 packed rows == documents alone (values and gradients), constant cache size, options and
 gradients."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +12,7 @@ from flax import nnx
 from nested_jax.core.hola import HolaState
 from nested_jax.layers.gdn import GatedDeltaNet
 from nested_jax.layers.hola import HolaMixer
+from nested_jax.layers.options import HolaOptions
 
 D_MODEL, H, D = 24, 2, 8
 KW = dict(conv_size=4, chunk_size=8)
@@ -19,7 +21,7 @@ KW = dict(conv_size=4, chunk_size=8)
 def _hola(seed=0, **kw):
     opts = dict(window=3, block_size=4, gate_init=1.0)  # a strong gate: the cache path matters
     opts.update(kw)
-    return HolaMixer(D_MODEL, H, D, rngs=nnx.Rngs(seed), **KW, **opts)
+    return HolaMixer(D_MODEL, H, D, HolaOptions(**opts), rngs=nnx.Rngs(seed), **KW)
 
 
 def _x(seed, b, t):
@@ -55,11 +57,10 @@ def test_decode_equals_forward_over_block_boundaries(eviction):
 def test_cache_size_is_independent_of_length():
     layer = _hola()
     small, big = layer.init_cache(1, 2048), layer.init_cache(1, 32768)
-    shapes = lambda c: [(a.shape, a.dtype) for a in jax.tree.leaves(c)]  # noqa: E731
-    assert shapes(small) == shapes(big)
+    chex.assert_trees_all_equal_shapes_and_dtypes(small, big)
     x = _x(2, 1, 9)
     _, after = _call(layer, x, cache=small)
-    assert shapes(after) == shapes(small)
+    chex.assert_trees_all_equal_shapes_and_dtypes(after, small)
     floats = H * (D * D + (3 + 4) * (D + D))  # SPEC §5: K·V + (w + C)(K + V) per head
     s = small.state
     assert s.S.size + s.cache_k.size + s.cache_v.size + s.block_k.size + s.block_v.size == floats

@@ -2,6 +2,7 @@
 bit for bit; with E = 4 the layer's memory equals the core ``proteus_titans_mlp_*`` wrappers and
 never touches locked coordinates; decoding equals the forward; packed rows and option checks."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,8 +62,7 @@ def test_memory_equals_core_proteus_and_keeps_locked_coordinates(opts):
     else:
         y_ref, st_ref = proteus_titans_mlp_chunked(st0, *xs, chunk_size=mem.chunk, **kw)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(st_ref), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(st, st_ref, rtol=1e-5, atol=1e-5)
     # T = 21 < (E−1)Δ + 1 = 25: block 3 (the last) never opened, so its coordinates keep the
     # learned M_0 and zero momentum bit for bit; the open blocks did move.
     L = mem.n_layers

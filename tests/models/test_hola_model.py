@@ -1,9 +1,11 @@
 """HOLA in the LM shell (SPEC §5, §6): cached decoding == full forward over several block
 boundaries, σ(λ)→0 equals the GDN model with the same shared parameters, a finite training step."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from nested_jax.layers.options import HolaOptions
@@ -37,8 +39,7 @@ def test_teacher_forced_decoding_equals_full_forward():
         outs.append(logits)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-4)
     # The decode state has the same shapes whatever the length budget (bounded memory).
-    shapes = lambda c: [a.shape for a in jax.tree.leaves(c)]  # noqa: E731
-    assert shapes(cache) == shapes(model.init_cache(2, 18)) == shapes(model.init_cache(2, 32768))
+    chex.assert_trees_all_equal_shapes(cache, model.init_cache(2, 18), model.init_cache(2, 32768))
 
 
 def test_gate_minus_inf_equals_gdn_model_exactly():
@@ -59,6 +60,7 @@ def test_gate_minus_inf_equals_gdn_model_exactly():
     assert float(jnp.abs(hola(tokens)[0] - y_g).max()) > 1e-4
 
 
+@pytest.mark.slow  # ~45 s; tests/core/test_hola_packed.py checks packed rows in the default suite
 def test_training_step_is_finite_with_packed_segments():
     cfg = load_config(
         [],
@@ -89,7 +91,7 @@ def test_training_step_is_finite_with_packed_segments():
     state, m = setup.train_step(setup.state, global_batch_from_local(batch, mesh))
     assert bool(m["finite"]) and np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
     after = jax.tree.map(np.asarray, state["params"])
-    assert all(np.isfinite(a).all() for a in jax.tree.leaves(after))
+    chex.assert_tree_all_finite(after)
     mixer_before, mixer_after = before["blocks"]["mixer"], after["blocks"]["mixer"]
     for name in ("gamma_q", "gamma_k", "sink_logit", "gate_logit"):
         assert not np.array_equal(mixer_before[name], mixer_after[name]), name

@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,7 +125,7 @@ def test_existing_models_keep_their_swiglu_and_params():
     explicit = _build(ModelConfig(**SMALL, name="transformer", ffn="swiglu"))
     pa, pe = _params(auto), _params(explicit)
     assert sorted(pa["blocks"]["mlp"]) == ["down", "gate", "up"]
-    jax.tree.map(np.testing.assert_array_equal, pa, pe)
+    chex.assert_trees_all_equal(pa, pe)
 
 
 @pytest.mark.parametrize("variant", ["sequential", "independent"])
@@ -294,9 +295,9 @@ def test_checkpoint_params_convert_to_the_same_logits(saved_transformer):
     workdir, src_cfg, src_model = saved_transformer
     cfg, params, step = load_checkpoint_params(workdir)
     assert step == 5 and cfg == src_cfg
-    jax.tree.map(np.testing.assert_array_equal, params, _params(src_model))
+    chex.assert_trees_all_equal(params, _params(src_model))
     _, params, _ = load_checkpoint_params(workdir / "checkpoints" / "5")  # a step directory
-    jax.tree.map(np.testing.assert_array_equal, params, _params(src_model))
+    chex.assert_trees_all_equal(params, _params(src_model))
 
     dst_cfg = ModelConfig(
         **{**SMALL, "vocab_size": 257}, name="hope_attention", cms=CMSOptions(periods=(1,))

@@ -1,5 +1,6 @@
 """CMS pretrain mode: multi_frequency steps each level every C^(ℓ) optimizer steps (SPEC §3.3)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,11 +80,6 @@ def run_hand(make_inner, params, n_steps, accumulate="sum"):
     return hist
 
 
-def close(a, b, tol=1e-5):
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=tol, atol=tol)
-
-
 @pytest.mark.parametrize(
     "name,make_inner,accumulate",
     [
@@ -99,7 +95,7 @@ def test_matches_hand_loop_and_steps_only_every_period(name, make_inner, accumul
     hist, state, step = run_wrapped(tx, params, N_STEPS)
     ref = run_hand(make_inner, params, N_STEPS, accumulate)
     for n in range(N_STEPS + 1):
-        close(hist[n], ref[n])
+        chex.assert_trees_all_close(hist[n], ref[n], rtol=1e-5, atol=1e-5)
     for n in range(1, N_STEPS + 1):
         for key, g in GROUP.items():
             C = 1 if g is None else PERIODS[g]
@@ -114,8 +110,12 @@ def test_matches_hand_loop_and_steps_only_every_period(name, make_inner, accumul
     # pending accumulation after step 13: fast holds g_13 (13 mod 2 = 1), slow holds g_13
     # (13 mod 3 = 1); "other" keeps no accumulator
     assert isinstance(state.accum["other"], optax.MaskedNode)
-    close(state.accum["fast"], grads_at(hist[12], 13)["fast"])
-    close(state.accum["slow"], grads_at(hist[12], 13)["slow"])
+    chex.assert_trees_all_close(
+        state.accum["fast"], grads_at(hist[12], 13)["fast"], rtol=1e-5, atol=1e-5
+    )
+    chex.assert_trees_all_close(
+        state.accum["slow"], grads_at(hist[12], 13)["slow"], rtol=1e-5, atol=1e-5
+    )
     assert step._cache_size() == 1  # one compilation for every step of the cycle
 
 
@@ -128,7 +128,7 @@ def test_period_one_level_is_plain_inner_and_callable_level_of():
     )
     hist, _, _ = run_wrapped(tx, params, 4)
     hist_ref, _, _ = run_wrapped(optax.adam(0.1), params, 4)
-    close(hist[-1], hist_ref[-1])
+    chex.assert_trees_all_close(hist[-1], hist_ref[-1], rtol=1e-5, atol=1e-5)
 
 
 def test_state_type_and_scan_carry():
@@ -144,7 +144,7 @@ def test_state_type_and_scan_carry():
 
     (p_scan, _), _ = jax.lax.scan(body, (params, state), jnp.arange(1, 7))
     hist, _, _ = run_wrapped(tx, params, 6)
-    close(p_scan, hist[-1])
+    chex.assert_trees_all_close(p_scan, hist[-1], rtol=1e-5, atol=1e-5)
 
 
 def test_level_labels_by_index():

@@ -6,7 +6,8 @@ written again from SPEC §3.2 and shares no code path with them: a ``lax.scan`` 
 (no chunk grid, no padding, no parallel chunk stage), every weight materialised after every token,
 math per (batch, head) through ``jax.vmap``, and the inner-loss weight gradients ``∂L̃/∂W`` taken
 by ``jax.grad`` (not the hand-derived layer signals ``x_ℓ, g_ℓ`` of ``core.hope``). Only the
-argument types (``HopeState``, ``HopeMemories``, ``MLPMemory``, ``HopeReadout``) are shared.
+argument types (``HopeState``, ``HopeMemories``, ``MLPMemory``, ``HopeReadout``, from
+``core.hope_state``) and the packed-row boundaries (``core.scan.segment_starts``) are shared.
 
 Per head, each memory is ``M_□(z) = z + W_1 σ(W_2 z)`` (``W_1 [D, h]``, ``W_2 [h, D]``). Token
 ``t`` reads the projection memories and builds its targets and gradients at its group's
@@ -39,7 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.hope import HopeMemories, HopeReadout, HopeState, MLPMemory
+from nested_jax.core.hope_state import HopeMemories, HopeReadout, HopeState, MLPMemory
+from nested_jax.core.scan import segment_starts
 
 __all__ = ["hope_reference", "memory_apply", "l2_normalize", "dgd_layer_write"]
 
@@ -142,6 +144,53 @@ def _token(run, snap, mom, x_t, q_t, readout: HopeReadout, o):
     return o_t, run, mom
 
 
+def _check_reference_args(chunk_memory, chunk_other, step, momentum, state):
+    """The argument checks of :func:`hope_reference` (chunk sizes, step, momenta present)."""
+    for name, c in (("chunk_memory", chunk_memory), ("chunk_other", chunk_other)):
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"hope_reference: {name} must be a positive int, got {c!r}")
+    if step not in ("exact", "paper"):
+        raise ValueError(f"hope_reference: step must be 'exact' or 'paper', got {step!r}")
+    if momentum and state.momentum is None:
+        raise ValueError("hope_reference: state.momentum must be set when momentum=True")
+
+
+def _start_state(state: HopeState, initial_memories, momentum, names):
+    """``(run, mom, init)``: dicts name -> ``(W1, W2)`` ``[B, H, ...]`` of the running memories,
+    the momenta (zeros without ``momentum``) and the memories a document start resets to
+    (``initial_memories`` broadcast over the batch, default the running ones)."""
+    as_dict = lambda mems: {n: tuple(getattr(mems, n)) for n in names}  # noqa: E731
+    run = as_dict(state.memories)
+    if momentum:
+        mom = as_dict(state.momentum)
+    else:
+        mom = {n: tuple(jnp.zeros_like(w) for w in run[n]) for n in names}
+    if initial_memories is None:
+        return run, mom, run
+    init = {
+        n: tuple(jnp.broadcast_to(w, run[n][i].shape) for i, w in enumerate(m))
+        for n, m in as_dict(initial_memories).items()
+    }
+    return run, mom, init
+
+
+def _before_token(t, start, run, snap, mom, init, chunks):
+    """The state token ``t`` sees: where a document starts (``start [B]``) the running memories
+    and the snapshots become ``init`` and the momenta zero; then the snapshot of each memory
+    whose group chunk (``chunks[name]``) starts at ``t`` is the running memory."""
+
+    def per_row(a, b):
+        """``a`` where ``start [B]`` else ``b`` (weights ``[B, H, ., .]``)."""
+        return jnp.where(start[:, None, None, None], a, b)
+
+    run = jax.tree.map(per_row, init, run)
+    snap = jax.tree.map(per_row, init, snap)
+    mom = jax.tree.map(lambda b: per_row(jnp.zeros_like(b), b), mom)
+    for n, c in chunks.items():
+        snap[n] = jax.tree.map(lambda a, b, c=c: jnp.where(t % c == 0, a, b), run[n], snap[n])
+    return run, snap, mom
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -198,57 +247,26 @@ def hope_reference(
     Returns:
       ``(o [B, T, H, D], final HopeState)`` (``momentum`` set iff ``momentum``).
     """
-    for name, c in (("chunk_memory", chunk_memory), ("chunk_other", chunk_other)):
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise ValueError(f"hope_reference: {name} must be a positive int, got {c!r}")
-    if step not in ("exact", "paper"):
-        raise ValueError(f"hope_reference: step must be 'exact' or 'paper', got {step!r}")
-    if momentum and state.momentum is None:
-        raise ValueError("hope_reference: state.momentum must be set when momentum=True")
+    _check_reference_args(chunk_memory, chunk_other, step, momentum, state)
     dtype = jnp.promote_types(jnp.result_type(x), jnp.float32)
     x = jnp.asarray(x, dtype)
     B, T, H, D = x.shape
     q = x if adaptive_q else jnp.asarray(q, dtype)
     names = [n for n in HopeMemories._fields if getattr(state.memories, n) is not None]
-    as_dict = lambda mems: {n: tuple(getattr(mems, n)) for n in names}  # noqa: E731
-    run = as_dict(state.memories)
-    if momentum:
-        mom = as_dict(state.momentum)
-    else:
-        mom = {n: tuple(jnp.zeros_like(w) for w in run[n]) for n in names}
-    if initial_memories is None:
-        init = run
-    else:
-        init = {
-            n: tuple(jnp.broadcast_to(w, run[n][i].shape) for i, w in enumerate(m))
-            for n, m in as_dict(initial_memories).items()
-        }
-    if segment_ids is None:
-        starts = jnp.zeros((B, T), bool)
-    else:
-        seg = jnp.asarray(segment_ids)
-        starts = jnp.concatenate([jnp.zeros((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    run, mom, init = _start_state(state, initial_memories, momentum, names)
+    chunks = {n: chunk_memory if n == "memory" else chunk_other for n in names}
+    starts = jnp.zeros((B, T), bool)
+    if segment_ids is not None:
+        starts = segment_starts(jnp.asarray(segment_ids))
     opts = dict(
         dgd=dgd, step=step, momentum=momentum, momentum_coef=momentum_coef, decay=decay,
         inner_k=inner_k, inner_v=inner_v, inner_q=inner_q, adaptive_q=adaptive_q,
         stop_gradient_targets=stop_gradient_targets, activation=activation,
     )  # fmt: skip
 
-    def per_row(flag, a, b):
-        """``a`` where ``flag [B]`` else ``b`` (weights ``[B, H, ., .]``)."""
-        return jnp.where(flag[:, None, None, None], a, b)
-
     def token(carry, inp):
-        run, snap, mom = carry
         t, x_t, q_t, start = inp
-        # a document starts here: back to the initial memories, snapshots too; momenta to zero
-        run = jax.tree.map(functools.partial(per_row, start), init, run)
-        snap = jax.tree.map(functools.partial(per_row, start), init, snap)
-        mom = jax.tree.map(lambda b: per_row(start, jnp.zeros_like(b), b), mom)
-        # a chunk of the memory's group starts here: snapshot the running memory
-        for n in names:
-            c = chunk_memory if n == "memory" else chunk_other
-            snap[n] = jax.tree.map(lambda a, b, c=c: jnp.where(t % c == 0, a, b), run[n], snap[n])
+        run, snap, mom = _before_token(t, start, *carry, init, chunks)
         o_t, run, mom = _token(run, snap, mom, x_t, q_t, readout, opts)
         return (run, snap, mom), o_t
 

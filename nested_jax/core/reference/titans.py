@@ -24,6 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from nested_jax.core.scan import segment_starts
+
 
 def mlp(ws, z, activation, residual):
     """``M(z) = σ(…σ(z W_1)…) W_L (+ z if residual)`` for one head (SPEC §2).
@@ -179,9 +181,7 @@ def chunk_rule(
     if segment_ids is None:
         reset = jnp.zeros((B, T), bool)
     else:  # a new segment starts at t > 0 where the id changes
-        reset = jnp.concatenate(
-            [jnp.zeros((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
-        )
+        reset = segment_starts(segment_ids)
     per_head = jax.vmap(single, in_axes=(0, 0, 1, 1, 1, 1, 1, 1, None), out_axes=(1, 0, 0))
     per_batch = jax.vmap(per_head, in_axes=0, out_axes=0)
     y, ws, ss = per_batch(list(weights), list(momentum), q, k, v, theta, eta, alpha, reset)

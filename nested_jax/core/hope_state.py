@@ -1,0 +1,189 @@
+"""Hope's values (SPEC §3.2): the memories and their read, readout, carried state, the rule.
+
+- :class:`MLPMemory` (``M(z) = z + W_1 σ(W_2 z)``, read by :func:`mlp_memory_apply`), the bundle
+  :class:`HopeMemories` (``k, v, η, α, memory`` and ``q`` with ``adaptive_q``), the outer scalar
+  readouts :class:`HopeReadout` of ``M_η``, ``M_α``, and the carried :class:`HopeState`
+  (memories, momenta); :func:`hope_init_state` broadcasts learned memories over a batch.
+- :class:`HopeRule`: chunk sizes, ablation flags and backprop options as one frozen value.
+
+The forms that run the rule are :mod:`nested_jax.core.hope` (chunked, which re-exports every name
+here) and :mod:`nested_jax.core.hope_token` (per token, decode step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "MLPMemory",
+    "HopeMemories",
+    "HopeReadout",
+    "HopeState",
+    "HopeRule",
+    "hope_init_state",
+    "mlp_memory_apply",
+]
+
+# The rule flags hope_step / hope_decode_step take as keywords (HopeRule.flags()).
+_FLAG_NAMES = (
+    "dgd",
+    "step",
+    "momentum",
+    "momentum_coef",
+    "decay",
+    "inner_k",
+    "inner_v",
+    "inner_q",
+    "adaptive_q",
+    "stop_gradient_targets",
+)
+
+
+class MLPMemory(NamedTuple):
+    """Residual MLP ``M(z) = z + W_1 σ(W_2 z)``; ``w1 [.., H, D, h]``, ``w2 [.., H, h, D]``."""
+
+    w1: jax.Array
+    w2: jax.Array
+
+
+class HopeMemories(NamedTuple):
+    """The self-modifying memories (``q`` is ``None`` unless ``adaptive_q``)."""
+
+    k: MLPMemory
+    v: MLPMemory
+    eta: MLPMemory
+    alpha: MLPMemory
+    memory: MLPMemory
+    q: MLPMemory | None = None
+
+
+class HopeReadout(NamedTuple):
+    """Outer scalar readouts of ``M_η``, ``M_α``: ``*_w [H, D]``, ``*_b [H]``."""
+
+    eta_w: jax.Array
+    eta_b: jax.Array
+    alpha_w: jax.Array
+    alpha_b: jax.Array
+
+
+class HopeState(NamedTuple):
+    """Carried state: the memories ``[B, H, ...]`` and (``momentum=True``) their momenta."""
+
+    memories: HopeMemories
+    momentum: HopeMemories | None = None
+
+
+@dataclass(frozen=True)
+class HopeRule:
+    """The Hope memory rule as one typed value (SPEC §3.2): chunk sizes, ablation flags, backprop.
+
+    ``HopeOptions.rule()`` (the ``model.hope`` config section) builds it, and the defaults below
+    are ``HopeOptions``'s (a test keeps them equal). The keyword defaults of the core functions
+    (``hope_chunked``, ``hope_step``, ``hope_decode_step``, ...) are the plain per-token rule
+    instead and stay as they are: ``chunk_memory = chunk_other = 1``, ``momentum=False``,
+    ``remat=False``. A rule is checked where it runs (the core forms), with their messages.
+
+    Attributes:
+      chunk_memory: chunk size of ``M_memory``; chunk_other: of ``M_k, M_v, M_η, M_α`` (``M_q``);
+        the larger a multiple of the smaller (SPEC §3.2 Decision; 1 = per token).
+      dgd, step, momentum, momentum_coef, decay, inner_k, inner_v, inner_q, adaptive_q,
+      stop_gradient_targets: the ablation flags of ``hope.hope_chunked`` (SPEC §3.2, Table 6).
+      grad_horizon: truncated backprop every ``grad_horizon`` tokens (0 = full backprop).
+      remat: rematerialise each chunk in the backward pass (values and gradients unchanged).
+    """
+
+    chunk_memory: int = 16
+    chunk_other: int = 4
+    dgd: bool = True
+    step: str = "exact"
+    momentum: bool = True
+    momentum_coef: float = 0.9
+    decay: bool = True
+    inner_k: bool = True
+    inner_v: bool = True
+    inner_q: bool = True
+    adaptive_q: bool = False
+    stop_gradient_targets: bool = False
+    grad_horizon: int = 0
+    remat: bool = True
+
+    @property
+    def mu(self):
+        """The momentum coefficient in effect: ``μ`` with ``momentum``, else 0."""
+        return self.momentum_coef if self.momentum else 0.0
+
+    def flags(self) -> dict:
+        """The ablation flags as keywords of ``hope_token.hope_step`` / ``hope_decode_step``."""
+        return {name: getattr(self, name) for name in _FLAG_NAMES}
+
+    def kwargs(self) -> dict:
+        """Every field as keywords of ``hope.hope_chunked`` (and ``proteus_hope_chunked``)."""
+        return dict(
+            chunk_memory=self.chunk_memory,
+            chunk_other=self.chunk_other,
+            grad_horizon=self.grad_horizon,
+            remat=self.remat,
+            **self.flags(),
+        )
+
+
+def _names(mems: HopeMemories):
+    """The names of the memories present (``q`` only with ``adaptive_q``), in field order."""
+    return [n for n in HopeMemories._fields if getattr(mems, n) is not None]
+
+
+def mlp_memory_apply(mem: MLPMemory, z, activation: Callable = jax.nn.silu):
+    """``M(z) = z + W_1 σ(W_2 z)`` per head (SPEC §3.2).
+
+    Args:
+      mem: ``MLPMemory`` with ``w1 [B, H, D, h]``, ``w2 [B, H, h, D]``.
+      z: ``[B, N, H, D]`` (``N`` tokens read with the same weights).
+      activation: elementwise ``σ``.
+
+    Returns:
+      ``[B, N, H, D]``.
+    """
+    a = jnp.einsum("bhkd,bnhd->bnhk", mem.w2, z)
+    return z + jnp.einsum("bhdk,bnhk->bnhd", mem.w1, activation(a))
+
+
+def hope_init_state(
+    memories: HopeMemories, batch_size: int, *, momentum: bool = False, dtype=jnp.float32
+) -> HopeState:
+    """Broadcast initial (meta-learned) memories to a batch and add zero momenta if asked.
+
+    Args:
+      memories: ``HopeMemories`` with ``w1 [H, D, h]``/``w2 [H, h, D]`` or already ``[B, ...]``.
+      batch_size: ``B``.
+      momentum: also create zero momentum buffers.
+      dtype: state dtype (f32 or wider).
+
+    Returns:
+      ``HopeState`` with every weight ``[B, H, ...]``.
+    """
+    if not isinstance(memories, HopeMemories):
+        raise ValueError(f"memories must be a HopeMemories, got {type(memories).__name__}")
+
+    def bcast(name, w, kind):
+        w = jnp.asarray(w, dtype)
+        if w.ndim == 3:
+            w = jnp.broadcast_to(w, (batch_size,) + w.shape)
+        if w.ndim != 4 or w.shape[0] != batch_size:
+            raise ValueError(
+                f"memories.{name}.{kind} must have shape [H, ., .] or [B={batch_size}, H, ., .], "
+                f"got {w.shape}"
+            )
+        return w
+
+    out = {}
+    for n in _names(memories):
+        m = getattr(memories, n)
+        out[n] = MLPMemory(bcast(n, m.w1, "w1"), bcast(n, m.w2, "w2"))
+    mems = HopeMemories(**out)
+    mom = jax.tree.map(jnp.zeros_like, mems) if momentum else None
+    return HopeState(mems, mom)

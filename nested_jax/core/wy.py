@@ -1,0 +1,318 @@
+"""The WY/UT chunk algebra of the delta rules, as named stages (SPEC §1; derivation core/README.md).
+
+Per head, chunk ``n`` of ``C`` tokens, incoming state ``S_n ∈ R^{K×V}``, ``Γ_ij = e^{b_i − b_j}``
+on the causal (same-segment) mask and 0 elsewhere, ``d`` the coefficient of the carried state for
+each token (``e^{b}``; see README §3 for resets), ``Q`` already scaled::
+
+    kkt           A   = strict_tril(diag(β) (K Kᵀ) ⊙ Γ)                  [..., C, C]
+    solve_tril    T   = (I + A)^{-1}                                       [..., C, C]
+    w_u           W   = T diag(β ⊙ d) K,   Ũ = T diag(β) V                 [..., C, K | V]
+    state_pass    U_n = Ũ_n − W_n S_n,   S_{n+1} = d_C S_n + (K ⊙ Γ_{C,:}ᵀ)ᵀ U_n   (scan over n)
+    chunk_output  O   = diag(d) Q S_n + (Q Kᵀ ⊙ Γ) U_n                    [..., C, V]
+
+This is FLA's split (``chunk_scaled_dot_kkt`` → ``solve_tril`` → ``recompute_w_u`` →
+``chunk_fwd_h`` → ``chunk_fwd_o``): each stage is a pure function of arrays, the seam where a
+Pallas kernel can replace it. Arrays are chunk-major ``[N, B, H, C, ·]``
+(``scan.to_head_chunks``); ``...`` is any leading shape. ``wy_delta_core`` composes the stages for
+the delta rules with a hand-written VJP (README §2); the special cases (linear attention: no ``W``;
+restarts from a non-zero initial state: a second incoming state) compose them in
+``associative._chunked`` under plain autodiff.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["kkt", "solve_tril", "w_u", "state_pass", "chunk_output", "wy_delta_core"]
+
+
+def _mT(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Stages
+# --------------------------------------------------------------------------------------------------
+
+
+def kkt(k, gamma, beta=None):
+    """The β- and decay-weighted key Gram of a chunk (SPEC §1):
+    ``A = strict_tril(diag(β) (K Kᵀ) ⊙ Γ)``.
+
+    Args:
+      k: ``[..., C, K]`` keys of one chunk.
+      gamma: ``[..., C, C]`` pairwise decays ``Γ`` (zero off the mask).
+      beta: ``[..., C]`` write strengths; ``None`` gives the unweighted ``strict_tril(K Kᵀ ⊙ Γ)``
+        (HOLA's residual pass needs it without β).
+
+    Returns:
+      ``[..., C, C]`` strictly lower triangular.
+    """
+    kk = k @ _mT(k)
+    return jnp.tril((kk if beta is None else beta[..., :, None] * kk) * gamma, -1)
+
+
+_BASE = 16  # blocks of at most this size are inverted by forward substitution
+
+
+def _forward_substitution(A):
+    """``(I + A)^{-1}`` for strictly lower ``A [..., c, c]`` (small c), one row at a time:
+    ``X_i = e_i − Σ_{j<i} A_ij X_j``. Exact up to rounding and stable (no powers of A); a
+    ``fori_loop`` keeps the compiled program small."""
+    c = A.shape[-1]
+    eye = jnp.broadcast_to(jnp.eye(c, dtype=A.dtype), A.shape)
+
+    def row(i, X):
+        a_i = lax.dynamic_slice_in_dim(A, i, 1, axis=-2)  # zero at columns ≥ i
+        x_i = lax.dynamic_slice_in_dim(eye, i, 1, axis=-2) - a_i @ X
+        return lax.dynamic_update_slice_in_dim(X, x_i, i, axis=-2)
+
+    return lax.fori_loop(1, c, row, eye)
+
+
+def _tri_inverse(A):
+    """``(I + A)^{-1}`` for strictly lower-triangular ``A [..., C, C]`` by blockwise doubling.
+
+    ``[[L11, 0], [L21, L22]]^{-1} = [[T11, 0], [−T22 L21 T11, T22]]`` with ``T11, T22`` inverted
+    recursively (both halves batched together when C is even) down to forward substitution on
+    blocks of ≤ 16. Only products of inverses of unit triangular blocks appear, never powers of A.
+    """
+    C = A.shape[-1]
+    if C <= _BASE:
+        return _forward_substitution(A)
+    h = C // 2
+    A11, A21, A22 = A[..., :h, :h], A[..., h:, :h], A[..., h:, h:]
+    if C % 2 == 0:
+        T11, T22 = _tri_inverse(jnp.stack([A11, A22]))
+    else:
+        T11, T22 = _tri_inverse(A11), _tri_inverse(A22)
+    T21 = -(T22 @ (A21 @ T11))
+    top = jnp.concatenate([T11, jnp.zeros(T11.shape[:-1] + (C - h,), A.dtype)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([T21, T22], axis=-1)], axis=-2)
+
+
+@jax.custom_vjp
+def _inverse(A):
+    return _tri_inverse(A)
+
+
+def _inverse_fwd(A):
+    X = _tri_inverse(A)
+    return X, X
+
+
+def _inverse_bwd(X, dX):
+    # d(M^{-1}) = −M^{-1} dM M^{-1}  ⇒  dA = −Xᵀ dX Xᵀ on A's strictly lower support
+    return (-jnp.tril(_mT(X) @ dX @ _mT(X), -1),)
+
+
+_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+
+
+def solve_tril(A, rhs=None):
+    """The unit lower-triangular solve of the WY/UT form (SPEC §1): ``(I + A)^{-1}`` or
+    ``(I + A)^{-1} R``.
+
+    Without ``rhs``: the inverse ``T`` by blockwise doubling (README §1; stable in f32, never
+    powers of A), with the VJP ``dA = −strict_tril(Tᵀ dT Tᵀ)``. With ``rhs``: one forward
+    substitution (``lax.linalg.triangular_solve``) for all right-hand sides, differentiated by
+    autodiff.
+
+    Args:
+      A: ``[..., C, C]`` strictly lower triangular (entries on and above the diagonal are ignored
+        by the solve and must be zero for the inverse).
+      rhs: optional ``[..., C, M]``.
+
+    Returns:
+      ``[..., C, C]`` unit lower triangular ``T``, or ``[..., C, M]``.
+    """
+    if rhs is None:
+        return _inverse(A)
+    eye = jnp.eye(A.shape[-1], dtype=A.dtype)
+    return lax.linalg.triangular_solve(eye + A, rhs, left_side=True, lower=True, unit_diagonal=True)
+
+
+def w_u(k, v, beta, d, *, T=None, A=None):
+    """The WY/UT transform (SPEC §1): ``W = T diag(β ⊙ d) K``, ``Ũ = T diag(β) V``, ``T = (I+A)⁻¹``.
+
+    Independent of the state. Give either the inverse ``T = solve_tril(A)`` (two products; what
+    ``wy_delta_core`` saves for its backward) or ``A`` (one forward-substitution solve for both
+    right-hand sides).
+
+    Args:
+      k: ``[..., C, K]``; v: ``[..., C, V]``; beta, d: ``[..., C]``.
+      T: ``[..., C, C]`` ``(I + A)^{-1}``; A: ``[..., C, C]`` strictly lower (exactly one of them).
+
+    Returns:
+      ``(W [..., C, K], Ũ [..., C, V])``.
+    """
+    if (T is None) == (A is None):
+        raise ValueError("w_u: give exactly one of T (the inverse) and A")
+    rk, rv = k * (beta * d)[..., None], v * beta[..., None]
+    if T is not None:
+        return T @ rk, T @ rv
+    Y = solve_tril(A, jnp.concatenate([rk, rv], axis=-1))
+    return Y[..., : k.shape[-1]], Y[..., k.shape[-1] :]
+
+
+def state_pass(W, U, k_dec, d_last, S0, bias=None):
+    """The sequential pass over chunks (SPEC §1), a ``lax.scan`` carrying only the state::
+
+        U_n = Ũ_n − W_n S_n,     S_{n+1} = d_C S_n + k_decᵀ U_n (+ bias_n)
+
+    with ``k_dec = K ⊙ Γ_{C,:}ᵀ`` (each key decayed to the chunk end) and ``d_C`` the carried
+    state's coefficient at the chunk end.
+
+    Args:
+      W: ``[N, ..., C, K]``, or ``None`` for linear attention (no error term: ``U_n = Ũ_n``).
+      U: ``[N, ..., C, V]`` ``Ũ``.
+      k_dec: ``[N, ..., C, K]``; d_last: ``[N, ...]``.
+      S0: ``[..., K, V]`` the state entering chunk 0.
+      bias: optional ``[N, ..., K, V]`` added to ``S_{n+1}`` (a restart from the initial state,
+        README §3).
+
+    Returns:
+      ``(S_N [..., K, V], S_n [N, ..., K, V] the chunk-start states, U_n [N, ..., C, V])``.
+    """
+
+    def body(S, xs):
+        W_n, U_n, kd_n, dl_n, b_n = xs
+        if W_n is not None:
+            U_n = U_n - W_n @ S
+        S_next = dl_n[..., None, None] * S + _mT(kd_n) @ U_n
+        if b_n is not None:
+            S_next = S_next + b_n
+        return S_next, (S if W_n is None else (S, U_n))
+
+    S_final, ys = lax.scan(body, S0, (W, U, k_dec, d_last, bias))
+    S_starts, U_n = (ys, U) if W is None else ys
+    return S_final, S_starts, U_n
+
+
+def chunk_output(q, k, gamma, d, S_starts, U):
+    """Chunk outputs (SPEC §1): ``O = diag(d) Q S_n + (Q Kᵀ ⊙ Γ) U_n`` — the inter-chunk read of
+    the carried state plus causal attention inside the chunk.
+
+    Args:
+      q, k: ``[..., C, K]`` (q scaled); gamma: ``[..., C, C]``; d: ``[..., C]``.
+      S_starts: ``[..., K, V]`` chunk-start states; U: ``[..., C, V]`` writes ``U_n``.
+
+    Returns:
+      ``[..., C, V]``.
+    """
+    return (q * d[..., None]) @ S_starts + ((q @ _mT(k)) * gamma) @ U
+
+
+# --------------------------------------------------------------------------------------------------
+# The delta-rule chunk core with a hand-written VJP
+# --------------------------------------------------------------------------------------------------
+#
+# Arrays are chunk-major ``[N, B, H, C, ·]``. Inputs: Q (scaled), K, V, β [N,B,H,C], Γ [N,B,H,C,C]
+# (decays e^{b_i − b_j} on the causal same-segment mask, zero elsewhere), dc [N,B,H,C] (coefficient
+# of the carried state for token i: e^{b_i}, zeroed after an in-chunk reset) and S_init [B,H,K,V].
+# The backward recomputes nothing expensive: it reuses T, W, Ũ, QKᵀ, KKᵀ, the chunk-start states
+# S_n and U_n saved by the forward, and runs the state recurrence backwards (core/README.md §2).
+
+
+def _rowdot(a, b):
+    # Row-wise dot products as an einsum: on XLA:CPU a fused multiply+reduce over the last axis
+    # lowers to a reduction ~30x slower than the equivalent dot (measured here).
+    return jnp.einsum("...ij,...ij->...i", a, b)
+
+
+def _wy_forward(Q, K, V, beta, gamma, dc, S_init):
+    """The five stages in order; returns ``(O, S_final, saved)`` with what the backward reuses."""
+    # The Grams are saved for the backward; kkt and chunk_output form the same products, which
+    # XLA's common-subexpression pass computes once.
+    QK_KK = (Q @ _mT(K), K @ _mT(K))
+    T = solve_tril(kkt(K, gamma, beta))
+    W, Ut = w_u(K, V, beta, dc, T=T)
+    Kdec = K * gamma[..., -1, :][..., None]  # K ⊙ e^{b_C − b_j}
+    S_final, S_n, U = state_pass(W, Ut, Kdec, dc[..., -1], S_init)
+    O = chunk_output(Q, K, gamma, dc, S_n, U)
+    return O, S_final, (T, W, Ut, QK_KK, S_n, U)
+
+
+@jax.custom_vjp
+def wy_delta_core(Q, K, V, beta, gamma, dc, S_init):
+    """The delta-rule chunk form (SPEC §1): ``kkt → solve_tril → w_u → state_pass → chunk_output``.
+
+    Gradients by a hand-written VJP that runs the state recurrence backwards from the saved
+    chunk-start states (core/README.md §2).
+
+    Args:
+      Q: ``[N, B, H, C, K]`` scaled queries; K: ``[N, B, H, C, K]``; V: ``[N, B, H, C, V]``.
+      beta: ``[N, B, H, C]``; gamma: ``[N, B, H, C, C]`` ``Γ``; dc: ``[N, B, H, C]`` coefficient of
+        the carried state per token.
+      S_init: ``[B, H, K, V]``.
+
+    Returns:
+      ``(O [N, B, H, C, V], S_final [B, H, K, V])``.
+    """
+    O, S_final, _ = _wy_forward(Q, K, V, beta, gamma, dc, S_init)
+    return O, S_final
+
+
+def _wy_core_fwd(Q, K, V, beta, gamma, dc, S_init):
+    O, S_final, saved = _wy_forward(Q, K, V, beta, gamma, dc, S_init)
+    return (O, S_final), (Q, K, V, beta, gamma, dc) + saved
+
+
+def _state_pass_bwd(dO, dS_final, P, Qdc, Kdec, W, dl):
+    """Reverse of ``state_pass`` (README §2): ``dU_n = Pᵀ dO_n + Kdec G``,
+    ``dS_n = dl G + Qdcᵀ dO_n − W_nᵀ dU_n`` with ``G = dS_{n+1}``. The ``dO`` terms are batched
+    over all chunks first. Returns ``(dS_init, dU [N, ...], G [N, ...])``."""
+    Xp = _mT(P) @ dO
+    Yq = _mT(Qdc) @ dO
+
+    def body(G, xs):
+        Xp_n, Yq_n, Kdec_n, W_n, dl_n = xs
+        dU_n = Xp_n + Kdec_n @ G
+        dS = dl_n[..., None, None] * G + Yq_n - _mT(W_n) @ dU_n
+        return dS, (dU_n, G)
+
+    dS_init, (dU, G) = lax.scan(body, dS_final, (Xp, Yq, Kdec, W, dl), reverse=True)
+    return dS_init, dU, G
+
+
+def _wy_core_bwd(res, cts):
+    Q, K, V, beta, gamma, dc, T, W, Ut, QK_KK, S_n, U = res
+    dO, dS_final = cts
+    QK, KK = QK_KK
+    kdec = gamma[..., -1, :]
+    Kdec = K * kdec[..., None]
+    P = QK * gamma
+    Qdc = Q * dc[..., None]
+    dS_init, dU, G = _state_pass_bwd(dO, dS_final, P, Qdc, Kdec, W, dc[..., -1])
+
+    dQdc = dO @ _mT(S_n)
+    dP = dO @ _mT(U)
+    dKdec = U @ _mT(G)
+    ddl = jnp.einsum("...kv,...kv->...", S_n, G)
+    dW = -(dU @ _mT(S_n))
+    TT = _mT(T)
+    dRk, dRv = TT @ dW, TT @ dU  # dR = Tᵀ [dW | dŨ]
+    # dA = −Tᵀ dY Rᵀ Tᵀ = −dR Yᵀ with Y = [W | Ũ], on A's strictly lower support
+    dA = -jnp.tril(dRk @ _mT(W) + dRv @ _mT(Ut), -1)
+
+    rk = _rowdot(dRk, K)
+    dbeta = dc * rk + _rowdot(dRv, V) + _rowdot(dA, KK * gamma)
+    ddc = beta * rk + _rowdot(dQdc, Q)
+    ddc = ddc.at[..., -1].add(ddl)
+    dV = dRv * beta[..., None]
+
+    dKK = dA * gamma * beta[..., :, None]
+    dQK = dP * gamma
+    dgamma = dA * KK * beta[..., :, None] + dP * QK
+    dgamma = dgamma.at[..., -1, :].add(_rowdot(dKdec, K))
+
+    dKKs = dKK + _mT(dKK)
+    dK = dKKs @ K + _mT(dQK) @ Q
+    dK = dK + dRk * (beta * dc)[..., None] + dKdec * kdec[..., None]
+    dQ = dQK @ K + dQdc * dc[..., None]
+    return dQ, dK, dV, dbeta, dgamma, ddc, dS_init
+
+
+wy_delta_core.defvjp(_wy_core_fwd, _wy_core_bwd)

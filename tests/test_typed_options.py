@@ -1,0 +1,165 @@
+"""One typed, frozen options value per mechanism: ``HolaRule``, ``CMSRule``, ``ProteusRule``.
+
+Each config section's ``rule()`` builds its rule with the section's values, the section's defaults
+are the rule's (and the core functions' keyword defaults), a rule is frozen and hashable (a jit
+static), a bad field raises ``ValueError`` naming ``<Rule>.<field>``, and the ops and layers take
+the rule (``rule=``) instead of loose keywords.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from nested_jax.core import cms as core_cms
+from nested_jax.core import hola as core_hola
+from nested_jax.core.proteus import proteus_key_mask
+from nested_jax.layers.cms import CMSFFN
+from nested_jax.layers.hola import HolaMixer
+from nested_jax.layers.options import CMSOptions, HolaOptions, ProteusOptions
+from nested_jax.models import ModelConfig
+from nested_jax.ops import cms as ops_cms
+from nested_jax.ops import hola as ops_hola
+from nested_jax.ops import linear as ops_linear
+from nested_jax.ops.cms import CMSRule
+from nested_jax.ops.hola import HolaRule
+from nested_jax.ops.linear import ProteusRule
+
+# --------------------------------------------------------------------------------------------------
+# defaults written once: the sections', the rules' and the core keywords' agree
+
+
+def test_option_defaults_are_the_rule_defaults():
+    assert HolaOptions().rule() == HolaRule()
+    assert HolaOptions().rule(chunk_size=ModelConfig().chunk_size) == HolaRule()
+    assert CMSOptions().rule() == CMSRule()
+    assert ProteusOptions().rule() == ProteusRule()
+    assert ModelConfig().proteus.rule() == ProteusRule(blocks=1, context_len=0)
+
+
+def _defaults(fn, names):
+    params = inspect.signature(fn).parameters
+    return {n: params[n].default for n in names}
+
+
+def test_rule_defaults_are_the_core_keyword_defaults():
+    rule = HolaRule()
+    assert _defaults(core_hola.hola_forward, rule.kwargs()) == rule.kwargs()
+    assert _defaults(core_hola.hola_decode_step, rule.step_kwargs()) == rule.step_kwargs()
+    seq = {k: v for k, v in rule.kwargs().items() if k != "chunk_size"}
+    assert _defaults(core_hola.hola_recurrent, seq) == seq
+    online = {k: v for k, v in CMSRule().online_kwargs().items() if k != "periods"}
+    assert _defaults(core_cms.cms_online, online) == online
+
+
+# --------------------------------------------------------------------------------------------------
+# the sections' values reach the rules
+
+
+def test_rules_carry_the_section_values():
+    h = HolaOptions(window=3, block_size=4, eviction="recency", read_norm="l2", gate_init=1.0)
+    assert h.rule(chunk_size=8) == HolaRule(
+        window=3, block_size=4, eviction="recency", read_norm="l2", chunk_size=8
+    )
+    c = CMSOptions(periods=(2, 8), variant="nested", online_lr=0.5, online_inner="dgd")
+    assert c.rule() == CMSRule(periods=(2, 8), variant="nested", lr=0.5, inner="dgd")
+    assert ProteusOptions(blocks=4, context_len=64).rule() == ProteusRule(4, 64)
+
+
+def test_rules_are_frozen_and_hashable():
+    for rule in (HolaRule(), CMSRule(), ProteusRule(), CMSRule(periods=[1, 2], lr=[0.1, 0.2])):
+        hash(rule)  # a valid jit static
+        field = dataclasses.fields(rule)[0].name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(rule, field, getattr(rule, field))
+    listed = CMSRule(periods=[1, 2], lr=[0.1, 0.2])  # lists become tuples (hashable)
+    assert listed == CMSRule(periods=(1, 2), lr=(0.1, 0.2))
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: HolaRule(window=0), r"^HolaRule\.window: must be a positive int"),
+        (lambda: HolaRule(block_size=True), r"^HolaRule\.block_size: must be a positive int"),
+        (lambda: HolaRule(chunk_size=2.0), r"^HolaRule\.chunk_size: must be a positive int"),
+        (lambda: HolaRule(eviction="lru"), r"^HolaRule\.eviction: unknown 'lru'"),
+        (lambda: HolaRule(read_norm="ln"), r"^HolaRule\.read_norm: unknown 'ln'"),
+        (lambda: HolaRule(scale=0.0), r"^HolaRule\.scale: must be None"),
+        (lambda: HolaRule(cache_scale="1"), r"^HolaRule\.cache_scale: must be None"),
+        (lambda: CMSRule(variant="parallel"), r"^CMSRule\.variant: unknown 'parallel'"),
+        (lambda: CMSRule(periods=(4, 1)), r"^CMSRule\.periods: must be strictly increasing"),
+        (lambda: CMSRule(periods=()), r"^CMSRule\.periods: must be a non-empty tuple"),
+        (lambda: CMSRule(periods=(2, 3), variant="nested"), r"^CMSRule\.periods: for variant"),
+        (lambda: CMSRule(lr=0.0), r"^CMSRule\.lr: must be a float > 0"),
+        (lambda: CMSRule(lr=(0.1, 0.2)), r"^CMSRule\.lr: one rate per level \(3\)"),
+        (lambda: CMSRule(inner="adam"), r"^CMSRule\.inner: unknown 'adam'"),
+        (lambda: CMSRule(remat_every=0), r"^CMSRule\.remat_every: must be None or a positive"),
+        (lambda: ProteusRule(blocks=0), r"^ProteusRule\.blocks: must be an int >= 1"),
+        (lambda: ProteusRule(context_len=-1), r"^ProteusRule\.context_len: must be an int >= 0"),
+        (lambda: ProteusRule(blocks=4), r"^ProteusRule\.context_len: must be > 0"),
+    ],
+)
+def test_bad_fields_are_named(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+# --------------------------------------------------------------------------------------------------
+# ops take the rule
+
+
+def test_hola_step_checks_the_state_against_the_rule():
+    B, H, K = 1, 2, 4
+    state = ops_hola.init_hola_state(B, H, K, K, 3, 4)
+    x = jnp.zeros((B, H, K), jnp.float32)
+    s = jnp.zeros((B, H), jnp.float32)
+    par = (jnp.ones((H, K)), jnp.ones((H, K)), jnp.zeros((H,)), jnp.zeros((H,)))
+    o, _ = ops_hola.hola_step(state, x, x, x, s, s, *par, rule=HolaRule(window=3, block_size=4))
+    assert o.shape == (B, H, K)
+    with pytest.raises(ValueError, match=r"^hola_step: the state holds window=3, block_size=4"):
+        ops_hola.hola_step(state, x, x, x, s, s, *par, rule=HolaRule())
+
+
+def test_cms_forward_needs_one_period_per_level():
+    d, h = 4, 6
+    lv = ops_cms.CMSLevel(w_up=jnp.zeros((d, h)), w_down=jnp.zeros((h, d)))
+    x = jnp.ones((1, 3, d))
+    y = ops_cms.cms_forward((lv, lv), x, rule=CMSRule(periods=(1, 2)))
+    np.testing.assert_array_equal(y, x)  # zero levels: the residual only
+    with pytest.raises(ValueError, match=r"^cms_forward: rule\.periods has 3 entries"):
+        ops_cms.cms_forward((lv, lv), x, rule=CMSRule())
+
+
+def test_proteus_key_rows_takes_the_rule():
+    B, T, H, K, E, N = 2, 9, 2, 8, 4, 8  # Δ = 2
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.normal(size=(B, T, H, K)), jnp.float32) for _ in range(2))
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    gq, gk = ops_linear.proteus_key_rows(q, k, pos, rule=ProteusRule(E, N))
+    mask = proteus_key_mask(pos + 1, N, E, K, bool)[:, :, None, :]
+    np.testing.assert_array_equal(gq, jnp.where(mask, q, 0.0))
+    np.testing.assert_array_equal(gk, jnp.where(mask, k, 0.0))
+    same_q, same_k = ops_linear.proteus_key_rows(q, k, pos, rule=ProteusRule())  # E = 1: off
+    assert same_q is q and same_k is k
+
+
+# --------------------------------------------------------------------------------------------------
+# layers build the rule once from their section
+
+
+def test_layers_hold_the_rule_of_their_section():
+    hola = HolaMixer(16, 2, 8, HolaOptions(window=3, block_size=4), chunk_size=8, rngs=nnx.Rngs(0))
+    assert hola.rule == HolaRule(window=3, block_size=4, chunk_size=8)
+    assert hola.init_cache(1, 64).state.cache_k.shape == (1, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"^opts: expected a HolaOptions"):
+        HolaMixer(16, 2, 8, HolaRule(), rngs=nnx.Rngs(0))
+    opts = CMSOptions(periods=(1, 4), variant="independent", online_lr=0.5)
+    ffn = CMSFFN(8, 12, opts, rngs=nnx.Rngs(0))
+    assert ffn.rule == opts.rule() and len(ffn.levels) == 2 and ffn.mix_logits is not None
+    with pytest.raises(ValueError, match=r"^opts: expected a CMSOptions"):
+        CMSFFN(8, 12, CMSRule(), rngs=nnx.Rngs(0))
