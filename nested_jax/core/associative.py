@@ -377,25 +377,27 @@ def _chunked_autodiff(Q, Kc, Vc, bc, gamma, d, m, s0):
     """Linear attention (``bc is None``: ``W = 0``, ``U = V``), and the delta rules when a segment
     restarts from a non-zero initial state: plain autodiff of the wy stages, with the ``s0``
     restart as a second incoming state of coefficient ``d ⊙ (1 − m)`` (core/README.md §3)."""
+    # The order of operations fixes the order in which autodiff sums cotangents, so it is kept as
+    # it was before the stages were factored out (gradients bit-identical).
     N, B, H, C, K = Kc.shape
     restart = m is not None and s0 is not None
     d_carry = d if m is None else d * m  # coefficient of the carried state for token i
     init = jnp.zeros((B, H, K, Vc.shape[-1]), jnp.float32) if s0 is None else s0
+    d_last = d_carry[..., -1]
+    k_dec = Kc * gamma[..., -1, :][..., None]  # e^{b_C − b_j} within the last token's segment
     if bc is not None:
-        T = solve_tril(kkt(Kc, gamma, bc))
+        T = solve_tril(kkt(Kc, bc, gamma))
         W, U = w_u(Kc, Vc, bc, d_carry, T=T)
         if restart:
             W0 = T @ (Kc * (bc * d * (1.0 - m))[..., None])
             U = U - W0 @ s0
     else:
         W, U = None, Vc
-    d_s0 = d * (1.0 - m) if restart else None  # coefficient of s0 for token i
-    bias = d_s0[..., -1][..., None, None] * s0 if restart else None  # [N, B, H, K, V]
-    k_dec = Kc * gamma[..., -1, :][..., None]  # e^{b_C − b_j} within the last token's segment
-    S_final, S_starts, U = state_pass(W, U, k_dec, d_carry[..., -1], init, bias)
+    bias = (d[..., -1] * (1.0 - m[..., -1]))[..., None, None] * s0 if restart else None
+    S_final, S_starts, U = state_pass(W, U, k_dec, d_last, init, bias)
     O = chunk_output(Q, Kc, gamma, d_carry, S_starts, U)
     if restart:
-        O = O + (Q * d_s0[..., None]) @ s0
+        O = O + (Q * (d * (1.0 - m))[..., None]) @ s0
     return O, S_final
 
 

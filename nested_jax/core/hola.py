@@ -83,7 +83,7 @@ from nested_jax.core.hola_decode import (
     init_hola_state,
 )
 from nested_jax.core.scan import chunk, from_head_chunks, segment_starts, to_head_chunks
-from nested_jax.core.wy import kkt, state_pass, w_u
+from nested_jax.core.wy import state_pass, w_u
 
 __all__ = [
     "EVICTIONS",
@@ -175,7 +175,9 @@ def gdn_residuals(k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_
         zc = jnp.cumsum(chunk(segment_starts(segment_ids), c).astype(jnp.int32), axis=-1)
         zc = jnp.broadcast_to(jnp.moveaxis(zc, 1, 0)[:, :, None], kc.shape[:4])  # [n, B, H, c]
     gam, gamma, decay_out, gamma_c = _residual_decays(to_head_chunks(g.astype(_F32), c), zc)
-    kk_gam = kkt(kc, gam)  # strict_tril(K Kᵀ ⊙ Γ); A = diag(β) of it
+    # strict_tril(K Kᵀ ⊙ Γ) (A = diag(β) of it is wy.kkt's matrix). Not through wy.kkt: E needs it
+    # without β, and this einsum rounds differently from kkt's matmul on XLA:CPU for C > 16.
+    kk_gam = jnp.einsum("...tk,...ik->...ti", kc, kc) * gam
     Wm, Ut = w_u(kc, vc, bc, gamma, A=bc[..., :, None] * kk_gam)
     S_T, S_n, delta = state_pass(Wm, Ut, kc * decay_out[..., None], gamma_c, S0)  # Δ = β ⊙ e
     e = vc - gamma[..., None] * (kc @ S_n) - kk_gam @ delta

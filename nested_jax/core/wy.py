@@ -16,7 +16,9 @@ Pallas kernel can replace it. Arrays are chunk-major ``[N, B, H, C, ·]``
 (``scan.to_head_chunks``); ``...`` is any leading shape. ``wy_delta_core`` composes the stages for
 the delta rules with a hand-written VJP (README §2); the special cases (linear attention: no ``W``;
 restarts from a non-zero initial state: a second incoming state) compose them in
-``associative._chunked`` under plain autodiff.
+``associative._chunked`` under plain autodiff. HOLA's forward-only residual pass
+(``hola.gdn_residuals``) uses ``w_u`` (solve form) and ``state_pass``; the Proteus GDN runs
+through ``associative.gated_delta_chunked``.
 """
 
 from __future__ import annotations
@@ -37,21 +39,19 @@ def _mT(x):
 # --------------------------------------------------------------------------------------------------
 
 
-def kkt(k, gamma, beta=None):
+def kkt(k, beta, gamma):
     """The β- and decay-weighted key Gram of a chunk (SPEC §1):
     ``A = strict_tril(diag(β) (K Kᵀ) ⊙ Γ)``.
 
     Args:
       k: ``[..., C, K]`` keys of one chunk.
+      beta: ``[..., C]`` write strengths.
       gamma: ``[..., C, C]`` pairwise decays ``Γ`` (zero off the mask).
-      beta: ``[..., C]`` write strengths; ``None`` gives the unweighted ``strict_tril(K Kᵀ ⊙ Γ)``
-        (HOLA's residual pass needs it without β).
 
     Returns:
       ``[..., C, C]`` strictly lower triangular.
     """
-    kk = k @ _mT(k)
-    return jnp.tril((kk if beta is None else beta[..., :, None] * kk) * gamma, -1)
+    return jnp.tril(beta[..., :, None] * (k @ _mT(k)) * gamma, -1)
 
 
 _BASE = 16  # blocks of at most this size are inverted by forward substitution
@@ -202,7 +202,8 @@ def chunk_output(q, k, gamma, d, S_starts, U):
     Returns:
       ``[..., C, V]``.
     """
-    return (q * d[..., None]) @ S_starts + ((q @ _mT(k)) * gamma) @ U
+    P = (q @ _mT(k)) * gamma  # formed first: the order autodiff sums q's cotangents in
+    return (q * d[..., None]) @ S_starts + P @ U
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ def _wy_forward(Q, K, V, beta, gamma, dc, S_init):
     # The Grams are saved for the backward; kkt and chunk_output form the same products, which
     # XLA's common-subexpression pass computes once.
     QK_KK = (Q @ _mT(K), K @ _mT(K))
-    T = solve_tril(kkt(K, gamma, beta))
+    T = solve_tril(kkt(K, beta, gamma))
     W, Ut = w_u(K, V, beta, dc, T=T)
     Kdec = K * gamma[..., -1, :][..., None]  # K ⊙ e^{b_C − b_j}
     S_final, S_n, U = state_pass(W, Ut, Kdec, dc[..., -1], S_init)
