@@ -44,6 +44,7 @@ from jax import lax
 
 from nested_jax.core.checks import check_positive_int
 from nested_jax.core.cms_levels import (
+    INNERS,
     VARIANTS,
     CMSLevel,
     _apply,
@@ -74,9 +75,6 @@ __all__ = [
     "surprise_from_loss",
     "check_periods",
 ]
-
-
-_INNER = ("sgd", "dgd")
 
 
 class CMSState(NamedTuple):
@@ -197,8 +195,8 @@ def _apply_boundaries(lv, acc, fire, variant):
 def _check_modes(variant, inner, delta_fn, delta):
     """Trace-time checks of :func:`cms_online`'s variant, inner rule and source of ``δ``."""
     _check_variant(variant)
-    if inner not in _INNER:
-        raise ValueError(f"inner must be one of {_INNER}, got {inner!r}")
+    if inner not in INNERS:
+        raise ValueError(f"inner must be one of {INNERS}, got {inner!r}")
     if (delta_fn is None) == (delta is None):
         raise ValueError("give exactly one of delta_fn (callable) or delta (array [B, T, d])")
     if delta_fn is not None and not callable(delta_fn):
