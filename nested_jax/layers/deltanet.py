@@ -84,23 +84,15 @@ class DeltaNet(nnx.Module):
         proteus_context_len: int = 0,
         rngs: nnx.Rngs,
     ):
-        for name, value, low in (
-            ("proteus_blocks", proteus_blocks, 1),
-            ("proteus_context_len", proteus_context_len, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
-        if proteus_blocks > 1:
-            if proteus_context_len < 1:
-                raise ValueError(
-                    f"proteus_context_len: must be > 0 (training context N) when proteus_blocks="
-                    f"{proteus_blocks} > 1, got {proteus_context_len}"
-                )
-            if head_dim < proteus_blocks:
-                raise ValueError(
-                    f"proteus_blocks: {proteus_blocks} blocks of key rows need head_dim >= "
-                    f"proteus_blocks, got head_dim={head_dim}"
-                )
+        try:  # the rule checks E and N; its messages are renamed to this layer's arguments
+            self.proteus_rule = ops.linear.ProteusRule(proteus_blocks, proteus_context_len)
+        except ValueError as err:
+            raise ValueError("proteus_" + str(err).removeprefix("ProteusRule.")) from None
+        if proteus_blocks > 1 and head_dim < proteus_blocks:
+            raise ValueError(
+                f"proteus_blocks: {proteus_blocks} blocks of key rows need head_dim >= "
+                f"proteus_blocks, got head_dim={head_dim}"
+            )
         self.proteus_blocks, self.proteus_context_len = proteus_blocks, proteus_context_len
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
         self.conv_size, self.chunk_size, self.impl, self.dtype = conv_size, chunk_size, impl, dtype
@@ -190,8 +182,7 @@ class DeltaNet(nnx.Module):
                 f"positions: expected int [B, T] = {(b, t)}, got "
                 f"{getattr(positions, 'dtype', None)} {getattr(positions, 'shape', None)}"
             )
-        rule = ops.linear.ProteusRule(self.proteus_blocks, self.proteus_context_len)
-        return ops.proteus_key_rows(q, k, positions, rule=rule)
+        return ops.proteus_key_rows(q, k, positions, rule=self.proteus_rule)
 
     def _rule(self, q, k, v, g, beta, *, state, segment_ids, single_step: bool):
         """The memory recurrence: one exact step when decoding a single token, else ``ops`` over
