@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from nested_jax.core.hope import hope_chunked
-from nested_jax.core.proteus import proteus_gate, proteus_gated_update
+from nested_jax.core.proteus import ProteusRule, proteus_gate, proteus_gated_update
 from nested_jax.core.proteus_memory import (
     proteus_hope_chunked,
     proteus_hope_masks,
@@ -31,7 +31,7 @@ from nested_jax.ops.hope import HopeMemories, HopeReadout, HopeRule, MLPMemory
 
 B, T, H, D, HID = 2, 13, 2, 4, 4
 RULE = HopeRule(chunk_memory=4, chunk_other=2, momentum_coef=0.7, remat=False)
-PROTEUS = dict(proteus_blocks=4, proteus_context_len=16)  # Δ = 4: spans k = 1, 2, 3, then open
+PROTEUS = dict(proteus=ProteusRule(blocks=4, context_len=16))  # Δ = 4: k = 1, 2, 3, then open
 CUT = 8  # a document start: a Proteus span start and a chunk start of both groups
 
 
@@ -91,7 +91,7 @@ def _core(x, q, state, ro, segment_ids, proteus):
     """What the layer computed before ops.hope, per case."""
     if not proteus:
         return hope_chunked(x, q, state, ro, segment_ids=segment_ids, **RULE.kwargs())
-    n, e = PROTEUS["proteus_context_len"], PROTEUS["proteus_blocks"]
+    n, e = PROTEUS["proteus"].context_len, PROTEUS["proteus"].blocks
     if segment_ids is None:
         return proteus_hope_chunked(
             x, q, state, ro, context_len=n, num_blocks=e, t0=0, **RULE.kwargs()
@@ -226,3 +226,8 @@ def test_rule_checks():
     with pytest.raises(ValueError, match=r"^rule\.chunk_memory: decoding with Proteus"):
         st = _state(mems, RULE)
         ops_hope.hope_decode(x, q, st, st.memories, 0, readout=ro, rule=bad, **PROTEUS)
+    # The schedule is a ProteusRule, not a pair of ints.
+    with pytest.raises(ValueError, match=r"^hope_memories: proteus must be a ProteusRule"):
+        ops_hope.hope_memories(x, q, _state(mems, RULE), ro, rule=RULE, proteus=(4, 16))
+    with pytest.raises(ValueError, match=r"^check_hope_decode: proteus must be a ProteusRule"):
+        ops_hope.check_hope_decode(RULE, proteus=(4, 16))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from nested_jax.core.proteus import ProteusRule
 from nested_jax.core.proteus_memory import proteus_titans_mlp_chunked
 from nested_jax.layers.options import ProteusOptions, TitansOptions
 from nested_jax.models.config import ModelConfig
@@ -61,7 +62,7 @@ def test_proteus_packed_rows_through_ops_equal_the_layer_and_the_core_wrapper():
         titans=TitansOptions(memory_chunk=2, segment_len=8, memory_hidden=8),
     )  # fmt: skip
     mem = get_mixer("titans_lmm").from_config(cfg, rngs=nnx.Rngs(0)).branch.memory
-    assert mem.spec.dims == DIMS and mem.spec.proteus_blocks == 2
+    assert mem.spec.dims == DIMS and mem.spec.proteus.blocks == 2
     n, cut = 11, 2
     xs = _inputs(1, t=n)
     seg = jnp.asarray(np.repeat([[1] * cut + [2] * (n - cut)], B, 0), jnp.int32)
@@ -91,7 +92,7 @@ def test_proteus_packed_rows_through_ops_equal_the_layer_and_the_core_wrapper():
 def test_decode_step_equals_the_sequence_form(impl, chunk):
     """Proteus E = 2 over N = 8 (Δ = 4, chunk 2 divides it); T = 7 crosses the span start at 5.
     The recurrent impl decodes per token whatever ``spec.chunk``."""
-    spec = T.TitansMemorySpec(DIMS, chunk=chunk, proteus_blocks=2, proteus_context_len=8)
+    spec = T.TitansMemorySpec(DIMS, chunk=chunk, proteus=ProteusRule(2, 8))
     xs, m0 = _inputs(2), _m0(1)
     cache = T.titans_memory_init_cache(spec, B, H, impl=impl)
     assert cache.q.shape == (B, 1 if impl == "recurrent" else chunk, H, D)
@@ -135,11 +136,15 @@ def test_impl_errors_name_the_op():
 
 def test_spec_is_hashable_and_checks():
     assert hash(T.TitansMemorySpec([4, 4])) == hash(T.TitansMemorySpec((4, 4)))
+    with pytest.raises(ValueError, match=r"^TitansMemorySpec\.chunk: "):
+        T.TitansMemorySpec(DIMS, chunk=0)
+    with pytest.raises(ValueError, match=r"^TitansMemorySpec\.proteus: must be a ProteusRule"):
+        T.TitansMemorySpec(DIMS, proteus=(2, 8))
     with pytest.raises(ValueError, match="per_chunk_gates"):
         T.titans_memory_init_cache(T.TitansMemorySpec(DIMS, per_chunk_gates=True), B, H)
     with pytest.raises(ValueError, match="memory_chunk"):  # chunk 4 does not divide Δ = 6
         T.titans_memory_init_cache(
-            T.TitansMemorySpec(DIMS, chunk=4, proteus_blocks=4, proteus_context_len=24), B, H
+            T.TitansMemorySpec(DIMS, chunk=4, proteus=ProteusRule(4, 24)), B, H
         )
     cache = T.titans_memory_init_cache(T.TitansMemorySpec(DIMS, chunk=2), B, H)
     with pytest.raises(ValueError, match="decode chunk"):

@@ -1,4 +1,5 @@
-"""One typed, frozen options value per mechanism: ``HolaRule``, ``CMSRule``, ``ProteusRule``.
+"""One typed, frozen options value per mechanism: ``HopeRule``, ``HolaRule``, ``CMSRule``,
+``ProteusRule`` (all in the jax-free ``nested_jax.rules``).
 
 Each config section's ``rule()`` builds its rule with the section's values, the section's defaults
 are the rule's (and the core functions' keyword defaults), a rule is frozen and hashable (a jit
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,13 +24,14 @@ from nested_jax.core import hola as core_hola
 from nested_jax.core.proteus import proteus_key_mask
 from nested_jax.layers.cms import CMSFFN
 from nested_jax.layers.hola import HolaMixer
-from nested_jax.layers.options import CMSOptions, HolaOptions, ProteusOptions
+from nested_jax.layers.options import CMSOptions, HolaOptions, HopeOptions, ProteusOptions
 from nested_jax.models import ModelConfig
 from nested_jax.ops import cms as ops_cms
 from nested_jax.ops import hola as ops_hola
 from nested_jax.ops import linear as ops_linear
 from nested_jax.ops.cms import CMSRule
 from nested_jax.ops.hola import HolaRule
+from nested_jax.ops.hope import HopeRule
 from nested_jax.ops.linear import ProteusRule
 
 # --------------------------------------------------------------------------------------------------
@@ -40,6 +44,27 @@ def test_option_defaults_are_the_rule_defaults():
     assert CMSOptions().rule() == CMSRule()
     assert ProteusOptions().rule() == ProteusRule()
     assert ModelConfig().proteus.rule() == ProteusRule(blocks=1, context_len=0)
+
+
+def test_rules_are_one_jax_free_module_that_core_ops_and_config_share():
+    import nested_jax.rules as rules
+
+    for rule in (HopeRule, HolaRule, CMSRule, ProteusRule):
+        assert getattr(rules, rule.__name__) is rule  # core and ops re-export the same class
+    code = "import sys, nested_jax.rules; sys.exit('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0  # plain Python values
+
+
+def test_hope_and_proteus_sections_are_their_rules():
+    # The rule's fields, defaults and checks are written once: the sections extend the rules.
+    for section, rule in ((HopeOptions, HopeRule), (ProteusOptions, ProteusRule)):
+        assert issubclass(section, rule)
+        assert {f.name for f in dataclasses.fields(rule)} <= {
+            f.name for f in dataclasses.fields(section)
+        }
+        assert section().rule() == rule() and type(section().rule()) is rule
+    opts = HopeOptions(chunk_memory=8, chunk_other=2, momentum=False, memory_hidden=12)
+    assert opts.rule() == HopeRule(chunk_memory=8, chunk_other=2, momentum=False)
 
 
 def _defaults(fn, names):
@@ -102,6 +127,22 @@ def test_rules_are_frozen_and_hashable():
         (lambda: ProteusRule(blocks=0), r"^ProteusRule\.blocks: must be an int >= 1"),
         (lambda: ProteusRule(context_len=-1), r"^ProteusRule\.context_len: must be an int >= 0"),
         (lambda: ProteusRule(blocks=4), r"^ProteusRule\.context_len: must be > 0"),
+        (lambda: HopeRule(chunk_memory=0), r"^HopeRule\.chunk_memory: must be an int >= 1"),
+        (lambda: HopeRule(chunk_other=3), r"^HopeRule\.chunk_memory: chunk_memory=16 and chunk_"),
+        (lambda: HopeRule(grad_horizon=8), r"^HopeRule\.grad_horizon: must be a multiple of"),
+        (lambda: HopeRule(step="newton"), r"^HopeRule\.step: unknown 'newton'"),
+        (lambda: HopeRule(decay=1), r"^HopeRule\.decay: expected bool"),
+        (lambda: HopeRule(momentum_coef=1.0), r"^HopeRule\.momentum_coef: must be in \[0, 1\)"),
+        # a section reports its own name and its config field names
+        (lambda: HopeOptions(remat=None), r"^HopeOptions\.remat: expected bool"),
+        (lambda: ProteusOptions(blocks=4), r"^ProteusOptions\.context_len: must be > 0"),
+        (lambda: HolaOptions(window=0), r"^HolaOptions\.window: must be a positive int"),
+        (lambda: HolaOptions(eviction="lru"), r"^HolaOptions\.eviction: unknown 'lru'"),
+        (lambda: CMSOptions(online_lr=0.0), r"^CMSOptions\.online_lr: must be a float > 0"),
+        (lambda: CMSOptions(online_lr=(0.1,) * 3), r"^CMSOptions\.online_lr: must be a float"),
+        (lambda: CMSOptions(online_inner="adam"), r"^CMSOptions\.online_inner: unknown 'adam'"),
+        (lambda: CMSOptions(periods=[1, 2]), r"^CMSOptions\.periods: must be a tuple"),
+        (lambda: CMSOptions(periods=(2, 3), variant="nested"), r"^CMSOptions\.periods: for var"),
     ],
 )
 def test_bad_fields_are_named(make, match):

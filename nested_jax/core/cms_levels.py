@@ -35,11 +35,12 @@ holds the periods, the variant and the online inner step as one frozen value (``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from nested_jax.rules import CMS_INNERS, CMS_VARIANTS, CMSRule, check_periods
 
 __all__ = [
     "CMSLevel",
@@ -53,8 +54,8 @@ __all__ = [
     "cms_forward",
 ]
 
-VARIANTS = ("sequential", "nested", "independent")
-INNERS = ("sgd", "dgd")  # inner optimizers of the online mode (``core.cms.cms_online``)
+VARIANTS = CMS_VARIANTS
+INNERS = CMS_INNERS  # inner optimizers of the online mode (``core.cms.cms_online``)
 
 
 class CMSLevel(NamedTuple):
@@ -75,97 +76,6 @@ class CMSLevel(NamedTuple):
 def _check_variant(variant) -> None:
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-
-
-def check_periods(periods, k: int | None = None, variant: str | None = None) -> tuple[int, ...]:
-    """Validate CMS periods ``C^(1) < … < C^(k)`` (SPEC §3.3) and return them as a tuple.
-
-    Shared by the online core, the pretrain optimizer wrapper and LM streaming.
-
-    Args:
-      periods: a non-empty tuple/list of positive ints, strictly increasing.
-      k: the number of levels, when known (one period per level).
-      variant: ``"nested"`` also needs each period to divide the next.
-    """
-    if not isinstance(periods, (tuple, list)) or not periods:
-        raise ValueError(f"periods must be a non-empty tuple of positive ints, got {periods!r}")
-    periods = tuple(periods)
-    for p in periods:
-        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-            raise ValueError(f"periods must be positive ints, got {periods!r}")
-    if any(b <= a for a, b in zip(periods, periods[1:], strict=False)):
-        raise ValueError(f"periods must be strictly increasing (C^(1) < … < C^(k)), got {periods}")
-    if k is not None and len(periods) != k:
-        raise ValueError(f"periods must have one entry per level ({k}), got {len(periods)}")
-    if variant == "nested" and any(b % a for a, b in zip(periods, periods[1:], strict=False)):
-        raise ValueError(
-            f"periods for variant='nested' must each divide the next (a level's context is whole "
-            f"periods of the faster level), got {periods}"
-        )
-    return periods
-
-
-@dataclass(frozen=True)
-class CMSRule:
-    """The CMS rule as one typed value (SPEC §3.3): periods, variant and the online inner step.
-
-    ``CMSOptions.rule()`` (the ``model.cms`` config section) builds it, and the defaults below are
-    ``CMSOptions``'s (a test keeps them equal). Frozen and hashable (lists become tuples). The
-    core functions keep their plain keywords: ``ops.cms`` passes ``variant`` (fixed-weight forward)
-    or :meth:`online_kwargs` (online mode) on. The level widths, ``gated`` and the pretrain
-    optimizer's ``mode`` / ``accumulate`` are not part of the rule: they shape the parameters and
-    the outer optimizer, not the CMS function.
-
-    Attributes:
-      periods: ``(C^(1), …, C^(k))``, one per level, strictly increasing (``nested``: each divides
-        the next); tokens in the online mode.
-      variant: one of ``VARIANTS``.
-      lr: online inner rate ``η > 0``, one float or one per level.
-      inner: online inner optimizer, one of ``INNERS`` (SPEC §3.1).
-      remat_every: online: checkpoint the chunk scan every n chunks (None: no checkpoints).
-    """
-
-    periods: tuple[int, ...] = (1, 4, 16)
-    variant: str = "sequential"
-    lr: float | tuple[float, ...] = 1e-2
-    inner: str = "sgd"
-    remat_every: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.variant not in VARIANTS:
-            raise ValueError(
-                f"CMSRule.variant: unknown {self.variant!r}; expected one of {VARIANTS}"
-            )
-        try:
-            periods = check_periods(self.periods, variant=self.variant)
-        except ValueError as err:  # check_periods' message, under the field's name
-            raise ValueError(f"CMSRule.periods: {str(err).removeprefix('periods ')}") from None
-        object.__setattr__(self, "periods", periods)
-        lrs = self.lr if isinstance(self.lr, tuple | list) else (self.lr,)
-        if isinstance(self.lr, tuple | list):
-            if len(lrs) != len(periods):
-                raise ValueError(
-                    f"CMSRule.lr: one rate per level ({len(periods)}) or one float, got {self.lr!r}"
-                )
-            object.__setattr__(self, "lr", tuple(lrs))
-        for v in lrs:
-            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-                raise ValueError(f"CMSRule.lr: must be a float > 0 (or one per level), got {v!r}")
-        if self.inner not in INNERS:
-            raise ValueError(f"CMSRule.inner: unknown {self.inner!r}; expected one of {INNERS}")
-        r = self.remat_every
-        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
-            raise ValueError(f"CMSRule.remat_every: must be None or a positive int, got {r!r}")
-
-    def online_kwargs(self) -> dict:
-        """Every field as keywords of ``core.cms.cms_online``."""
-        return dict(
-            periods=self.periods,
-            variant=self.variant,
-            lr=self.lr,
-            inner=self.inner,
-            remat_every=self.remat_every,
-        )
 
 
 def _check_levels(levels, d: int | None = None, batch: int | None = None) -> int:

@@ -19,7 +19,6 @@ trace-time argument checks shared with ``core.hola`` live here too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -28,6 +27,7 @@ from jax import lax
 
 from nested_jax.core.checks import check_positive_int
 from nested_jax.core.hola_cache import attend, merge_top_w, read_normalize
+from nested_jax.rules import EVICTIONS, READ_NORMS, HolaRule
 
 __all__ = [
     "EVICTIONS",
@@ -39,75 +39,7 @@ __all__ = [
     "hola_recurrent",
 ]
 
-EVICTIONS = ("beta_e", "recency", "e", "beta_v", "cumulative_attention")
-READ_NORMS = ("rmsnorm", "l2")
 _F32 = jnp.float32
-
-
-@dataclass(frozen=True)
-class HolaRule:
-    """The HOLA rule as one typed value (SPEC §5): cache, blocks, eviction, read, scales, chunks.
-
-    ``HolaOptions.rule()`` (the ``model.hola`` config section, with the shell's
-    ``model.chunk_size``) builds it; the defaults below are ``HolaOptions``'s and
-    ``ModelConfig.chunk_size``'s (a test keeps them equal) and the core functions' keyword
-    defaults. Frozen and hashable (a jit static). The core functions keep their plain keywords:
-    ``ops.hola`` passes :meth:`kwargs` / :meth:`step_kwargs` on.
-
-    Attributes:
-      window: cache capacity ``w`` (entries per head); block_size: block length ``C`` (the cache
-        is merged, top-w, at every block end).
-      eviction: one of ``EVICTIONS``; read_norm: one of ``READ_NORMS`` (module ``core.hola``).
-      scale: state-path query scale; cache_scale: cache logit scale (None: ``K ** -0.5``).
-      chunk_size: chunk length of the WY/UT state path and of the residual pass (the
-        block-parallel form only; decoding ignores it).
-    """
-
-    window: int = 64
-    block_size: int = 256
-    eviction: str = "beta_e"
-    read_norm: str = "rmsnorm"
-    scale: float | None = None
-    cache_scale: float | None = None
-    chunk_size: int = 64
-
-    def __post_init__(self) -> None:
-        for name in ("window", "block_size", "chunk_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"HolaRule.{name}: must be a positive int, got {value!r}")
-        for name, allowed in (("eviction", EVICTIONS), ("read_norm", READ_NORMS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"HolaRule.{name}: unknown {getattr(self, name)!r}; expected one of {allowed}"
-                )
-        for name in ("scale", "cache_scale"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
-            ):
-                raise ValueError(
-                    f"HolaRule.{name}: must be None (K ** -0.5) or a float > 0, got {value!r}"
-                )
-
-    def step_kwargs(self) -> dict:
-        """Keywords of :func:`hola_decode_step` (``window``, ``block_size`` are the state's)."""
-        return dict(
-            eviction=self.eviction,
-            read_norm=self.read_norm,
-            scale=self.scale,
-            cache_scale=self.cache_scale,
-        )
-
-    def kwargs(self) -> dict:
-        """Every field as keywords of ``core.hola.hola_forward`` (:func:`hola_recurrent` takes
-        them all but ``chunk_size``)."""
-        return dict(
-            window=self.window,
-            block_size=self.block_size,
-            chunk_size=self.chunk_size,
-            **self.step_kwargs(),
-        )
 
 
 class HolaState(NamedTuple):

@@ -13,11 +13,12 @@ here) and :mod:`nested_jax.core.hope_token` (per token, decode step).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from nested_jax.rules import HopeRule
 
 __all__ = [
     "MLPMemory",
@@ -28,20 +29,6 @@ __all__ = [
     "hope_init_state",
     "mlp_memory_apply",
 ]
-
-# The rule flags hope_step / hope_decode_step take as keywords (HopeRule.flags()).
-_FLAG_NAMES = (
-    "dgd",
-    "step",
-    "momentum",
-    "momentum_coef",
-    "decay",
-    "inner_k",
-    "inner_v",
-    "inner_q",
-    "adaptive_q",
-    "stop_gradient_targets",
-)
 
 
 class MLPMemory(NamedTuple):
@@ -76,60 +63,6 @@ class HopeState(NamedTuple):
 
     memories: HopeMemories
     momentum: HopeMemories | None = None
-
-
-@dataclass(frozen=True)
-class HopeRule:
-    """The Hope memory rule as one typed value (SPEC §3.2): chunk sizes, ablation flags, backprop.
-
-    ``HopeOptions.rule()`` (the ``model.hope`` config section) builds it, and the defaults below
-    are ``HopeOptions``'s (a test keeps them equal). The keyword defaults of the core functions
-    (``hope_chunked``, ``hope_step``, ``hope_decode_step``, ...) are the plain per-token rule
-    instead and stay as they are: ``chunk_memory = chunk_other = 1``, ``momentum=False``,
-    ``remat=False``. A rule is checked where it runs (the core forms), with their messages.
-
-    Attributes:
-      chunk_memory: chunk size of ``M_memory``; chunk_other: of ``M_k, M_v, M_η, M_α`` (``M_q``);
-        the larger a multiple of the smaller (SPEC §3.2 Decision; 1 = per token).
-      dgd, step, momentum, momentum_coef, decay, inner_k, inner_v, inner_q, adaptive_q,
-      stop_gradient_targets: the ablation flags of ``hope.hope_chunked`` (SPEC §3.2, Table 6).
-      grad_horizon: truncated backprop every ``grad_horizon`` tokens (0 = full backprop).
-      remat: rematerialise each chunk in the backward pass (values and gradients unchanged).
-    """
-
-    chunk_memory: int = 16
-    chunk_other: int = 4
-    dgd: bool = True
-    step: str = "exact"
-    momentum: bool = True
-    momentum_coef: float = 0.9
-    decay: bool = True
-    inner_k: bool = True
-    inner_v: bool = True
-    inner_q: bool = True
-    adaptive_q: bool = False
-    stop_gradient_targets: bool = False
-    grad_horizon: int = 0
-    remat: bool = True
-
-    @property
-    def mu(self):
-        """The momentum coefficient in effect: ``μ`` with ``momentum``, else 0."""
-        return self.momentum_coef if self.momentum else 0.0
-
-    def flags(self) -> dict:
-        """The ablation flags as keywords of ``hope_token.hope_step`` / ``hope_decode_step``."""
-        return {name: getattr(self, name) for name in _FLAG_NAMES}
-
-    def kwargs(self) -> dict:
-        """Every field as keywords of ``hope.hope_chunked`` (and ``proteus_hope_chunked``)."""
-        return dict(
-            chunk_memory=self.chunk_memory,
-            chunk_other=self.chunk_other,
-            grad_horizon=self.grad_horizon,
-            remat=self.remat,
-            **self.flags(),
-        )
 
 
 def _names(mems: HopeMemories):

@@ -18,15 +18,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.hope import _check_chunks, _check_step, _chunk_body, _validate, hope_chunked
+from nested_jax.core.hope import _chunk_body, _validate, hope_chunked
 from nested_jax.core.hope_state import (
-    _FLAG_NAMES,
     HopeMemories,
     HopeReadout,
     HopeRule,
     HopeState,
     _names,
 )
+from nested_jax.rules import HOPE_FLAGS
 
 __all__ = ["hope_decode_step", "hope_step", "hope_recurrent"]
 
@@ -34,8 +34,7 @@ __all__ = ["hope_decode_step", "hope_step", "hope_recurrent"]
 def _decode_rule(chunk_memory, chunk_other, flags) -> HopeRule:
     """The :class:`HopeRule` of a decode step's keywords (``activation`` already taken out);
     the core default is the plain rule (no momentum), not ``HopeRule``'s (the layer's) default."""
-    _check_step(flags.get("step", "exact"))
-    unknown = set(flags) - set(_FLAG_NAMES)
+    unknown = set(flags) - set(HOPE_FLAGS)
     if unknown:
         raise ValueError(f"flags: unknown keyword(s) {sorted(unknown)}")
     return HopeRule(
@@ -99,7 +98,8 @@ def hope_decode_step(
     qq = None if (q_t is None or adaptive_q) else jnp.asarray(q_t)[:, None]
     x = x_t[:, None]
     B = _validate(x, qq, state, readout, adaptive_q, flags.get("momentum", False))[0]
-    _check_chunks(chunk_memory, chunk_other)
+    act = flags.pop("activation", jax.nn.silu)
+    rule = _decode_rule(chunk_memory, chunk_other, flags)
     if not isinstance(snapshot, HopeMemories) or jax.tree.map(jnp.shape, snapshot) != jax.tree.map(
         jnp.shape, state.memories
     ):
@@ -110,8 +110,6 @@ def hope_decode_step(
     index = jnp.asarray(index)
     if index.shape not in ((), (B,)):
         raise ValueError(f"index must be a scalar or have shape [B]={(B,)}, got {index.shape}")
-    act = flags.pop("activation", jax.nn.silu)
-    rule = _decode_rule(chunk_memory, chunk_other, flags)
     snapshot = _refresh_snapshots(state.memories, snapshot, index, rule)
     x = jnp.asarray(x, jnp.promote_types(x.dtype, jnp.float32))
     qq = x if adaptive_q else jnp.asarray(qq, x.dtype)

@@ -24,7 +24,6 @@ The write is merged with ``jnp.where`` on the mask, so locked coordinates keep t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nested_jax.core.checks import check_positive_int
+from nested_jax.rules import ProteusRule
 
 __all__ = [
     "ProteusRule",
@@ -47,40 +47,6 @@ __all__ = [
     "proteus_gated_update",
     "proteus_gated_step",
 ]
-
-
-@dataclass(frozen=True)
-class ProteusRule:
-    """The Proteus schedule as one typed value (SPEC §4): ``E`` blocks opened over context ``N``.
-
-    ``ProteusOptions.rule()`` (the ``model.proteus`` config section) builds it, and the defaults
-    below are ``ProteusOptions``'s (a test keeps them equal). Frozen and hashable (a jit static).
-    The functions of this module keep their plain ``(context_len, num_blocks)`` arguments; an op
-    that receives a rule passes ``rule.context_len, rule.blocks`` on.
-
-    Attributes:
-      blocks: ``E``; 1 = off (the plain backbone, bit for bit).
-      context_len: training context ``N``; must be ``> 0`` when ``blocks > 1`` (0 = unset).
-    """
-
-    blocks: int = 1
-    context_len: int = 0
-
-    def __post_init__(self) -> None:
-        for name, low in (("blocks", 1), ("context_len", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"ProteusRule.{name}: must be an int >= {low}, got {value!r}")
-        if self.blocks > 1 and self.context_len < 1:
-            raise ValueError(
-                f"ProteusRule.context_len: must be > 0 (the training context N) when blocks="
-                f"{self.blocks} > 1, got {self.context_len}"
-            )
-
-    @property
-    def enabled(self) -> bool:
-        """True when the schedule gates the memory (``blocks > 1``)."""
-        return self.blocks > 1
 
 
 def proteus_block_len(context_len: int, num_blocks: int) -> int:

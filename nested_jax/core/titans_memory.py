@@ -7,7 +7,8 @@ this module composes it the way a layer runs it, as pure functions of arrays and
 - :func:`titans_memory_sequence`: ``(y [B, T, H, D], final state)`` of a whole row: the
   chunked (``titans_mlp_chunked``) or recurrent (``titans_mlp_recurrent``) rule, packed rows
   (``segment_ids``: exact reset to ``reset_state`` at a document start), truncated backprop
-  (``grad_horizon``) and the Proteus schedule (``proteus_blocks = E > 1``, below).
+  (``grad_horizon``) and the Proteus schedule (``spec.proteus``, a ``ProteusRule`` with
+  ``blocks = E > 1``, below).
 - :func:`titans_memory_step`: one token with chunk buffering, equal to row ``t`` of the sequence
   form (chunks aligned at position 0), and :func:`titans_memory_init_cache` /
   :func:`titans_memory_start` for its :class:`MemoryCache`.
@@ -18,7 +19,7 @@ token ``t`` of a chunk depends on ``(W⁰, S⁰)`` and on the chunk's earlier to
 the (causal) chunk over the buffer, reads row ``n`` and commits the chunk's final state when slot
 ``b − 1`` is filled. Chunk 1 (or the recurrent rule) is the per-token ``titans_mlp_step``.
 
-**Proteus** (SPEC §4, ``E = proteus_blocks``, ``N = proteus_context_len``, ``Δ = N // E``): the
+**Proteus** (SPEC §4, ``E = proteus.blocks``, ``N = proteus.context_len``, ``Δ = N // E``): the
 memory coordinates (key rows for ``L_M = 1``, hidden units for ``L_M ≥ 2``) open block by block at
 the 1-based row position ``t``. The sequence form runs one memory call per span of constant mask
 (``proteus_spans``) from the gated state ``g ⊙ (M, S)`` and puts the locked coordinates back,
@@ -37,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from nested_jax.core.proteus import (
+    ProteusRule,
     proteus_active_blocks,
     proteus_block_len,
     proteus_chunk_constant,
@@ -82,8 +84,8 @@ class TitansMemorySpec:
       per_chunk_gates: ``θ, η, α`` mean-pooled over each chunk (non-causal: cannot decode).
       grad_clip: softclamp ``c`` of the inner gradient norm, ``None`` = off.
       grad_horizon: truncated backprop every ``n`` tokens (values unchanged), 0 = off.
-      proteus_blocks: ``E`` (1 = the plain memory, bit for bit).
-      proteus_context_len: ``N`` (used when ``E > 1``).
+      proteus: the Proteus schedule, a :class:`ProteusRule` ``(E, N)`` (``E = 1``, the
+        default: the plain memory, bit for bit).
     """
 
     dims: tuple[int, ...]
@@ -92,34 +94,24 @@ class TitansMemorySpec:
     per_chunk_gates: bool = False
     grad_clip: float | None = DEFAULT_MLP_GRAD_CLIP
     grad_horizon: int = 0
-    proteus_blocks: int = 1
-    proteus_context_len: int = 0
+    proteus: ProteusRule = ProteusRule()
 
     def __post_init__(self):
         # A list would make the spec unhashable (no longer a valid jit static).
         object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
         if len(self.dims) < 2 or min(self.dims) < 1:
             raise ValueError(f"TitansMemorySpec.dims: need (K, ..., V) >= 1, got {self.dims}")
-        if self.chunk < 1 or self.proteus_blocks < 1:
+        if self.chunk < 1:
+            raise ValueError(f"TitansMemorySpec.chunk: must be >= 1, got {self.chunk}")
+        if not isinstance(self.proteus, ProteusRule):
             raise ValueError(
-                f"TitansMemorySpec: chunk and proteus_blocks must be >= 1, got {self.chunk}, "
-                f"{self.proteus_blocks}"
-            )
-        if self.proteus_blocks > 1 and self.proteus_context_len < 1:
-            raise ValueError(
-                "TitansMemorySpec.proteus_context_len: must be >= 1 with proteus_blocks > 1, got "
-                f"{self.proteus_context_len}"
+                f"TitansMemorySpec.proteus: must be a ProteusRule, got {self.proteus!r}"
             )
 
     @property
     def n_layers(self) -> int:
         """``L_M = len(dims) − 1``."""
         return len(self.dims) - 1
-
-    @property
-    def proteus(self) -> bool:
-        """Whether the Proteus schedule is on (``E > 1``)."""
-        return self.proteus_blocks > 1
 
 
 class MemoryCache(NamedTuple):
@@ -175,14 +167,14 @@ def titans_memory_masks(spec: TitansMemorySpec, active) -> TitansMLPState:
     """Open coordinates of the weights and the momentum with ``active`` blocks open (SPEC §4).
 
     Args:
-      spec: the memory's options (``dims``, ``proteus_blocks``).
+      spec: the memory's options (``dims``, ``proteus.blocks``).
       active: open blocks ``k(t)``, a Python int or int32 ``[B]``.
 
     Returns:
       ``TitansMLPState(masks, masks)`` (``proteus_titans_mlp_masks``: key rows for ``L_M = 1``,
       hidden units for ``L_M ≥ 2``), bool masks broadcastable to ``[B, H, d_l, d_{l+1}]``.
     """
-    masks = proteus_titans_mlp_masks(active, spec.dims, spec.proteus_blocks)
+    masks = proteus_titans_mlp_masks(active, spec.dims, spec.proteus.blocks)
     return TitansMLPState(masks, masks)
 
 
@@ -215,8 +207,8 @@ def _proteus_sequence(state, xs, spec, recurrent, segment_ids, reset_state):
     equals without ``segment_ids``); spans of one length run as one ``lax.scan``. Packed rows:
     the schedule follows the row position and the whole state resets at a document start.
     """
-    spans = proteus_spans(xs[0].shape[1], 0, spec.proteus_context_len, spec.proteus_blocks)
-    e = spec.proteus_blocks
+    spans = proteus_spans(xs[0].shape[1], 0, spec.proteus.context_len, spec.proteus.blocks)
+    e = spec.proteus.blocks
 
     def span_fn(st, mem_in, seg, active):
         tree, mem_in = titans_memory_gate_inputs(spec, active, mem_in)
@@ -242,7 +234,7 @@ def titans_memory_sequence(
     state: TitansMLPState, q, k, v, theta, eta, alpha, *, spec: TitansMemorySpec,
     recurrent: bool = False, segment_ids=None, reset_state: TitansMLPState | None = None,
 ):  # fmt: skip
-    """A whole row of the Titans memory (SPEC §2), Proteus-gated when ``spec.proteus`` (§4).
+    """A whole row of the Titans memory (SPEC §2), Proteus-gated when ``spec.proteus.enabled`` (§4).
 
     Per token (``titans_mlp``): ``S_t = η_t S_{t-1} − θ_t ∇ℓ(M; k_t, v_t)``,
     ``M_t = (1 − α_t) M_{t-1} + S_t``, ``y_t = M_t(q_t)``, with the surprise taken at the chunk
@@ -260,7 +252,7 @@ def titans_memory_sequence(
       ``(y [B, T, H, D], final TitansMLPState f32)``.
     """
     xs = (q, k, v, theta, eta, alpha)
-    if spec.proteus:
+    if spec.proteus.enabled:
         return _proteus_sequence(state, xs, spec, recurrent, segment_ids, reset_state)
     return _run_rule(state, xs, spec, recurrent, segment_ids, reset_state)
 
@@ -293,8 +285,8 @@ def titans_memory_init_cache(
         jnp.zeros((batch_size, num_heads, a, b), jnp.float32)
         for a, b in zip(spec.dims[:-1], spec.dims[1:], strict=True)
     )
-    n, e = spec.proteus_context_len, spec.proteus_blocks
-    if spec.proteus and not proteus_chunk_constant(chunk, n, e):
+    n, e = spec.proteus.context_len, spec.proteus.blocks
+    if spec.proteus.enabled and not proteus_chunk_constant(chunk, n, e):
         raise ValueError(
             f"TitansOptions.memory_chunk: decoding with Proteus needs memory_chunk to "
             f"divide the block length Δ = context_len // blocks = {proteus_block_len(n, e)} (the "
@@ -324,10 +316,10 @@ def titans_memory_start(cache: MemoryCache, initial_weights: tuple) -> MemoryCac
 def _step_token(cache: MemoryCache, xs, spec):
     """Chunk 1: the per-token rule (Proteus: ``proteus_titans_mlp_step`` at ``t + 1``)."""
     st = TitansMLPState(cache.weights, cache.momentum)
-    if spec.proteus:
+    if spec.proteus.enabled:
         y, st = proteus_titans_mlp_step(
-            st, *xs, t=cache.t + 1, context_len=spec.proteus_context_len,
-            num_blocks=spec.proteus_blocks, **_rule_kw(spec),
+            st, *xs, t=cache.t + 1, context_len=spec.proteus.context_len,
+            num_blocks=spec.proteus.blocks, **_rule_kw(spec),
         )  # fmt: skip
     else:
         y, st = titans_mlp_step(st, *xs, **_rule_kw(spec))
@@ -341,18 +333,18 @@ def _step_chunk(cache: MemoryCache, xs, spec, chunk: int, commit):
     bufs = [put(buf, a) for buf, a in zip(cache[2:8], xs, strict=True)]
     st0 = TitansMLPState(cache.weights, cache.momentum)
     st, run_bufs, tree = st0, bufs, None
-    if spec.proteus:
+    if spec.proteus.enabled:
         # The chunk lies inside one Proteus span (b divides Δ, checked by init_cache): gate the
         # chunk-start state with the mask of the chunk's first token.
         b = xs[0].shape[0]
         first = jnp.broadcast_to(cache.t - n + 1, (b,))
-        active = proteus_active_blocks(first, spec.proteus_context_len, spec.proteus_blocks)
+        active = proteus_active_blocks(first, spec.proteus.context_len, spec.proteus.blocks)
         tree, run_bufs = titans_memory_gate_inputs(spec, active, bufs)
         st = proteus_gate(st, tree)
     # Later slots hold stale tokens: rows ≤ n of the dual form never read them, and the final
     # state is used only when every slot is filled by the current chunk.
     ys, new = titans_mlp_chunked(st, *run_bufs, chunk_size=chunk, remat=False, **_rule_kw(spec))
-    if spec.proteus:
+    if spec.proteus.enabled:
         new = proteus_gated_update(st0, new, tree)
     y = jax.lax.dynamic_index_in_dim(ys, n, 1, keepdims=False)
     full = n == chunk - 1 if commit is None else commit

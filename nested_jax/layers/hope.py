@@ -67,6 +67,7 @@ from nested_jax.ops.hope import (
     hope_init_state,
     hope_memories,
 )
+from nested_jax.ops.linear import ProteusRule
 
 __all__ = ["HopeCache", "HopeMixer"]
 
@@ -127,11 +128,11 @@ class HopeMixer(nnx.Module):
         self.impl = impl  # ops.hope's implementation, checked by the op ("pallas": ValueError)
         self.conv_size = conv_size
         self.hidden = h = opts.resolved_memory_hidden(head_dim)
-        self.p_blocks = 1 if proteus is None else proteus.blocks
-        self.p_context = 0 if proteus is None else proteus.context_len
-        if h < self.p_blocks:
+        self.proteus_rule = ProteusRule() if proteus is None else proteus.rule()
+        if h < self.proteus_rule.blocks:
             raise ValueError(
-                f"ProteusOptions.blocks: {self.p_blocks} blocks need the memory hidden width "
+                f"ProteusOptions.blocks: {self.proteus_rule.blocks} blocks need the memory hidden "
+                "width "
                 f"(model.hope.memory_hidden or head_dim) >= blocks, got {h}"
             )
         self.names = HopeMemories._fields[:5] + (("q",) if opts.adaptive_q else ())
@@ -213,10 +214,7 @@ class HopeMixer(nnx.Module):
     def init_cache(self, batch_size: int, max_len: int) -> HopeCache:
         """Zero decode state (size independent of ``max_len``); only static attributes are read."""
         del max_len
-        check_hope_decode(
-            self.opts.rule(), proteus_blocks=self.p_blocks, proteus_context_len=self.p_context,
-            owner="HopeOptions",
-        )  # fmt: skip
+        check_hope_decode(self.opts.rule(), proteus=self.proteus_rule, owner="HopeOptions")
         b, h, d, k = batch_size, self.n_heads, self.head_dim, self.hidden
         zero = MLPMemory(jnp.zeros((b, h, d, k), jnp.float32), jnp.zeros((b, h, k, d), jnp.float32))
         mems = HopeMemories(**{n: zero for n in self.names})
@@ -279,16 +277,15 @@ class HopeMixer(nnx.Module):
         x = x.astype(self.dtype)
         xm, q, cx, cq = self._inputs(x, segment_ids, cache)
         rule, readout, init = self.opts.rule(), self.readout(), self.initial_memories()
-        proteus = dict(proteus_blocks=self.p_blocks, proteus_context_len=self.p_context)
         if cache is None:
             state = hope_init_state(init, b, momentum=rule.momentum)
             out, _ = hope_memories(
-                xm, q, state, readout, rule=rule, segment_ids=segment_ids, impl=self.impl,
-                **proteus,
+                xm, q, state, readout, rule=rule, proteus=self.proteus_rule,
+                segment_ids=segment_ids, impl=self.impl,
             )  # fmt: skip
             return self._out(x, out), None
         out, state, snap, n = hope_decode(
             xm, q, cache.state, cache.snapshot, cache.n, readout=readout, rule=rule,
-            initial_memories=init, impl=self.impl, **proteus,
+            proteus=self.proteus_rule, initial_memories=init, impl=self.impl,
         )  # fmt: skip
         return self._out(x, out), HopeCache(state, snap, cx, cq, n)

@@ -6,21 +6,40 @@ Each mechanism with options of its own (Titans, HOLA, Hope, Proteus, ...) gets o
 dataclass here and one field on ``ModelConfig`` (``model.<section>.<field>`` in YAML and
 ``--set``). A section is read only by its mixer, so the shared shell stays free of mechanism
 flags. Field types stay plain (int / float / str / bool / tuple) so the strict config loader can
-check them; each section validates its own values in ``__post_init__`` and names the field
-(``ModelConfig.<section>.<field>``). A mechanism whose math takes static options gets them as one
-frozen value from ``<Section>.rule()`` (``HopeRule``, ``HolaRule``, ``CMSRule``, ``ProteusRule``,
-defined next to their core code and re-exported by ``nested_jax.ops``); a test keeps each
-section's defaults equal to its rule's.
+check them; each section validates its values in ``__post_init__`` and names the field
+(``<Section>.<field>: ...``). A mechanism whose math takes static options gets them as one frozen
+value from ``<Section>.rule()``: the typed rules of :mod:`nested_jax.rules` (``HopeRule``,
+``ProteusRule``, ``HolaRule``, ``CMSRule``; re-exported by ``nested_jax.ops``). ``HopeOptions``
+and ``ProteusOptions`` extend their rules (the rule's fields, defaults and checks are written once,
+there); ``HolaOptions`` and ``CMSOptions`` name a subset of their rule's fields differently and are
+checked by building the rule (:func:`_checked_by_rule`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from nested_jax.rules import CMSRule, HolaRule, HopeRule, ProteusRule
 
 __all__ = ["OPTION_SECTIONS"]
 
 # name on ModelConfig -> dataclass; filled below by each mechanism's section.
 OPTION_SECTIONS: dict[str, type] = {}
+
+
+def _checked_by_rule(section: object, build: Callable[[], object], renames: dict | None = None):
+    """``build()``'s rule, whose checks cover the section's shared fields; its
+    ``ValueError("<Rule>.<field>: ...")`` is re-raised as ``"<Section>.<config field>: ..."``
+    (``renames``: rule field -> config field)."""
+    try:
+        return build()
+    except ValueError as err:
+        field, _, message = str(err).partition(".")[2].partition(": ")
+        raise ValueError(
+            f"{type(section).__name__}.{(renames or {}).get(field, field)}: {message}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -34,30 +53,15 @@ class HolaOptions:
     gate_init: float = -4.0  # initial per-head gate logit λ_h (cache read scaled by σ(λ_h))
 
     def __post_init__(self) -> None:
-        from nested_jax.ops.hola import EVICTIONS, READ_NORMS  # lazy: keeps config import light
-
-        for name in ("window", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"HolaOptions.{name}: must be a positive int, got {value!r}")
-        if self.eviction not in EVICTIONS:
-            raise ValueError(
-                f"HolaOptions.eviction: unknown {self.eviction!r}; expected one of {EVICTIONS}"
-            )
-        if self.read_norm not in READ_NORMS:
-            raise ValueError(
-                f"HolaOptions.read_norm: unknown {self.read_norm!r}; expected one of {READ_NORMS}"
-            )
+        _checked_by_rule(self, self.rule)  # window, block_size, eviction, read_norm
         if isinstance(self.gate_init, bool) or not isinstance(self.gate_init, int | float):
             raise ValueError(f"HolaOptions.gate_init: expected float, got {self.gate_init!r}")
 
-    def rule(self, *, chunk_size: int | None = None):
+    def rule(self, *, chunk_size: int | None = None) -> HolaRule:
         """The HOLA rule these options select (SPEC §5): a ``HolaRule`` with this section's
         ``window``, ``block_size``, ``eviction``, ``read_norm`` and the shell's ``chunk_size``
         (``model.chunk_size``; None: ``HolaRule``'s default). ``gate_init`` only initialises a
         parameter, so it is the layer's, not the rule's."""
-        from nested_jax.ops.hola import HolaRule  # lazy: keeps config import light
-
         shell = {} if chunk_size is None else {"chunk_size": chunk_size}
         return HolaRule(
             window=self.window,
@@ -159,40 +163,19 @@ OPTION_SECTIONS["titans"] = TitansOptions
 
 
 @dataclass(frozen=True)
-class ProteusOptions:
+class ProteusOptions(ProteusRule):
     """Proteus incremental memory activation (SPEC §4; ``model.proteus.<field>``).
 
-    Read by the mixers whose memory Proteus wraps (GDN, Titans). The memory coordinates are split
-    into ``blocks`` (``E``) contiguous blocks; with training context ``N = context_len`` the first
-    ``k(t) = min(E, 1 + ⌊(t−1)/Δ⌋)`` blocks are open at 1-based position ``t`` (``Δ = ⌊N/E⌋``) and
-    everything is open beyond ``N``. ``blocks = 1`` is the plain backbone, bit for bit.
+    Read by the mixers whose memory Proteus wraps (GDN, DeltaNet, Titans, Hope). The memory
+    coordinates are split into ``blocks`` (``E``) contiguous blocks; with training context
+    ``N = context_len`` the first ``k(t) = min(E, 1 + ⌊(t−1)/Δ⌋)`` blocks are open at 1-based
+    position ``t`` (``Δ = ⌊N/E⌋``) and everything is open beyond ``N``. ``blocks = 1`` is the plain
+    backbone, bit for bit. The fields, defaults, checks and ``enabled`` are :class:`ProteusRule`'s.
     """
 
-    blocks: int = 1  # E; 1 = off (plain backbone). SPEC §4 default for Proteus runs is 16
-    context_len: int = 0  # training context N; required > 0 when blocks > 1
-
-    def __post_init__(self) -> None:
-        for name, low in (("blocks", 1), ("context_len", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"ProteusOptions.{name}: must be an int >= {low}, got {value!r}")
-        if self.blocks > 1 and self.context_len < 1:
-            raise ValueError(
-                f"ProteusOptions.context_len: must be > 0 (the training context N, e.g. "
-                f"data.seq_len) when blocks > 1, got {self.context_len} "
-                f"(set model.proteus.context_len)"
-            )
-
-    @property
-    def enabled(self) -> bool:
-        """True when Proteus gates the memory (``blocks > 1``)."""
-        return self.blocks > 1
-
-    def rule(self):
-        """The Proteus schedule these options select (SPEC §4): a ``ProteusRule(blocks,
+    def rule(self) -> ProteusRule:
+        """The Proteus schedule these options select (SPEC §4): ``ProteusRule(blocks,
         context_len)``."""
-        from nested_jax.ops.linear import ProteusRule  # lazy: keeps config import light
-
         return ProteusRule(blocks=self.blocks, context_len=self.context_len)
 
 
@@ -200,88 +183,50 @@ OPTION_SECTIONS["proteus"] = ProteusOptions
 
 
 @dataclass(frozen=True)
-class HopeOptions:
-    """Hope self-modifying memory mixer (SPEC §3.2; ``model.hope.<field>``), read by ``hope``."""
+class HopeOptions(HopeRule):
+    """Hope self-modifying memory mixer (SPEC §3.2; ``model.hope.<field>``), read by ``hope``.
 
-    chunk_memory: int = 16  # chunk size of M_memory (SPEC §3.2 two chunk sizes; 1 = per token)
-    chunk_other: int = 4  # chunk size of M_k, M_v, M_η, M_α (M_q); max must be a multiple of min
+    The rule's fields (chunk sizes, ablation flags, ``grad_horizon``, ``remat``), their defaults
+    and their checks are :class:`HopeRule`'s; the fields below shape and initialise the layer.
+    """
+
     memory_hidden: int = 0  # hidden width h of every 2-layer residual memory; 0 -> head_dim
-    dgd: bool = True  # DGD inner step (False: plain GD with retention; Table 6 ablation)
-    step: str = "exact"  # DGD step size: exact (Sherman–Morrison γ) | paper (η/(1+η))
-    momentum: bool = True  # inner momentum S_t = μ S_{t−1} + u_t (Table 6 ablation)
-    momentum_coef: float = 0.9  # μ in [0, 1)
-    decay: bool = True  # data-dependent retention α_t (False: α = 1)
-    adaptive_q: bool = False  # q_t = M_q(x_t) (self-modifying) instead of q_t = W_q x_t
-    inner_k: bool = True  # M_k adapts in the inner loop
-    inner_v: bool = True  # M_v adapts in the inner loop
-    inner_q: bool = True  # M_q adapts (only with adaptive_q)
-    stop_gradient_targets: bool = False  # stop the outer gradient through v̂ = M_0(v)
     norm_inputs: bool = True  # L2-normalise the per-head memory inputs x (k, q always are)
     eta_init: float = 0.1  # initial inner rate η = σ(b_η)
     alpha_init: float = 0.99  # initial retention α = σ(b_α)
     memory_init: float = 0.1  # std of the initial W_1 times √h (W_2: std 1/√D); 0 = M(z) = z
     readout_init: float = 0.02  # std of the η / α readout weights w_η, w_α
-    grad_horizon: int = 0  # truncated backprop every n tokens (multiple of the larger chunk); 0=off
-    # rematerialise each chunk of the memory scan in the backward pass. Measured (core fwd+bwd,
-    # B=4, T=256, H=2, D=h=64, CPU): 1.6x faster and 4.9x less temp memory than storing the
-    # per-token weights of every chunk
-    remat: bool = True
 
     def __post_init__(self) -> None:
-        def bad_int(v, low):
-            return isinstance(v, bool) or not isinstance(v, int) or v < low
-
-        def bad_float(v):
-            return isinstance(v, bool) or not isinstance(v, int | float)
-
-        for name, low in (("chunk_memory", 1), ("chunk_other", 1), ("memory_hidden", 0),
-                          ("grad_horizon", 0)):  # fmt: skip
-            if bad_int(getattr(self, name), low):
-                raise ValueError(
-                    f"HopeOptions.{name}: must be an int >= {low}, got {getattr(self, name)!r}"
-                )
-        for name in ("dgd", "momentum", "decay", "adaptive_q", "inner_k", "inner_v", "inner_q",
-                     "stop_gradient_targets", "norm_inputs", "remat"):  # fmt: skip
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"HopeOptions.{name}: expected bool, got {getattr(self, name)!r}")
-        if self.step not in ("exact", "paper"):
+        super().__post_init__()
+        if (
+            isinstance(self.memory_hidden, bool)
+            or not isinstance(self.memory_hidden, int)
+            or (self.memory_hidden < 0)
+        ):
             raise ValueError(
-                f"HopeOptions.step: unknown {self.step!r}; expected one of ('exact', 'paper')"
+                f"HopeOptions.memory_hidden: must be an int >= 0, got {self.memory_hidden!r}"
             )
-        small, big = sorted((self.chunk_memory, self.chunk_other))
-        if big % small:
-            raise ValueError(
-                f"HopeOptions.chunk_memory: chunk_memory={self.chunk_memory} and chunk_other="
-                f"{self.chunk_other}: the larger must be a multiple of the smaller"
-            )
-        if self.grad_horizon % big:
-            raise ValueError(
-                f"HopeOptions.grad_horizon: must be a multiple of max(chunk_memory, chunk_other)="
-                f"{big}, got {self.grad_horizon}"
-            )
-        mu = self.momentum_coef
-        if bad_float(mu) or not 0 <= mu < 1:
-            raise ValueError(f"HopeOptions.momentum_coef: must be in [0, 1), got {mu!r}")
-        for name in ("eta_init", "alpha_init"):
+        if not isinstance(self.norm_inputs, bool):
+            raise ValueError(f"HopeOptions.norm_inputs: expected bool, got {self.norm_inputs!r}")
+        for name in ("eta_init", "alpha_init", "memory_init", "readout_init"):
             v = getattr(self, name)
-            if bad_float(v) or not 0 < v < 1:
-                raise ValueError(f"HopeOptions.{name}: must be in (0, 1), got {v!r}")
-        for name in ("memory_init", "readout_init"):
-            v = getattr(self, name)
-            if bad_float(v) or v < 0:
-                raise ValueError(f"HopeOptions.{name}: must be a float >= 0, got {v!r}")
+            rate = name in ("eta_init", "alpha_init")  # σ of a bias: strictly inside (0, 1)
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int | float)
+                or not (0 < v < 1 if rate else v >= 0)
+            ):
+                expected = "in (0, 1)" if rate else "a float >= 0"
+                raise ValueError(f"HopeOptions.{name}: must be {expected}, got {v!r}")
 
     def resolved_memory_hidden(self, head_dim: int) -> int:
         """Hidden width ``h`` of the memories: ``memory_hidden`` or ``head_dim`` when 0."""
         return self.memory_hidden or head_dim
 
-    def rule(self):
-        """The memory rule these options select (SPEC §3.2): a ``HopeRule`` with this section's
-        chunk sizes, ablation flags, ``grad_horizon`` and ``remat`` (its fields, by name)."""
-        import dataclasses  # lazy, with the import below: keeps config import light
-
-        from nested_jax.ops.hope import HopeRule
-
+    def rule(self) -> HopeRule:
+        """The memory rule these options select (SPEC §3.2): the ``HopeRule`` part of this
+        section (its fields, by name)."""
         return HopeRule(**{f.name: getattr(self, f.name) for f in dataclasses.fields(HopeRule)})
 
 
@@ -311,44 +256,28 @@ class CMSOptions:
     online_inner: str = "sgd"  # online: inner optimizer, sgd | dgd (SPEC §3.1)
 
     def __post_init__(self) -> None:
-        from nested_jax.ops.cms import check_periods  # lazy: keeps config import light
-
-        variants = ("sequential", "nested", "independent")
-        if self.variant not in variants:
-            raise ValueError(
-                f"CMSOptions.variant: unknown {self.variant!r}; expected one of {variants}"
-            )
-        try:
-            if not isinstance(self.periods, tuple):
-                raise ValueError(f"periods must be a tuple, got {self.periods!r}")
-            check_periods(self.periods, variant=self.variant)
-        except ValueError as err:  # core.cms's message, under the config field's name
-            raise ValueError(f"CMSOptions.periods: {str(err).removeprefix('periods ')}") from None
+        if not isinstance(self.periods, tuple):
+            raise ValueError(f"CMSOptions.periods: must be a tuple, got {self.periods!r}")
+        if isinstance(self.online_lr, tuple | list):  # the rule takes one rate per level too
+            raise ValueError(f"CMSOptions.online_lr: must be a float > 0, got {self.online_lr!r}")
+        # periods, variant, online_lr, online_inner
+        _checked_by_rule(self, self.rule, {"lr": "online_lr", "inner": "online_inner"})
         h = self.hidden
         if isinstance(h, bool) or not isinstance(h, int) or h < 0:
             raise ValueError(f"CMSOptions.hidden: must be an int >= 0 (0 = default), got {h!r}")
         if not isinstance(self.gated, bool):
             raise ValueError(f"CMSOptions.gated: expected bool, got {self.gated!r}")
-        for name, allowed in (
-            ("mode", ("pretrain", "online")),
-            ("accumulate", ("sum", "mean")),
-            ("online_inner", ("sgd", "dgd")),
-        ):
+        for name, allowed in (("mode", ("pretrain", "online")), ("accumulate", ("sum", "mean"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(
                     f"CMSOptions.{name}: unknown {getattr(self, name)!r}; expected one of {allowed}"
                 )
-        lr = self.online_lr
-        if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
-            raise ValueError(f"CMSOptions.online_lr: must be a float > 0, got {lr!r}")
 
-    def rule(self):
+    def rule(self) -> CMSRule:
         """The CMS rule these options select (SPEC §3.3): a ``CMSRule`` with this section's
         ``periods`` and ``variant`` and the online inner step (``lr = online_lr``,
         ``inner = online_inner``). ``hidden`` and ``gated`` shape the levels (the layer's);
         ``mode`` and ``accumulate`` drive the pretrain optimizer (``nested_jax.optim``)."""
-        from nested_jax.ops.cms import CMSRule  # lazy: keeps config import light
-
         return CMSRule(
             periods=self.periods, variant=self.variant, lr=self.online_lr, inner=self.online_inner
         )

@@ -76,6 +76,7 @@ from nested_jax.layers.conv import ShortConv
 from nested_jax.layers.deltanet import l2_normalize
 from nested_jax.layers.norm import GatedRMSNorm, RMSNorm
 from nested_jax.layers.rope import apply_rope
+from nested_jax.ops.linear import ProteusRule
 from nested_jax.ops.titans import (
     MemoryCache,
     TitansMemorySpec,
@@ -164,20 +165,19 @@ class NeuralMemory(nnx.Module):
         self.theta_max = float(opts.theta_max)
         hidden = opts.resolved_memory_hidden(head_dim)
         self.dims = (head_dim,) + (hidden,) * (self.n_layers - 1) + (head_dim,)
-        self.p_blocks = 1 if proteus is None else proteus.blocks
-        if self.p_blocks > 1:
+        rule = ProteusRule() if proteus is None else proteus.rule()
+        if rule.enabled:
             blocked = head_dim if self.n_layers == 1 else hidden
             what = "head_dim (key rows)" if self.n_layers == 1 else "memory_hidden (hidden units)"
-            if blocked < self.p_blocks:
+            if blocked < rule.blocks:
                 raise ValueError(
-                    f"ProteusOptions.blocks: {self.p_blocks} blocks need {what} >= blocks, "
+                    f"ProteusOptions.blocks: {rule.blocks} blocks need {what} >= blocks, "
                     f"got {blocked}"
                 )
         self.spec = TitansMemorySpec(
             dims=self.dims, chunk=self.chunk, read_before_write=opts.read_before_write,
             per_chunk_gates=opts.per_chunk_gates, grad_clip=self.grad_clip,
-            grad_horizon=opts.grad_horizon, proteus_blocks=self.p_blocks,
-            proteus_context_len=0 if proteus is None else proteus.context_len,
+            grad_horizon=opts.grad_horizon, proteus=rule,
         )  # fmt: skip
         init = titans_mlp_init_weights(rngs.params(), n_heads, self.dims)
         for i, w in enumerate(init):

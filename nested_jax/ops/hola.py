@@ -45,6 +45,7 @@ from nested_jax.core.hola import (
 )
 from nested_jax.core.hola_decode import HolaRule
 from nested_jax.ops._impl import check_impl as _check_impl
+from nested_jax.ops._state import pin_head_state
 
 __all__ = [
     "EVICTIONS",
@@ -101,10 +102,12 @@ def hola(
                 "impl='chunked' for packed rows"
             )
         del kw["chunk_size"]
-        return hola_recurrent(q, k, v, g, beta, *params, initial_state=initial_state, **kw)
-    return hola_forward(
-        q, k, v, g, beta, *params, initial_state=initial_state, segment_ids=segment_ids, **kw
-    )
+        o, state = hola_recurrent(q, k, v, g, beta, *params, initial_state=initial_state, **kw)
+    else:
+        o, state = hola_forward(
+            q, k, v, g, beta, *params, initial_state=initial_state, segment_ids=segment_ids, **kw
+        )
+    return o, pin_head_state(state)
 
 
 def hola_step(

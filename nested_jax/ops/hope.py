@@ -40,9 +40,11 @@ from nested_jax.core.hope import (
 )
 from nested_jax.core.hope_decode import check_proteus_decode_chunks
 from nested_jax.core.hope_decode import hope_decode as _hope_decode
+from nested_jax.core.proteus import ProteusRule
 from nested_jax.core.proteus_hope import proteus_hope_chunked, proteus_hope_packed
 from nested_jax.core.reference.hope import hope_reference
 from nested_jax.ops._impl import check_impl as _check_impl
+from nested_jax.ops._state import pin_head_state
 
 __all__ = [
     "HopeRule",
@@ -55,6 +57,8 @@ __all__ = [
     "hope_decode",
     "check_hope_decode",
 ]
+
+_NO_PROTEUS = ProteusRule()  # the default schedule: E = 1, the plain memories
 
 
 def _twin(x, q, state, readout, *, grad_horizon=0, remat=False, **kw):
@@ -77,9 +81,16 @@ def _backbone(op: str, impl: str, rule: HopeRule):
     return _twin
 
 
+def _check_proteus(op: str, proteus: ProteusRule) -> ProteusRule:
+    """Returns ``proteus`` after checking it is a :class:`ProteusRule` (``ValueError`` names it)."""
+    if not isinstance(proteus, ProteusRule):
+        raise ValueError(f"{op}: proteus must be a ProteusRule, got {proteus!r}")
+    return proteus
+
+
 def hope_memories(
-    x, q, state: HopeState, readout: HopeReadout, *, rule: HopeRule, proteus_blocks: int = 1,
-    proteus_context_len: int = 0, segment_ids=None, impl: str = "chunked",
+    x, q, state: HopeState, readout: HopeReadout, *, rule: HopeRule,
+    proteus: ProteusRule = _NO_PROTEUS, segment_ids=None, impl: str = "chunked",
 ):  # fmt: skip
     """Hope's self-modifying memories over a row (SPEC §3.2; Proteus SPEC §4).
 
@@ -89,7 +100,7 @@ def hope_memories(
         o_t = M_{memory,t−1}(q_t)                       (read before write, running weights)
         M_□ ← DGD step on ½‖M̄_□(k_t) − M̄_□(v_t)‖²      (with retention α_t, momentum μ)
 
-    With ``proteus_blocks = E > 1`` every memory and momentum is gated by the hidden-unit mask
+    With ``proteus.blocks = E > 1`` every memory and momentum is gated by the hidden-unit mask
     ``g_t`` of its 1-based row position ``t`` (``M_t = where(g_t, Write(g_t ⊙ M_{t−1}),
     M_{t−1})``; both chunk grids restart at every Δ-boundary). Packed rows (``segment_ids``):
     a document start resets the memories to ``state.memories`` and the momenta to zero; with
@@ -103,27 +114,33 @@ def hope_memories(
         document of a packed row starts from.
       readout: ``HopeReadout`` of ``M_η``, ``M_α``.
       rule: :class:`HopeRule` (chunk sizes, ablation flags, ``grad_horizon``, ``remat``).
-      proteus_blocks: ``E`` (1: no Proteus); proteus_context_len: the training context ``N``.
+      proteus: the Proteus schedule, a :class:`ProteusRule` ``(E, N)`` (``E = 1``, the default:
+        no Proteus).
       segment_ids: optional int ``[B, T]`` document ids of packed rows.
       impl: ``"chunked"`` | ``"recurrent"`` (``"pallas"``: ValueError); module docstring.
 
     Returns:
-      ``(o [B, T, H, D] f32, final HopeState)``.
+      ``(o [B, T, H, D] f32, final HopeState)``; the state's leaves pinned to ``("batch",
+      "heads", …)`` (``ops._state``).
     """
     backbone = _backbone("hope_memories", impl, rule)
+    proteus = _check_proteus("hope_memories", proteus)
     kw = rule.kwargs()
-    if proteus_blocks == 1:
-        return backbone(x, q, state, readout, segment_ids=segment_ids, **kw)
-    kw.update(context_len=proteus_context_len, num_blocks=proteus_blocks, backbone=backbone)
-    if segment_ids is None:
-        return proteus_hope_chunked(x, q, state, readout, t0=0, **kw)
-    return proteus_hope_packed(x, q, state, readout, segment_ids=segment_ids, **kw)
+    if not proteus.enabled:
+        o, final = backbone(x, q, state, readout, segment_ids=segment_ids, **kw)
+    else:
+        kw.update(context_len=proteus.context_len, num_blocks=proteus.blocks, backbone=backbone)
+        if segment_ids is None:
+            o, final = proteus_hope_chunked(x, q, state, readout, t0=0, **kw)
+        else:
+            o, final = proteus_hope_packed(x, q, state, readout, segment_ids=segment_ids, **kw)
+    return o, pin_head_state(final)
 
 
 def hope_decode(
     x, q, state: HopeState, snapshot: HopeMemories, n, *, readout: HopeReadout, rule: HopeRule,
-    proteus_blocks: int = 1, proteus_context_len: int = 0,
-    initial_memories: HopeMemories | None = None, impl: str = "chunked",
+    proteus: ProteusRule = _NO_PROTEUS, initial_memories: HopeMemories | None = None,
+    impl: str = "chunked",
 ):  # fmt: skip
     """``T`` cached tokens at positions ``n … n + T − 1``, equal to :func:`hope_memories` row by
     row (SPEC §3.2; with Proteus each token is gated by the mask of position ``n + i + 1``, §4).
@@ -132,8 +149,8 @@ def hope_decode(
       x, q: ``[B, T, H, D]`` as :func:`hope_memories` (a prefill or single tokens).
       state: running ``HopeState``; snapshot: chunk-start snapshots (``HopeMemories``, shapes of
         ``state.memories``); n: int32 scalar, tokens seen.
-      readout, rule, proteus_blocks, proteus_context_len: as :func:`hope_memories`; with Proteus
-        both chunk sizes must divide ``Δ = N // E`` (:func:`check_hope_decode`).
+      readout, rule, proteus: as :func:`hope_memories`; with Proteus both chunk sizes must
+        divide ``Δ = N // E`` (:func:`check_hope_decode`).
       initial_memories: optional learned memories ``[H, ...]``: a call at ``n = 0`` starts from
         ``hope_init_state(initial_memories)`` instead of ``state`` (cache placeholders).
       impl: ``"chunked"`` | ``"recurrent"`` (both the per-token step; ``"pallas"``: ValueError).
@@ -142,16 +159,18 @@ def hope_decode(
       ``(o [B, T, H, D] f32, new state, new snapshot, n + T)``.
     """
     _check_impl("hope_decode", impl)
+    proteus = _check_proteus("hope_decode", proteus)
     return _hope_decode(
-        x, q, state, snapshot, n, readout, rule=rule, context_len=proteus_context_len,
-        num_blocks=proteus_blocks, initial_memories=initial_memories,
+        x, q, state, snapshot, n, readout, rule=rule, context_len=proteus.context_len,
+        num_blocks=proteus.blocks, initial_memories=initial_memories,
     )  # fmt: skip
 
 
 def check_hope_decode(
-    rule: HopeRule, *, proteus_blocks: int = 1, proteus_context_len: int = 0, owner: str = "rule"
+    rule: HopeRule, *, proteus: ProteusRule = _NO_PROTEUS, owner: str = "rule"
 ) -> None:
     """Raises ``ValueError`` (prefixed ``owner.<field>``) unless decoding equals the sequence form
     under Proteus: both chunk sizes must divide ``Δ = N // E`` (SPEC §4; no condition for
     ``E = 1``)."""
-    check_proteus_decode_chunks(rule, proteus_context_len, proteus_blocks, owner=owner)
+    proteus = _check_proteus("check_hope_decode", proteus)
+    check_proteus_decode_chunks(rule, proteus.context_len, proteus.blocks, owner=owner)

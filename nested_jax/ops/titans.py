@@ -10,7 +10,7 @@ Layers call these functions, never a core form directly, so the implementation i
   decoding is the chunk-1 rule).
 - ``"pallas"``: the seam for ``pallas_kernels/<op>``; no kernel yet, so it raises ``ValueError``.
 
-Both run the Proteus schedule when ``spec.proteus_blocks > 1`` (SPEC §4) and packed rows with an
+Both run the Proteus schedule when ``spec.proteus.blocks > 1`` (SPEC §4) and packed rows with an
 exact reset (``segment_ids``). The composition lives in :mod:`nested_jax.core.titans_memory`;
 :class:`TitansMemorySpec` holds the static options (frozen, hashable). Re-exported for layers:
 the state types (``TitansMLPState``, ``MemoryCache``), ``titans_mlp_init_weights`` (the learned
@@ -29,6 +29,7 @@ from nested_jax.core.titans_mlp import (
     titans_mlp_state,
 )
 from nested_jax.ops._impl import check_impl as _check_impl
+from nested_jax.ops._state import pin_head_state
 
 __all__ = [
     "TitansMemorySpec",
@@ -54,7 +55,7 @@ def titans_memory(
     state: TitansMLPState, q, k, v, theta, eta, alpha, *, spec: TitansMemorySpec,
     segment_ids=None, reset_state: TitansMLPState | None = None, impl: str = "chunked",
 ):  # fmt: skip
-    """Titans memory over a row, SPEC §2 (Proteus-gated when ``spec.proteus_blocks > 1``, §4).
+    """Titans memory over a row, SPEC §2 (Proteus-gated when ``spec.proteus.blocks > 1``, §4).
 
     ``S_t = η_t S_{t-1} − θ_t ∇ℓ(M; k_t, v_t)``, ``M_t = (1 − α_t) M_{t-1} + S_t``,
     ``y_t = M_t(q_t)`` (``M_{t-1}`` with ``spec.read_before_write``), ``ℓ = ½‖M(k) − v‖²``.
@@ -70,13 +71,15 @@ def titans_memory(
       impl: ``"chunked"`` | ``"recurrent"`` (``"pallas"``: ValueError).
 
     Returns:
-      ``(y [B, T, H, D], final TitansMLPState f32)``.
+      ``(y [B, T, H, D], final TitansMLPState f32)``; the state's leaves pinned to ``("batch",
+      "heads", …)`` (``ops._state``).
     """
     recurrent = _recurrent("titans_memory", impl)
-    return _tm.titans_memory_sequence(
+    y, final = _tm.titans_memory_sequence(
         state, q, k, v, theta, eta, alpha, spec=spec, recurrent=recurrent,
         segment_ids=segment_ids, reset_state=reset_state,
     )  # fmt: skip
+    return y, pin_head_state(final)
 
 
 def titans_memory_step(

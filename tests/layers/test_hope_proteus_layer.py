@@ -16,6 +16,7 @@ from nested_jax.layers.hope import HopeMixer
 from nested_jax.layers.options import HopeOptions, ProteusOptions
 from nested_jax.models.config import ModelConfig
 from nested_jax.models.registry import get_mixer
+from nested_jax.rules import ProteusRule
 from tests.layers.test_hope_layer import _cached, _close, _full
 
 D_MODEL, H, HD, B, T = 24, 2, 8, 2, 21
@@ -39,7 +40,8 @@ def _core_reference(m, x, t0, core, **kw):
     xm, q, _, _ = m._inputs(x, None, None)
     st = hope_init_state(m.initial_memories(), x.shape[0], momentum=m.opts.momentum)
     o, _ = core(
-        xm, q, st, m.readout(), context_len=m.p_context, num_blocks=m.p_blocks, t0=t0,
+        xm, q, st, m.readout(), context_len=m.proteus_rule.context_len,
+        num_blocks=m.proteus_rule.blocks, t0=t0,
         **kw, **m._flags(),
     )  # fmt: skip
     return m._out(x, o)
@@ -132,7 +134,7 @@ def test_config_and_option_checks():
         name="hope", d_model=D_MODEL, n_heads=H, hope=HopeOptions(**OPTS), proteus=PROTEUS
     )
     m = get_mixer("hope").from_config(cfg, rngs=nnx.Rngs(0))
-    assert (m.p_blocks, m.p_context) == (4, 32)
+    assert m.proteus_rule == ProteusRule(4, 32)
     with pytest.raises(ValueError, match=r"^ProteusOptions.blocks: 16 blocks need"):
         _mixer(proteus=ProteusOptions(blocks=16, context_len=32))  # hidden 8 < 16
     m = _mixer(chunk_memory=6, chunk_other=3)  # Δ = 8: the forward runs, decoding cannot

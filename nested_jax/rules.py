@@ -1,0 +1,369 @@
+"""The typed rules: one frozen, validated value per mechanism's static options (docs/SPEC.md).
+
+- :class:`HopeRule` (SPEC §3.2): chunk sizes, ablation flags, truncated backprop, remat.
+- :class:`ProteusRule` (SPEC §4): the schedule ``(E, N)``.
+- :class:`HolaRule` (SPEC §5): cache capacity, block length, eviction, read, scales, chunk.
+- :class:`CMSRule` (SPEC §3.3): periods, variant, online inner step; :func:`check_periods`.
+
+Plain Python (no jax), at the bottom of the layer map, so that both sides of the one door use the
+same values: the core functions and ops take a rule (``rule=``), and the config sections of
+``nested_jax.layers.options`` are built on them: ``HopeOptions`` and ``ProteusOptions`` *are*
+their rules plus the layer's own fields (defaults written once, here), while ``HolaOptions`` and
+``CMSOptions`` hold a subset under config names and validate it by building their rule. Every
+rule is frozen and hashable (a jit static) and checks itself in ``__post_init__``, raising
+``ValueError("<Class>.<field>: ...")``; a config section that inherits a rule reports its own
+class name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "CMS_INNERS",
+    "CMS_VARIANTS",
+    "EVICTIONS",
+    "HOPE_FLAGS",
+    "READ_NORMS",
+    "CMSRule",
+    "HolaRule",
+    "HopeRule",
+    "ProteusRule",
+    "check_periods",
+]
+
+EVICTIONS = ("beta_e", "recency", "e", "beta_v", "cumulative_attention")
+READ_NORMS = ("rmsnorm", "l2")
+CMS_VARIANTS = ("sequential", "nested", "independent")
+CMS_INNERS = ("sgd", "dgd")  # inner optimizers of the online mode (``core.cms.cms_online``)
+
+
+def _is_int(value, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _is_float(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _fail(owner, field: str, message: str):
+    """``ValueError("<Class>.<field>: message")``; ``owner`` is the instance being checked."""
+    raise ValueError(f"{type(owner).__name__}.{field}: {message}")
+
+
+def _check_ints(owner, lows: dict[str, int]) -> None:
+    for name, low in lows.items():
+        if not _is_int(getattr(owner, name), low):
+            _fail(owner, name, f"must be an int >= {low}, got {getattr(owner, name)!r}")
+
+
+def _check_choices(owner, choices: dict[str, tuple[str, ...]]) -> None:
+    for name, allowed in choices.items():
+        if getattr(owner, name) not in allowed:
+            _fail(owner, name, f"unknown {getattr(owner, name)!r}; expected one of {allowed}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Hope (SPEC §3.2)
+
+# The rule flags hope_step / hope_decode_step take as keywords (HopeRule.flags()).
+HOPE_FLAGS = (
+    "dgd",
+    "step",
+    "momentum",
+    "momentum_coef",
+    "decay",
+    "inner_k",
+    "inner_v",
+    "inner_q",
+    "adaptive_q",
+    "stop_gradient_targets",
+)
+_HOPE_BOOLS = tuple(f for f in HOPE_FLAGS if f not in ("step", "momentum_coef")) + ("remat",)
+
+
+@dataclass(frozen=True)
+class HopeRule:
+    """The Hope memory rule as one typed value (SPEC §3.2): chunk sizes, ablation flags, backprop.
+
+    These defaults are the ``model.hope`` config defaults (``HopeOptions`` extends this class).
+    The keyword defaults of the core functions (``hope_chunked``, ``hope_step``, ...) are the
+    plain per-token rule instead: ``chunk_memory = chunk_other = 1``, ``momentum=False``,
+    ``remat=False``; they build a rule from their keywords, so one check serves both.
+
+    Attributes:
+      chunk_memory: chunk size of ``M_memory``; chunk_other: of ``M_k, M_v, M_η, M_α`` (``M_q``);
+        the larger a multiple of the smaller (SPEC §3.2 Decision; 1 = per token).
+      dgd: DGD inner step (False: plain GD with retention; Table 6 ablation).
+      step: DGD step size, ``exact`` (Sherman–Morrison ``γ = η/(1+η‖x‖²)``) or ``paper``
+        (``η/(1+η)``).
+      momentum, momentum_coef: inner momentum ``S_t = μ S_{t−1} + u_t`` with ``μ ∈ [0, 1)``.
+      decay: data-dependent retention ``α_t`` (False: ``α = 1``).
+      inner_k, inner_v, inner_q: whether ``M_k``, ``M_v``, ``M_q`` adapt in the inner loop.
+      adaptive_q: ``q_t = M_q(x_t)`` (self-modifying) instead of ``q_t = W_q x_t``.
+      stop_gradient_targets: stop the outer gradient through ``v̂ = M_0(v)``.
+      grad_horizon: truncated backprop every ``grad_horizon`` tokens, a multiple of the larger
+        chunk (0 = full backprop; values unchanged).
+      remat: rematerialise each chunk in the backward pass (values and gradients unchanged).
+        Measured (core fwd+bwd, B=4, T=256, H=2, D=h=64, CPU): 1.6x faster and 4.9x less
+        temporary memory than storing the per-token weights of every chunk.
+    """
+
+    chunk_memory: int = 16
+    chunk_other: int = 4
+    dgd: bool = True
+    step: str = "exact"
+    momentum: bool = True
+    momentum_coef: float = 0.9
+    decay: bool = True
+    inner_k: bool = True
+    inner_v: bool = True
+    inner_q: bool = True
+    adaptive_q: bool = False
+    stop_gradient_targets: bool = False
+    grad_horizon: int = 0
+    remat: bool = True
+
+    def __post_init__(self) -> None:
+        _check_ints(self, {"chunk_memory": 1, "chunk_other": 1, "grad_horizon": 0})
+        for name in _HOPE_BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                _fail(self, name, f"expected bool, got {getattr(self, name)!r}")
+        _check_choices(self, {"step": ("exact", "paper")})
+        if self.big_chunk % self.small_chunk:
+            _fail(
+                self,
+                "chunk_memory",
+                f"chunk_memory={self.chunk_memory} and chunk_other={self.chunk_other}: the "
+                "larger must be a multiple of the smaller",
+            )
+        if self.grad_horizon % self.big_chunk:
+            _fail(
+                self,
+                "grad_horizon",
+                f"must be a multiple of max(chunk_memory, chunk_other)={self.big_chunk} (the "
+                f"state is cut between chunks), got {self.grad_horizon}",
+            )
+        mu = self.momentum_coef
+        if not _is_float(mu) or not 0 <= mu < 1:
+            _fail(self, "momentum_coef", f"must be in [0, 1), got {mu!r}")
+
+    @property
+    def small_chunk(self) -> int:
+        """``min(chunk_memory, chunk_other)``: the chunk the scan walks."""
+        return min(self.chunk_memory, self.chunk_other)
+
+    @property
+    def big_chunk(self) -> int:
+        """``max(chunk_memory, chunk_other)``."""
+        return max(self.chunk_memory, self.chunk_other)
+
+    @property
+    def mu(self):
+        """The momentum coefficient in effect: ``μ`` with ``momentum``, else 0."""
+        return self.momentum_coef if self.momentum else 0.0
+
+    def flags(self) -> dict:
+        """The ablation flags as keywords of ``hope_token.hope_step`` / ``hope_decode_step``."""
+        return {name: getattr(self, name) for name in HOPE_FLAGS}
+
+    def kwargs(self) -> dict:
+        """Every field as keywords of ``hope.hope_chunked`` (and ``proteus_hope_chunked``)."""
+        return dict(
+            chunk_memory=self.chunk_memory,
+            chunk_other=self.chunk_other,
+            grad_horizon=self.grad_horizon,
+            remat=self.remat,
+            **self.flags(),
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Proteus (SPEC §4)
+
+
+@dataclass(frozen=True)
+class ProteusRule:
+    """The Proteus schedule as one typed value (SPEC §4): ``E`` blocks opened over context ``N``.
+
+    These defaults are the ``model.proteus`` config defaults (``ProteusOptions`` is this class
+    under its config name). The functions of ``core.proteus`` keep their plain
+    ``(context_len, num_blocks)`` arguments; an op that receives a rule passes
+    ``rule.context_len, rule.blocks`` on.
+
+    Attributes:
+      blocks: ``E``; 1 = off (the plain backbone, bit for bit). SPEC §4's default for Proteus
+        runs is 16.
+      context_len: training context ``N``; must be ``> 0`` when ``blocks > 1`` (0 = unset).
+    """
+
+    blocks: int = 1
+    context_len: int = 0
+
+    def __post_init__(self) -> None:
+        _check_ints(self, {"blocks": 1, "context_len": 0})
+        if self.blocks > 1 and self.context_len < 1:
+            _fail(
+                self,
+                "context_len",
+                f"must be > 0 (the training context N, e.g. data.seq_len; in a config "
+                f"model.proteus.context_len) when blocks={self.blocks} > 1, got "
+                f"{self.context_len}",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """True when the schedule gates the memory (``blocks > 1``)."""
+        return self.blocks > 1
+
+
+# --------------------------------------------------------------------------------------------------
+# HOLA (SPEC §5)
+
+
+@dataclass(frozen=True)
+class HolaRule:
+    """The HOLA rule as one typed value (SPEC §5): cache, blocks, eviction, read, scales, chunks.
+
+    ``HolaOptions.rule()`` (the ``model.hola`` config section, with the shell's
+    ``model.chunk_size``) builds it; the defaults below are ``HolaOptions``'s and
+    ``ModelConfig.chunk_size``'s (a test keeps them equal) and the core functions' keyword
+    defaults. The core functions keep their plain keywords: ``ops.hola`` passes :meth:`kwargs` /
+    :meth:`step_kwargs` on.
+
+    Attributes:
+      window: cache capacity ``w`` (entries per head); block_size: block length ``C`` (the cache
+        is merged, top-w, at every block end).
+      eviction: one of ``EVICTIONS``; read_norm: one of ``READ_NORMS``.
+      scale: state-path query scale; cache_scale: cache logit scale (None: ``K ** -0.5``).
+      chunk_size: chunk length of the WY/UT state path and of the residual pass (the
+        block-parallel form only; decoding ignores it).
+    """
+
+    window: int = 64
+    block_size: int = 256
+    eviction: str = "beta_e"
+    read_norm: str = "rmsnorm"
+    scale: float | None = None
+    cache_scale: float | None = None
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("window", "block_size", "chunk_size"):
+            if not _is_int(getattr(self, name), 1):
+                _fail(self, name, f"must be a positive int, got {getattr(self, name)!r}")
+        _check_choices(self, {"eviction": EVICTIONS, "read_norm": READ_NORMS})
+        for name in ("scale", "cache_scale"):
+            value = getattr(self, name)
+            if value is not None and (not _is_float(value) or not value > 0):
+                _fail(self, name, f"must be None (K ** -0.5) or a float > 0, got {value!r}")
+
+    def step_kwargs(self) -> dict:
+        """Keywords of ``core.hola.hola_decode_step`` (``window``, ``block_size`` are the
+        state's)."""
+        return dict(
+            eviction=self.eviction,
+            read_norm=self.read_norm,
+            scale=self.scale,
+            cache_scale=self.cache_scale,
+        )
+
+    def kwargs(self) -> dict:
+        """Every field as keywords of ``core.hola.hola_forward`` (``hola_recurrent`` takes them
+        all but ``chunk_size``)."""
+        return dict(
+            window=self.window,
+            block_size=self.block_size,
+            chunk_size=self.chunk_size,
+            **self.step_kwargs(),
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# CMS (SPEC §3.3)
+
+
+def check_periods(periods, k: int | None = None, variant: str | None = None) -> tuple[int, ...]:
+    """Validate CMS periods ``C^(1) < … < C^(k)`` (SPEC §3.3) and return them as a tuple.
+
+    Shared by :class:`CMSRule`, the online core, the pretrain optimizer wrapper and LM streaming.
+
+    Args:
+      periods: a non-empty tuple/list of positive ints, strictly increasing.
+      k: the number of levels, when known (one period per level).
+      variant: ``"nested"`` also needs each period to divide the next.
+    """
+    if not isinstance(periods, (tuple, list)) or not periods:
+        raise ValueError(f"periods must be a non-empty tuple of positive ints, got {periods!r}")
+    periods = tuple(periods)
+    if not all(_is_int(p, 1) for p in periods):
+        raise ValueError(f"periods must be positive ints, got {periods!r}")
+    pairs = list(zip(periods, periods[1:], strict=False))
+    if any(b <= a for a, b in pairs):
+        raise ValueError(f"periods must be strictly increasing (C^(1) < … < C^(k)), got {periods}")
+    if k is not None and len(periods) != k:
+        raise ValueError(f"periods must have one entry per level ({k}), got {len(periods)}")
+    if variant == "nested" and any(b % a for a, b in pairs):
+        raise ValueError(
+            f"periods for variant='nested' must each divide the next (a level's context is whole "
+            f"periods of the faster level), got {periods}"
+        )
+    return periods
+
+
+@dataclass(frozen=True)
+class CMSRule:
+    """The CMS rule as one typed value (SPEC §3.3): periods, variant and the online inner step.
+
+    ``CMSOptions.rule()`` (the ``model.cms`` config section) builds it, and the defaults below are
+    ``CMSOptions``'s (a test keeps them equal). Lists become tuples (hashable). The core functions
+    keep their plain keywords: ``ops.cms`` passes ``variant`` (fixed-weight forward) or
+    :meth:`online_kwargs` (online mode) on. The level widths, ``gated`` and the pretrain
+    optimizer's ``mode`` / ``accumulate`` are not part of the rule: they shape the parameters and
+    the outer optimizer, not the CMS function.
+
+    Attributes:
+      periods: ``(C^(1), …, C^(k))``, one per level, strictly increasing (``nested``: each divides
+        the next); tokens in the online mode.
+      variant: one of ``CMS_VARIANTS``.
+      lr: online inner rate ``η > 0``, one float or one per level.
+      inner: online inner optimizer, one of ``CMS_INNERS`` (SPEC §3.1).
+      remat_every: online: checkpoint the chunk scan every n chunks (None: no checkpoints).
+    """
+
+    periods: tuple[int, ...] = (1, 4, 16)
+    variant: str = "sequential"
+    lr: float | tuple[float, ...] = 1e-2
+    inner: str = "sgd"
+    remat_every: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_choices(self, {"variant": CMS_VARIANTS, "inner": CMS_INNERS})
+        try:
+            periods = check_periods(self.periods, variant=self.variant)
+        except ValueError as err:  # check_periods' message, under the field's name
+            _fail(self, "periods", str(err).removeprefix("periods "))
+        object.__setattr__(self, "periods", periods)
+        lrs = self.lr if isinstance(self.lr, tuple | list) else (self.lr,)
+        if isinstance(self.lr, tuple | list):
+            if len(lrs) != len(periods):
+                _fail(
+                    self, "lr", f"one rate per level ({len(periods)}) or one float, got {self.lr!r}"
+                )
+            object.__setattr__(self, "lr", tuple(lrs))
+        for v in lrs:
+            if not _is_float(v) or not v > 0:
+                _fail(self, "lr", f"must be a float > 0 (or one per level), got {v!r}")
+        r = self.remat_every
+        if r is not None and not _is_int(r, 1):
+            _fail(self, "remat_every", f"must be None or a positive int, got {r!r}")
+
+    def online_kwargs(self) -> dict:
+        """Every field as keywords of ``core.cms.cms_online``."""
+        return dict(
+            periods=self.periods,
+            variant=self.variant,
+            lr=self.lr,
+            inner=self.inner,
+            remat_every=self.remat_every,
+        )
