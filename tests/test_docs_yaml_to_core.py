@@ -1,5 +1,6 @@
 """docs/from_yaml_to_core.md stays true: its snippet runs, every ``ops.*`` / ``core.*`` name it
-cites exists, and an unavailable ``impl`` fails at the first forward as the page says."""
+cites exists, ``impl="pallas"`` reaches the kernel where one exists and fails at the first forward
+elsewhere, as the page says."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import re
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 from nested_jax.layers.gdn import GatedDeltaNet
+from nested_jax.layers.hope import HopeMixer
+from nested_jax.layers.options import HopeOptions
+from nested_jax.train.config import load_config
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "from_yaml_to_core.md"
 
@@ -53,8 +58,19 @@ def test_every_cited_ops_and_core_name_exists():
     assert not missing, missing
 
 
-def test_pallas_fails_at_the_first_forward_with_the_pages_message():
-    layer = GatedDeltaNet(16, 2, 8, impl="pallas", rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"gated_delta: impl='pallas' is not implemented yet"):
-        layer(jnp.zeros((1, 4, 16)))
-    assert "gated_delta: impl='pallas' is not implemented yet" in PAGE.read_text()
+def test_pallas_runs_where_a_kernel_exists_and_fails_at_the_first_forward_elsewhere():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 5, 16)), jnp.float32)
+    chunked = GatedDeltaNet(16, 2, 8, impl="chunked", rngs=nnx.Rngs(0))
+    pallas = GatedDeltaNet(16, 2, 8, impl="pallas", rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(pallas(x)[0], chunked(x)[0], rtol=1e-5, atol=1e-6)  # (y, cache)
+    assert "pallas_kernels.gated_delta.gated_delta_pallas" in PAGE.read_text()
+    hope = HopeMixer(16, 2, 8, HopeOptions(chunk_memory=2, chunk_other=2), impl="pallas",
+                     rngs=nnx.Rngs(0))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^model\.impl: 'pallas' has kernels for \['deltanet'"):
+        load_config(["configs/experiments/tiny_hope.yaml"], ["model.impl=pallas"])
+    gdn = load_config(["configs/experiments/tiny_gdn.yaml"], ["model.impl=pallas"])
+    assert gdn.model.impl == "pallas"
+    message = "hope_memories: impl='pallas' is not implemented yet"
+    with pytest.raises(ValueError, match=message):
+        hope(x)
+    assert message in PAGE.read_text()

@@ -4,7 +4,8 @@ Every mixer reaches its memory rule through this package (DESIGN.md, SPEC §0); 
 name from ``nested_jax.core`` (an import-linter ``forbidden`` contract in ``pyproject.toml``
 checks it), only the ops and the state types the ops modules re-export. Each op takes ``impl``;
 an ``impl`` that cannot run raises ``ValueError`` naming the op (never a silent switch), and
-``"pallas"`` is the seam where the TPU kernels plug in. Each module's docstring says which core
+``"pallas"`` is the seam where the TPU kernels plug in (wired so far: ``gated_delta`` and
+``delta_rule`` → ``pallas_kernels.gated_delta``). Each module's docstring says which core
 function each ``impl`` reaches (and ``docs/from_yaml_to_core.md`` follows a config field there).
 
 One module per mechanism:
@@ -37,6 +38,7 @@ from nested_jax.ops.linear import (
     proteus_key_rows,
 )
 from nested_jax.ops.titans import titans_memory, titans_memory_step
+from nested_jax.rules import CMSRule, HolaRule, HopeRule, ProteusRule
 
 __all__ = [
     "IMPLS",
@@ -61,4 +63,8 @@ __all__ = [
     "cms_forward",
     "cms_online",
     "chunked_cross_entropy",
+    "HopeRule",
+    "ProteusRule",
+    "HolaRule",
+    "CMSRule",
 ]

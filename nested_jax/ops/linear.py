@@ -6,9 +6,9 @@ value. The implementation is never switched silently (not on sequence length, no
 
 - ``"chunked"``: the WY/UT chunk form of ``nested_jax.core.associative`` (the training default).
 - ``"recurrent"``: the per-token ``lax.scan`` ground truth (``chunk_size`` is ignored).
-- ``"pallas"``: the seam for ``pallas_kernels/<op>/ops.py``. No kernel is wired yet, so it raises
-  ``ValueError``; when a kernel lands, this module is its only importer and routes
-  ``impl="pallas"`` to it.
+- ``"pallas"``: ``pallas_kernels/gated_delta`` for ``gated_delta`` and ``delta_rule`` (``g = 0``),
+  with ``chunk_size`` as its chunk and the Pallas interpreter off TPU; ``linear_attention`` has no
+  kernel yet and raises ``ValueError``. This module is the kernels' only importer.
 
 The single-token steps (``*_step``) are the decode forms; ``proteus_key_rows`` is the Proteus
 key-row gate of the linear rules (SPEC §4), which turns each rule into its Proteus form; its
@@ -17,12 +17,16 @@ schedule is a :class:`ProteusRule` (``ProteusOptions.rule()``), re-exported here
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from nested_jax.core import associative as _assoc
 from nested_jax.core.associative import delta_rule_step, gated_delta_step, linear_attention_step
 from nested_jax.core.proteus import ProteusRule, proteus_active_blocks, proteus_block_ids
 from nested_jax.ops._impl import check_impl as _check_impl
+from nested_jax.ops._state import pin_head_state
+from pallas_kernels.gated_delta import BlockSizes as _GdnBlocks
+from pallas_kernels.gated_delta import gated_delta_pallas as _gated_delta_pallas
 
 __all__ = [
     "linear_attention",
@@ -37,11 +41,31 @@ __all__ = [
 
 
 def _dispatch(op: str, impl: str, args: tuple, chunk_size: int, **kw):
-    """Routes ``op`` to ``core.associative.<op>_recurrent`` or ``<op>_chunked`` by ``impl``."""
+    """Routes ``op`` to ``core.associative.<op>_recurrent`` or ``<op>_chunked`` by ``impl``; the
+    final state ``[B, H, K, V]`` comes back pinned to ``("batch", "heads", None, None)``.
+    ``impl="pallas"`` routes the delta rules to ``pallas_kernels.gated_delta``."""
+    if impl == "pallas" and op in ("gated_delta", "delta_rule"):
+        o, state = _pallas_delta(op, args, chunk_size, **kw)
+        return o, pin_head_state(state)
     _check_impl(op, impl)
     if impl == "recurrent":
-        return getattr(_assoc, f"{op}_recurrent")(*args, **kw)
-    return getattr(_assoc, f"{op}_chunked")(*args, chunk_size=chunk_size, **kw)
+        o, state = getattr(_assoc, f"{op}_recurrent")(*args, **kw)
+    else:
+        o, state = getattr(_assoc, f"{op}_chunked")(*args, chunk_size=chunk_size, **kw)
+    return o, pin_head_state(state)
+
+
+def _pallas_delta(op: str, args: tuple, chunk_size: int, **kw):
+    """The Pallas gated delta kernel (``delta_rule``: ``g = 0``); interpreted off TPU."""
+    if op == "delta_rule":
+        q, k, v, beta = args
+        args = (q, k, v, jnp.zeros(beta.shape, jnp.float32), beta)
+    return _gated_delta_pallas(
+        *args,
+        block_sizes=_GdnBlocks(chunk=chunk_size),
+        interpret=jax.default_backend() != "tpu",
+        **kw,
+    )
 
 
 def linear_attention(
@@ -101,7 +125,7 @@ def delta_rule(
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
       scale, initial_state, segment_ids, chunk_size: as in ``linear_attention``.
-      impl: ``"chunked"`` | ``"recurrent"`` (``"pallas"`` not yet available: ValueError).
+      impl: ``"chunked"`` | ``"recurrent"`` | ``"pallas"`` (``chunk_size`` a multiple of 8).
 
     Returns:
       ``(o [B, T, H, V], final_state [B, H, K, V])``.
@@ -135,7 +159,7 @@ def gated_delta(
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.
       scale, initial_state, segment_ids, chunk_size: as in ``linear_attention``.
-      impl: ``"chunked"`` | ``"recurrent"`` (``"pallas"`` not yet available: ValueError).
+      impl: ``"chunked"`` | ``"recurrent"`` | ``"pallas"`` (``chunk_size`` a multiple of 8).
 
     Returns:
       ``(o [B, T, H, V], final_state [B, H, K, V])``.

@@ -1,0 +1,320 @@
+"""Pallas TPU kernels of the chunked gated delta rule, forward and backward (SPEC §1; derivation
+``nested_jax/core/README.md`` §1, backward §2, resets §3).
+
+One grid step is one chunk of ``C`` tokens of one (batch, head) row; the grid is
+``(B·H "parallel", N "arbitrary")`` so the chunks of a row run in order on one core and the
+``[K, V]`` state lives in an f32 VMEM scratch between them. Per chunk, with the incoming state
+``S``, the restart state ``s0`` and the per-token scalars prepared by ``ops._token_scalars``::
+
+    Γ_ij = e^{b_i − b_j} [j ≤ i] [z_i = z_j]                 (decays on the same-segment mask)
+    A    = strict_tril(diag(β) (K Kᵀ) ⊙ Γ)
+    T    = (I + A)^{-1}                                     (forward substitution over rows, f32)
+    U    = T diag(β) (V − diag(d) K S − diag(d0) K s0)      (= Ũ − W S − W0 s0 of the WY form)
+    O    = diag(d) Q S + diag(d0) Q s0 + (Q Kᵀ ⊙ Γ) U
+    S'   = d_C S + d0_C s0 + (K ⊙ kdec)ᵀ U
+
+``d`` is the carried state's coefficient per token (``e^{b}``, zero after an in-chunk segment
+start), ``d0`` the restart state's (``e^{b}`` from the segment start, zero before it) and
+``kdec_j = Γ_{C, j}``. The ``W``/``Ũ`` pair of ``core/wy.py`` is folded into one solve applied to
+the state-corrected right-hand side, the same product re-associated (README §1, eq. 2).
+
+The backward kernel walks the same grid with the chunks reversed, ``G = ∂L/∂S_{n+1}`` in VMEM, and
+recomputes ``Γ, T, U`` of each chunk from the inputs and the chunk-start state the forward saved
+(``save_states``): ``dU = Pᵀ dO + (K ⊙ kdec) G``, ``dY = Tᵀ dU``, ``dA = −strict_tril(dY Uᵀ)``,
+``∂L/∂S_n = d_C G + (Q ⊙ d)ᵀ dO − (K ⊙ d)ᵀ diag(β) dY``; the cotangents of the per-token
+scalars (``b`` through ``Γ``, ``β``, ``d``, ``d0``, ``kdec``) come out per token and ``ops`` maps
+them to ``g`` and ``β`` by autodiff of the O(T) preparation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+__all__ = ["COLS", "ROWS", "gated_delta_fwd_call", "gated_delta_bwd_call"]
+
+# Per-token scalars, column layout [BH, Tp, len(COLS)] (one column each) ...
+COLS = ("b", "z", "beta", "d", "d0", "kdec")
+# ... and row layout [BH, N, len(ROWS), C], for the pairwise [C, C] masks without a transpose.
+ROWS = ("b", "z")
+
+_F32 = jnp.float32
+_NN = (((1,), (0,)), ((), ()))  # A @ B
+_NT = (((1,), (1,)), ((), ()))  # A @ Bᵀ
+_TN = (((0,), (0,)), ((), ()))  # Aᵀ @ B
+
+
+def _dot(a, b, dims=_NN):
+    """f32-accumulated product; f32 operands at full precision (HIGHEST), narrower ones as they
+    are (their products are exact in f32), whatever ``jax_default_matmul_precision`` says."""
+    both_f32 = a.dtype == _F32 and b.dtype == _F32
+    precision = lax.Precision.HIGHEST if both_f32 else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=_F32)
+
+
+def _unit_lower_inverse(A):
+    """``(I + A)^{-1}`` of a strictly lower ``A [C, C]`` (f32) by forward substitution over rows,
+    ``X_i = e_i − Σ_{j<i} A_ij X_j``: step ``i`` subtracts ``A_i X`` with ``A_i`` row ``i`` of ``A``
+    (other rows zero), so rows ``j < i`` are final when row ``i`` is formed. No powers of A."""
+    C = A.shape[0]
+    row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    eye = (row == col).astype(_F32)
+
+    def body(i, X):
+        return X - _dot(jnp.where(row == i, A, 0.0), X)
+
+    return lax.fori_loop(1, C, body, eye)
+
+
+def _chunk(q, k, cols, rows, scale):
+    """The state-free quantities of one chunk shared by both kernels: the per-token columns
+    ``{name: [C, 1]}`` and rows ``{name: [1, C]}``, ``Γ``, ``Q̂Kᵀ`` (scaled), ``KKᵀ``, ``A``'s
+    strict mask and ``T = (I + A)^{-1}``."""
+    C = q.shape[0]
+    c = {name: cols[:, i : i + 1] for i, name in enumerate(COLS)}
+    r = {name: rows[i : i + 1, :] for i, name in enumerate(ROWS)}
+    ii = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    jj = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    mask = (jj <= ii) & (c["z"] == r["z"])
+    # exponent ≤ 0 on the mask for g ≤ 0; masked entries are an exact zero, never exp(−inf)
+    gamma = jnp.where(mask, jnp.exp(jnp.where(mask, c["b"] - r["b"], 0.0)), 0.0)
+    kk = _dot(k, k, _NT)  # operands in the input dtype, f32 accumulation
+    qk = _dot(q, k, _NT) * scale
+    strict = jj < ii
+    T = _unit_lower_inverse(jnp.where(strict, c["beta"] * kk * gamma, 0.0))
+    return c, gamma, qk, kk, strict, T
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, cols_ref, rows_ref, s0_ref, *refs, scale, restart):
+    """One chunk of one (batch, head) row; refs are ``q, k [C, K]``, ``v [C, V]``,
+    ``cols [C, len(COLS)]``, ``rows [len(ROWS), C]``, ``s0 [K, V]``, outputs ``o [C, V]``,
+    ``sfin [K, V]`` (and, when saved, ``sn [K, V]`` the state entering the chunk), scratch
+    ``s_scr [K, V]`` f32 (the state entering this chunk)."""
+    o_ref, sfin_ref, *sn_ref, s_scr = refs
+    n = pl.program_id(1)
+
+    @pl.when(n == 0)
+    def _():
+        s_scr[...] = s0_ref[...].astype(_F32)
+
+    q, k = q_ref[...], k_ref[...]
+    C = q.shape[0]
+    c, gamma, qk, _, _, T = _chunk(q, k, cols_ref[...], rows_ref[...], scale)
+    d, d0 = c["d"], c["d0"]
+
+    S = s_scr[...]
+    if sn_ref:
+        sn_ref[0][...] = S
+    qf, kf = q.astype(_F32) * scale, k.astype(_F32)
+    rhs = v_ref[...].astype(_F32) - _dot(kf * d, S)
+    o = _dot(qf * d, S)
+    s_next = d[C - 1 :, :] * S
+    if restart:
+        s0 = s0_ref[...].astype(_F32)
+        rhs = rhs - _dot(kf * d0, s0)
+        o = o + _dot(qf * d0, s0)
+        s_next = s_next + d0[C - 1 :, :] * s0
+    U = _dot(T, c["beta"] * rhs)
+    o_ref[...] = (o + _dot(qk * gamma, U)).astype(o_ref.dtype)
+    s_next = s_next + _dot(kf * c["kdec"], U, _TN)
+    s_scr[...] = s_next
+
+    @pl.when(n == pl.num_programs(1) - 1)
+    def _():
+        sfin_ref[...] = s_next
+
+
+def _rowdot(a, b):
+    return jnp.sum(a * b, axis=1, keepdims=True)
+
+
+def _bwd_kernel(
+    q_ref, k_ref, v_ref, cols_ref, rows_ref, s0_ref, sn_ref, do_ref, dsfin_ref,
+    dq_ref, dk_ref, dv_ref, dcols_ref, drows_ref, ds0_ref,
+    g_scr, acc0_scr, *, scale, restart,
+):  # fmt: skip
+    """Reverse of one chunk (core/README.md §2 in this kernel's form). ``sn`` is the saved state
+    entering the chunk, ``do [C, V]`` the output cotangent, ``g_scr`` holds ``G = ∂L/∂S_{n+1}``
+    (``dsfin`` at the last chunk) and ``acc0_scr`` the restart state's gradient so far. Outputs
+    ``dq, dk [C, K]``, ``dv [C, V]`` f32, ``dcols [C, len(COLS)]`` / ``drows [len(ROWS), C]``
+    (cotangents of the per-token scalars; ``ops`` maps them to ``g`` and ``β``) and ``ds0``."""
+    n = pl.program_id(1)
+
+    @pl.when(n == 0)
+    def _():
+        g_scr[...] = dsfin_ref[...]
+        acc0_scr[...] = jnp.zeros_like(acc0_scr)
+
+    q, k = q_ref[...], k_ref[...]
+    C = q.shape[0]
+    c, gamma, qk, kk, strict, T = _chunk(q, k, cols_ref[...], rows_ref[...], scale)
+    beta, d, d0, kdec = c["beta"], c["d"], c["d0"], c["kdec"]
+    last = lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1
+    qf, kf = q.astype(_F32) * scale, k.astype(_F32)
+    S, G, dO = sn_ref[...], g_scr[...], do_ref[...].astype(_F32)
+    states = [(S, d)] + ([(s0_ref[...].astype(_F32), d0)] if restart else [])
+
+    # forward recomputation: R = V − Σ (K ⊙ d) S, U = T diag(β) R
+    R = v_ref[...].astype(_F32)
+    for St, dt in states:
+        R = R - _dot(kf * dt, St)
+    U = _dot(T, beta * R)
+
+    P = qk * gamma
+    dU = _dot(P, dO, _TN) + _dot(kf * kdec, G)
+    dY = _dot(T, dU, _TN)  # Y = diag(β) R, U = T Y
+    dR = beta * dY
+    dA = jnp.where(strict, -_dot(dY, U, _NT), 0.0)
+    dbeta = _rowdot(dY, R) + _rowdot(dA * kk, gamma)
+    dkk = dA * beta * gamma
+    dP = _dot(dO, U, _NT)
+    dqk = dP * gamma
+    E = (dP * qk + dA * beta * kk) * gamma  # ∂L/∂b through Γ_ij = e^{b_i − b_j}
+    dUG = _dot(U, G, _NT)  # ∂L/∂(K ⊙ kdec)
+    dq = _dot(dqk, k)
+    dk = _dot(dqk, qf, _TN) + _dot(dkk, k) + _dot(dkk, k, _TN) + dUG * kdec
+    dd = []
+    dS_prev = []
+    for St, dt in states:
+        dQd, dKd = _dot(dO, St, _NT), -_dot(dR, St, _NT)
+        dq = dq + dQd * dt
+        dk = dk + dKd * dt
+        tail = jnp.where(last, jnp.sum(St * G), 0.0)  # the state's coefficient at the chunk end
+        dd.append(_rowdot(dQd, qf) + _rowdot(dKd, kf) + tail)
+        dS_prev.append(dt[C - 1 :, :] * G + _dot(qf * dt, dO, _TN) - _dot(kf * dt, dR, _TN))
+
+    dq_ref[...] = dq * scale
+    dk_ref[...] = dk
+    dv_ref[...] = dR
+    named = {
+        "b": jnp.sum(E, axis=1, keepdims=True),
+        "beta": dbeta,
+        "d": dd[0],
+        "d0": dd[1] if restart else None,
+        "kdec": _rowdot(dUG, kf),
+    }
+    lane = lax.broadcasted_iota(jnp.int32, (C, len(COLS)), 1)
+    dcols = jnp.zeros((C, len(COLS)), _F32)
+    for i, name in enumerate(COLS):
+        if named.get(name) is not None:
+            dcols = jnp.where(lane == i, named[name], dcols)
+    dcols_ref[...] = dcols
+    sub = lax.broadcasted_iota(jnp.int32, (len(ROWS), C), 0)
+    drows_ref[...] = jnp.where(sub == ROWS.index("b"), -jnp.sum(E, axis=0, keepdims=True), 0.0)
+
+    g_scr[...] = dS_prev[0]
+    if restart:
+        acc0_scr[...] = acc0_scr[...] + dS_prev[1]
+
+    @pl.when(n == pl.num_programs(1) - 1)
+    def _():
+        ds0_ref[...] = dS_prev[0] + acc0_scr[...]
+
+
+def _specs(BH, N, chunk, K, V, reverse):
+    """Block specs over the grid ``(B·H, N)``; ``reverse`` walks the chunks last to first."""
+    sq = pl.Squeezed()
+    at = (lambda n: N - 1 - n) if reverse else (lambda n: n)
+
+    def tok(width):
+        return pl.BlockSpec((sq, chunk, width), lambda h, n: (h, at(n), 0))
+
+    return {
+        "tok": tok,
+        "rows": pl.BlockSpec((sq, sq, len(ROWS), chunk), lambda h, n: (h, at(n), 0, 0)),
+        "state": pl.BlockSpec((sq, K, V), lambda h, n: (h, 0, 0)),
+        "states": pl.BlockSpec((sq, sq, K, V), lambda h, n: (h, at(n), 0, 0)),
+    }
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret, name, *args):
+    # under shard_map (check_vma) the outputs vary over the mesh axes the inputs vary over
+    mat = jax.typeof(args[0]).manual_axis_type
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct(s, t, manual_axis_type=mat) for s, t in out_shape],
+        scratch_shapes=scratch,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+        name=name,
+    )(*args)
+
+
+def gated_delta_fwd_call(
+    q, k, v, cols, rows, s0, *, chunk, scale, restart, interpret, save_states=False
+):
+    """The forward ``pallas_call``.
+
+    Args:
+      q, k: ``[BH, Tp, K]``; v: ``[BH, Tp, V]`` (``Tp`` a multiple of ``chunk``).
+      cols: ``[BH, Tp, len(COLS)]`` f32; rows: ``[BH, N, len(ROWS), chunk]`` f32.
+      s0: ``[BH, K, V]`` f32 initial (and restart) state.
+      chunk: ``C``; scale: query scale; restart: whether ``s0`` re-enters at segment starts
+        (segment_ids with an initial state); interpret: run the Pallas interpreter;
+        save_states: also return the chunk-start states (the backward's residuals).
+
+    Returns:
+      ``(o [BH, Tp, V] in v's dtype, final_state [BH, K, V] f32)``, plus
+      ``states [BH, N, K, V]`` f32 when ``save_states``.
+    """
+    BH, Tp, K = q.shape
+    V = v.shape[-1]
+    N = Tp // chunk
+    sp = _specs(BH, N, chunk, K, V, reverse=False)
+    out_specs = [sp["tok"](V), sp["state"]] + ([sp["states"]] if save_states else [])
+    out_shape = [((BH, Tp, V), v.dtype), ((BH, K, V), _F32)]
+    out_shape += [((BH, N, K, V), _F32)] if save_states else []
+    kernel = functools.partial(_fwd_kernel, scale=float(scale), restart=restart)
+    in_specs = [sp["tok"](K), sp["tok"](K), sp["tok"](V), sp["tok"](len(COLS)), sp["rows"]]
+    return _call(
+        kernel, (BH, N), in_specs + [sp["state"]], out_specs, out_shape,
+        [pltpu.VMEM((K, V), _F32)], interpret, "gated_delta_fwd", q, k, v, cols, rows, s0,
+    )  # fmt: skip
+
+
+def gated_delta_bwd_call(
+    q, k, v, cols, rows, s0, states, do, dsfin, *, chunk, scale, restart, interpret
+):
+    """The backward ``pallas_call``: the chunks in reverse order with ``∂L/∂S`` in VMEM.
+
+    Args:
+      q, k, v, cols, rows, s0, chunk, scale, restart, interpret: as in ``gated_delta_fwd_call``.
+      states: ``[BH, N, K, V]`` f32 chunk-start states saved by the forward.
+      do: ``[BH, Tp, V]`` output cotangent; dsfin: ``[BH, K, V]`` f32 final-state cotangent.
+
+    Returns:
+      ``(dq, dk [BH, Tp, K], dv [BH, Tp, V], dcols [BH, Tp, len(COLS)],
+      drows [BH, N, len(ROWS), C], ds0 [BH, K, V])``, all f32.
+    """
+    BH, Tp, K = q.shape
+    V = v.shape[-1]
+    N = Tp // chunk
+    sp = _specs(BH, N, chunk, K, V, reverse=True)
+    tok = sp["tok"]
+    in_specs = [tok(K), tok(K), tok(V), tok(len(COLS)), sp["rows"], sp["state"], sp["states"]]
+    in_specs += [tok(V), sp["state"]]
+    out_specs = [tok(K), tok(K), tok(V), tok(len(COLS)), sp["rows"], sp["state"]]
+    out_shape = [
+        ((BH, Tp, K), _F32),
+        ((BH, Tp, K), _F32),
+        ((BH, Tp, V), _F32),
+        ((BH, Tp, len(COLS)), _F32),
+        ((BH, N, len(ROWS), chunk), _F32),
+        ((BH, K, V), _F32),
+    ]
+    kernel = functools.partial(_bwd_kernel, scale=float(scale), restart=restart)
+    scratch = [pltpu.VMEM((K, V), _F32), pltpu.VMEM((K, V), _F32)]
+    args = (q, k, v, cols, rows, s0, states, do, dsfin)
+    return _call(
+        kernel, (BH, N), in_specs, out_specs, out_shape, scratch, interpret, "gated_delta_bwd",
+        *args,
+    )  # fmt: skip
