@@ -38,7 +38,10 @@ Chunked form (**Decision**, SPEC §3.2): chunk ``n`` uses the state at the end o
 (``M_{□,0}``) to produce all projections, targets and signals (``x_ℓ``, ``g_ℓ``) of its tokens in
 parallel; then the chunk's updates are applied in order (``W x xᵀ`` of DGD uses the running weights
 ``W_{t-1}``, as in SPEC §3.2's linear formula
-``M_t = M_{t-1}(α_t I − γ_t k kᵀ) − γ_t(M_0 k − v̂)kᵀ``).
+``M_t = M_{t-1}(α_t I − γ_t k kᵀ) − γ_t(M_0 k − v̂)kᵀ``). With the inputs and signals fixed by the
+snapshot, that in-order recurrence is linear in ``(W, S)``, so it is computed in parallel form:
+one unit-lower-triangular ``c × c`` solve per memory layer and matmuls for the reads
+(:mod:`nested_jax.core.hope_parallel`), not a walk over the chunk's tokens.
 Two chunk sizes: ``chunk_other`` for the projection memories (k, v, η, α, q) and
 ``chunk_memory`` for ``M_memory``; the larger must be a multiple of the smaller (the time axis is
 walked in chunks of the smaller one, and the larger group's chunk-start snapshot is refreshed
@@ -69,8 +72,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.checks import check_positive_int
-from nested_jax.core.dgd import dgd_step_size
+from nested_jax.core.hope_parallel import chunk_coefficients, layer_chunk, read_running
 from nested_jax.core.hope_state import (
     HopeMemories,
     HopeReadout,
@@ -157,20 +159,6 @@ def _signals(mem0: MLPMemory, k, v, activation, stop_gradient_targets):
     return (s, e, k, g2)
 
 
-def _layer_update(W, S, x, g, lr, ret, mu, dgd, step):
-    """One in-order update of ``W [B, H, o, i]`` (SPEC §3.1); returns ``(W_new, S_new)``."""
-    outer = g[..., :, None] * x[..., None, :]
-    if dgd:
-        gamma = dgd_step_size(lr, x, step=step)[..., None, None]
-        Wx = jnp.einsum("bhoi,bhi->bho", W, x)
-        u = -gamma * (Wx[..., :, None] * x[..., None, :] + outer)
-    else:
-        u = -lr[..., None, None] * outer
-    if S is not None:
-        u = mu * S + u
-    return ret[..., None, None] * W + u, (u if S is not None else None)
-
-
 def _project(snap: HopeMemories, x_c, q_c, readout: HopeReadout, rule: HopeRule, act):
     """``k, v, η, α, q`` of a chunk's tokens from the projection snapshots (SPEC §3.2)."""
     k = _l2norm(mlp_memory_apply(snap.k, x_c, act))
@@ -196,6 +184,68 @@ def _pick(fresh, new, old):
     )
 
 
+def _adapting(rule: HopeRule) -> list[str]:
+    """The memories that adapt in the inner loop (``M_η``, ``M_α``, ``M_memory`` always)."""
+    adapt = ["eta", "alpha", "memory"]
+    adapt += [n for n in ("k", "v") if getattr(rule, "inner_" + n)]
+    if rule.adaptive_q and rule.inner_q:
+        adapt.append("q")
+    return adapt
+
+
+def _snapshot(name: str, snap_proj: HopeMemories, snap_mem: MLPMemory) -> MLPMemory:
+    """The chunk-start snapshot memory ``name`` takes its signals from (its group's)."""
+    return snap_mem if name == "memory" else getattr(snap_proj, name)
+
+
+def _parallel_updates(state: HopeState, sig, q, eta, alpha, valid_c, rule: HopeRule, act,
+                      init: HopeMemories | None = None, reset_c=None):  # fmt: skip
+    """A chunk's in-order updates and reads in parallel form (:mod:`core.hope_parallel`): every
+    memory layer's per-token recurrence as one triangular solve, the reads of ``M_memory`` with
+    its running weights as matmuls (equal to the per-token rule up to rounding).
+
+    Args:
+      sig: ``{name: (x1, g1, x2, g2)}`` per adapting memory, ``[B, c, H, ·]``; q: ``[B, c, H, D]``
+        normalised queries; eta, alpha: ``[B, c, H]``; valid_c: ``[B, c]`` bool (a prefix).
+      init, reset_c: packed rows: the memories a document start resets to and ``[B, c]`` bool
+        document starts (momenta restart at zero); None without resets.
+
+    Returns:
+      ``(o [B, c, H, D], new HopeState)``.
+    """
+    heads_first = lambda a: jnp.moveaxis(a, 1, 2)  # noqa: E731  [B, c, H, ...] -> [B, H, c, ...]
+    on = valid_c[:, None, :]  # [B, 1, c]
+    lr = jnp.where(on, heads_first(eta), 0.0)
+    co = chunk_coefficients(jnp.where(on, heads_first(alpha), 1.0), rule.mu, valid_c, reset_c)
+    mems, moms = state.memories, state.momentum
+    new_m = {n: getattr(mems, n) for n in _names(mems)}
+    new_s = None if moms is None else {n: getattr(moms, n) for n in _names(moms)}
+    if init is not None:  # a memory that does not adapt still restarts at a document start
+        restarted = jnp.any(co.end.astype(bool) & co.fresh, axis=1)
+        pick = lambda a, b: jnp.where(restarted.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+        for n in sorted(set(new_m) - set(sig)):
+            new_m[n] = jax.tree.map(pick, getattr(init, n), new_m[n])
+            if new_s is not None:
+                new_s[n] = jax.tree.map(lambda b: pick(jnp.zeros_like(b), b), new_s[n])
+    layer = functools.partial(layer_chunk, lr=lr, co=co, dgd=rule.dgd, step=rule.step)
+    for n, signals in sig.items():
+        x1, g1, x2, g2 = (heads_first(a) for a in signals)
+        m, s = getattr(mems, n), (None if moms is None else getattr(moms, n))
+        m0 = MLPMemory(None, None) if init is None else getattr(init, n)
+        g1, g2 = (jnp.where(on[..., None], g, 0.0) for g in (g1, g2))
+        u1, w1, s1 = layer(m.w1, None if s is None else s.w1, x1, g1, W_init=m0.w1)
+        u2, w2, s2 = layer(m.w2, None if s is None else s.w2, x2, g2, W_init=m0.w2)
+        new_m[n] = MLPMemory(w1, w2)
+        if s is not None:
+            new_s[n] = MLPMemory(s1, s2)
+        if n == "memory":  # o_t = M_{memory,t−1}(q_t), read before write with running weights
+            qh = heads_first(q)
+            z = read_running(m.w2, None if s is None else s.w2, x2, u2, qh, co, m0.w2)
+            o = qh + read_running(m.w1, None if s is None else s.w1, x1, u1, act(z), co, m0.w1)
+    new_state = HopeState(HopeMemories(**new_m), None if new_s is None else HopeMemories(**new_s))
+    return jnp.moveaxis(o, 2, 1), new_state
+
+
 def _chunk_body(
     state: HopeState,
     snap_proj: HopeMemories,
@@ -209,7 +259,8 @@ def _chunk_body(
     act: Callable,
     resets=None,
 ):
-    """One chunk: parallel projections/targets/signals from snapshots, then in-order updates.
+    """One chunk: parallel projections/targets/signals from snapshots, then the in-order updates
+    in parallel form (:func:`_parallel_updates`).
 
     ``resets`` (packed rows) is ``(init HopeMemories [B, ...], reset_c, fresh_proj_c,
     fresh_mem_c)`` with the flags ``[B, c]``: ``reset`` restarts the running state (memories and
@@ -217,67 +268,20 @@ def _chunk_body(
     chunk-start snapshot of that group.
     """
     k, v, eta, alpha, q = _project(snap_proj, x_c, q_c, readout, rule, act)
+    init = reset_c = None
     if resets is not None:
         init, reset_c, fresh_proj, fresh_mem = resets
         k, v, eta, alpha, q = _pick(
             fresh_proj, _project(init, x_c, q_c, readout, rule, act), (k, v, eta, alpha, q)
         )
-
-    adapt = ["eta", "alpha", "memory"]
-    adapt += [n for n in ("k", "v") if getattr(rule, "inner_" + n)]
-    if rule.adaptive_q and rule.inner_q:
-        adapt.append("q")
-    snaps = {n: (snap_mem if n == "memory" else getattr(snap_proj, n)) for n in adapt}
-    sig = {n: _signals(snaps[n], k, v, act, rule.stop_gradient_targets) for n in adapt}
-    if resets is not None:
-        for n in adapt:
+    sig = {}
+    for n in _adapting(rule):
+        sig[n] = _signals(_snapshot(n, snap_proj, snap_mem), k, v, act, rule.stop_gradient_targets)
+        if resets is not None:
             fresh = fresh_mem if n == "memory" else fresh_proj
             s_init = _signals(getattr(init, n), k, v, act, rule.stop_gradient_targets)
             sig[n] = _pick(fresh, s_init, sig[n])
-
-    # time-major for the in-order scan
-    tm = lambda a: jnp.moveaxis(a, 1, 0)  # noqa: E731
-    rs = tm(reset_c) if resets is not None else jnp.zeros((q.shape[1],), bool)
-    xs = (tm(q), tm(eta), tm(alpha), tm(valid_c), rs, {n: tuple(map(tm, sig[n])) for n in adapt})
-    mems0 = {n: getattr(state.memories, n) for n in _names(state.memories)}
-    moms0 = {n: (None if state.momentum is None else getattr(state.momentum, n)) for n in mems0}
-    init_m = None if resets is None else {n: getattr(init, n) for n in mems0}
-
-    def step(carry, inp):
-        mems, moms = carry
-        q_t, eta_t, alpha_t, valid_t, reset_t, sig_t = inp
-        if init_m is not None:  # a document starts here: back to the initial memories
-            r = lambda a: reset_t.reshape(reset_t.shape + (1,) * (a.ndim - 1))  # noqa: E731
-            mems = jax.tree.map(lambda a, b: jnp.where(r(a), a, b), init_m, mems)
-            moms = jax.tree.map(lambda b: jnp.where(r(b), 0.0, b), moms)
-        # read before write with the running weights
-        o_t = mlp_memory_apply(mems["memory"], q_t[:, None], act)[:, 0]
-        new_m, new_s = dict(mems), dict(moms)
-        for n in adapt:
-            x1, g1, x2, g2 = sig_t[n]
-            m = mems[n]
-            s = moms[n]
-            upd = functools.partial(
-                _layer_update, lr=eta_t, ret=alpha_t, mu=rule.mu, dgd=rule.dgd, step=rule.step
-            )
-            w1, s1 = upd(m.w1, None if s is None else s.w1, x1, g1)
-            w2, s2 = upd(m.w2, None if s is None else s.w2, x2, g2)
-            keep = lambda new, old: jnp.where(valid_t[:, None, None, None], new, old)  # noqa: E731
-            new_m[n] = MLPMemory(keep(w1, m.w1), keep(w2, m.w2))
-            if s is not None:
-                new_s[n] = MLPMemory(keep(s1, s.w1), keep(s2, s.w2))
-        return (new_m, new_s), o_t
-
-    (mems, moms), o = lax.scan(step, (mems0, moms0), xs)
-    new_state = HopeState(
-        HopeMemories(**mems), None if state.momentum is None else HopeMemories(**moms)
-    )
-    return jnp.moveaxis(o, 0, 1), new_state
-
-
-def _check_step(step):
-    if step not in ("exact", "paper"):
-        raise ValueError(f"step must be 'exact' or 'paper', got {step!r}")
+    return _parallel_updates(state, sig, q, eta, alpha, valid_c, rule, act, init, reset_c)
 
 
 _FLAGS_DOC = """
@@ -290,18 +294,6 @@ _FLAGS_DOC = """
       adaptive_q: ``q_t = norm(M_{q,t−1}(x_t))`` instead of ``norm(q_in)``.
       stop_gradient_targets: stop the gradient through ``v̂ = M_0(v)``.
       activation: elementwise ``σ`` of the memories."""
-
-
-def _check_chunks(chunk_memory, chunk_other):
-    check_positive_int("chunk_memory", chunk_memory)
-    check_positive_int("chunk_other", chunk_other)
-    c, big = min(chunk_memory, chunk_other), max(chunk_memory, chunk_other)
-    if big % c:
-        raise ValueError(
-            f"chunk_memory={chunk_memory} and chunk_other={chunk_other}: the larger must be a "
-            "multiple of the smaller"
-        )
-    return c, big
 
 
 def _initial(initial_memories, state: HopeState, B: int):
@@ -328,23 +320,6 @@ def _segment_flags(segment_ids, B, T, chunk_memory, chunk_other):
     last = lax.cummax(jnp.where(reset, t, -1), axis=1)  # last document start ≤ t (−1: none)
     fresh = lambda c: last >= (t // c) * c  # noqa: E731  (a start inside t's chunk)
     return reset, fresh(chunk_other), fresh(chunk_memory)
-
-
-def _checked_rule(**fields) -> HopeRule:
-    """``hope_chunked``'s keywords as a :class:`HopeRule`, after the checks of the chunk sizes, of
-    ``grad_horizon`` (an int ≥ 0, a multiple of the larger chunk: the state is cut between
-    chunks) and of ``step``."""
-    _, big = _check_chunks(fields["chunk_memory"], fields["chunk_other"])
-    grad_horizon = fields["grad_horizon"]
-    if isinstance(grad_horizon, bool) or not isinstance(grad_horizon, int) or grad_horizon < 0:
-        raise ValueError(f"grad_horizon must be an int >= 0, got {grad_horizon!r}")
-    if grad_horizon % big:
-        raise ValueError(
-            f"grad_horizon={grad_horizon} must be a multiple of "
-            f"max(chunk_memory, chunk_other)={big}"
-        )
-    _check_step(fields["step"])
-    return HopeRule(**fields)
 
 
 def _time_chunks(a, c):
@@ -479,7 +454,7 @@ def hope_chunked(
     """
     )
     _validate(x, q, state, readout, adaptive_q, momentum)
-    rule = _checked_rule(
+    rule = HopeRule(  # checks the chunk sizes, grad_horizon, step and the flags
         chunk_memory=chunk_memory, chunk_other=chunk_other, dgd=dgd, step=step, momentum=momentum,
         momentum_coef=momentum_coef, decay=decay, inner_k=inner_k, inner_v=inner_v,
         inner_q=inner_q, adaptive_q=adaptive_q, stop_gradient_targets=stop_gradient_targets,

@@ -1,0 +1,180 @@
+"""A Hope chunk's in-order updates in parallel form: one triangular solve per layer (SPEC §3.2).
+
+Inside a chunk every memory layer sees fixed inputs ``x_t`` and signals ``g_t`` (computed from the
+chunk-start snapshots), so its per-token rule (SPEC §3.1, §3.2)::
+
+    u_t = −γ_t (W_{t−1} x_t + g_t) x_tᵀ      (dgd; plain GD: u_t = −η_t g_t x_tᵀ)
+    S_t = μ S_{t−1} + u_t,   W_t = α_t W_{t−1} + S_t      (no momentum: μ = 0, S_t = u_t)
+
+is linear in ``(W, S)``. Unrolled from the chunk start ``(W_0, S_0)`` (0-based tokens, ``b_j =
+Σ_{r≤j} log α_r``)::
+
+    W_j = P_j W_0 + Q_j S_0 + Σ_{s≤j} E_{j,s} U_s x_sᵀ,     u_s = U_s x_sᵀ
+    P_j = e^{b_j},   Q_j = Σ_{r≤j} e^{b_j − b_r} μ^{r+1},
+    E_{j,s} = Σ_{r=s}^{j} e^{b_j − b_r} μ^{r−s}
+
+The state *before* token ``j`` (row ``j`` of the "before" coefficients ``P̄_j = P_{j−1}``,
+``Ē_{j,s} = E_{j−1,s}`` for ``s < j``, ``P̄_0 = 1``, ``Q̄_0 = 0``) gives the DGD term
+``W_{j−1} x_j`` and the reads ``W_{j−1} z_j``; so with the strictly lower
+``K_{j,s} = Ē_{j,s} (x_s · x_j)``::
+
+    U = −Γ (a + g + K U),  a_j = P̄_j W_0 x_j + Q̄_j S_0 x_j   ⇒   (I + Γ K) U = −Γ (a + g)
+
+one unit-lower-triangular ``C × C`` solve per layer (the WY/UT solve of the gated delta rule,
+SPEC §1: without momentum this *is* a gated delta rule with key ``x``, value ``−α g``, decay ``α``
+and ``β = γ/α``). The chunk end is row ``n`` of the same coefficients (``n`` = the number of valid
+tokens, so zero padding at the end of a row is never applied) and ``S_n = μ^n S_0 + Σ_{s<n}
+μ^{n−1−s} U_s x_sᵀ``. A read of the running weights is ``W_{j−1} z_j = P̄_j W_0 z_j + Q̄_j S_0 z_j
++ Σ_{s<j} Ē_{j,s} (x_s · z_j) U_s``. Everything is matmuls over the chunk: nothing walks its tokens.
+
+Packed rows fold in as in SPEC §0: a document start at token ``r`` restarts the rows ``j ≥ r``
+from the initial memories and zero momenta (:func:`chunk_coefficients`). Values equal the
+per-token rule up to float rounding (``tests/core/test_hope.py`` compares with the twin).
+Shapes: ``W [B, H, o, i]``, ``x [B, H, C, i]``, ``g [B, H, C, o]``, gates ``[B, H, C]``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.linalg import solve_triangular
+
+from nested_jax.core.dgd import dgd_step_size
+
+__all__ = ["ChunkCoefficients", "chunk_coefficients", "layer_chunk", "read_running"]
+
+
+class ChunkCoefficients(NamedTuple):
+    """Scalar coefficients of one chunk, shared by every layer of every memory (module docstring).
+
+    Row ``j = 0 … C`` describes the state just before token ``j`` (row ``C``: after the chunk).
+
+    Attributes:
+      p_before, q_before: ``[B, H, C+1]``: ``P̄_j``, ``Q̄_j``.
+      e_before: ``[B, H, C+1, C]``: ``Ē_{j,s}`` (zero for ``s ≥ j`` and across a reset).
+      s_before: ``[B, C+1, C]``: ``μ^{j−1−s}`` for ``s < j`` in the same document.
+      mu_pow: ``[B, C+1]``: ``μ^j`` (the chunk-start momentum's weight; 0 after a reset).
+      fresh: ``[B, C+1]`` bool: a document started in this chunk at or before row ``j``, so the
+        row's base weights are the initial memories instead of the chunk-start weights.
+      end: ``[B, C+1]`` one-hot of the number of valid tokens ``n`` (the chunk-end row).
+    """
+
+    p_before: jax.Array
+    q_before: jax.Array
+    e_before: jax.Array
+    s_before: jax.Array
+    mu_pow: jax.Array
+    fresh: jax.Array
+    end: jax.Array
+
+
+def chunk_coefficients(alpha, mu: float, valid, reset=None) -> ChunkCoefficients:
+    """The chunk's coefficients from the retention gates and the momentum coefficient.
+
+    A packed-row reset at token ``r`` (SPEC §0) restarts the recurrence just before ``r`` from the
+    initial memories and zero momenta: rows ``j ≥ r`` only see tokens ``s ≥ r``, their decay
+    products start at ``r`` and their base is the initial memory (``fresh``).
+
+    Args:
+      alpha: ``[B, H, C]`` retention ``α_t ∈ (0, 1]``.
+      mu: momentum coefficient ``μ`` (a Python float; 0 = no momentum).
+      valid: ``[B, C]`` bool, a prefix of each row (padding only at the end).
+      reset: optional ``[B, C]`` bool: a document starts at the token (only valid tokens count).
+    """
+    B, C = valid.shape
+    idx = jnp.arange(C)
+    reset = jnp.zeros((B, C), bool) if reset is None else reset & valid
+    last = jax.lax.cummax(jnp.where(reset, idx, 0), axis=1)  # the row's document start in chunk
+    start = jnp.concatenate([last, last[:, -1:]], axis=1)  # [B, C+1]; row C: the last token's
+    fresh = jnp.concatenate([jnp.cumsum(reset, 1), jnp.sum(reset, 1, keepdims=True)], 1) > 0
+    row = jnp.arange(C + 1)[:, None]
+    seen = (idx[None, :] < row) & (idx[None, None, :] >= start[:, :, None])  # [B, C+1, C]
+    b = jnp.cumsum(jnp.log(alpha), axis=-1)  # [B, H, C]
+    b_prev = jnp.concatenate([jnp.zeros_like(b[..., :1]), b], axis=-1)  # b_{j−1}, j = 0..C
+    on = seen[:, None]  # [B, 1, C+1, C]
+    decay = jnp.where(on, jnp.exp(jnp.where(on, b_prev[..., :, None] - b[..., None, :], 0.0)), 0.0)
+    lag = np.arange(C)[:, None] - np.arange(C)[None, :]
+    mu_mat = np.where(lag >= 0, float(mu) ** np.maximum(lag, 0), 0.0).astype(np.float32)
+    mu_next = (float(mu) ** np.arange(1, C + 1)).astype(np.float32)  # μ^{r+1}
+    p_start = jnp.take_along_axis(b_prev, jnp.broadcast_to(start[:, None], b_prev.shape), -1)
+    gap = np.maximum(np.arange(C + 1)[:, None] - 1 - np.arange(C)[None, :], 0)
+    mu_pow = (float(mu) ** np.arange(C + 1)).astype(np.float32)
+    count = jnp.sum(valid.astype(jnp.int32), axis=-1)
+    return ChunkCoefficients(
+        p_before=jnp.exp(b_prev - p_start),
+        q_before=jnp.where(fresh[:, None], 0.0, jnp.einsum("bhjr,r->bhj", decay, mu_next)),
+        e_before=jnp.where(on, jnp.einsum("bhjr,rs->bhjs", decay, mu_mat), 0.0),
+        s_before=jnp.where(seen, (float(mu) ** gap).astype(np.float32), 0.0),
+        mu_pow=jnp.where(fresh, 0.0, mu_pow),
+        fresh=fresh,
+        end=jax.nn.one_hot(count, C + 1, dtype=alpha.dtype),
+    )
+
+
+def _base(W0, W_init, z, fresh):
+    """``W_0 z_j`` or, on rows after a document start, ``W_init z_j``: ``[B, H, C, o]``."""
+    out = jnp.einsum("bhoi,bhci->bhco", W0, z)
+    if W_init is None:
+        return out
+    restart = jnp.einsum("bhoi,bhci->bhco", W_init, z)
+    return jnp.where(fresh[:, None, : z.shape[2], None], restart, out)
+
+
+def read_running(W0, S0, x, U, z, co: ChunkCoefficients, W_init=None):
+    """``W_{j−1} z_j`` for every token ``j`` of the chunk: ``[B, H, C, o]`` (module docstring).
+
+    Args:
+      W0, S0: ``[B, H, o, i]`` weights and momentum at the chunk start (``S0`` None: none).
+      x: ``[B, H, C, i]`` the layer's inputs; U: ``[B, H, C, o]`` its update vectors.
+      z: ``[B, H, C, i]`` the queries.
+      W_init: ``[B, H, o, i]`` the weights a document start resets to (None: no resets).
+    """
+    C = x.shape[2]
+    out = co.p_before[..., :C, None] * _base(W0, W_init, z, co.fresh)
+    if S0 is not None:
+        out = out + co.q_before[..., :C, None] * jnp.einsum("bhoi,bhci->bhco", S0, z)
+    mix = co.e_before[..., :C, :] * jnp.einsum("bhci,bhsi->bhcs", z, x)
+    return out + jnp.einsum("bhcs,bhso->bhco", mix, U)
+
+
+def layer_chunk(W0, S0, x, g, lr, co: ChunkCoefficients, *, dgd: bool, step: str, W_init=None):
+    """One memory layer over one chunk: the update vectors and the chunk-end ``(W_n, S_n)``.
+
+    Args:
+      W0, S0: ``[B, H, o, i]`` at the chunk start (``S0`` None without momentum).
+      x: ``[B, H, C, i]`` inputs; g: ``[B, H, C, o]`` signals (both from the chunk-start
+        snapshot; zero on padded tokens).
+      lr: ``[B, H, C]`` inner rate ``η_t`` (zero on padded tokens).
+      co: :func:`chunk_coefficients` of the chunk.
+      dgd, step: the DGD step (``γ = dgd_step_size(η, x, step)``) or plain GD (``γ = η``,
+        no ``W_{t−1} x_t`` term).
+      W_init: ``[B, H, o, i]`` the weights a document start resets to (None: no resets).
+
+    Returns:
+      ``(U [B, H, C, o], W_n [B, H, o, i], S_n or None)``.
+    """
+    if dgd:
+        gamma = dgd_step_size(lr, x, step=step)[..., None]  # [B, H, C, 1]
+        a = read_running(W0, S0, x, jnp.zeros_like(g), x, co, W_init)  # P̄ W_0 x + Q̄ S_0 x
+        k_mat = co.e_before[..., :-1, :] * jnp.einsum("bhci,bhsi->bhcs", x, x)
+        eye = jnp.eye(x.shape[2], dtype=x.dtype)
+        U = solve_triangular(eye + gamma * k_mat, -gamma * (a + g), lower=True, unit_diagonal=True)
+    else:
+        U = -lr[..., None] * g
+    end = lambda c: jnp.einsum("bj,bhj...->bh...", co.end, c)  # noqa: E731  (row n)
+    base = W0
+    if W_init is not None:
+        restarted = jnp.sum(co.end * co.fresh, axis=1)[:, None, None, None] > 0
+        base = jnp.where(restarted, W_init, W0)
+    W = end(co.p_before)[..., None, None] * base
+    W = W + jnp.einsum("bhs,bhso,bhsi->bhoi", end(co.e_before), U, x)
+    if S0 is None:
+        return U, W, None
+    W = W + end(co.q_before)[..., None, None] * S0
+    s_end = jnp.einsum("bj,bjs->bs", co.end, co.s_before)  # μ^{n−1−s}
+    S = jnp.einsum("bj,bj->b", co.end, co.mu_pow)[:, None, None, None] * S0
+    S = S + jnp.einsum("bs,bhso,bhsi->bhoi", s_end, U, x)
+    return U, W, S

@@ -1,0 +1,185 @@
+"""Hope's parallel chunk form (core.hope_parallel) against plain per-token loops (SPEC §3.1, §3.2).
+
+1. One memory layer over one chunk: ``layer_chunk`` / ``read_running`` equal a per-token loop of
+   the rule ``u = −γ(W x + g)xᵀ`` (or ``−η g xᵀ``), ``S = μS + u``, ``W = αW + S``, with padding
+   at the end, packed-row resets to ``W_init`` (momentum back to zero), on values and gradients.
+2. The whole Hope rule: ``hope_chunked`` equals the independent per-token twin
+   ``core.reference.hope.hope_reference`` for every flag combination of the parallel form
+   (dgd, momentum, decay, step) at chunk sizes (1, 1), (4, 2), (8, 8) and an awkward T.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nested_jax.core.dgd import dgd_step_size
+from nested_jax.core.hope import hope_chunked
+from nested_jax.core.hope_parallel import chunk_coefficients, layer_chunk, read_running
+from nested_jax.core.hope_state import HopeMemories, HopeReadout, MLPMemory, hope_init_state
+from nested_jax.core.reference.hope import hope_reference
+
+B, H, C, O, I = 2, 2, 7, 5, 4
+
+
+def _loop(W0, S0, x, g, lr, alpha, z, *, mu, dgd, step, valid, reset, W_init):
+    """The per-token rule, one token at a time (the definition the parallel form must equal)."""
+    W, S = W0, (jnp.zeros_like(W0) if S0 is None else S0)
+    reads = []
+    for j in range(C):
+        r = reset[:, j][:, None, None, None]
+        W, S = jnp.where(r, W_init, W), jnp.where(r, 0.0, S)
+        reads.append(jnp.einsum("bhoi,bhi->bho", W, z[:, :, j]))
+        xj, gj = x[:, :, j], g[:, :, j]
+        if dgd:
+            gamma = dgd_step_size(lr[:, :, j], xj, step=step)[..., None, None]
+            u = -gamma * (jnp.einsum("bhoi,bhi->bho", W, xj) + gj)[..., None] * xj[..., None, :]
+        else:
+            u = -lr[:, :, j][..., None, None] * gj[..., None] * xj[..., None, :]
+        S_new = mu * S + u
+        W_new = alpha[:, :, j][..., None, None] * W + S_new
+        keep = valid[:, j][:, None, None, None]
+        W, S = jnp.where(keep, W_new, W), jnp.where(keep, S_new, S)
+    reads = _only_valid(jnp.stack(reads, 2), valid)
+    return reads, W, (jnp.zeros_like(W) if S0 is None else S)  # no momentum: no S
+
+
+def _layer_inputs(seed):
+    rng = np.random.default_rng(seed)
+    f = lambda *s, scale=1.0: jnp.asarray(scale * rng.normal(size=s), jnp.float32)  # noqa: E731
+    return dict(
+        W0=f(B, H, O, I, scale=0.5),
+        S0=f(B, H, O, I, scale=0.1),
+        W_init=f(B, H, O, I, scale=0.5),
+        x=f(B, H, C, I, scale=0.6),
+        g=f(B, H, C, O),
+        z=f(B, H, C, I),
+        lr=jnp.asarray(rng.uniform(0.1, 0.9, size=(B, H, C)), jnp.float32),
+        alpha=jnp.asarray(rng.uniform(0.5, 1.0, size=(B, H, C)), jnp.float32),
+    )
+
+
+def _parallel(W0, S0, x, g, lr, alpha, z, *, mu, dgd, step, valid, reset, W_init):
+    on = valid[:, None, :]
+    co = chunk_coefficients(jnp.where(on, alpha, 1.0), mu, valid, reset)
+    g = jnp.where(on[..., None], g, 0.0)
+    lr = jnp.where(on, lr, 0.0)
+    U, W, S = layer_chunk(W0, S0, x, g, lr, co, dgd=dgd, step=step, W_init=W_init)
+    reads = read_running(W0, S0, x, U, z, co, W_init)
+    return _only_valid(reads, valid), W, (jnp.zeros_like(W) if S is None else S)
+
+
+def _only_valid(reads, valid):
+    """Reads at padded tokens are never used (with momentum a padded token cannot be a no-op in
+    the unrolled form, and need not be: the chunk end is row ``n``)."""
+    return jnp.where(valid[:, None, :, None], reads, 0.0)
+
+
+@pytest.mark.parametrize(
+    "mu, dgd, step, packed",
+    [
+        (0.0, True, "exact", False),
+        (0.7, True, "exact", False),
+        (0.7, True, "paper", True),
+        (0.0, False, "exact", True),
+        (0.7, False, "exact", True),
+        (0.0, True, "exact", True),
+    ],
+)
+def test_layer_chunk_equals_the_per_token_loop(mu, dgd, step, packed):
+    a = _layer_inputs(0)
+    valid = jnp.asarray([[True] * C, [True] * 5 + [False] * 2])  # row 2 padded at the end
+    reset = jnp.zeros((B, C), bool)
+    if packed:  # documents start at tokens 3 (row 1) and 1, 4 (row 2; 4 is before the padding)
+        reset = reset.at[0, 3].set(True).at[1, 1].set(True).at[1, 4].set(True)
+    kw = dict(mu=mu, dgd=dgd, step=step, valid=valid, reset=reset)
+    if mu == 0.0:
+        a["S0"] = None
+    names = ("W0", "S0", "x", "g", "lr", "alpha", "z", "W_init")
+    args = {n: a[n] for n in names}
+    ref, par = (
+        jax.jit(lambda args, fn=fn: fn(**args, **kw)) for fn in (_loop, _parallel)
+    )  # fmt: skip
+    for got, want in zip(par(args), ref(args), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+    def loss(fn):
+        def f(args):
+            reads, W, S = fn(**args, **kw)
+            return jnp.sum(jnp.sin(reads)) + jnp.sum(jnp.cos(W)) + jnp.sum(S * S)
+
+        return jax.jit(jax.grad(f))
+
+    grads_par, grads_ref = loss(_parallel)(args), loss(_loop)(args)
+    for n in names:
+        if args[n] is None:
+            continue
+        want = grads_ref[n]
+        np.testing.assert_allclose(grads_par[n], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+# --------------------------------------------------------------------------------------------------
+# the whole rule against the independent per-token twin
+
+T, D, HID = 13, 8, 6
+
+
+def _hope_inputs():
+    rng = np.random.default_rng(1)
+
+    def mem():
+        return MLPMemory(
+            jnp.asarray(0.3 * rng.normal(size=(H, D, HID)), jnp.float32),
+            jnp.asarray(0.3 * rng.normal(size=(H, HID, D)), jnp.float32),
+        )
+
+    mems = HopeMemories(*(mem() for _ in range(5)))
+    w = lambda: jnp.asarray(0.3 * rng.normal(size=(H, D)), jnp.float32)  # noqa: E731
+    readout = HopeReadout(w(), jnp.full((H,), -2.0), w(), jnp.full((H,), 2.0))  # η≈0.12, α≈0.88
+    x = jnp.asarray(0.5 * rng.normal(size=(B, T, H, D)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
+    return mems, readout, x, q
+
+
+FLAGS = list(itertools.product([True, False], [True, False], [True, False]))  # dgd, mom, decay
+CHUNKS = [(1, 1), (4, 2), (8, 8)]
+
+
+def _case_id(flags, chunks):
+    dgd, mom, decay = flags
+    return f"dgd{int(dgd)}-mom{int(mom)}-decay{int(decay)}-c{chunks[0]}x{chunks[1]}"
+
+
+CASES = [(f, c) for f in FLAGS for c in CHUNKS]
+# the default suite keeps four of the flag combinations, each at one chunk setting (dgd and momentum
+# both ways, decay off twice); the whole grid runs with -m slow
+DEFAULT = {(FLAGS[i], CHUNKS[i % 3]) for i in (0, 3, 5, 6)}
+
+
+@pytest.mark.parametrize(
+    "flags, chunks",
+    [
+        pytest.param(f, c, marks=() if (f, c) in DEFAULT else pytest.mark.slow, id=_case_id(f, c))
+        for f, c in CASES
+    ],
+)
+def test_chunked_equals_the_per_token_twin(flags, chunks):
+    dgd, momentum, decay = flags
+    mems, readout, x, q = _hope_inputs()
+    state = hope_init_state(mems, B, momentum=momentum)
+    kw = dict(dgd=dgd, momentum=momentum, decay=decay, momentum_coef=0.7,
+              chunk_memory=chunks[0], chunk_other=chunks[1])  # fmt: skip
+    fast = jax.jit(lambda x, q: hope_chunked(x, q, state, readout, **kw))
+    twin = jax.jit(lambda x, q: hope_reference(x, q, state, readout, **kw))
+    (o1, s1), (o2, s2) = fast(x, q), twin(x, q)
+    scale = float(jnp.max(jnp.abs(o2)))
+    np.testing.assert_allclose(o1, o2, atol=2e-5 * scale)
+    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5 * float(jnp.max(jnp.abs(b))))
+    grad = lambda fn: jax.jit(jax.grad(lambda x, q: jnp.sum(jnp.sin(fn(x, q)[0])), (0, 1)))  # noqa: E731
+    for a, b in zip(grad(fast)(x, q), grad(twin)(x, q), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4 * float(jnp.max(jnp.abs(b))))
