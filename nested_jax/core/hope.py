@@ -66,6 +66,7 @@ Shapes: ``x, q`` ``[B, T, H, D]``; ``η, α`` ``[B, T, H]``; memory weights ``w1
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -83,7 +84,7 @@ from nested_jax.core.hope_state import (
     hope_init_state,
     mlp_memory_apply,
 )
-from nested_jax.core.scan import chunk, segment_starts, unchunk
+from nested_jax.core.scan import chunk, scan_remat, segment_starts, unchunk
 
 __all__ = [
     "MLPMemory",
@@ -368,9 +369,16 @@ def _scan_chunks(state: HopeState, xs, readout: HopeReadout, rule: HopeRule, act
             st = jax.tree.map(lambda a: jnp.where(cut, lax.stop_gradient(a), a), st)
         return (st, snap_big), o
 
-    if rule.remat:
-        body = jax.checkpoint(body)
-    (state, _), o = lax.scan(body, (state, big_of(state.memories)), xs)
+    carry = (state, big_of(state.memories))
+    if not rule.remat:
+        (state, _), o = lax.scan(body, carry, xs)
+        return state, o
+    # Two-level remat: each chunk is recomputed in the backward pass (jax.checkpoint) and only
+    # every ⌈√N⌉-th carry of the N chunks is stored (scan_remat), so the saved states grow like
+    # √N instead of N (a carry holds every memory, momentum and the larger group's snapshot).
+    n_chunks = xs[0].shape[0]
+    every = max(1, math.isqrt(n_chunks - 1) + 1) if n_chunks > 1 else 1
+    (state, _), o = scan_remat(jax.checkpoint(body), carry, xs, remat_every=every)
     return state, o
 
 
