@@ -22,6 +22,7 @@ from dataclasses import dataclass
 __all__ = [
     "CMS_INNERS",
     "CMS_VARIANTS",
+    "DGD_TARGETS",
     "EVICTIONS",
     "HOPE_FLAGS",
     "READ_NORMS",
@@ -67,8 +68,10 @@ def _check_choices(owner, choices: dict[str, tuple[str, ...]]) -> None:
 # Hope (SPEC §3.2)
 
 # The rule flags hope_step / hope_decode_step take as keywords (HopeRule.flags()).
+DGD_TARGETS = ("gradient", "proximal")  # SPEC §3.2 Decision (DGD target)
 HOPE_FLAGS = (
     "dgd",
+    "dgd_target",
     "step",
     "momentum",
     "momentum_coef",
@@ -79,7 +82,8 @@ HOPE_FLAGS = (
     "adaptive_q",
     "stop_gradient_targets",
 )
-_HOPE_BOOLS = tuple(f for f in HOPE_FLAGS if f not in ("step", "momentum_coef")) + ("remat",)
+_HOPE_BOOLS = tuple(f for f in HOPE_FLAGS if f not in ("dgd_target", "step", "momentum_coef"))
+_HOPE_BOOLS += ("remat",)
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,10 @@ class HopeRule:
       chunk_memory: chunk size of ``M_memory``; chunk_other: of ``M_k, M_v, M_η, M_α`` (``M_q``);
         the larger a multiple of the smaller (SPEC §3.2 Decision; 1 = per token).
       dgd: DGD inner step (False: plain GD with retention; Table 6 ablation).
+      dgd_target: what the DGD step regresses ``W x`` onto (SPEC §3.2 Decision): ``gradient``
+        (``u = −g``, eq. 88 as printed: ``αW − γ(W x + g)xᵀ``) or ``proximal`` (``u = W x − g``,
+        the proximal step on the inner loss itself: ``αW − γ g xᵀ``, a normalised delta rule for a
+        linear memory).
       step: DGD step size, ``exact`` (Sherman–Morrison ``γ = η/(1+η‖x‖²)``) or ``paper``
         (``η/(1+η)``).
       momentum, momentum_coef: inner momentum ``S_t = μ S_{t−1} + u_t`` with ``μ ∈ [0, 1)``.
@@ -112,6 +120,7 @@ class HopeRule:
     chunk_memory: int = 16
     chunk_other: int = 4
     dgd: bool = True
+    dgd_target: str = "gradient"
     step: str = "exact"
     momentum: bool = True
     momentum_coef: float = 0.9
@@ -129,7 +138,7 @@ class HopeRule:
         for name in _HOPE_BOOLS:
             if not isinstance(getattr(self, name), bool):
                 _fail(self, name, f"expected bool, got {getattr(self, name)!r}")
-        _check_choices(self, {"step": ("exact", "paper")})
+        _check_choices(self, {"step": ("exact", "paper"), "dgd_target": DGD_TARGETS})
         if self.big_chunk % self.small_chunk:
             _fail(
                 self,

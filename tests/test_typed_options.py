@@ -131,6 +131,7 @@ def test_rules_are_frozen_and_hashable():
         (lambda: HopeRule(chunk_other=3), r"^HopeRule\.chunk_memory: chunk_memory=16 and chunk_"),
         (lambda: HopeRule(grad_horizon=8), r"^HopeRule\.grad_horizon: must be a multiple of"),
         (lambda: HopeRule(step="newton"), r"^HopeRule\.step: unknown 'newton'"),
+        (lambda: HopeRule(dgd_target="u"), r"^HopeRule\.dgd_target: unknown 'u'"),
         (lambda: HopeRule(decay=1), r"^HopeRule\.decay: expected bool"),
         (lambda: HopeRule(momentum_coef=1.0), r"^HopeRule\.momentum_coef: must be in \[0, 1\)"),
         # a section reports its own name and its config field names

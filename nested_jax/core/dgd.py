@@ -31,7 +31,9 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["dgd_step_size", "dgd_update", "dgd_update_layers"]
+from nested_jax.rules import DGD_TARGETS
+
+__all__ = ["DGD_TARGETS", "dgd_step_size", "dgd_update", "dgd_update_layers"]
 
 _STEPS = ("exact", "paper")
 
@@ -79,8 +81,12 @@ def dgd_step_size(lr, x, *, step: str = "exact"):
     return lr / (1.0 + lr * sq)
 
 
-def dgd_update(W, x, g, lr, retention=1.0, *, step: str = "exact"):
+def dgd_update(W, x, g, lr, retention=1.0, *, step: str = "exact", target: str = "gradient"):
     """One DGD step of a linear map ``y = W x`` (SPEC §0.1, §3.1).
+
+    ``target="proximal"`` (SPEC §3.2 Decision) regresses ``W x`` onto ``u = W₀ x − g`` (the
+    layer's own target at the current weights) instead of ``u = −g``, which gives
+    ``W_new = α W − γ g xᵀ``: GD with the Sherman–Morrison step.
 
     ``W_new = W (α I − γ x xᵀ) − γ g xᵀ = α W − γ (W x + g) xᵀ`` with ``γ = η / (1 + η‖x‖²)``
     (``step="exact"``, the exact minimiser of ``½‖W x + g‖² + (1/2η)‖W − W₀‖²`` when ``α = 1``) or
@@ -94,6 +100,7 @@ def dgd_update(W, x, g, lr, retention=1.0, *, step: str = "exact"):
       lr: ``η``, scalar or broadcastable to the batch shape ``[...]``.
       retention: ``α``, scalar or broadcastable to ``[...]`` (1 = no decay).
       step: ``"exact"`` (default, Sherman–Morrison) or ``"paper"``.
+      target: ``"gradient"`` (eq. 88 as printed) or ``"proximal"``.
 
     Returns:
       ``W_new`` with the broadcast batch shape ``[..., d_out, d_in]`` and ``W``'s dtype. The
@@ -103,6 +110,8 @@ def dgd_update(W, x, g, lr, retention=1.0, *, step: str = "exact"):
       ValueError: naming the argument whose shape does not fit, or an unknown ``step``.
     """
     _check_step(step)
+    if target not in DGD_TARGETS:
+        raise ValueError(f"target must be one of {DGD_TARGETS}, got {target!r}")
     W, x, g = jnp.asarray(W), jnp.asarray(x), jnp.asarray(g)
     if W.ndim < 2:
         raise ValueError(f"W must have shape [..., d_out, d_in], got {W.shape}")
@@ -128,7 +137,7 @@ def dgd_update(W, x, g, lr, retention=1.0, *, step: str = "exact"):
     Wc, xc, gc = W.astype(cdt), x.astype(cdt), g.astype(cdt)
     gamma = dgd_step_size(lr.astype(cdt), xc, step=step)  # [...x]
     Wx = jnp.einsum("...oi,...i->...o", Wc, xc)
-    resid = Wx + gc  # W x − u
+    resid = Wx + gc if target == "gradient" else gc  # W x − u
     gamma = gamma[..., None, None]
     alpha = retention.astype(cdt)[..., None, None]
     W_new = alpha * Wc - gamma * (resid[..., :, None] * xc[..., None, :])

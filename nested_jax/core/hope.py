@@ -228,7 +228,9 @@ def _parallel_updates(state: HopeState, sig, q, eta, alpha, valid_c, rule: HopeR
             new_m[n] = jax.tree.map(pick, getattr(init, n), new_m[n])
             if new_s is not None:
                 new_s[n] = jax.tree.map(lambda b: pick(jnp.zeros_like(b), b), new_s[n])
-    layer = functools.partial(layer_chunk, lr=lr, co=co, dgd=rule.dgd, step=rule.step)
+    layer = functools.partial(
+        layer_chunk, lr=lr, co=co, dgd=rule.dgd, step=rule.step, target=rule.dgd_target
+    )
     for n, signals in sig.items():
         x1, g1, x2, g2 = (heads_first(a) for a in signals)
         m, s = getattr(mems, n), (None if moms is None else getattr(moms, n))
@@ -287,6 +289,8 @@ def _chunk_body(
 
 _FLAGS_DOC = """
       dgd: DGD step (True) or plain GD with retention ``αW − η g xᵀ`` (False).
+      dgd_target: ``"gradient"`` (eq. 88: ``αW − γ(W x + g)xᵀ``, default) or ``"proximal"``
+        (``αW − γ g xᵀ``, SPEC §3.2 Decision).
       step: ``"exact"`` (``γ = η/(1+η‖x‖²)``, default) or ``"paper"`` (``η/(1+η)``).
       momentum: keep momenta ``S_t = μ S_{t−1} + u_t`` (needs ``state.momentum``).
       momentum_coef: ``μ`` (scalar) when ``momentum``.
@@ -411,6 +415,7 @@ def hope_chunked(
     chunk_memory: int = 1,
     chunk_other: int = 1,
     dgd: bool = True,
+    dgd_target: str = "gradient",
     step: str = "exact",
     momentum: bool = False,
     momentum_coef=0.9,
@@ -463,7 +468,8 @@ def hope_chunked(
     )
     _validate(x, q, state, readout, adaptive_q, momentum)
     rule = HopeRule(  # checks the chunk sizes, grad_horizon, step and the flags
-        chunk_memory=chunk_memory, chunk_other=chunk_other, dgd=dgd, step=step, momentum=momentum,
+        chunk_memory=chunk_memory, chunk_other=chunk_other, dgd=dgd, dgd_target=dgd_target,
+        step=step, momentum=momentum,
         momentum_coef=momentum_coef, decay=decay, inner_k=inner_k, inner_v=inner_v,
         inner_q=inner_q, adaptive_q=adaptive_q, stop_gradient_targets=stop_gradient_targets,
         grad_horizon=grad_horizon, remat=remat,

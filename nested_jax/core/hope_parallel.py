@@ -140,7 +140,9 @@ def read_running(W0, S0, x, U, z, co: ChunkCoefficients, W_init=None):
     return out + jnp.einsum("bhcs,bhso->bhco", mix, U)
 
 
-def layer_chunk(W0, S0, x, g, lr, co: ChunkCoefficients, *, dgd: bool, step: str, W_init=None):
+def layer_chunk(
+    W0, S0, x, g, lr, co: ChunkCoefficients, *, dgd: bool, step: str, target="gradient", W_init=None
+):
     """One memory layer over one chunk: the update vectors and the chunk-end ``(W_n, S_n)``.
 
     Args:
@@ -151,12 +153,16 @@ def layer_chunk(W0, S0, x, g, lr, co: ChunkCoefficients, *, dgd: bool, step: str
       co: :func:`chunk_coefficients` of the chunk.
       dgd, step: the DGD step (``γ = dgd_step_size(η, x, step)``) or plain GD (``γ = η``,
         no ``W_{t−1} x_t`` term).
+      target: the DGD target (SPEC §3.2): ``gradient`` (the ``W_{t−1} x_t`` term above) or
+        ``proximal`` (``u_t = −γ_t g_t x_tᵀ``: no solve).
       W_init: ``[B, H, o, i]`` the weights a document start resets to (None: no resets).
 
     Returns:
       ``(U [B, H, C, o], W_n [B, H, o, i], S_n or None)``.
     """
-    if dgd:
+    if dgd and target == "proximal":
+        U = -dgd_step_size(lr, x, step=step)[..., None] * g
+    elif dgd:
         gamma = dgd_step_size(lr, x, step=step)[..., None]  # [B, H, C, 1]
         a = read_running(W0, S0, x, jnp.zeros_like(g), x, co, W_init)  # P̄ W_0 x + Q̄ S_0 x
         k_mat = co.e_before[..., :-1, :] * jnp.einsum("bhci,bhsi->bhcs", x, x)

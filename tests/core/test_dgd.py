@@ -164,3 +164,19 @@ def test_dgd_shape_errors_name_the_argument(args, name):
 def test_dgd_unknown_step():
     with pytest.raises(ValueError, match="step"):
         dgd_update(np.ones((2, 3)), np.ones(3), np.ones(2), 0.1, step="nope")
+
+
+@pytest.mark.parametrize("eta", [0.05, 0.7, 3.0])
+def test_proximal_target_equals_its_proximal_minimiser(eta):
+    """``target="proximal"`` (SPEC §3.2 Decision) regresses ``W x`` onto ``u = W0 x − g``: its
+    closed form ``W0 − γ g xᵀ`` is the float64 minimiser of that objective, and differs from the
+    default (``u = −g``) target."""
+    rng = np.random.default_rng(1)
+    W0, x, g = rng.normal(size=(4, 6)), rng.normal(size=6), rng.normal(size=4)
+    want = _prox_minimiser(W0, x, W0 @ x - g, eta)
+    args = (jnp.asarray(W0, jnp.float32), jnp.asarray(x, jnp.float32), jnp.asarray(g, jnp.float32))
+    got = dgd_update(*args, eta, target="proximal")
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+    assert not np.allclose(np.asarray(dgd_update(*args, eta)), want, atol=1e-3)
+    with pytest.raises(ValueError, match="target must be one of"):
+        dgd_update(*args, eta, target="newton")

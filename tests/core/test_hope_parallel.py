@@ -5,12 +5,11 @@
    at the end, packed-row resets to ``W_init`` (momentum back to zero), on values and gradients.
 2. The whole Hope rule: ``hope_chunked`` equals the independent per-token twin
    ``core.reference.hope.hope_reference`` for every flag combination of the parallel form
-   (dgd, momentum, decay, step) at chunk sizes (1, 1), (4, 2), (8, 8) and an awkward T.
+   (dgd and its two targets, momentum, decay) at chunk sizes (1, 1), (4, 2), (8, 8) and an
+   awkward T.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ from nested_jax.core.reference.hope import hope_reference
 B, H, C, O, I = 2, 2, 7, 5, 4
 
 
-def _loop(W0, S0, x, g, lr, alpha, z, *, mu, dgd, step, valid, reset, W_init):
+def _loop(W0, S0, x, g, lr, alpha, z, *, mu, dgd, target, step, valid, reset, W_init):
     """The per-token rule, one token at a time (the definition the parallel form must equal)."""
     W, S = W0, (jnp.zeros_like(W0) if S0 is None else S0)
     reads = []
@@ -37,7 +36,8 @@ def _loop(W0, S0, x, g, lr, alpha, z, *, mu, dgd, step, valid, reset, W_init):
         xj, gj = x[:, :, j], g[:, :, j]
         if dgd:
             gamma = dgd_step_size(lr[:, :, j], xj, step=step)[..., None, None]
-            u = -gamma * (jnp.einsum("bhoi,bhi->bho", W, xj) + gj)[..., None] * xj[..., None, :]
+            Wx = 0.0 if target == "proximal" else jnp.einsum("bhoi,bhi->bho", W, xj)
+            u = -gamma * (Wx + gj)[..., None] * xj[..., None, :]
         else:
             u = -lr[:, :, j][..., None, None] * gj[..., None] * xj[..., None, :]
         S_new = mu * S + u
@@ -63,12 +63,12 @@ def _layer_inputs(seed):
     )
 
 
-def _parallel(W0, S0, x, g, lr, alpha, z, *, mu, dgd, step, valid, reset, W_init):
+def _parallel(W0, S0, x, g, lr, alpha, z, *, mu, dgd, target, step, valid, reset, W_init):
     on = valid[:, None, :]
     co = chunk_coefficients(jnp.where(on, alpha, 1.0), mu, valid, reset)
     g = jnp.where(on[..., None], g, 0.0)
     lr = jnp.where(on, lr, 0.0)
-    U, W, S = layer_chunk(W0, S0, x, g, lr, co, dgd=dgd, step=step, W_init=W_init)
+    U, W, S = layer_chunk(W0, S0, x, g, lr, co, dgd=dgd, step=step, target=target, W_init=W_init)
     reads = read_running(W0, S0, x, U, z, co, W_init)
     return _only_valid(reads, valid), W, (jnp.zeros_like(W) if S is None else S)
 
@@ -88,6 +88,7 @@ def _only_valid(reads, valid):
         (0.0, False, "exact", True),
         (0.7, False, "exact", True),
         (0.0, True, "exact", True),
+        (0.7, "proximal", "exact", True),
     ],
 )
 def test_layer_chunk_equals_the_per_token_loop(mu, dgd, step, packed):
@@ -96,7 +97,8 @@ def test_layer_chunk_equals_the_per_token_loop(mu, dgd, step, packed):
     reset = jnp.zeros((B, C), bool)
     if packed:  # documents start at tokens 3 (row 1) and 1, 4 (row 2; 4 is before the padding)
         reset = reset.at[0, 3].set(True).at[1, 1].set(True).at[1, 4].set(True)
-    kw = dict(mu=mu, dgd=dgd, step=step, valid=valid, reset=reset)
+    target = "proximal" if dgd == "proximal" else "gradient"
+    kw = dict(mu=mu, dgd=bool(dgd), target=target, step=step, valid=valid, reset=reset)
     if mu == 0.0:
         a["S0"] = None
     names = ("W0", "S0", "x", "g", "lr", "alpha", "z", "W_init")
@@ -145,19 +147,23 @@ def _hope_inputs():
     return mems, readout, x, q
 
 
-FLAGS = list(itertools.product([True, False], [True, False], [True, False]))  # dgd, mom, decay
+# (dgd, dgd_target, momentum, decay); the target only matters with dgd
+FLAGS = [
+    (True, t, m, d) for t in ("gradient", "proximal") for m in (True, False) for d in (True, False)
+]
+FLAGS += [(False, "gradient", m, d) for m in (True, False) for d in (True, False)]
 CHUNKS = [(1, 1), (4, 2), (8, 8)]
 
 
 def _case_id(flags, chunks):
-    dgd, mom, decay = flags
-    return f"dgd{int(dgd)}-mom{int(mom)}-decay{int(decay)}-c{chunks[0]}x{chunks[1]}"
+    dgd, target, mom, decay = flags
+    return f"dgd{int(dgd)}-{target[:4]}-mom{int(mom)}-decay{int(decay)}-c{chunks[0]}x{chunks[1]}"
 
 
 CASES = [(f, c) for f in FLAGS for c in CHUNKS]
-# the default suite keeps four of the flag combinations, each at one chunk setting (dgd and momentum
-# both ways, decay off twice); the whole grid runs with -m slow
-DEFAULT = {(FLAGS[i], CHUNKS[i % 3]) for i in (0, 3, 5, 6)}
+# the default suite keeps five of the flag combinations, each at one chunk setting (both targets,
+# plain GD, momentum and decay both ways); the whole grid runs with -m slow
+DEFAULT = {(FLAGS[i], CHUNKS[i % 3]) for i in (0, 3, 5, 6, 9)}
 
 
 @pytest.mark.parametrize(
@@ -168,10 +174,10 @@ DEFAULT = {(FLAGS[i], CHUNKS[i % 3]) for i in (0, 3, 5, 6)}
     ],
 )
 def test_chunked_equals_the_per_token_twin(flags, chunks):
-    dgd, momentum, decay = flags
+    dgd, target, momentum, decay = flags
     mems, readout, x, q = _hope_inputs()
     state = hope_init_state(mems, B, momentum=momentum)
-    kw = dict(dgd=dgd, momentum=momentum, decay=decay, momentum_coef=0.7,
+    kw = dict(dgd=dgd, dgd_target=target, momentum=momentum, decay=decay, momentum_coef=0.7,
               chunk_memory=chunks[0], chunk_other=chunks[1])  # fmt: skip
     fast = jax.jit(lambda x, q: hope_chunked(x, q, state, readout, **kw))
     twin = jax.jit(lambda x, q: hope_reference(x, q, state, readout, **kw))

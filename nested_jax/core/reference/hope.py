@@ -59,7 +59,9 @@ def l2_normalize(z, eps: float = 1e-6):
     return z / jnp.sqrt(jnp.sum(z * z) + eps)
 
 
-def dgd_layer_write(W, S, G, x, eta, alpha, *, dgd=True, step="exact", momentum_coef=None):
+def dgd_layer_write(
+    W, S, G, x, eta, alpha, *, dgd=True, step="exact", target="gradient", momentum_coef=None
+):
     """One layer's write (SPEC §3.1 composed with §3.2): returns ``(W_new, u)``.
 
     Args:
@@ -70,6 +72,8 @@ def dgd_layer_write(W, S, G, x, eta, alpha, *, dgd=True, step="exact", momentum_
       eta, alpha: scalars ``η_t``, ``α_t``.
       dgd: DGD (``u = −γ (W x xᵀ + G)``) or plain GD (``u = −η G``).
       step: ``"exact"`` (``γ = η/(1 + η‖x‖²)``, Sherman–Morrison) or ``"paper"`` (``η/(1 + η)``).
+      target: ``"gradient"`` (``u = −γ (W x xᵀ + G)``) or ``"proximal"`` (``u = −γ G``; SPEC §3.2
+        Decision: ``W x`` regressed onto its own target ``W x − g``).
       momentum_coef: ``μ``, or None for no momentum.
 
     Returns:
@@ -78,7 +82,7 @@ def dgd_layer_write(W, S, G, x, eta, alpha, *, dgd=True, step="exact", momentum_
     if dgd:
         xx = jnp.sum(x * x) if step == "exact" else 1.0
         gamma = eta / (1.0 + eta * xx)
-        u = -gamma * (jnp.outer(W @ x, x) + G)
+        u = -gamma * (G if target == "proximal" else jnp.outer(W @ x, x) + G)
     else:
         u = -eta * G
     if momentum_coef is not None:
@@ -104,7 +108,7 @@ def _write_memory(W1, W2, W1s, W2s, S1, S2, k, v, eta, alpha, *, o):
     G1, G2 = jax.grad(inner_loss, argnums=(0, 1))(W1s, W2s)
     x1, x2 = act(W2s @ k), k  # each layer's input at the snapshot
     mu = o["momentum_coef"] if o["momentum"] else None
-    kw = dict(dgd=o["dgd"], step=o["step"], momentum_coef=mu)
+    kw = dict(dgd=o["dgd"], step=o["step"], target=o["dgd_target"], momentum_coef=mu)
     W1n, U1 = dgd_layer_write(W1, S1, G1, x1, eta, alpha, **kw)
     W2n, U2 = dgd_layer_write(W2, S2, G2, x2, eta, alpha, **kw)
     return W1n, W2n, U1, U2
@@ -144,13 +148,17 @@ def _token(run, snap, mom, x_t, q_t, readout: HopeReadout, o):
     return o_t, run, mom
 
 
-def _check_reference_args(chunk_memory, chunk_other, step, momentum, state):
-    """The argument checks of :func:`hope_reference` (chunk sizes, step, momenta present)."""
+def _check_reference_args(chunk_memory, chunk_other, step, momentum, state, dgd_target):
+    """The argument checks of :func:`hope_reference` (chunk sizes, step, target, momenta)."""
     for name, c in (("chunk_memory", chunk_memory), ("chunk_other", chunk_other)):
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"hope_reference: {name} must be a positive int, got {c!r}")
     if step not in ("exact", "paper"):
         raise ValueError(f"hope_reference: step must be 'exact' or 'paper', got {step!r}")
+    if dgd_target not in ("gradient", "proximal"):
+        raise ValueError(
+            f"hope_reference: dgd_target must be 'gradient' or 'proximal', got {dgd_target!r}"
+        )
     if momentum and state.momentum is None:
         raise ValueError("hope_reference: state.momentum must be set when momentum=True")
 
@@ -194,8 +202,8 @@ def _before_token(t, start, run, snap, mom, init, chunks):
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "chunk_memory", "chunk_other", "dgd", "step", "momentum", "decay", "inner_k", "inner_v",
-        "inner_q", "adaptive_q", "stop_gradient_targets", "activation",
+        "chunk_memory", "chunk_other", "dgd", "dgd_target", "step", "momentum", "decay",
+        "inner_k", "inner_v", "inner_q", "adaptive_q", "stop_gradient_targets", "activation",
     ),
 )  # fmt: skip
 def hope_reference(
@@ -209,6 +217,7 @@ def hope_reference(
     segment_ids=None,
     initial_memories: HopeMemories | None = None,
     dgd: bool = True,
+    dgd_target: str = "gradient",
     step: str = "exact",
     momentum: bool = False,
     momentum_coef=0.9,
@@ -241,13 +250,14 @@ def hope_reference(
         ``initial_memories`` and the momenta zero, just before that token.
       initial_memories: ``HopeMemories`` ``[H, ...]`` or ``[B, H, ...]``; default
         ``state.memories``.
-      dgd, step, momentum, momentum_coef, decay, inner_k, inner_v, inner_q, adaptive_q,
-      stop_gradient_targets, activation: the flags of ``hope_chunked`` (SPEC §3.2, Table 6).
+      dgd, dgd_target, step, momentum, momentum_coef, decay, inner_k, inner_v, inner_q,
+      adaptive_q, stop_gradient_targets, activation: the flags of ``hope_chunked`` (SPEC §3.2,
+      Table 6).
 
     Returns:
       ``(o [B, T, H, D], final HopeState)`` (``momentum`` set iff ``momentum``).
     """
-    _check_reference_args(chunk_memory, chunk_other, step, momentum, state)
+    _check_reference_args(chunk_memory, chunk_other, step, momentum, state, dgd_target)
     dtype = jnp.promote_types(jnp.result_type(x), jnp.float32)
     x = jnp.asarray(x, dtype)
     B, T, H, D = x.shape
@@ -259,7 +269,8 @@ def hope_reference(
     if segment_ids is not None:
         starts = segment_starts(jnp.asarray(segment_ids))
     opts = dict(
-        dgd=dgd, step=step, momentum=momentum, momentum_coef=momentum_coef, decay=decay,
+        dgd=dgd, dgd_target=dgd_target, step=step, momentum=momentum,
+        momentum_coef=momentum_coef, decay=decay,
         inner_k=inner_k, inner_v=inner_v, inner_q=inner_q, adaptive_q=adaptive_q,
         stop_gradient_targets=stop_gradient_targets, activation=activation,
     )  # fmt: skip
