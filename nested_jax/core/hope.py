@@ -378,10 +378,14 @@ def _scan_chunks(state: HopeState, xs, readout: HopeReadout, rule: HopeRule, act
         (state, _), o = lax.scan(body, carry, xs)
         return state, o
     # Two-level remat: each chunk is recomputed in the backward pass (jax.checkpoint) and only
-    # every ⌈√N⌉-th carry of the N chunks is stored (scan_remat), so the saved states grow like
-    # √N instead of N (a carry holds every memory, momentum and the larger group's snapshot).
+    # every n-th carry of the N chunks is stored (scan_remat; n = ⌈√N⌉ by default), so the saved
+    # states grow like √N instead of N (a carry holds every memory, momentum and the larger
+    # group's snapshot); n = 1 stores them all and skips the block's extra forward.
     n_chunks = xs[0].shape[0]
-    every = max(1, math.isqrt(n_chunks - 1) + 1) if n_chunks > 1 else 1
+    every = rule.remat_every or (math.isqrt(n_chunks - 1) + 1 if n_chunks > 1 else 1)
+    if every == 1:
+        (state, _), o = lax.scan(jax.checkpoint(body), carry, xs)
+        return state, o
     (state, _), o = scan_remat(jax.checkpoint(body), carry, xs, remat_every=every)
     return state, o
 
@@ -430,6 +434,7 @@ def hope_chunked(
     initial_memories: HopeMemories | None = None,
     grad_horizon: int = 0,
     remat: bool = False,
+    remat_every: int = 0,
 ):
     (
         """Chunk-wise Hope (SPEC §3.2 Decision); chunk sizes 1 = exact per-token Hope.
@@ -461,6 +466,7 @@ def hope_chunked(
         ``stop_gradient`` after every ``grad_horizon`` tokens (a multiple of the larger chunk
         size); 0 = full backprop.
       remat: rematerialise each chunk in the backward pass (``jax.checkpoint``).
+      remat_every: with ``remat``, store the carry of every n-th chunk only (0: ``⌈√N⌉``; 1: all).
 
     Returns:
       ``(o [B, T, H, D], final HopeState)``.
@@ -472,6 +478,6 @@ def hope_chunked(
         step=step, momentum=momentum,
         momentum_coef=momentum_coef, decay=decay, inner_k=inner_k, inner_v=inner_v,
         inner_q=inner_q, adaptive_q=adaptive_q, stop_gradient_targets=stop_gradient_targets,
-        grad_horizon=grad_horizon, remat=remat,
+        grad_horizon=grad_horizon, remat=remat, remat_every=remat_every,
     )  # fmt: skip
     return _chunked(x, q, state, readout, rule, activation, segment_ids, initial_memories)
