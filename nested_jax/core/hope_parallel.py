@@ -46,6 +46,8 @@ from nested_jax.core.dgd import dgd_step_size
 
 __all__ = ["ChunkCoefficients", "chunk_coefficients", "layer_chunk", "read_running"]
 
+_TINY_RETENTION = 1e-30
+
 
 class ChunkCoefficients(NamedTuple):
     """Scalar coefficients of one chunk, shared by every layer of every memory (module docstring).
@@ -92,7 +94,10 @@ def chunk_coefficients(alpha, mu: float, valid, reset=None) -> ChunkCoefficients
     fresh = jnp.concatenate([jnp.cumsum(reset, 1), jnp.sum(reset, 1, keepdims=True)], 1) > 0
     row = jnp.arange(C + 1)[:, None]
     seen = (idx[None, :] < row) & (idx[None, None, :] >= start[:, :, None])  # [B, C+1, C]
-    b = jnp.cumsum(jnp.log(alpha), axis=-1)  # [B, H, C]
+    # log α from α ≥ 1e-30: a retention that underflows to 0 (σ of a logit below ≈ −104 in f32)
+    # would make log α = −inf and the differences below NaN; the per-token rule just multiplies
+    # by α, so clamping changes no value beyond 1e-30 and keeps the 1/α of the backward finite.
+    b = jnp.cumsum(jnp.log(jnp.maximum(alpha, _TINY_RETENTION)), axis=-1)  # [B, H, C]
     b_prev = jnp.concatenate([jnp.zeros_like(b[..., :1]), b], axis=-1)  # b_{j−1}, j = 0..C
     on = seen[:, None]  # [B, 1, C+1, C]
     decay = jnp.where(on, jnp.exp(jnp.where(on, b_prev[..., :, None] - b[..., None, :], 0.0)), 0.0)

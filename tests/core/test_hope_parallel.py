@@ -189,3 +189,23 @@ def test_chunked_equals_the_per_token_twin(flags, chunks):
     grad = lambda fn: jax.jit(jax.grad(lambda x, q: jnp.sum(jnp.sin(fn(x, q)[0])), (0, 1)))  # noqa: E731
     for a, b in zip(grad(fast)(x, q), grad(twin)(x, q), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4 * float(jnp.max(jnp.abs(b))))
+
+
+def test_a_retention_that_underflows_to_zero_stays_finite():
+    """σ of a very negative logit is exactly 0 in f32; the per-token rule then forgets W
+    (``W = 0·W + S``). The parallel form takes ``log α``, so it must not turn that into NaN
+    (a tiny MQAR run went NaN at step ~200 before ``chunk_coefficients`` clamped α)."""
+    a = _layer_inputs(2)
+    a["alpha"] = a["alpha"].at[:, :, 2].set(0.0).at[1, 0, 5].set(jax.nn.sigmoid(-120.0))
+    valid, reset = jnp.ones((B, C), bool), jnp.zeros((B, C), bool)
+    kw = dict(mu=0.7, dgd=True, target="gradient", step="exact", valid=valid, reset=reset)
+    args = {n: a[n] for n in ("W0", "S0", "x", "g", "lr", "alpha", "z", "W_init")}
+    for got, want in zip(_parallel(**args, **kw), _loop(**args, **kw), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+    def loss(args):
+        reads, W, S = _parallel(**args, **kw)
+        return jnp.sum(jnp.sin(reads)) + jnp.sum(jnp.cos(W)) + jnp.sum(S * S)
+
+    grads = jax.grad(loss)(args)
+    assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(grads))
