@@ -39,9 +39,9 @@ Chunked form (**Decision**, SPEC §3.2): chunk ``n`` uses the state at the end o
 parallel; then the chunk's updates are applied in order (``W x xᵀ`` of DGD uses the running weights
 ``W_{t-1}``, as in SPEC §3.2's linear formula
 ``M_t = M_{t-1}(α_t I − γ_t k kᵀ) − γ_t(M_0 k − v̂)kᵀ``). With the inputs and signals fixed by the
-snapshot, that in-order recurrence is linear in ``(W, S)``, so it is computed in parallel form:
-one unit-lower-triangular ``c × c`` solve per memory layer and matmuls for the reads
-(:mod:`nested_jax.core.hope_parallel`), not a walk over the chunk's tokens.
+snapshot, that in-order recurrence is linear in ``(W, S)``: ``chunk_updates="scan"`` (default)
+walks the chunk's tokens, ``chunk_updates="parallel"`` computes it as one unit-lower-triangular
+``c × c`` solve per memory layer and matmuls for the reads (:mod:`nested_jax.core.hope_parallel`).
 Two chunk sizes: ``chunk_other`` for the projection memories (k, v, η, α, q) and
 ``chunk_memory`` for ``M_memory``; the larger must be a multiple of the smaller (the time axis is
 walked in chunks of the smaller one, and the larger group's chunk-start snapshot is refreshed
@@ -73,6 +73,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from nested_jax.core.dgd import dgd_step_size
 from nested_jax.core.hope_parallel import chunk_coefficients, layer_chunk, read_running
 from nested_jax.core.hope_state import (
     HopeMemories,
@@ -158,6 +159,65 @@ def _signals(mem0: MLPMemory, k, v, activation, stop_gradient_targets):
     g2 = ds * jnp.einsum("bhdk,bnhd->bnhk", mem0.w1, e)
     # (x1, g1) for W_1 [D, h], (x2, g2) for W_2 [h, D]
     return (s, e, k, g2)
+
+
+def _layer_update(W, S, x, g, lr, ret, rule: HopeRule):
+    """One in-order update of ``W [B, H, o, i]`` (SPEC §3.1, §3.2); returns ``(W_new, S_new)``."""
+    outer = g[..., :, None] * x[..., None, :]
+    if rule.dgd:
+        gamma = dgd_step_size(lr, x, step=rule.step)[..., None, None]
+        if rule.dgd_target == "gradient":  # eq. 88: W x regressed onto −g
+            Wx = jnp.einsum("bhoi,bhi->bho", W, x)
+            u = -gamma * (Wx[..., :, None] * x[..., None, :] + outer)
+        else:  # proximal: W x regressed onto W x − g
+            u = -gamma * outer
+    else:
+        u = -lr[..., None, None] * outer
+    if S is not None:
+        u = rule.mu * S + u
+    return ret[..., None, None] * W + u, (u if S is not None else None)
+
+
+def _scan_updates(state: HopeState, sig, q, eta, alpha, valid_c, rule: HopeRule, act,
+                  init: HopeMemories | None = None, reset_c=None):  # fmt: skip
+    """A chunk's in-order updates token by token (``chunk_updates="scan"``): the same arguments
+    and result as :func:`_parallel_updates`."""
+    tm = lambda a: jnp.moveaxis(a, 1, 0)  # noqa: E731  (time-major for the scan)
+    rs = tm(reset_c) if reset_c is not None else jnp.zeros((q.shape[1],), bool)
+    xs = (
+        tm(q),
+        tm(eta),
+        tm(alpha),
+        tm(valid_c),
+        rs,
+        {n: tuple(map(tm, s)) for n, s in sig.items()},
+    )
+    mems0 = {n: getattr(state.memories, n) for n in _names(state.memories)}
+    moms0 = {n: (None if state.momentum is None else getattr(state.momentum, n)) for n in mems0}
+    init_m = None if init is None else {n: getattr(init, n) for n in mems0}
+
+    def step(carry, inp):
+        mems, moms = carry
+        q_t, eta_t, alpha_t, valid_t, reset_t, sig_t = inp
+        if init_m is not None:  # a document starts here: back to the initial memories
+            r = lambda a: reset_t.reshape(reset_t.shape + (1,) * (a.ndim - 1))  # noqa: E731
+            mems = jax.tree.map(lambda a, b: jnp.where(r(a), a, b), init_m, mems)
+            moms = jax.tree.map(lambda b: jnp.where(r(b), 0.0, b), moms)
+        o_t = mlp_memory_apply(mems["memory"], q_t[:, None], act)[:, 0]  # read before write
+        new_m, new_s = dict(mems), dict(moms)
+        keep = lambda new, old: jnp.where(valid_t[:, None, None, None], new, old)  # noqa: E731
+        for n, (x1, g1, x2, g2) in sig_t.items():
+            m, s = mems[n], moms[n]
+            w1, s1 = _layer_update(m.w1, None if s is None else s.w1, x1, g1, eta_t, alpha_t, rule)
+            w2, s2 = _layer_update(m.w2, None if s is None else s.w2, x2, g2, eta_t, alpha_t, rule)
+            new_m[n] = MLPMemory(keep(w1, m.w1), keep(w2, m.w2))
+            if s is not None:
+                new_s[n] = MLPMemory(keep(s1, s.w1), keep(s2, s.w2))
+        return (new_m, new_s), o_t
+
+    (mems, moms), o = lax.scan(step, (mems0, moms0), xs)
+    momenta = None if state.momentum is None else HopeMemories(**moms)
+    return jnp.moveaxis(o, 0, 1), HopeState(HopeMemories(**mems), momenta)
 
 
 def _project(snap: HopeMemories, x_c, q_c, readout: HopeReadout, rule: HopeRule, act):
@@ -284,7 +344,8 @@ def _chunk_body(
             fresh = fresh_mem if n == "memory" else fresh_proj
             s_init = _signals(getattr(init, n), k, v, act, rule.stop_gradient_targets)
             sig[n] = _pick(fresh, s_init, sig[n])
-    return _parallel_updates(state, sig, q, eta, alpha, valid_c, rule, act, init, reset_c)
+    updates = _parallel_updates if rule.chunk_updates == "parallel" else _scan_updates
+    return updates(state, sig, q, eta, alpha, valid_c, rule, act, init, reset_c)
 
 
 _FLAGS_DOC = """
@@ -435,6 +496,7 @@ def hope_chunked(
     grad_horizon: int = 0,
     remat: bool = False,
     remat_every: int = 0,
+    chunk_updates: str = "scan",
 ):
     (
         """Chunk-wise Hope (SPEC §3.2 Decision); chunk sizes 1 = exact per-token Hope.
@@ -467,6 +529,8 @@ def hope_chunked(
         size); 0 = full backprop.
       remat: rematerialise each chunk in the backward pass (``jax.checkpoint``).
       remat_every: with ``remat``, store the carry of every n-th chunk only (0: ``⌈√N⌉``; 1: all).
+      chunk_updates: ``"scan"`` (token by token) or ``"parallel"`` (one triangular solve per
+        memory layer, :mod:`nested_jax.core.hope_parallel`); values equal up to rounding.
 
     Returns:
       ``(o [B, T, H, D], final HopeState)``.
@@ -479,5 +543,6 @@ def hope_chunked(
         momentum_coef=momentum_coef, decay=decay, inner_k=inner_k, inner_v=inner_v,
         inner_q=inner_q, adaptive_q=adaptive_q, stop_gradient_targets=stop_gradient_targets,
         grad_horizon=grad_horizon, remat=remat, remat_every=remat_every,
+        chunk_updates=chunk_updates,
     )  # fmt: skip
     return _chunked(x, q, state, readout, rule, activation, segment_ids, initial_memories)

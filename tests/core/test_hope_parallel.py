@@ -178,9 +178,11 @@ def test_chunked_equals_the_per_token_twin(flags, chunks):
     mems, readout, x, q = _hope_inputs()
     state = hope_init_state(mems, B, momentum=momentum)
     kw = dict(dgd=dgd, dgd_target=target, momentum=momentum, decay=decay, momentum_coef=0.7,
+              chunk_updates="parallel",
               chunk_memory=chunks[0], chunk_other=chunks[1])  # fmt: skip
     fast = jax.jit(lambda x, q: hope_chunked(x, q, state, readout, **kw))
-    twin = jax.jit(lambda x, q: hope_reference(x, q, state, readout, **kw))
+    twin_kw = {k: v for k, v in kw.items() if k != "chunk_updates"}
+    twin = jax.jit(lambda x, q: hope_reference(x, q, state, readout, **twin_kw))
     (o1, s1), (o2, s2) = fast(x, q), twin(x, q)
     scale = float(jnp.max(jnp.abs(o2)))
     np.testing.assert_allclose(o1, o2, atol=2e-5 * scale)
@@ -209,3 +211,15 @@ def test_a_retention_that_underflows_to_zero_stays_finite():
 
     grads = jax.grad(loss)(args)
     assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("updates", ["scan", "parallel"])
+def test_both_update_forms_take_the_proximal_target(updates):
+    """``chunk_updates="scan"`` (the default) and ``"parallel"`` both follow ``dgd_target``."""
+    mems, readout, x, q = _hope_inputs()
+    state = hope_init_state(mems, B, momentum=True)
+    kw = dict(dgd_target="proximal", momentum=True, momentum_coef=0.7, chunk_memory=4,
+              chunk_other=2)  # fmt: skip
+    o1, _ = jax.jit(lambda: hope_chunked(x, q, state, readout, chunk_updates=updates, **kw))()
+    o2, _ = jax.jit(lambda: hope_reference(x, q, state, readout, **kw))()
+    np.testing.assert_allclose(o1, o2, atol=2e-5 * float(jnp.max(jnp.abs(o2))))
