@@ -17,6 +17,7 @@ class name.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 __all__ = [
@@ -195,16 +196,9 @@ class HopeRule:
         return {name: getattr(self, name) for name in HOPE_FLAGS}
 
     def kwargs(self) -> dict:
-        """Every field as keywords of ``hope.hope_chunked`` (and ``proteus_hope_chunked``)."""
-        return dict(
-            chunk_memory=self.chunk_memory,
-            chunk_other=self.chunk_other,
-            grad_horizon=self.grad_horizon,
-            remat=self.remat,
-            remat_every=self.remat_every,
-            chunk_updates=self.chunk_updates,
-            **self.flags(),
-        )
+        """Every field as keywords of ``hope.hope_chunked`` (and ``proteus_hope_chunked``); the
+        rule's own fields only, also on a config section that extends the rule."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(HopeRule)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -389,10 +383,4 @@ class CMSRule:
 
     def online_kwargs(self) -> dict:
         """Every field as keywords of ``core.cms.cms_online``."""
-        return dict(
-            periods=self.periods,
-            variant=self.variant,
-            lr=self.lr,
-            inner=self.inner,
-            remat_every=self.remat_every,
-        )
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(CMSRule)}

@@ -17,7 +17,6 @@ checked by building the rule (:func:`_checked_by_rule`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -227,7 +226,7 @@ class HopeOptions(HopeRule):
     def rule(self) -> HopeRule:
         """The memory rule these options select (SPEC §3.2): the ``HopeRule`` part of this
         section (its fields, by name)."""
-        return HopeRule(**{f.name: getattr(self, f.name) for f in dataclasses.fields(HopeRule)})
+        return HopeRule(**HopeRule.kwargs(self))
 
 
 OPTION_SECTIONS["hope"] = HopeOptions
