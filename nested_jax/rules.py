@@ -82,8 +82,14 @@ HOPE_FLAGS = (
     "inner_q",
     "adaptive_q",
     "stop_gradient_targets",
+    "eta_max",
+    "grad_clip",
 )
-_HOPE_BOOLS = tuple(f for f in HOPE_FLAGS if f not in ("dgd_target", "step", "momentum_coef"))
+# The bounds a plain (paper) rule has: no η cap below sigmoid's 1, no inner-gradient softclamp.
+HOPE_UNBOUNDED = {"eta_max": 1.0, "grad_clip": 0.0}
+_HOPE_BOOLS = tuple(
+    f for f in HOPE_FLAGS if f not in ("dgd_target", "step", "momentum_coef", *HOPE_UNBOUNDED)
+)
 _HOPE_BOOLS += ("remat",)
 
 
@@ -111,6 +117,18 @@ class HopeRule:
       inner_k, inner_v, inner_q: whether ``M_k``, ``M_v``, ``M_q`` adapt in the inner loop.
       adaptive_q: ``q_t = M_q(x_t)`` (self-modifying) instead of ``q_t = W_q x_t``.
       stop_gradient_targets: stop the outer gradient through ``v̂ = M_0(v)``.
+      eta_max: cap of the inner rate, ``η_t = eta_max · σ(w_ηᵀ M_η(x_t) + b_η)`` (1 = the paper's
+        plain sigmoid); in ``(0, 1]``.
+      grad_clip: softclamp of each layer's inner gradient ``G_ℓ = g_ℓ x_ℓᵀ`` (as Titans'
+        ``grad_clip``): the layer's rate becomes ``η_t · c·tanh(n/c)/n`` with ``n = ‖g_ℓ‖‖x_ℓ‖``,
+        so ``‖η G‖ ≤ η c`` (0 = off, the paper's rule). Why it is on (issue 17, measured): in a
+        tiny MQAR model trained at T=32 the value path ``v = M_v(x)`` is not normalised and every
+        memory regresses onto ``v̂ = M(v)``, so once ``M_v``'s gain passes 1 its own targets grow
+        with it (``M_v(M_v(x))``); at a chunk start the layer signal jumped from ‖g‖≈4 to 660,
+        momentum carried the jump on, ‖x‖² of ``W_1`` reached 1e23 and α, η saturated: NaN 1–21
+        tokens past the training length, and 6 NaN steps in 300 of training. With ``c = 4`` the
+        same run trained with no NaN step and stayed finite at 4× and 16× its length; capping η
+        alone (0.2, 0.05) did not stop it (η was 0.11 when it began).
       grad_horizon: truncated backprop every ``grad_horizon`` tokens, a multiple of the larger
         chunk (0 = full backprop; values unchanged).
       remat: rematerialise each chunk in the backward pass (values and gradients unchanged).
@@ -121,11 +139,16 @@ class HopeRule:
         0 = ``⌈√N⌉`` for ``N`` chunks (memory ∝ √N), 1 = every chunk (no extra forward).
         Measured on the tiny Hope LM (``bench hope``, T=256): 0 costs ~20% of the fwd+bwd time vs
         1; at T=2048 it needs 1049 MiB of temporaries vs 5067 MiB.
-      chunk_updates: how a chunk's in-order updates run: ``scan`` (token by token, the default)
-        or ``parallel`` (one triangular solve per memory layer, ``core.hope_parallel``; 1.6–1.8x
-        the tiny LM's fwd+bwd tokens/s, equal values up to rounding). ``parallel`` stays opt-in:
-        a tiny MQAR run (T=32, lr 3e-3) went NaN at step ~250 with it and stayed finite with
-        ``scan``; the cause is not found yet (issue 17).
+      remat_levels: with ``remat_every = 0``, the levels of nested checkpoints: ``L`` blocks of
+        ``r^(L−1), …, r`` chunks with ``r = ⌈N^(1/L)⌉``, so the backward holds about ``L·r`` carries
+        (2: ``2√N``; 3: ``3∛N``, one more recomputed forward). A compute-for-memory knob; values
+        unchanged.
+      chunk_updates: how a chunk's in-order updates run: ``parallel`` (one triangular solve per
+        memory layer, ``core.hope_parallel``, the default) or ``scan`` (token by token). Values
+        equal up to rounding; ``parallel`` measured 1.6–1.8x the tiny LM's fwd+bwd tokens/s. It
+        was opt-in while a tiny MQAR run (T=32, lr 3e-3) went NaN with it; that NaN is the inner
+        loop's divergence (``grad_clip`` above), which the ``scan`` form shows too at 300 steps
+        (6 NaN steps of 300 without the softclamp, 0 with it, in both forms).
     """
 
     chunk_memory: int = 16
@@ -144,12 +167,28 @@ class HopeRule:
     grad_horizon: int = 0
     remat: bool = True
     remat_every: int = 0
-    chunk_updates: str = "scan"
+    remat_levels: int = 2
+    chunk_updates: str = "parallel"
+    eta_max: float = 1.0
+    grad_clip: float = 4.0
 
     def __post_init__(self) -> None:
         _check_ints(
-            self, {"chunk_memory": 1, "chunk_other": 1, "grad_horizon": 0, "remat_every": 0}
-        )
+            self,
+            {"chunk_memory": 1, "chunk_other": 1, "grad_horizon": 0, "remat_every": 0,
+             "remat_levels": 2},
+        )  # fmt: skip
+        if self.remat_every and self.remat_levels != 2:
+            _fail(
+                self,
+                "remat_levels",
+                f"{self.remat_levels} nested levels need the automatic block sizes "
+                f"(remat_every=0), got remat_every={self.remat_every}",
+            )
+        if not _is_float(self.eta_max) or not 0 < self.eta_max <= 1:
+            _fail(self, "eta_max", f"must be in (0, 1], got {self.eta_max!r}")
+        if not _is_float(self.grad_clip) or not self.grad_clip >= 0:
+            _fail(self, "grad_clip", f"must be a float >= 0 (0 = off), got {self.grad_clip!r}")
         for name in _HOPE_BOOLS:
             if not isinstance(getattr(self, name), bool):
                 _fail(self, name, f"expected bool, got {getattr(self, name)!r}")
@@ -185,6 +224,19 @@ class HopeRule:
     def big_chunk(self) -> int:
         """``max(chunk_memory, chunk_other)``."""
         return max(self.chunk_memory, self.chunk_other)
+
+    def remat_blocks(self, n_chunks: int) -> tuple[int, ...]:
+        """The nested ``scan_remat`` block sizes for ``n_chunks`` chunks (outer first; ``(1,)``
+        stores every carry): ``remat_every`` or ``r^(L−1), …, r`` with ``r = ⌈N^(1/L)⌉``."""
+        if self.remat_every:
+            return (self.remat_every,)
+        L = self.remat_levels
+        r = max(1, round(n_chunks ** (1 / L)))
+        while r**L < n_chunks:  # the smallest r with r^L >= N (no float rounding at cubes)
+            r += 1
+        while r > 1 and (r - 1) ** L >= n_chunks:
+            r -= 1
+        return tuple(r**i for i in range(L - 1, 0, -1)) if r > 1 else (1,)
 
     @property
     def mu(self):

@@ -133,6 +133,11 @@ def test_rules_are_frozen_and_hashable():
         (lambda: HopeRule(step="newton"), r"^HopeRule\.step: unknown 'newton'"),
         (lambda: HopeRule(dgd_target="u"), r"^HopeRule\.dgd_target: unknown 'u'"),
         (lambda: HopeRule(decay=1), r"^HopeRule\.decay: expected bool"),
+        (lambda: HopeRule(eta_max=0.0), r"^HopeRule\.eta_max: must be in \(0, 1\]"),
+        (lambda: HopeRule(eta_max=1.5), r"^HopeRule\.eta_max: must be in \(0, 1\]"),
+        (lambda: HopeRule(grad_clip=-1.0), r"^HopeRule\.grad_clip: must be a float >= 0"),
+        (lambda: HopeRule(remat_levels=1), r"^HopeRule\.remat_levels: must be an int >= 2"),
+        (lambda: HopeRule(remat_levels=3, remat_every=4), r"^HopeRule\.remat_levels: 3 nested"),
         (lambda: HopeRule(momentum_coef=1.0), r"^HopeRule\.momentum_coef: must be in \[0, 1\)"),
         # a section reports its own name and its config field names
         (lambda: HopeOptions(remat=None), r"^HopeOptions\.remat: expected bool"),
@@ -205,3 +210,9 @@ def test_layers_hold_the_rule_of_their_section():
     assert ffn.rule == opts.rule() and len(ffn.levels) == 2 and ffn.mix_logits is not None
     with pytest.raises(ValueError, match=r"^opts: expected a CMSOptions"):
         CMSFFN(8, 12, CMSRule(), rngs=nnx.Rngs(0))
+
+
+def test_hope_eta_init_must_sit_below_its_cap():
+    assert HopeOptions(eta_max=0.5, eta_init=0.1).rule().eta_max == 0.5
+    with pytest.raises(ValueError, match=r"^HopeOptions\.eta_init: must be below eta_max=0\.05"):
+        HopeOptions(eta_max=0.05)

@@ -6,16 +6,17 @@ f32 matmul GFLOP/s):
 1. **Tokens/s of the tiny LMs**: fwd+bwd of the next-token loss of the tiny ``hope``,
    ``titans_lmm`` and ``gdn`` language models of the same shell widths (``--d-model``,
    ``--layers``, ``--heads``), timed A/B interleaved (median of ``--repeats`` after a warm-up).
-   Hope runs with the default ``HopeOptions`` (chunks 16 / 4, the backward storing every
-   ``⌈√N⌉``-th chunk carry), as ``hope_store_all`` with ``remat_every=1`` (every carry stored:
-   no extra forward, memory ∝ N) and as ``hope_parallel`` with ``chunk_updates="parallel"``.
+   Hope runs with the default ``HopeOptions`` (chunks 16 / 4, parallel chunk updates, the
+   backward storing every ``⌈√N⌉``-th chunk carry), as ``hope_store_all`` with ``remat_every=1``
+   (every carry stored: no extra forward, memory ∝ N) and as ``hope_scan`` with
+   ``chunk_updates="scan"`` (the chunk's updates token by token).
 2. **Chunk-size sweep** of Hope: the same tiny Hope LM at each ``(chunk_memory, chunk_other)`` of
    ``--sweep`` (default ``1:1,4:4,16:4,16:16,64:16``), interleaved among themselves.
 
 JSON keys (last stdout line with ``--json``): ``matmul_gflops``, ``T``, ``B``,
-``model_tokens_per_s_{hope,hope_store_all,hope_parallel,titans_lmm,gdn}``, ``model_params_{...}``,
+``model_tokens_per_s_{hope,hope_store_all,hope_scan,titans_lmm,gdn}``, ``model_params_{...}``,
 ``model_hope_over_gdn_time``, ``model_hope_over_titans_lmm_time``,
-``model_hope_{store_all,parallel}_over_titans_lmm_time``, ``hope_ffn`` (the FFN the Hope
+``model_hope_{store_all,scan}_over_titans_lmm_time``, ``hope_ffn`` (the FFN the Hope
 shell used), per sweep point ``sweep_tokens_per_s_cm{a}_co{b}`` and
 ``sweep_time_over_first_cm{a}_co{b}`` (time relative to the first sweep point), ``wall_s``.
 """
@@ -86,9 +87,7 @@ def run(
     cfgs = {
         "hope": hope_cfg,
         "hope_store_all": hope_model_config(HopeOptions(remat_every=1), **shell, **shell_chunk),
-        "hope_parallel": hope_model_config(
-            HopeOptions(chunk_updates="parallel"), **shell, **shell_chunk
-        ),
+        "hope_scan": hope_model_config(HopeOptions(chunk_updates="scan"), **shell, **shell_chunk),
         "titans_lmm": ModelConfig(name="titans_lmm", **shell, **shell_chunk),
         "gdn": ModelConfig(name="gdn", **shell, **shell_chunk),
     }
@@ -100,7 +99,7 @@ def run(
         results[f"model_tokens_per_s_{name}"] = B * T / t
     results["model_hope_over_gdn_time"] = times["hope"] / times["gdn"]
     results["model_hope_over_titans_lmm_time"] = times["hope"] / times["titans_lmm"]
-    for variant in ("hope_store_all", "hope_parallel"):
+    for variant in ("hope_store_all", "hope_scan"):
         results[f"model_{variant}_over_titans_lmm_time"] = times[variant] / times["titans_lmm"]
     progress(
         f"[bench hope] tiny LM fwd+bwd (B={B}, T={T}): "
@@ -108,7 +107,7 @@ def run(
         + f" (hope/gdn time x{results['model_hope_over_gdn_time']:.2f}, "
         f"hope/titans x{results['model_hope_over_titans_lmm_time']:.2f}, "
         f"hope_store_all/titans x{results['model_hope_store_all_over_titans_lmm_time']:.2f}, "
-        f"hope_parallel/titans x{results['model_hope_parallel_over_titans_lmm_time']:.2f})"
+        f"hope_scan/titans x{results['model_hope_scan_over_titans_lmm_time']:.2f})"
     )
 
     if sweep:

@@ -33,7 +33,14 @@ import numpy as np
 
 from nested_jax.rules import DGD_TARGETS
 
-__all__ = ["DGD_TARGETS", "dgd_step_size", "dgd_update", "dgd_update_layers"]
+__all__ = [
+    "DGD_TARGETS",
+    "clamped_rate",
+    "dgd_step_size",
+    "dgd_update",
+    "dgd_update_layers",
+    "softclamp_factor",
+]
 
 _STEPS = ("exact", "paper")
 
@@ -51,6 +58,35 @@ def _broadcast_or_raise(name: str, shape, batch_shape, expected: str):
             f"{name} has shape {tuple(shape)}, which does not broadcast with the batch shape "
             f"{tuple(batch_shape)}; expected {expected}"
         ) from None
+
+
+def softclamp_factor(sq_norm, c):
+    """``c·tanh(n/c)/n`` with ``n = sqrt(sq_norm)``; 1 at ``n = 0`` (double where: finite grads).
+
+    Scaling a step by it softclamps the step's norm ``n`` to ``c·tanh(n/c) < c`` (Titans'
+    ``grad_clip``, Hope's ``grad_clip``)."""
+    pos = sq_norm > 0
+    n = jnp.sqrt(jnp.where(pos, sq_norm, 1.0))
+    return jnp.where(pos, c * jnp.tanh(n / c) / n, 1.0)
+
+
+def clamped_rate(lr, g, x, grad_clip: float):
+    """The inner rate with the layer gradient ``G = g xᵀ`` softclamped: ``η · c·tanh(n/c)/n``.
+
+    ``n = ‖G‖_F = ‖g‖‖x‖`` per token (a rank-1 gradient), so the rate's step ``η G`` has norm at
+    most ``η c`` (Hope's ``grad_clip``, issue 17). ``grad_clip = 0`` returns ``lr`` unchanged.
+
+    Args:
+      lr: ``η`` ``[...]``; g: ``[..., d_out]`` layer signal; x: ``[..., d_in]`` layer input.
+      grad_clip: ``c >= 0`` (0: off).
+
+    Returns:
+      ``η`` scaled, shape ``broadcast(lr, g[..., 0])``.
+    """
+    if not grad_clip:
+        return lr
+    sq = jnp.sum(jnp.square(g), axis=-1) * jnp.sum(jnp.square(x), axis=-1)
+    return lr * softclamp_factor(sq, grad_clip)
 
 
 def dgd_step_size(lr, x, *, step: str = "exact"):

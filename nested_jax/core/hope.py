@@ -7,7 +7,7 @@ memory}``, plus ``q`` when ``adaptive_q``) is a 2-layer residual MLP::
 
 The η and α memories end in a fixed (outer, not inner-adapted) readout to one scalar per head::
 
-    η_t = sigmoid(w_ηᵀ M_η(x_t) + b_η),      α_t = sigmoid(w_αᵀ M_α(x_t) + b_α)
+    η_t = eta_max·sigmoid(w_ηᵀ M_η(x_t) + b_η),      α_t = sigmoid(w_αᵀ M_α(x_t) + b_α)
 
 so their inner loss, like every other memory's, is on the ``D``-vector ``M(z)`` (the readout
 ``HopeReadout`` is meta-learned by the caller). Per token (read before write)::
@@ -19,6 +19,7 @@ so their inner loss, like every other memory's, is on the ``D``-vector ``M(z)`` 
     L̃_□ = ½‖M_□(k_t) − v̂_{□,t}‖²,  e = M_□(k_t) − v̂_{□,t}
     per layer ℓ (SPEC §3.1), input x_ℓ and backpropagated signal g_ℓ = ∂L̃/∂y_ℓ:
         W_1: x = σ(W_2 k_t),  g = e;      W_2: x = k_t,  g = σ'(W_2 k_t) ⊙ (W_1ᵀ e)
+        grad_clip=c>0: η_t ← η_t · c·tanh(n/c)/n,  n = ‖g‖‖x‖   (per layer; softclamp, issue 17)
         dgd=True:   u_t = −γ_t (W x + g) xᵀ,  γ_t = η_t / (1 + η_t ‖x‖²)  (step="paper": η/(1+η))
         dgd=False:  u_t = −η_t g xᵀ
         momentum:   S_t = μ S_{t-1} + u_t,  W_t = α_t W_{t-1} + S_t   (momentum=False: S_t = u_t)
@@ -66,14 +67,13 @@ Shapes: ``x, q`` ``[B, T, H, D]``; ``η, α`` ``[B, T, H]``; memory weights ``w1
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.dgd import dgd_step_size
+from nested_jax.core.dgd import clamped_rate, dgd_step_size
 from nested_jax.core.hope_parallel import chunk_coefficients, layer_chunk, read_running
 from nested_jax.core.hope_state import (
     HopeMemories,
@@ -163,6 +163,7 @@ def _signals(mem0: MLPMemory, k, v, activation, stop_gradient_targets):
 
 def _layer_update(W, S, x, g, lr, ret, rule: HopeRule):
     """One in-order update of ``W [B, H, o, i]`` (SPEC §3.1, §3.2); returns ``(W_new, S_new)``."""
+    lr = clamped_rate(lr, g, x, rule.grad_clip)
     outer = g[..., :, None] * x[..., None, :]
     if rule.dgd:
         gamma = dgd_step_size(lr, x, step=rule.step)[..., None, None]
@@ -225,7 +226,8 @@ def _project(snap: HopeMemories, x_c, q_c, readout: HopeReadout, rule: HopeRule,
     k = _l2norm(mlp_memory_apply(snap.k, x_c, act))
     v = mlp_memory_apply(snap.v, x_c, act)
     ye = mlp_memory_apply(snap.eta, x_c, act)
-    eta = jax.nn.sigmoid(jnp.einsum("bnhd,hd->bnh", ye, readout.eta_w) + readout.eta_b)
+    eta_logit = jnp.einsum("bnhd,hd->bnh", ye, readout.eta_w) + readout.eta_b
+    eta = rule.eta_max * jax.nn.sigmoid(eta_logit)
     if rule.decay:
         ya = mlp_memory_apply(snap.alpha, x_c, act)
         alpha = jax.nn.sigmoid(jnp.einsum("bnhd,hd->bnh", ya, readout.alpha_w) + readout.alpha_b)
@@ -289,8 +291,9 @@ def _parallel_updates(state: HopeState, sig, q, eta, alpha, valid_c, rule: HopeR
             if new_s is not None:
                 new_s[n] = jax.tree.map(lambda b: pick(jnp.zeros_like(b), b), new_s[n])
     layer = functools.partial(
-        layer_chunk, lr=lr, co=co, dgd=rule.dgd, step=rule.step, target=rule.dgd_target
-    )
+        layer_chunk, lr=lr, co=co, dgd=rule.dgd, step=rule.step, target=rule.dgd_target,
+        grad_clip=rule.grad_clip,
+    )  # fmt: skip
     for n, signals in sig.items():
         x1, g1, x2, g2 = (heads_first(a) for a in signals)
         m, s = getattr(mems, n), (None if moms is None else getattr(moms, n))
@@ -359,6 +362,9 @@ _FLAGS_DOC = """
       inner_k, inner_v, inner_q: whether ``M_k``, ``M_v``, ``M_q`` adapt.
       adaptive_q: ``q_t = norm(M_{q,t−1}(x_t))`` instead of ``norm(q_in)``.
       stop_gradient_targets: stop the gradient through ``v̂ = M_0(v)``.
+      eta_max: ``η_t = eta_max · sigmoid(·)`` (1: the paper's rate).
+      grad_clip: softclamp ``c`` of each layer's inner gradient ``g xᵀ`` folded into its rate,
+        ``η · c·tanh(n/c)/n`` with ``n = ‖g‖‖x‖`` (0: off, the paper's rule; ``HopeRule``).
       activation: elementwise ``σ`` of the memories."""
 
 
@@ -439,15 +445,15 @@ def _scan_chunks(state: HopeState, xs, readout: HopeReadout, rule: HopeRule, act
         (state, _), o = lax.scan(body, carry, xs)
         return state, o
     # Two-level remat: each chunk is recomputed in the backward pass (jax.checkpoint) and only
-    # every n-th carry of the N chunks is stored (scan_remat; n = ⌈√N⌉ by default), so the saved
-    # states grow like √N instead of N (a carry holds every memory, momentum and the larger
-    # group's snapshot); n = 1 stores them all and skips the block's extra forward.
-    n_chunks = xs[0].shape[0]
-    every = rule.remat_every or (math.isqrt(n_chunks - 1) + 1 if n_chunks > 1 else 1)
-    if every == 1:
+    # every n-th carry of the N chunks is stored (scan_remat; n = ⌈√N⌉ by default, nested
+    # blocks with remat_levels > 2), so the saved states grow like √N (L·N^(1/L)) instead of N
+    # (a carry holds every memory, momentum and the larger group's snapshot); n = 1 stores them
+    # all and skips the block's extra forward.
+    blocks = rule.remat_blocks(xs[0].shape[0])
+    if blocks == (1,):
         (state, _), o = lax.scan(jax.checkpoint(body), carry, xs)
         return state, o
-    (state, _), o = scan_remat(jax.checkpoint(body), carry, xs, remat_every=every)
+    (state, _), o = scan_remat(jax.checkpoint(body), carry, xs, remat_every=blocks)
     return state, o
 
 
@@ -496,7 +502,10 @@ def hope_chunked(
     grad_horizon: int = 0,
     remat: bool = False,
     remat_every: int = 0,
+    remat_levels: int = 2,
     chunk_updates: str = "scan",
+    eta_max: float = 1.0,
+    grad_clip: float = 0.0,
 ):
     (
         """Chunk-wise Hope (SPEC §3.2 Decision); chunk sizes 1 = exact per-token Hope.
@@ -529,6 +538,8 @@ def hope_chunked(
         size); 0 = full backprop.
       remat: rematerialise each chunk in the backward pass (``jax.checkpoint``).
       remat_every: with ``remat``, store the carry of every n-th chunk only (0: ``⌈√N⌉``; 1: all).
+      remat_levels: with ``remat_every = 0``, nested checkpoint levels (2: ``2√N`` carries held;
+        3: ``3∛N``, one more recomputed forward); ``HopeRule.remat_blocks``.
       chunk_updates: ``"scan"`` (token by token) or ``"parallel"`` (one triangular solve per
         memory layer, :mod:`nested_jax.core.hope_parallel`); values equal up to rounding.
 
@@ -543,6 +554,7 @@ def hope_chunked(
         momentum_coef=momentum_coef, decay=decay, inner_k=inner_k, inner_v=inner_v,
         inner_q=inner_q, adaptive_q=adaptive_q, stop_gradient_targets=stop_gradient_targets,
         grad_horizon=grad_horizon, remat=remat, remat_every=remat_every,
-        chunk_updates=chunk_updates,
+        remat_levels=remat_levels, chunk_updates=chunk_updates, eta_max=eta_max,
+        grad_clip=grad_clip,
     )  # fmt: skip
     return _chunked(x, q, state, readout, rule, activation, segment_ids, initial_memories)

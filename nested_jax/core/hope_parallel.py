@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
-from nested_jax.core.dgd import dgd_step_size
+from nested_jax.core.dgd import clamped_rate, dgd_step_size
 
 __all__ = ["ChunkCoefficients", "chunk_coefficients", "layer_chunk", "read_running"]
 
@@ -146,8 +146,9 @@ def read_running(W0, S0, x, U, z, co: ChunkCoefficients, W_init=None):
 
 
 def layer_chunk(
-    W0, S0, x, g, lr, co: ChunkCoefficients, *, dgd: bool, step: str, target="gradient", W_init=None
-):
+    W0, S0, x, g, lr, co: ChunkCoefficients, *, dgd: bool, step: str, target="gradient",
+    W_init=None, grad_clip: float = 0.0,
+):  # fmt: skip
     """One memory layer over one chunk: the update vectors and the chunk-end ``(W_n, S_n)``.
 
     Args:
@@ -161,10 +162,13 @@ def layer_chunk(
       target: the DGD target (SPEC §3.2): ``gradient`` (the ``W_{t−1} x_t`` term above) or
         ``proximal`` (``u_t = −γ_t g_t x_tᵀ``: no solve).
       W_init: ``[B, H, o, i]`` the weights a document start resets to (None: no resets).
+      grad_clip: softclamp of each token's layer gradient ``g xᵀ`` in the rate
+        (:func:`core.dgd.clamped_rate`; 0 = off).
 
     Returns:
       ``(U [B, H, C, o], W_n [B, H, o, i], S_n or None)``.
     """
+    lr = clamped_rate(lr, g, x, grad_clip)
     if dgd and target == "proximal":
         U = -dgd_step_size(lr, x, step=step)[..., None] * g
     elif dgd:

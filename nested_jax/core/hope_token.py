@@ -26,20 +26,20 @@ from nested_jax.core.hope_state import (
     HopeState,
     _names,
 )
-from nested_jax.rules import HOPE_FLAGS
+from nested_jax.rules import HOPE_FLAGS, HOPE_UNBOUNDED
 
 __all__ = ["hope_decode_step", "hope_step", "hope_recurrent"]
 
 
 def _decode_rule(chunk_memory, chunk_other, flags) -> HopeRule:
     """The :class:`HopeRule` of a decode step's keywords (``activation`` already taken out);
-    the core default is the plain rule (no momentum), not ``HopeRule``'s (the layer's) default."""
+    the core default is the plain rule (no momentum, no η cap, no gradient softclamp), not
+    ``HopeRule``'s (the layer's) default."""
     unknown = set(flags) - set(HOPE_FLAGS)
     if unknown:
         raise ValueError(f"flags: unknown keyword(s) {sorted(unknown)}")
-    return HopeRule(
-        chunk_memory=chunk_memory, chunk_other=chunk_other, **{"momentum": False, **flags}
-    )
+    plain = {"momentum": False, **HOPE_UNBOUNDED}
+    return HopeRule(chunk_memory=chunk_memory, chunk_other=chunk_other, **{**plain, **flags})
 
 
 def _refresh_snapshots(memories: HopeMemories, snapshot: HopeMemories, index, rule: HopeRule):

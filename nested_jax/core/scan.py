@@ -201,7 +201,7 @@ def affine_scan(a, b, axis: int = 0, reverse: bool = False, initial=None):
     return X
 
 
-def scan_remat(f, init, xs, remat_every: int, length: int | None = None):
+def scan_remat(f, init, xs, remat_every, length: int | None = None):
     """``lax.scan(f, init, xs)`` whose backward keeps only every ``remat_every``-th carry.
 
     The steps are grouped in blocks of ``remat_every``; an outer scan walks the blocks and each
@@ -209,17 +209,27 @@ def scan_remat(f, init, xs, remat_every: int, length: int | None = None):
     carries and recomputes the inside of one block at a time (memory ∝ T / n + n carries instead of
     T). A trailing partial block is scanned the same way. Values equal ``lax.scan`` exactly.
 
+    Nested: ``remat_every = (n_1, n_2, …)`` (decreasing) makes each block of ``n_1`` steps itself
+    a ``scan_remat`` with ``(n_2, …)``, so the backward holds ``T/n_1 + n_1/n_2 + … + n_last``
+    carries at a time for one more recomputed forward per extra level (``remat_levels``).
+
     Args:
       f: ``(carry, x) -> (carry, y)``.
       init: initial carry (pytree).
       xs: pytree of arrays with leading axis T (or None with ``length``).
-      remat_every: n > 0, steps per checkpointed block.
+      remat_every: n > 0, steps per checkpointed block, or a decreasing tuple of them (nested).
       length: T when ``xs`` is None.
 
     Returns:
       ``(final_carry, ys)`` with ys stacked over T, as ``lax.scan``.
     """
-    check_positive_int("remat_every", remat_every)
+    sizes = tuple(remat_every) if isinstance(remat_every, (tuple, list)) else (remat_every,)
+    if not sizes:
+        raise ValueError("remat_every: expected a positive int or a non-empty tuple of them")
+    for n_i in sizes:
+        check_positive_int("remat_every", n_i)
+    if any(a <= b for a, b in zip(sizes[:-1], sizes[1:], strict=True)):
+        raise ValueError(f"remat_every: nested block sizes must decrease, got {sizes}")
     leaves = jax.tree_util.tree_leaves(xs)
     if leaves:
         T = leaves[0].shape[0]
@@ -227,12 +237,18 @@ def scan_remat(f, init, xs, remat_every: int, length: int | None = None):
         T = length
     else:
         raise ValueError("scan_remat: xs has no arrays, pass length")
-    n = remat_every
+    n, inner = sizes[0], sizes[1:]
     nb, rem = divmod(T, n)
 
     def run_block(carry, xs_block, m):
         # checkpoint: autodiff saves only the block's input carry and recomputes its m steps
-        return jax.checkpoint(lambda c, x: lax.scan(f, c, x, length=m))(carry, xs_block)
+        # (with `inner` sizes left, those m steps are a nested scan_remat: fewer carries at once)
+        inner_fit = tuple(k for k in inner if k < m)
+        if inner_fit:
+            scan_block = lambda c, x: scan_remat(f, c, x, inner_fit, length=m)  # noqa: E731
+        else:
+            scan_block = lambda c, x: lax.scan(f, c, x, length=m)  # noqa: E731
+        return jax.checkpoint(scan_block)(carry, xs_block)
 
     def part(start, stop, shape=None):
         def one(x):

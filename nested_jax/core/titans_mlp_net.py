@@ -7,7 +7,8 @@ Shared by the per-token forms (:mod:`nested_jax.core.titans_mlp`) and the chunke
   every form runs at trace time (messages name the calling function).
 - ``_forward`` / ``_backward``: ``M(z)`` with its layer inputs ``a_l`` and pre-activations, and the
   backpropagated ``δ_l``; one token's inner gradient for layer ``l`` is the rank-1 ``a_l δ_lᵀ``.
-- ``_softclamp_factor``: the per-token scalar of the gradient softclamp (folds into ``θ_t``).
+- ``_softclamp_factor``: the per-token scalar of the gradient softclamp (folds into ``θ_t``;
+  ``core.dgd.softclamp_factor``, shared with Hope).
 - ``_segment_resets``: packed-row resets (SPEC §0) as the float mask the forms multiply with.
 """
 
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from nested_jax.core.dgd import softclamp_factor as _softclamp_factor  # noqa: F401  (re-exported)
 from nested_jax.core.scan import segment_starts
 
 __all__ = ["DEFAULT_MLP_GRAD_CLIP", "TitansMLPState"]
@@ -176,13 +178,6 @@ def _backward(weights, pre, err, activation):
         if i > 0:
             d = jnp.einsum("...ne,...de->...nd", d, weights[i]) * _act_grad(activation, pre[i - 1])
     return deltas
-
-
-def _softclamp_factor(sq_norm, c):
-    """``c·tanh(n/c)/n``, ``n = sqrt(sq_norm)``; 1 at ``n = 0`` (double where: finite grads)."""
-    pos = sq_norm > 0
-    n = jnp.sqrt(jnp.where(pos, sq_norm, 1.0))
-    return jnp.where(pos, c * jnp.tanh(n / c) / n, 1.0)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ Per head (``H`` heads of width ``D``)::
 Outer (meta-learned) parameters: the initial memories ``M_□ = (W_1 [H, D, h], W_2 [H, h, D])`` for
 ``□ ∈ {k, v, η, α, memory}`` (+ ``q`` with ``adaptive_q``), broadcast over the batch, and the
 scalar readouts of ``M_η``, ``M_α`` (:class:`nested_jax.ops.hope.HopeReadout`, biases at
-``logit(eta_init)``, ``logit(alpha_init)``). The CMS that follows the mixer in the Hope model is the
-LM shell's FFN (SPEC §3.3), not part of this layer.
+``logit(eta_init / eta_max)``, ``logit(alpha_init)``). The CMS that follows the mixer in the Hope
+model is the LM shell's FFN (SPEC §3.3), not part of this layer.
 
 **Chunks.** ``chunk_other`` / ``chunk_memory`` (SPEC §3.2 Decision): chunk ``n`` produces its
 projections, targets and DGD signals from the memories at the end of chunk ``n−1``; chunks are
@@ -158,7 +158,8 @@ class HopeMixer(nnx.Module):
             setattr(self, f"{n}_w1", nnx.Param(partitioned(_const(w1), names3)(None)))
             setattr(self, f"{n}_w2", nnx.Param(partitioned(_const(w2), names3)(None)))
         ro = opts.readout_init * head_dim**-0.5
-        for n, p in (("eta", opts.eta_init), ("alpha", opts.alpha_init)):
+        # η = eta_max·σ(·): the bias starts η at eta_init
+        for n, p in (("eta", opts.eta_init / opts.eta_max), ("alpha", opts.alpha_init)):
             w = ro * jax.random.normal(rngs.params(), (n_heads, head_dim))
             setattr(self, f"{n}_w", nnx.Param(partitioned(_const(w), ("heads", None))(None)))
             b = jnp.full((n_heads,), _logit(p), jnp.float32)

@@ -218,6 +218,11 @@ class HopeOptions(HopeRule):
             ):
                 expected = "in (0, 1)" if rate else "a float >= 0"
                 raise ValueError(f"HopeOptions.{name}: must be {expected}, got {v!r}")
+        if self.eta_init >= self.eta_max:
+            raise ValueError(
+                f"HopeOptions.eta_init: must be below eta_max={self.eta_max} "
+                f"(η = eta_max·sigmoid(·)), got {self.eta_init}"
+            )
 
     def resolved_memory_hidden(self, head_dim: int) -> int:
         """Hidden width ``h`` of the memories: ``memory_hidden`` or ``head_dim`` when 0."""

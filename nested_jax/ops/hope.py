@@ -61,11 +61,12 @@ __all__ = [
 _NO_PROTEUS = ProteusRule()  # the default schedule: E = 1, the plain memories
 
 
-def _twin(x, q, state, readout, *, grad_horizon=0, remat=False, remat_every=0, chunk_updates="scan",
-          **kw):  # fmt: skip
+def _twin(x, q, state, readout, *, grad_horizon=0, remat=False, remat_every=0, remat_levels=2,
+          chunk_updates="scan", **kw):  # fmt: skip
     """``hope_reference`` behind ``hope_chunked``'s arguments (``grad_horizon`` is checked to be 0
-    by the caller; ``remat`` and ``remat_every`` change no value or gradient)."""
-    del grad_horizon, remat, remat_every, chunk_updates
+    by the caller; ``remat``, ``remat_every``, ``remat_levels`` and ``chunk_updates`` change no
+    value or gradient)."""
+    del grad_horizon, remat, remat_every, remat_levels, chunk_updates
     return hope_reference(x, q, state, readout, **kw)
 
 

@@ -24,7 +24,7 @@ def test_bench_hope_json_keys(capsys):
         "model_hope_over_titans_lmm_time",
         "model_tokens_per_s_hope_store_all",
         "model_hope_store_all_over_titans_lmm_time",
-        "model_hope_parallel_over_titans_lmm_time",
+        "model_hope_scan_over_titans_lmm_time",
         "sweep_tokens_per_s_cm1_co1",
         "sweep_tokens_per_s_cm4_co2",
         "sweep_time_over_first_cm4_co2",

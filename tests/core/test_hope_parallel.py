@@ -223,3 +223,47 @@ def test_both_update_forms_take_the_proximal_target(updates):
     o1, _ = jax.jit(lambda: hope_chunked(x, q, state, readout, chunk_updates=updates, **kw))()
     o2, _ = jax.jit(lambda: hope_reference(x, q, state, readout, **kw))()
     np.testing.assert_allclose(o1, o2, atol=2e-5 * float(jnp.max(jnp.abs(o2))))
+
+
+@pytest.mark.parametrize("updates", ["scan", "parallel"])
+@pytest.mark.parametrize("chunks", [(1, 1), (4, 2)])
+def test_the_bounded_step_equals_the_twin(updates, chunks):
+    """``eta_max`` and the inner-gradient softclamp ``grad_clip`` (issue 17): the chunked forms
+    scale the rate by ``c·tanh(n/c)/n`` with ``n = ‖g‖‖x‖``, the twin by the Frobenius norm of its
+    ``jax.grad`` layer gradient; values and gradients agree, and the bound is active here."""
+    mems, readout, x, q = _hope_inputs()
+    state = hope_init_state(mems, B, momentum=True)
+    kw = dict(momentum=True, momentum_coef=0.7, chunk_memory=chunks[0], chunk_other=chunks[1],
+              eta_max=0.5, grad_clip=0.2)  # fmt: skip
+    fast = jax.jit(lambda x, q: hope_chunked(x, q, state, readout, chunk_updates=updates, **kw))
+    twin = jax.jit(lambda x, q: hope_reference(x, q, state, readout, **kw))
+    (o1, s1), (o2, s2) = fast(x, q), twin(x, q)
+    scale = float(jnp.max(jnp.abs(o2)))
+    np.testing.assert_allclose(o1, o2, atol=2e-5 * scale)
+    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5 * float(jnp.max(jnp.abs(b))))
+    grad = lambda fn: jax.jit(jax.grad(lambda x, q: jnp.sum(jnp.sin(fn(x, q)[0])), (0, 1)))  # noqa: E731
+    for a, b in zip(grad(fast)(x, q), grad(twin)(x, q), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4 * float(jnp.max(jnp.abs(b))))
+    # the bound changes the result (the test would not see a clamp that does nothing)
+    unbounded = {**kw, "grad_clip": 0.0}
+    o3, _ = jax.jit(lambda: hope_reference(x, q, state, readout, **unbounded))()
+    assert float(jnp.max(jnp.abs(o3 - o2))) > 1e-3 * scale
+
+
+def test_three_remat_levels_change_no_value_or_gradient():
+    mems, readout, x, q = _hope_inputs()
+    state = hope_init_state(mems, B, momentum=True)
+    kw = dict(momentum=True, chunk_memory=2, chunk_other=1, remat=True)
+
+    def loss(levels):
+        def f(x, q):
+            o, _ = hope_chunked(x, q, state, readout, remat_levels=levels, **kw)
+            return jnp.sum(jnp.sin(o))
+
+        return jax.jit(jax.value_and_grad(f, (0, 1)))
+
+    (v2, g2), (v3, g3) = loss(2)(x, q), loss(3)(x, q)
+    np.testing.assert_allclose(v3, v2, rtol=1e-6)
+    for a, b in zip(g3, g2, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -103,7 +103,9 @@ def test_affine_scan_bad_shapes():
         affine_scan(jnp.ones((4,)), jnp.ones((4, 3)), initial=jnp.ones((2,)))
 
 
-@pytest.mark.parametrize("T,n", [(12, 4), (13, 4), (3, 5), (7, 1)])
+@pytest.mark.parametrize(
+    "T,n", [(12, 4), (13, 4), (3, 5), (7, 1), (29, (9, 3)), (30, (8, 3, 2)), (5, (9, 2))]
+)
 def test_scan_remat_equals_scan_values_and_grads(T, n):
     W = _rand(9, 4, 4) * 0.5
     xs = (_rand(10, T, 4), _rand(11, T))
@@ -143,6 +145,10 @@ def test_scan_remat_without_xs_and_errors():
         scan_remat(f, 0.0, None, remat_every=0, length=3)
     with pytest.raises(ValueError, match="length"):
         scan_remat(f, 0.0, None, remat_every=2)
+    with pytest.raises(ValueError, match="must decrease"):
+        scan_remat(f, 0.0, None, remat_every=(2, 4), length=8)
+    with pytest.raises(ValueError, match="remat_every"):
+        scan_remat(f, 0.0, None, remat_every=(), length=8)
 
 
 def test_scan_remat_saves_fewer_residuals():
@@ -161,6 +167,25 @@ def test_scan_remat_saves_fewer_residuals():
     plain = jax.jit(jax.grad(loss(jax.lax.scan))).lower(c0).compile().memory_analysis()
     remat = jax.jit(jax.grad(loss(lambda f_, c, x: scan_remat(f_, c, x, n)))).lower(c0).compile()
     assert remat.memory_analysis().temp_size_in_bytes < plain.temp_size_in_bytes
+
+
+def test_nested_scan_remat_holds_fewer_carries_than_two_levels():
+    # T = 512 steps of a 64 KiB carry: two levels hold 512/23 + 23 ≈ 46 carries at once, three
+    # levels (64, 8) hold 8 + 8 + 8 = 24; the compiled backward's temporaries say so.
+    T, D = 512, 128
+    W = _rand(16, D, D) * 0.05
+    xs = _rand(17, T, D)
+
+    def f(c, x):
+        return jnp.tanh(c @ W + x[None]), None
+
+    def temp(sizes):
+        loss = lambda c0: jnp.sum(scan_remat(f, c0, xs, sizes)[0])  # noqa: E731
+        c0 = _rand(18, D, D)
+        return jax.jit(jax.grad(loss)).lower(c0).compile().memory_analysis().temp_size_in_bytes
+
+    two, three = temp(23), temp((64, 8))
+    assert three < 0.75 * two, (two, three)
 
 
 @pytest.mark.parametrize("T,C", [(7, 3), (8, 4), (5, 1), (2, 5)])

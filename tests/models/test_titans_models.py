@@ -3,7 +3,6 @@ finite training steps on packed batches, tiny presets build, and (slow) the issu
 a 4-layer memory at T=4096 trains the tiny preset for 300 steps without NaN."""
 
 import os
-import time
 
 import chex
 import jax
@@ -17,6 +16,7 @@ from nested_jax.models import ModelConfig, build_model
 from nested_jax.parallel.mesh import global_batch_from_local, make_mesh
 from nested_jax.train.config import MeshConfig, load_config
 from nested_jax.train.loop import init_train_setup
+from tests.models.stability import stability_run
 
 SMALL = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2)
 TITANS = TitansOptions(memory_chunk=4, segment_len=8, window=6, persistent_tokens=2)
@@ -128,8 +128,6 @@ def test_stability_four_layer_memory_long_context():
     20. ``TITANS_STABILITY_STEPS`` / ``TITANS_STABILITY_T`` shorten it for a quick look;
     ``TITANS_STABILITY_VERBOSE=1`` prints one line per step (flushed, for a log file).
     """
-    from nested_jax.data import pipeline
-
     steps = int(os.environ.get("TITANS_STABILITY_STEPS", "300"))
     seq = int(os.environ.get("TITANS_STABILITY_T", "4096"))
     verbose = bool(os.environ.get("TITANS_STABILITY_VERBOSE"))
@@ -142,33 +140,13 @@ def test_stability_four_layer_memory_long_context():
             "data.batch_size=1",
         ],
     )
-    mesh = make_mesh(MeshConfig(data=1, fsdp=1), devices=jax.devices()[:1])
-    bundle = pipeline.prepare_data(cfg.data)
-    token_bytes = np.asarray(bundle.tokenizer.token_bytes)
-    token_bytes = np.pad(token_bytes, (0, cfg.model.vocab_size - token_bytes.shape[0]))
-    setup = init_train_setup(cfg, mesh, token_bytes=token_bytes)
-    batches = pipeline.make_train_iterator(
-        cfg.data, bundle.tokenizer, bundle.train_docs, process_index=0, process_count=1
-    )
-    state, losses, norms, t0 = setup.state, [], [], time.time()
-    for i in range(steps):
-        batch = next(batches)
-        state, m = setup.train_step(state, global_batch_from_local(batch, mesh))
-        loss, norm = float(m["loss"]), float(m["grad_norm"])
-        if verbose:
-            bias = state["params"]["blocks"]["mixer"]["branch"]["memory"]["gate_bias"]
-            docs = len(np.unique(batch["segment_ids"]))
-            print(f"step {i} loss {loss:.4f} grad_norm {norm:.4g} docs {docs} "
-                  f"t {time.time() - t0:.0f}s gate_bias {np.asarray(bias).round(2).tolist()}",
-                  flush=True)  # fmt: skip
-        assert bool(m["finite"]) and np.isfinite(loss) and np.isfinite(norm), f"step {i}"
-        losses.append(loss)
-        norms.append(norm)
+
+    def probe(state, batch):
+        bias = state["params"]["blocks"]["mixer"]["branch"]["memory"]["gate_bias"]
+        docs = len(np.unique(batch["segment_ids"]))
+        return f"docs {docs} gate_bias {np.asarray(bias).round(2).tolist()}"
+
+    losses, norms = stability_run(cfg, steps, verbose, probe)
     first, last = float(np.mean(losses[:20])), float(np.mean(losses[-20:]))
-    print(f"stability: {steps} steps T={seq} in {time.time() - t0:.0f}s, loss {losses[0]:.3f} -> "
-          f"{losses[-1]:.3f} (min {min(losses):.3f}; mean first 20 {first:.3f}, last 20 "
-          f"{last:.3f}), max grad norm {max(norms):.4g} at step {int(np.argmax(norms))}",
-          flush=True)  # fmt: skip
-    chex.assert_tree_all_finite(state["params"])
     assert max(norms) < STABILITY_MAX_GRAD_NORM, f"max grad norm {max(norms):.4g}"
     assert last < first, (first, last)

@@ -16,11 +16,13 @@ Per head, each memory is ``M_□(z) = z + W_1 σ(W_2 z)`` (``W_1 [D, h]``, ``W_2
 memories::
 
     k_t = norm(M̄_k(x_t)),   v_t = M̄_v(x_t)
-    η_t = sigmoid(w_ηᵀ M̄_η(x_t) + b_η),   α_t = sigmoid(w_αᵀ M̄_α(x_t) + b_α)   (decay=False: 1)
+    η_t = eta_max·sigmoid(w_ηᵀ M̄_η(x_t) + b_η)
+    α_t = sigmoid(w_αᵀ M̄_α(x_t) + b_α)   (decay=False: 1)
     q_t = norm(q_in_t)                    (adaptive_q: norm(M̄_q(x_t)))
     o_t = M_{memory,t−1}(q_t)             (read before write, running weights)
     v̂_□ = M̄_□(v_t),   G_ℓ = ∂/∂W_ℓ ½‖M̄_□(k_t) − v̂_□‖²   (jax.grad; target held fixed)
     per layer, with its input x_ℓ at the snapshot (x_1 = σ(W̄_2 k_t), x_2 = k_t):
+        grad_clip c > 0: η_t ← η_t · c·tanh(‖G_ℓ‖_F / c) / ‖G_ℓ‖_F
         dgd:      u = −γ (W_{t−1} x_ℓ x_ℓᵀ + G_ℓ),  γ = η_t / (1 + η_t ‖x_ℓ‖²)  (paper: η/(1+η))
         plain GD: u = −η_t G_ℓ
         momentum: u ← μ S_{t−1} + u,  S_t = u
@@ -60,8 +62,9 @@ def l2_normalize(z, eps: float = 1e-6):
 
 
 def dgd_layer_write(
-    W, S, G, x, eta, alpha, *, dgd=True, step="exact", target="gradient", momentum_coef=None
-):
+    W, S, G, x, eta, alpha, *, dgd=True, step="exact", target="gradient", momentum_coef=None,
+    grad_clip=0.0,
+):  # fmt: skip
     """One layer's write (SPEC §3.1 composed with §3.2): returns ``(W_new, u)``.
 
     Args:
@@ -75,10 +78,15 @@ def dgd_layer_write(
       target: ``"gradient"`` (``u = −γ (W x xᵀ + G)``) or ``"proximal"`` (``u = −γ G``; SPEC §3.2
         Decision: ``W x`` regressed onto its own target ``W x − g``).
       momentum_coef: ``μ``, or None for no momentum.
+      grad_clip: ``c > 0`` scales the rate by ``c·tanh(‖G‖_F/c)/‖G‖_F`` (0: off).
 
     Returns:
       ``W_new = α W + u`` and the update ``u`` (the new momentum when ``momentum_coef`` is set).
     """
+    if grad_clip:
+        nrm2 = jnp.sum(G * G)
+        safe = jnp.sqrt(jnp.where(nrm2 > 0, nrm2, 1.0))
+        eta = eta * jnp.where(nrm2 > 0, grad_clip * jnp.tanh(safe / grad_clip) / safe, 1.0)
     if dgd:
         xx = jnp.sum(x * x) if step == "exact" else 1.0
         gamma = eta / (1.0 + eta * xx)
@@ -108,7 +116,10 @@ def _write_memory(W1, W2, W1s, W2s, S1, S2, k, v, eta, alpha, *, o):
     G1, G2 = jax.grad(inner_loss, argnums=(0, 1))(W1s, W2s)
     x1, x2 = act(W2s @ k), k  # each layer's input at the snapshot
     mu = o["momentum_coef"] if o["momentum"] else None
-    kw = dict(dgd=o["dgd"], step=o["step"], target=o["dgd_target"], momentum_coef=mu)
+    kw = dict(
+        dgd=o["dgd"], step=o["step"], target=o["dgd_target"], momentum_coef=mu,
+        grad_clip=o["grad_clip"],
+    )  # fmt: skip
     W1n, U1 = dgd_layer_write(W1, S1, G1, x1, eta, alpha, **kw)
     W2n, U2 = dgd_layer_write(W2, S2, G2, x2, eta, alpha, **kw)
     return W1n, W2n, U1, U2
@@ -127,7 +138,9 @@ def _token(run, snap, mom, x_t, q_t, readout: HopeReadout, o):
 
     k = _per_bh(l2_normalize)(proj("k", x_t))
     v = proj("v", x_t)
-    eta = jax.nn.sigmoid(jnp.einsum("bhd,hd->bh", proj("eta", x_t), readout.eta_w) + readout.eta_b)
+    eta = o["eta_max"] * jax.nn.sigmoid(
+        jnp.einsum("bhd,hd->bh", proj("eta", x_t), readout.eta_w) + readout.eta_b
+    )
     if o["decay"]:
         a = jnp.einsum("bhd,hd->bh", proj("alpha", x_t), readout.alpha_w) + readout.alpha_b
         alpha = jax.nn.sigmoid(a)
@@ -204,6 +217,7 @@ def _before_token(t, start, run, snap, mom, init, chunks):
     static_argnames=(
         "chunk_memory", "chunk_other", "dgd", "dgd_target", "step", "momentum", "decay",
         "inner_k", "inner_v", "inner_q", "adaptive_q", "stop_gradient_targets", "activation",
+        "grad_clip",
     ),
 )  # fmt: skip
 def hope_reference(
@@ -228,6 +242,8 @@ def hope_reference(
     adaptive_q: bool = False,
     stop_gradient_targets: bool = False,
     activation: Callable = jax.nn.silu,
+    eta_max: float = 1.0,
+    grad_clip: float = 0.0,
 ):
     """Hope token by token (SPEC §3.2), the twin of ``hope_chunked`` (same arguments and returns).
 
@@ -253,6 +269,8 @@ def hope_reference(
       dgd, dgd_target, step, momentum, momentum_coef, decay, inner_k, inner_v, inner_q,
       adaptive_q, stop_gradient_targets, activation: the flags of ``hope_chunked`` (SPEC §3.2,
       Table 6).
+      eta_max: ``η_t = eta_max · sigmoid(·)``; grad_clip: ``c`` of the rate's softclamp by the
+        layer gradient's Frobenius norm (0: off), as ``hope_chunked``.
 
     Returns:
       ``(o [B, T, H, D], final HopeState)`` (``momentum`` set iff ``momentum``).
@@ -272,7 +290,8 @@ def hope_reference(
         dgd=dgd, dgd_target=dgd_target, step=step, momentum=momentum,
         momentum_coef=momentum_coef, decay=decay,
         inner_k=inner_k, inner_v=inner_v, inner_q=inner_q, adaptive_q=adaptive_q,
-        stop_gradient_targets=stop_gradient_targets, activation=activation,
+        stop_gradient_targets=stop_gradient_targets, activation=activation, eta_max=eta_max,
+        grad_clip=grad_clip,
     )  # fmt: skip
 
     def token(carry, inp):
