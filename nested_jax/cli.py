@@ -14,10 +14,10 @@ COMMANDS = {
     "eval": ("nested_jax.eval.main", "evaluate the latest checkpoint: --workdir DIR"),
     "generate": ("nested_jax.eval.generate", "sample text: --workdir DIR --prompt TEXT"),
     "aot": ("nested_jax.train.aot", "compile for a TPU slice on this CPU: --config F --topology T"),
-    "bench": (None, "benchmarks: bench {core,titans,optim,hola,hope} [--json]"),
+    "bench": (None, "benchmarks: bench {core,titans,optim,hola,hope,kernels} [--json]"),
     "launch": ("nested_jax.launch.main", "start runs: launch {tpu-vm,xpk,local} ... [--dry-run]"),
 }
-BENCHES = ("core", "titans", "optim", "hola", "hope")
+BENCHES = ("core", "titans", "optim", "hola", "hope", "kernels")
 
 
 def _usage() -> str:

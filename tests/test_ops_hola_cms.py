@@ -237,6 +237,8 @@ def _calls():
 @pytest.mark.parametrize("impl", ["pallas", "bogus"])
 def test_unavailable_impls_raise_naming_the_op(impl):
     for op, call in _calls().items():
+        if impl == "pallas" and op.startswith("hola"):
+            continue  # HOLA's state path runs on the gated delta kernel (tests/pallas)
         with pytest.raises(ValueError, match=f"^{op}: impl"):
             call(impl)
 

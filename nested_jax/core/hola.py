@@ -40,7 +40,9 @@ Decisions (documented options, SPEC §5):
   ascending), so the block-parallel forward and token-by-token decoding give the same state layout.
 - The per-token residuals ``e_t`` for the scores are recomputed by a forward-only WY/UT chunk pass
   (``gdn_residuals``; derivation in its docstring) under ``stop_gradient``; the differentiable state
-  path is ``associative.gated_delta_chunked``. This costs one extra forward of the state path and no
+  path is ``associative.gated_delta_chunked`` (or any function with its contract, ``state_path``:
+  ``ops.hola`` passes the Pallas kernel for ``impl="pallas"``; the residual pass and the cache
+  path stay XLA). This costs one extra forward of the state path and no
   backward. ``"recency"``, ``"beta_v"`` and ``"cumulative_attention"`` skip that pass.
 - ``segment_ids`` (packed sequences, SPEC §0): each document runs as if alone — own GDN state
   and scores from zero, own block grid from its first token, own cache (starts empty, top-w over its
@@ -59,6 +61,8 @@ Every public name is importable from here.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax.numpy as jnp
 from jax import lax
@@ -244,10 +248,12 @@ def hola_forward(
     initial_state=None,
     segment_ids=None,
     chunk_size=64,
+    state_path: Callable = gated_delta_chunked,
 ):
     """HOLA layer math, block-parallel (SPEC §5): ``o_t = S_tᵀ (scale q_t) + σ(λ_h) o_cache,t``.
 
-    The state path is ``gated_delta_chunked``; the cache path is a ``lax.scan`` over blocks of
+    The state path ``(o_state, S_T)`` is ``state_path`` (``gated_delta_chunked`` by default); the
+    cache path is a ``lax.scan`` over blocks of
     ``block_size`` absolute positions carrying the persistent cache (fixed size ``window``). Per
     block every query attends over ``[A_{n-1} ‖ block (causal) ‖ sink]``, then
     ``A_n = top-w(A_{n-1} ∪ block)``. A trailing unfinished block is returned as the state's block
@@ -276,6 +282,11 @@ def hola_forward(
       segment_ids: optional ``int [B, T]`` packed-document ids (a document starts where the id
         changes); not together with ``initial_state``.
       chunk_size: chunk length of the state path and of the residual pass.
+      state_path: the gated delta rule of the state path, called as
+        ``state_path(q, k, v, g, beta, scale=, initial_state=, segment_ids=, chunk_size=)`` and
+        returning ``(o [B, T, H, V], S_T [B, H, K, V] f32)`` with ``gated_delta_chunked``'s
+        contract (``initial_state`` None = zero); ``ops.hola`` passes the Pallas kernel for
+        ``impl="pallas"``. The residual pass of the scores and the cache path do not use it.
 
     Returns:
       ``(o [B, T, H, V] in v's dtype, HolaState)``. With ``segment_ids`` the state is that of each
@@ -289,7 +300,9 @@ def hola_forward(
         fn, q, k, v, g, beta, (*params, gate_logit), sizes, eviction, read_norm, initial_state,
         segment_ids,
     )  # fmt: skip
-    o_state, S_T = gated_delta_chunked(
+    if not callable(state_path):
+        raise ValueError(f"{fn}: state_path must be a function, got {state_path!r}")
+    o_state, S_T = state_path(
         q, k, v, g, beta, scale=scale, initial_state=S0, segment_ids=segment_ids,
         chunk_size=chunk_size,
     )  # fmt: skip

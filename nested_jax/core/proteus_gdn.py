@@ -13,10 +13,14 @@ Forms: ``*_step`` (one token at ``t``), ``*_recurrent`` (``lax.scan`` of the ste
 ``t0`` may be traced, ``[]`` or ``[B]``), ``*_chunked`` (static ``t0``; equals the recurrent form
 to rounding, see :func:`proteus_gated_delta_chunked`). Static dispatch: ``num_blocks == 1``, or a
 static ``t0`` with every position of the call past the last opening, calls the plain backbone (bit
-for bit). Not covered: ``segment_ids``.
+for bit). Not covered: ``segment_ids``. The chunk form takes its backbone as ``backbone``
+(``gated_delta_chunked`` or a function with its contract, e.g. the Pallas kernel that
+``ops.linear.proteus_gated_delta`` passes for ``impl="pallas"``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -179,10 +183,11 @@ def proteus_gated_delta_chunked(
     initial_state=None,
     t0: int = 0,
     chunk_size: int = 64,
+    backbone: Callable = gated_delta_chunked,
 ):
     """GDN with Proteus key-row blocks in chunk form (SPEC §1, §4; equals the recurrent form).
 
-    One ``gated_delta_chunked`` call over the whole sequence, whatever ``E``:
+    One ``backbone`` (``gated_delta_chunked``) call over the whole sequence, whatever ``E``:
 
     - Every token uses masked keys and queries ``g_t ⊙ k_t``, ``g_t ⊙ q_t`` (``g_t`` static per
       position). Then ``Sᵀ(g_t ⊙ k_t)`` reads only open rows and a masked key writes no locked
@@ -207,6 +212,12 @@ def proteus_gated_delta_chunked(
       initial_state: optional ``[B, H, K, V]``; zero when None.
       t0: tokens already seen (static Python int ``≥ 0``).
       chunk_size: chunk length ``C`` (> 0); ``T`` need not be a multiple of it.
+      backbone: the chunked gated delta rule every path calls, as
+        ``backbone(q, k, v, g, beta, scale=, initial_state=, chunk_size=)`` returning
+        ``(o [B, T', H, V], S [B, H, K, V] f32)`` with ``gated_delta_chunked``'s contract
+        (``initial_state`` None = zero); default ``gated_delta_chunked``. The injections are
+        ordinary tokens, so any such backbone runs them (``ops.linear.proteus_gated_delta``
+        passes the Pallas kernel).
 
     Returns:
       ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
@@ -217,9 +228,11 @@ def proteus_gated_delta_chunked(
     _check_blocked(fn, "key dim K", K, e)
     t0 = _check_static_t0(fn, t0)
     check_positive_int(f"{fn}: chunk_size", chunk_size)
+    if not callable(backbone):
+        raise ValueError(f"{fn}: backbone must be a function, got {backbone!r}")
     spans = proteus_spans(T, t0, n, e)
     if _statically_open(t0, n, e) or not spans:
-        return gated_delta_chunked(
+        return backbone(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size
         )
     ids = proteus_block_ids(K, e)
@@ -229,22 +242,25 @@ def proteus_gated_delta_chunked(
     open_start = ids < spans[0][2]
     open_end = ids < spans[-1][2]
     if initial_state is None:
-        o, S = gated_delta_chunked(qm, km, v, g, beta, scale=scale, chunk_size=chunk_size)
+        o, S = backbone(qm, km, v, g, beta, scale=scale, chunk_size=chunk_size)
         return o, _zero_where(open_end[:, None], S)  # locked rows: exactly the zero start
     S0 = initial_state.astype(jnp.float32)
     s_start = _zero_where(open_start[:, None], S0)
     if len(spans) == 1:  # nothing opens inside the call
-        o, S = gated_delta_chunked(
+        o, S = backbone(
             qm, km, v, g, beta, scale=scale, initial_state=s_start, chunk_size=chunk_size
         )
         return o, jnp.where(open_end[:, None], S, S0)
-    o, S = _gdn_with_injections(qm, km, v, g, beta, S0, s_start, spans, ids, scale, chunk_size)
+    o, S = _gdn_with_injections(
+        qm, km, v, g, beta, S0, s_start, spans, ids, scale, chunk_size, backbone
+    )
     return o, jnp.where(open_end[:, None], S, S0)
 
 
-def _gdn_with_injections(qm, km, v, g, beta, S0, s_start, spans, ids, scale, chunk_size):
-    """One ``gated_delta_chunked`` call with the rows of each newly opened block injected from
-    ``S0`` right before the block's first token (see :func:`proteus_gated_delta_chunked`)."""
+def _gdn_with_injections(qm, km, v, g, beta, S0, s_start, spans, ids, scale, chunk_size, backbone):
+    """One ``backbone`` (``gated_delta_chunked``) call with the rows of each newly opened block
+    injected from ``S0`` right before the block's first token (see
+    :func:`proteus_gated_delta_chunked`)."""
     B, _, H, K = qm.shape
     vdt = jnp.promote_types(v.dtype, jnp.float32)
     pieces = {name: [] for name in ("q", "k", "v", "g", "beta")}
@@ -269,7 +285,7 @@ def _gdn_with_injections(qm, km, v, g, beta, S0, s_start, spans, ids, scale, chu
         real.append((n_ext, n_ext + b - a))
         n_ext += b - a
     cat = {name: jnp.concatenate(p, axis=1) for name, p in pieces.items()}
-    o, S = gated_delta_chunked(
+    o, S = backbone(
         cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"],
         scale=scale, initial_state=s_start, chunk_size=chunk_size,
     )  # fmt: skip

@@ -10,7 +10,9 @@ with the learnable cache-read parameters ``γ_q, γ_k [H, K]`` (RMSNorm scales, 
 logit ``s [H]`` (init 0) and the gate logit ``λ [H]`` (init ``gate_init`` = −4). Options
 (``ModelConfig.hola``, a :class:`~nested_jax.layers.options.HolaOptions`): ``window`` w,
 ``block_size`` C, ``eviction``, ``read_norm``, ``gate_init``; the layer turns them (with the shell's
-``chunk_size``) into one frozen ``HolaRule`` for ``ops.hola``.
+``chunk_size``) into one frozen ``HolaRule`` for ``ops.hola``. ``impl`` (``model.impl``):
+``"chunked"`` (default) or ``"pallas"`` (the gated delta state path by the Pallas kernel, the cache
+path unchanged; ``ops.hola``).
 
 Decoding: the layer cache is a :class:`~nested_jax.layers.deltanet.DeltaCache` whose ``state`` is a
 :class:`~nested_jax.ops.hola.HolaState` (GDN state + persistent cache + current block buffer);
@@ -63,10 +65,11 @@ class HolaMixer(GatedDeltaNet):
         opts = HolaOptions() if opts is None else opts
         if not isinstance(opts, HolaOptions):
             raise ValueError(f"opts: expected a HolaOptions, got {type(opts).__name__}")
-        if kwargs.get("impl", "chunked") != "chunked":
-            # The layer runs ops.hola's chunked (block-parallel) form; never switch silently.
+        if kwargs.get("impl", "chunked") not in ("chunked", "pallas"):
+            # The layer runs ops.hola's block-parallel form, its state path by XLA ("chunked") or
+            # by the Pallas kernel ("pallas"); never switch silently.
             raise ValueError(
-                f"impl: the hola mixer supports 'chunked' only, got {kwargs['impl']!r}"
+                f"impl: the hola mixer supports 'chunked' and 'pallas' only, got {kwargs['impl']!r}"
             )
         super().__init__(d_model, n_heads, head_dim, rngs=rngs, **kwargs)
         self.opts = opts

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from nested_jax.layers import options as _options
 
 _IMPLS = ("chunked", "recurrent", "pallas")
-# Mixers whose memory rule has a Pallas kernel behind ``impl="pallas"`` (pallas_kernels/).
-PALLAS_MIXERS = frozenset({"deltanet", "gdn"})
+# Mixers whose memory rule has a Pallas kernel behind ``impl="pallas"`` (pallas_kernels/; hola: its
+# gated delta state path).
+PALLAS_MIXERS = frozenset({"deltanet", "gdn", "hola"})
 _DTYPES = ("float32", "bfloat16")
 _FFNS = ("auto", "swiglu", "cms")
 # Models whose FFN is the Continuum Memory System when ``ffn = "auto"`` (SPEC §3.2, §3.4).
@@ -41,7 +42,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # output head reuses the token embedding matrix
     conv_size: int = 4  # width of the causal depthwise short conv on q, k, v (DeltaNet / GDN)
     chunk_size: int = 64  # chunk length C of the chunked (WY/UT) recurrent kernels
-    impl: str = "chunked"  # full-sequence form: chunked | recurrent | pallas (gdn, deltanet)
+    impl: str = "chunked"  # full-sequence form: chunked | recurrent | pallas (gdn, deltanet, hola)
     window: int = 0  # attention sliding window: a query sees `window` keys incl. itself; 0 = global
     rope_theta: float = 10000.0  # RoPE base frequency
     # softmax attention scores this many queries at a time when T is longer (never [B, H, T, T]

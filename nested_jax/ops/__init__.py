@@ -35,6 +35,7 @@ from nested_jax.ops.linear import (
     gated_delta_step,
     linear_attention,
     linear_attention_step,
+    proteus_gated_delta,
     proteus_key_rows,
 )
 from nested_jax.ops.titans import titans_memory, titans_memory_step
@@ -55,6 +56,7 @@ __all__ = [
     "delta_rule_step",
     "gated_delta_step",
     "proteus_key_rows",
+    "proteus_gated_delta",
     "titans_memory",
     "titans_memory_step",
     "hope_memories",

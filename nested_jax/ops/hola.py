@@ -18,12 +18,17 @@ decoded token), never a core form. ``impl`` picks the form and is never switched
   rounding, values and gradients (tested). One stream: ``segment_ids`` raise ``ValueError``;
   ``chunk_size`` is ignored. The numpy twin ``core.reference.hola.hola_reference`` is *not* an
   ``impl``: it is float64 numpy with no gradients and no state, a test oracle only.
-- ``"pallas"``: the seam for ``pallas_kernels/hola``; no kernel is wired, so it raises
-  ``ValueError``.
+- ``"pallas"``: ``hola_forward`` with its state path ``(o_state, S_T)`` run by the Pallas gated
+  delta kernel (``ops.linear.gated_delta(..., impl="pallas")``: ``pallas_kernels/gated_delta``,
+  interpreted off TPU, ``rule.chunk_size`` its chunk, a multiple of 8). The insertion-score
+  residual pass and the cache path (block scan, top-w merge, cache read) stay the XLA ones of
+  ``"chunked"``; values and gradients equal ``"chunked"`` to f32 rounding (tested). Packed rows
+  run here too.
 
-:func:`hola_step` has a single form (``core.hola.hola_decode_step``): it continues either sequence
-form token by token, so it takes ``"chunked"`` and ``"recurrent"`` alike (a layer passes its own
-``impl``) and raises for ``"pallas"`` until a decode kernel is wired.
+:func:`hola_step` has a single form (``core.hola.hola_decode_step``): it continues any sequence
+form token by token, so it takes every ``impl`` alike (a layer passes its own ``impl``); one token
+has no chunk to parallelise, so ``"pallas"`` runs the same XLA step, as ``ops.gated_delta_step``
+does for the GDN layers.
 
 Both take the static options as one frozen :class:`HolaRule` (``rule=``; built by
 ``HolaOptions.rule()`` from the ``model.hola`` config section and ``model.chunk_size``); the core
@@ -33,6 +38,8 @@ config imports HOLA from here only.
 """
 
 from __future__ import annotations
+
+import functools
 
 from nested_jax.core.hola import (
     EVICTIONS,
@@ -46,6 +53,7 @@ from nested_jax.core.hola import (
 from nested_jax.core.hola_decode import HolaRule
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._state import pin_head_state
+from nested_jax.ops.linear import gated_delta as _gated_delta
 
 __all__ = [
     "EVICTIONS",
@@ -82,17 +90,18 @@ def hola(
       gamma_q, gamma_k: ``[H, K]`` cache-read RMSNorm scales (unused for ``read_norm="l2"``).
       sink_logit: ``[H]`` sink logit (its value is zero); gate_logit: ``[H]`` gate ``λ_h``.
       rule: :class:`HolaRule` (cache capacity ``w``, block length ``C``, eviction, read norm, the
-        two scales, and the ``chunk_size`` of the WY/UT state path, used by ``"chunked"`` only).
+        two scales, and the ``chunk_size`` of the WY/UT state path and residual pass, used by
+        ``"chunked"`` and ``"pallas"``; ``"pallas"`` needs a multiple of 8).
       initial_state: optional ``HolaState`` to continue (same ``B, H, K, V`` and the rule's
         ``w, C``).
-      segment_ids: optional ``int [B, T]`` packed documents (``"chunked"`` only; not with
-        ``initial_state``).
-      impl: ``"chunked"`` | ``"recurrent"`` (``"pallas"`` not yet available: ValueError).
+      segment_ids: optional ``int [B, T]`` packed documents (``"chunked"`` and ``"pallas"``; not
+        with ``initial_state``).
+      impl: ``"chunked"`` | ``"recurrent"`` | ``"pallas"`` (the state path by the Pallas kernel).
 
     Returns:
       ``(o [B, T, H, V] in v's dtype, HolaState)``.
     """
-    _check_impl("hola", impl)
+    _check_impl("hola", impl, ("chunked", "recurrent", "pallas"))
     params = (gamma_q, gamma_k, sink_logit, gate_logit)
     kw = rule.kwargs()
     if impl == "recurrent":
@@ -104,6 +113,8 @@ def hola(
         del kw["chunk_size"]
         o, state = hola_recurrent(q, k, v, g, beta, *params, initial_state=initial_state, **kw)
     else:
+        if impl == "pallas":
+            kw["state_path"] = functools.partial(_gated_delta, impl="pallas")
         o, state = hola_forward(
             q, k, v, g, beta, *params, initial_state=initial_state, segment_ids=segment_ids, **kw
         )
@@ -136,12 +147,12 @@ def hola_step(
       q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; g_t, beta_t: ``[B, H]``.
       gamma_q, gamma_k, sink_logit, gate_logit, rule: as in :func:`hola` (``rule.chunk_size`` is
         not used).
-      impl: ``"chunked"`` | ``"recurrent"`` (one step form for both; ``"pallas"``: ValueError).
+      impl: ``"chunked"`` | ``"recurrent"`` | ``"pallas"`` (one step form for all three).
 
     Returns:
       ``(o_t [B, H, V] in v_t's dtype, new HolaState)``.
     """
-    _check_impl("hola_step", impl)
+    _check_impl("hola_step", impl, ("chunked", "recurrent", "pallas"))
     if isinstance(state, HolaState):  # the core step checks the type and every other shape
         w, c = state.cache_k.shape[2], state.block_k.shape[2]
         if (w, c) != (rule.window, rule.block_size):

@@ -6,24 +6,33 @@ value. The implementation is never switched silently (not on sequence length, no
 
 - ``"chunked"``: the WY/UT chunk form of ``nested_jax.core.associative`` (the training default).
 - ``"recurrent"``: the per-token ``lax.scan`` ground truth (``chunk_size`` is ignored).
-- ``"pallas"``: ``pallas_kernels/gated_delta`` for ``gated_delta`` and ``delta_rule`` (``g = 0``),
-  with ``chunk_size`` as its chunk and the Pallas interpreter off TPU; ``linear_attention`` has no
-  kernel yet and raises ``ValueError``. This module is the kernels' only importer.
+- ``"pallas"``: ``pallas_kernels/gated_delta`` for ``gated_delta``, ``delta_rule`` (``g = 0``)
+  and the backbone of ``proteus_gated_delta``, with ``chunk_size`` as its chunk (a multiple of 8):
+  the Mosaic kernel in a program lowered for TPU (an ahead-of-time compile on a CPU host
+  included), the Pallas interpreter on any other platform, and inside a mesh one kernel call per
+  (batch, heads) shard under ``jax.shard_map`` (``ops._pallas``); ``linear_attention`` has no
+  kernel yet and raises ``ValueError``. This module is the kernels' only importer (``ops.hola``
+  reaches the kernel through :func:`gated_delta`).
 
 The single-token steps (``*_step``) are the decode forms; ``proteus_key_rows`` is the Proteus
-key-row gate of the linear rules (SPEC §4), which turns each rule into its Proteus form; its
-schedule is a :class:`ProteusRule` (``ProteusOptions.rule()``), re-exported here for layers.
+key-row gate of the linear rules (SPEC §4), which turns each rule into its Proteus form from a zero
+state (the layers' path); ``proteus_gated_delta`` is the Proteus GDN that continues any state at a
+static ``t0`` (``core.proteus_gdn``); the schedule is a :class:`ProteusRule`
+(``ProteusOptions.rule()``), re-exported here for layers.
 """
 
 from __future__ import annotations
 
-import jax
+import functools
+
 import jax.numpy as jnp
 
 from nested_jax.core import associative as _assoc
 from nested_jax.core.associative import delta_rule_step, gated_delta_step, linear_attention_step
 from nested_jax.core.proteus import ProteusRule, proteus_active_blocks, proteus_block_ids
+from nested_jax.core.proteus_gdn import proteus_gated_delta_chunked, proteus_gated_delta_recurrent
 from nested_jax.ops._impl import check_impl as _check_impl
+from nested_jax.ops._pallas import pallas_per_shard
 from nested_jax.ops._state import pin_head_state
 from pallas_kernels.gated_delta import BlockSizes as _GdnBlocks
 from pallas_kernels.gated_delta import gated_delta_pallas as _gated_delta_pallas
@@ -36,6 +45,7 @@ __all__ = [
     "delta_rule_step",
     "gated_delta_step",
     "proteus_key_rows",
+    "proteus_gated_delta",
     "ProteusRule",
 ]
 
@@ -55,16 +65,45 @@ def _dispatch(op: str, impl: str, args: tuple, chunk_size: int, **kw):
     return o, pin_head_state(state)
 
 
-def _pallas_delta(op: str, args: tuple, chunk_size: int, **kw):
-    """The Pallas gated delta kernel (``delta_rule``: ``g = 0``); interpreted off TPU."""
+def _pallas_gated_delta(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size=64):
+    """``gated_delta_chunked``'s contract by the Pallas kernel (the Proteus backbone)."""
+    return _pallas_delta(
+        "gated_delta", (q, k, v, g, beta), chunk_size, scale=scale, initial_state=initial_state
+    )
+
+
+_SEQ = ("batch", None, "heads", None)  # q, k, v, o: [B, T, H, D]
+_PALLAS_LOGICAL = {
+    "q": _SEQ,
+    "k": _SEQ,
+    "v": _SEQ,
+    "g": ("batch", None, "heads"),
+    "beta": ("batch", None, "heads"),
+    "initial_state": ("batch", "heads", None, None),
+    "segment_ids": ("batch", None),
+}
+
+
+def _pallas_delta(op: str, args: tuple, chunk_size: int, *, scale=None, **arrays):
+    """The Pallas gated delta kernel (``delta_rule``: ``g = 0``): the Mosaic kernel in a program
+    lowered for TPU, the Pallas interpreter on any other platform, and under a mesh one call per
+    (batch, heads) shard (:func:`nested_jax.ops._pallas.pallas_per_shard`; the kernel is
+    independent per batch row and head).
+
+    ``arrays``: ``initial_state`` and ``segment_ids`` (either may be None)."""
     if op == "delta_rule":
         q, k, v, beta = args
         args = (q, k, v, jnp.zeros(beta.shape, jnp.float32), beta)
-    return _gated_delta_pallas(
-        *args,
-        block_sizes=_GdnBlocks(chunk=chunk_size),
-        interpret=jax.default_backend() != "tpu",
-        **kw,
+    q, k, v, g, beta = args
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    kernel = functools.partial(
+        _gated_delta_pallas, scale=scale, block_sizes=_GdnBlocks(chunk=chunk_size)
+    )
+    operands = dict(q=q, k=k, v=v, g=g, beta=beta, **arrays)
+    out_logical = (_SEQ, _PALLAS_LOGICAL["initial_state"])
+    return pallas_per_shard(
+        kernel, operands, _PALLAS_LOGICAL, out_logical, ((B, T, H, V), (B, H, K, V))
     )
 
 
@@ -198,3 +237,66 @@ def proteus_key_rows(q, k, positions, *, rule: ProteusRule):
     is_open = (ids < active[..., None])[:, :, None, :]  # [B, T, 1, K]
     zero = jnp.zeros((), q.dtype)
     return jnp.where(is_open, q, zero), jnp.where(is_open, k, zero)
+
+
+def proteus_gated_delta(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    rule: ProteusRule,
+    scale=None,
+    initial_state=None,
+    t0=0,
+    chunk_size: int = 64,
+    impl: str = "chunked",
+):
+    """GDN with Proteus key-row blocks continuing any state (SPEC §1, §4; ``core.proteus_gdn``).
+
+    At the 1-based position ``t = t0 + i + 1`` the mask ``g_t`` opens the first
+    ``k(t) = min(E, 1 + ⌊(t−1)/Δ⌋)`` of ``E = rule.blocks`` key-row blocks of ``S``::
+
+        S̃ = g_t ⊙ S_{t-1} ;  S_t = where(g_t, α_t S̃ + β_t k_t (v_t − α_t S̃ᵀk_t)ᵀ, S_{t-1})
+        o_t = S_tᵀ (g_t ⊙ scale · q_t)
+
+    Unlike :func:`proteus_key_rows` (a zero start) locked rows of a nonzero ``initial_state`` keep
+    their bits and a block opening inside the call starts from them.
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.
+      rule: :class:`ProteusRule` ``(E, N)`` (``E ≤ K``); ``E = 1`` is :func:`gated_delta` itself.
+      scale: multiplies q; default ``K ** -0.5``.
+      initial_state: optional ``[B, H, K, V]``; zero when None.
+      t0: tokens already seen: a Python int (every ``impl``) or, for ``"recurrent"``, an integer
+        array ``[]`` / ``[B]``.
+      chunk_size: chunk length of ``"chunked"`` / ``"pallas"`` (``"pallas"``: a multiple of 8).
+      impl: ``"chunked"`` (``proteus_gated_delta_chunked``) | ``"recurrent"``
+        (``proteus_gated_delta_recurrent``) | ``"pallas"`` (the chunk form with the Pallas kernel
+        as its backbone: the injection tokens that restore newly opened rows are ordinary tokens).
+        No ``segment_ids``: packed rows take the layers' :func:`proteus_key_rows` path.
+
+    Returns:
+      ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
+    """
+    if not isinstance(rule, ProteusRule):
+        raise ValueError(f"proteus_gated_delta: rule must be a ProteusRule, got {rule!r}")
+    if not rule.enabled:
+        return gated_delta(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
+            impl=impl,
+        )  # fmt: skip
+    _check_impl("proteus_gated_delta", impl, ("chunked", "recurrent", "pallas"))
+    kw = dict(context_len=rule.context_len, num_blocks=rule.blocks, scale=scale, t0=t0)
+    if impl == "recurrent":
+        o, state = proteus_gated_delta_recurrent(
+            q, k, v, g, beta, initial_state=initial_state, **kw
+        )
+    else:
+        backbone = _pallas_gated_delta if impl == "pallas" else _assoc.gated_delta_chunked
+        o, state = proteus_gated_delta_chunked(
+            q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size,
+            backbone=backbone, **kw,
+        )  # fmt: skip
+    return o, pin_head_state(state)

@@ -163,6 +163,17 @@ def _gated_delta_bwd(scale, chunk, has_init, interpret, res, cts):
 _gated_delta.defvjp(_gated_delta_fwd, _gated_delta_bwd)
 
 
+def _zero_state(q, shape):
+    """The zero f32 initial state, varying over the manual mesh axes ``q`` varies over.
+
+    Under ``jax.shard_map`` the kernels' outputs vary like ``q`` (``kernel._call``), ``∂L/∂S_0``
+    among them; the custom VJP's primal ``S_0`` must have that type too. Outside a shard_map
+    ``q`` varies over no axis and this is ``zeros(shape)``.
+    """
+    varying = tuple(sorted(jax.typeof(q).manual_axis_type.varying))
+    return lax.pcast(jnp.zeros(shape, jnp.float32), varying, to="varying")
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret"))
 def gated_delta_pallas(
     q,
@@ -207,7 +218,7 @@ def gated_delta_pallas(
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
     has_init = initial_state is not None
-    s0 = initial_state.astype(jnp.float32) if has_init else jnp.zeros((B, H, K, V), jnp.float32)
+    s0 = initial_state.astype(jnp.float32) if has_init else _zero_state(q, (B, H, K, V))
     return _gated_delta(
         q, k, v, g, beta, s0, segment_ids, scale, block_sizes.chunk, has_init, interpret
     )
