@@ -26,6 +26,7 @@ from nested_jax.layers.gdn import GatedDeltaNet
 from nested_jax.parallel.mesh import make_mesh
 from nested_jax.train.config import MeshConfig
 from pallas_kernels.gated_delta import BlockSizes, gated_delta_pallas
+from tests.pallas.test_pallas_wiring import layer_value_and_grads
 
 TOL = 1e-4  # max |a − b| / max |b|, as in test_pallas_wiring.py
 B, T, H, K, V = 2, 40, 2, 8, 6  # T not a multiple of the chunk
@@ -117,15 +118,7 @@ def test_delta_rule_pallas_on_a_mesh_continues_a_state_like_chunked(mesh):
     assert P("fsdp", "tensor") in flat and P("fsdp") in flat, flat  # S_0 and the segment ids
 
 
-def _gdn_vg(layer, x, sid, w):
-    """``(y, ∇_params Σ w ⊙ y)`` of the layer over packed rows."""
-
-    def loss(m):
-        y, _ = m(x, segment_ids=sid)
-        return jnp.sum(y * w), y
-
-    (_, y), grads = nnx.value_and_grad(loss, has_aux=True)(layer)
-    return y, grads
+_gdn_vg = layer_value_and_grads  # (y, ∇_params Σ w ⊙ y) over packed rows
 
 
 def test_gdn_layer_pallas_on_a_2x2_mesh_equals_chunked(mesh):

@@ -207,9 +207,8 @@ def test_hola_pallas_errors():
 # --------------------------------------------------------------------------------------------------
 
 
-@nnx.jit
-def _layer_vg(layer, x, sid, w):
-    """``(y, ∇_params Σ w ⊙ y)`` of a mixer over packed rows."""
+def layer_value_and_grads(layer, x, sid, w):
+    """``(y, ∇_params Σ w ⊙ y)`` of a mixer over packed rows (test_pallas_mesh uses it too)."""
 
     def loss(m):
         y, _ = m(x, segment_ids=sid)
@@ -217,6 +216,9 @@ def _layer_vg(layer, x, sid, w):
 
     (_, y), grads = nnx.value_and_grad(loss, has_aux=True)(layer)
     return y, grads
+
+
+_layer_vg = nnx.jit(layer_value_and_grads)
 
 
 @nnx.jit
