@@ -78,7 +78,15 @@ SAFE_ON_RESUME = (
     "mesh.*",
     "data.corpus",
     "data.data_dir",
+    # Hope compute knobs: how the same math is scheduled (values equal up to rounding)
+    "model.hope.chunk_updates",
+    "model.hope.remat*",
 )
+# Fields added with a default that changes the math: a saved config without the field ran with
+# the value here (the behaviour before the field existed), not with today's default.
+BEFORE_THE_FIELD = {
+    "model.hope.grad_clip": 0.0,  # the inner-gradient softclamp arrived on by default (issue 17)
+}
 # Settings that --reset-optimizer makes changeable (the optimizer state is rebuilt from them).
 OPTIMIZER_FIELDS = ("optimizer.*",)
 
@@ -190,11 +198,14 @@ def _normalise(v: Any) -> Any:
 def config_changes(saved: dict, config: Config) -> list[ConfigChange]:
     """Fields whose value in `config` differs from the saved config dict, in field order.
 
-    A field missing from an older saved config did not exist then: that run used its default.
+    A field missing from an older saved config did not exist then: that run used its default, or
+    the value in :data:`BEFORE_THE_FIELD` where a new field's default changed the math.
     Option sections the model does not read (``model.hope`` of a GDN run) are not compared.
     """
     new = _flatten(config_to_dict(config))
     old = _flatten(_with_defaults(saved, config_to_dict(Config())))
+    had = _flatten(saved)
+    old.update({p: v for p, v in BEFORE_THE_FIELD.items() if p not in had})
     inert = set(OPTION_SECTIONS) - set(config.model.read_option_sections())
     changes = []
     for path, value in new.items():

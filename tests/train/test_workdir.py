@@ -41,6 +41,21 @@ def test_resume_check_fills_fields_an_older_saved_config_lacks(tmp_path):
         check_resume(old, cfg, tmp_path)
 
 
+def test_a_hope_run_saved_before_the_bounded_step_keeps_its_math(tmp_path):
+    # Saved before issue 17's changes: no grad_clip field (that run had no softclamp) and the
+    # scan update form. The form is a compute knob (a notice); the softclamp would change the
+    # math, so resuming with today's default is refused until the run asks for grad_clip 0.
+    cfg = _with(Config(), "model", name="hope")
+    old = config_to_dict(cfg)
+    del old["model"]["hope"]["grad_clip"]
+    old["model"]["hope"]["chunk_updates"] = "scan"
+    with pytest.raises(ResumeRefused, match=r"model\.hope\.grad_clip \(0\.0 -> 4\.0\)"):
+        check_resume(old, cfg, tmp_path)
+    unbounded = _with(cfg, "model", hope=dataclasses.replace(cfg.model.hope, grad_clip=0.0))
+    changes = check_resume(old, unbounded, tmp_path)
+    assert [c.field for c in changes] == ["model.hope.chunk_updates"]
+
+
 @pytest.mark.parametrize(
     ("name", "changed", "refused"),
     [
