@@ -47,12 +47,15 @@ from nested_jax.core.associative import gated_delta_chunked, gated_delta_recurre
 DEFAULT_SEQ_LENS = (512, 2048, 8192)
 
 
-def chunked_gdn_flops(T: int, B: int, H: int, K: int, V: int, C: int) -> float:
-    """Matmul FLOPs of one fwd+bwd of ``gated_delta_chunked`` (formula in the module docstring)."""
+def chunked_gdn_flops(
+    T: int, B: int, H: int, K: int, V: int, C: int, backward: bool = True
+) -> float:
+    """Matmul FLOPs of one fwd+bwd (``backward=False``: forward only) of the chunked gated delta
+    rule (formula in the module docstring; ``bench kernels`` counts both of its paths with it)."""
     N = -(-T // C)
     fwd = 4 * C * C * K + (2 / 3) * C**3 + 2 * C * C * (K + V) + 6 * C * K * V + 2 * C * C * V
     bwd = 4 * C * C * V + 12 * C * K * V + 4 * C * C * (K + V) + 8 * C * C * K
-    return float(N * B * H * (fwd + bwd))
+    return float(N * B * H * (fwd + (bwd if backward else 0.0)))
 
 
 def _inputs(T, B, H, D, seed=0):

@@ -31,7 +31,7 @@ FLOPs (the same count for both implementations, from the chunk algorithm; per ch
 chunk ``C``; multiply-add = 2 FLOPs; elementwise work not counted; ``N = ceil(T / C)`` chunks)::
 
     forward   4C²K + (2/3)C³ + 2C²(K+V) + 6CKV + 2C²V
-    backward  4C²V + 12CKV + 4C²(K+V) + 8C²K          (as ``bench core``'s ``chunked_gdn_flops``)
+    backward  4C²V + 12CKV + 4C²(K+V) + 8C²K          (``bench core``'s ``chunked_gdn_flops``)
 
 Bytes: the compulsory HBM traffic, every operand read once and every result written once per pass
 (forward: q, k, v, g, β in, o and S_T out; backward: the same inputs and dO in, the five gradients
@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nested_jax.bench.common import emit, make_parser, progress, time_interleaved
+from nested_jax.bench.core import chunked_gdn_flops
 from nested_jax.core.associative import gated_delta_chunked
 from pallas_kernels.gated_delta import BlockSizes, gated_delta_pallas
 
@@ -90,15 +91,6 @@ def device_peak(device_kind: str) -> tuple[float, float] | None:
         if name in kind:
             return peak
     return None
-
-
-def gdn_flops(T: int, B: int, H: int, K: int, V: int, C: int, backward: bool) -> float:
-    """Matmul FLOPs of the chunked gated delta rule, forward (+ backward): the module docstring's
-    count times ``N·B·H`` (``N = ceil(T / C)``, padding included)."""
-    N = -(-T // C)
-    fwd = 4 * C * C * K + (2 / 3) * C**3 + 2 * C * C * (K + V) + 6 * C * K * V + 2 * C * C * V
-    bwd = 4 * C * C * V + 12 * C * K * V + 4 * C * C * (K + V) + 8 * C * C * K
-    return float(N * B * H * (fwd + (bwd if backward else 0.0)))
 
 
 def gdn_bytes(T: int, B: int, H: int, K: int, V: int, itemsize: int, backward: bool) -> float:
@@ -186,7 +178,7 @@ def run_device(seq_lens, dims, *, B, H, chunk, dtype, repeats) -> dict:
                 if not fns:
                     continue
                 times = time_interleaved(fns, repeats=repeats, warmup=1)
-                flops = gdn_flops(T, B, H, D, D, chunk, backward=pas == "fwdbwd")
+                flops = chunked_gdn_flops(T, B, H, D, D, chunk, backward=pas == "fwdbwd")
                 nbytes = gdn_bytes(T, B, H, D, D, itemsize, backward=pas == "fwdbwd")
                 line = []
                 for impl, t in times.items():

@@ -70,22 +70,23 @@ def softclamp_factor(sq_norm, c):
     return jnp.where(pos, c * jnp.tanh(n / c) / n, 1.0)
 
 
-def clamped_rate(lr, g, x, grad_clip: float):
+def clamped_rate(lr, g, x, grad_clip: float | None):
     """The inner rate with the layer gradient ``G = g xᵀ`` softclamped: ``η · c·tanh(n/c)/n``.
 
     ``n = ‖G‖_F = ‖g‖‖x‖`` per token (a rank-1 gradient), so the rate's step ``η G`` has norm at
-    most ``η c`` (Hope's ``grad_clip``, issue 17). ``grad_clip = 0`` returns ``lr`` unchanged.
+    most ``η c`` (Hope's ``grad_clip``, issue 17; Titans' matrix memory with ``g = err``,
+    ``x = k``). ``grad_clip`` 0 or None returns ``lr`` unchanged.
 
     Args:
       lr: ``η`` ``[...]``; g: ``[..., d_out]`` layer signal; x: ``[..., d_in]`` layer input.
-      grad_clip: ``c >= 0`` (0: off).
+      grad_clip: ``c >= 0`` (0 or None: off).
 
     Returns:
       ``η`` scaled, shape ``broadcast(lr, g[..., 0])``.
     """
     if not grad_clip:
         return lr
-    sq = jnp.sum(jnp.square(g), axis=-1) * jnp.sum(jnp.square(x), axis=-1)
+    sq = jnp.sum(x * x, -1) * jnp.sum(g * g, -1)  # Titans' order (its gradients bit for bit)
     return lr * softclamp_factor(sq, grad_clip)
 
 

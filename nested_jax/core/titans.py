@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from nested_jax.core.dgd import clamped_rate
 from nested_jax.core.titans_mlp import (
     DEFAULT_MLP_GRAD_CLIP,
     TitansMLPState,
@@ -41,7 +42,6 @@ from nested_jax.core.titans_mlp import (
 from nested_jax.core.titans_mlp_chunk import _chunked_core
 from nested_jax.core.titans_mlp_net import (
     _segment_resets,
-    _softclamp_factor,
     _validate_chunk_size,
     _validate_common,
     _validate_segment_ids,
@@ -96,9 +96,7 @@ def _linear_step_math(state, q, k, v, th, et, al, rbw, grad_clip, anchor=None):
     """One token in f32: ``q, k [B,H,K]``, ``v [B,H,V]``, gates ``[B,H]``; surprise at anchor."""
     M, S = state
     err = jnp.einsum("bhk,bhkv->bhv", k, M if anchor is None else anchor) - v
-    if grad_clip is not None:
-        sq = jnp.sum(k * k, -1) * jnp.sum(err * err, -1)
-        th = th * _softclamp_factor(sq, grad_clip)
+    th = clamped_rate(th, err, k, grad_clip)  # the rank-1 surprise k errᵀ softclamped (None: off)
     u = k[..., :, None] * err[..., None, :]
     S = et[..., None, None] * S - th[..., None, None] * u
     M_new = (1.0 - al)[..., None, None] * M + S

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from nested_jax.core.dgd import softclamp_factor
 from nested_jax.core.titans_mlp_chunk import titans_mlp_chunked, titans_pool_gates
 from nested_jax.core.titans_mlp_net import (
     DEFAULT_MLP_GRAD_CLIP,
@@ -54,7 +55,6 @@ from nested_jax.core.titans_mlp_net import (
     _resolve_residual,
     _segment_resets,
     _shape,
-    _softclamp_factor,
     _stop_gradient_where,
     _validate_common,
     _validate_horizon,
@@ -171,7 +171,7 @@ def _step_math(state, q, k, v, th, et, al, activation, residual, rbw, grad_clip,
     u = jax.grad(loss)(W if anchor is None else anchor)
     if grad_clip is not None:
         sq = sum(jnp.sum(jnp.square(g), axis=(-2, -1)) for g in u)
-        th = th * _softclamp_factor(sq, grad_clip)
+        th = th * softclamp_factor(sq, grad_clip)
     bc = lambda x: x[..., None, None]  # noqa: E731
     S = tuple(bc(et) * s - bc(th) * g for s, g in zip(S, u, strict=True))
     W_new = tuple(bc(1.0 - al) * w + s for w, s in zip(W, S, strict=True))

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from nested_jax.core.dgd import softclamp_factor
 from nested_jax.core.scan import chunk, from_head_chunks, to_head_chunks
 from nested_jax.core.titans_mlp_net import (
     DEFAULT_MLP_GRAD_CLIP,
@@ -44,7 +45,6 @@ from nested_jax.core.titans_mlp_net import (
     _resolve_residual,
     _segment_resets,
     _shape,
-    _softclamp_factor,
     _stop_gradient_where,
     _validate_chunk_size,
     _validate_common,
@@ -95,7 +95,7 @@ def _surprise_factors(W, k, v, th, activation, residual, grad_clip):
             jnp.sum(jnp.square(a), -1) * jnp.sum(jnp.square(d), -1)
             for a, d in zip(inputs, deltas, strict=True)
         )
-        th = th * _softclamp_factor(sq, grad_clip)
+        th = th * softclamp_factor(sq, grad_clip)
     return inputs, deltas, th
 
 

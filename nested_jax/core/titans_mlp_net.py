@@ -7,8 +7,6 @@ Shared by the per-token forms (:mod:`nested_jax.core.titans_mlp`) and the chunke
   every form runs at trace time (messages name the calling function).
 - ``_forward`` / ``_backward``: ``M(z)`` with its layer inputs ``a_l`` and pre-activations, and the
   backpropagated ``δ_l``; one token's inner gradient for layer ``l`` is the rank-1 ``a_l δ_lᵀ``.
-- ``_softclamp_factor``: the per-token scalar of the gradient softclamp (folds into ``θ_t``;
-  ``core.dgd.softclamp_factor``, shared with Hope).
 - ``_segment_resets``: packed-row resets (SPEC §0) as the float mask the forms multiply with.
 """
 
@@ -21,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.dgd import softclamp_factor as _softclamp_factor  # noqa: F401  (re-exported)
 from nested_jax.core.scan import segment_starts
 
 __all__ = ["DEFAULT_MLP_GRAD_CLIP", "TitansMLPState"]

@@ -39,8 +39,6 @@ config imports HOLA from here only.
 
 from __future__ import annotations
 
-import functools
-
 from nested_jax.core.hola import (
     EVICTIONS,
     READ_NORMS,
@@ -53,7 +51,7 @@ from nested_jax.core.hola import (
 from nested_jax.core.hola_decode import HolaRule
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._state import pin_head_state
-from nested_jax.ops.linear import gated_delta as _gated_delta
+from nested_jax.ops.linear import pallas_gated_delta
 
 __all__ = [
     "EVICTIONS",
@@ -114,7 +112,7 @@ def hola(
         o, state = hola_recurrent(q, k, v, g, beta, *params, initial_state=initial_state, **kw)
     else:
         if impl == "pallas":
-            kw["state_path"] = functools.partial(_gated_delta, impl="pallas")
+            kw["state_path"] = pallas_gated_delta
         o, state = hola_forward(
             q, k, v, g, beta, *params, initial_state=initial_state, segment_ids=segment_ids, **kw
         )

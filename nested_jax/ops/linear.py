@@ -65,13 +65,6 @@ def _dispatch(op: str, impl: str, args: tuple, chunk_size: int, **kw):
     return o, pin_head_state(state)
 
 
-def _pallas_gated_delta(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size=64):
-    """``gated_delta_chunked``'s contract by the Pallas kernel (the Proteus backbone)."""
-    return _pallas_delta(
-        "gated_delta", (q, k, v, g, beta), chunk_size, scale=scale, initial_state=initial_state
-    )
-
-
 _SEQ = ("batch", None, "heads", None)  # q, k, v, o: [B, T, H, D]
 _PALLAS_LOGICAL = {
     "q": _SEQ,
@@ -214,6 +207,11 @@ def gated_delta(
     )
 
 
+# ``gated_delta_chunked``'s contract by the Pallas kernel: the backbone that HOLA's state path
+# (``ops.hola``) and ``proteus_gated_delta`` take for ``impl="pallas"``.
+pallas_gated_delta = functools.partial(gated_delta, impl="pallas")
+
+
 def proteus_key_rows(q, k, positions, *, rule: ProteusRule):
     """Proteus key-row gate of the linear rules (SPEC §4): ``(g_t ⊙ q_t, g_t ⊙ k_t)``.
 
@@ -294,7 +292,7 @@ def proteus_gated_delta(
             q, k, v, g, beta, initial_state=initial_state, **kw
         )
     else:
-        backbone = _pallas_gated_delta if impl == "pallas" else _assoc.gated_delta_chunked
+        backbone = pallas_gated_delta if impl == "pallas" else _assoc.gated_delta_chunked
         o, state = proteus_gated_delta_chunked(
             q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size,
             backbone=backbone, **kw,

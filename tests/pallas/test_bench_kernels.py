@@ -10,6 +10,7 @@ import pytest
 
 from nested_jax import cli
 from nested_jax.bench import kernels
+from nested_jax.bench.core import chunked_gdn_flops
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 TINY = ["--check-seq-len", "40", "--check-heads", "1", "--check-dim", "16", "--chunk", "16"]
@@ -111,12 +112,9 @@ def test_peaks_flops_and_bytes():
     assert kernels.device_peak("TPU v5 lite") == (197e12, 819e9)
     assert kernels.device_peak("NVIDIA H200") == (989e12, 4.8e12)
     assert kernels.device_peak("cpu") is None
-    from nested_jax.bench.core import chunked_gdn_flops
-
-    # fwd+bwd is bench core's count; the forward alone is a strict part of it
-    both = kernels.gdn_flops(200, 2, 3, 64, 32, 64, backward=True)
-    assert both == pytest.approx(chunked_gdn_flops(200, 2, 3, 64, 32, 64))
-    assert 0 < kernels.gdn_flops(200, 2, 3, 64, 32, 64, backward=False) < both / 2
+    # the forward alone (bench kernels' fwd pass) is a strict part of the fwd+bwd count
+    both = chunked_gdn_flops(200, 2, 3, 64, 32, 64)
+    assert 0 < chunked_gdn_flops(200, 2, 3, 64, 32, 64, backward=False) < both / 2
     # forward bytes at T=1, B=H=1, K=V=1, bf16: q, k, v, o 2 B each, g, β 4 B each, S_T 4 B
     assert kernels.gdn_bytes(1, 1, 1, 1, 1, 2, backward=False) == 4 * 2 + 2 * 4 + 4
 
@@ -144,7 +142,7 @@ def test_device_mode_times_and_reports_the_roofline(monkeypatch, capsys):
     for pas in kernels.PASSES:
         key = f"xla_{pas}_T64_D16"
         t = res[f"time_ms_{key}"] / 1e3
-        flops = kernels.gdn_flops(64, 1, 1, 16, 16, 16, backward=pas == "fwdbwd")
+        flops = chunked_gdn_flops(64, 1, 1, 16, 16, 16, backward=pas == "fwdbwd")
         assert res[f"tflops_{key}"] == pytest.approx(flops / t / 1e12)
         assert res[f"pct_peak_flops_{key}"] == pytest.approx(100 * flops / t / 1e12)
         assert res[f"pct_peak_bw_{key}"] == pytest.approx(res[f"gbps_{key}"])  # 100 GB/s peak
