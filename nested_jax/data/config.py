@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 
 _TOKENIZER_KINDS = ("byte", "sentencepiece")
+# Each prefetched batch has its own read thread; more than this only adds GIL contention.
+_MAX_PREFETCH = 64
 
 
 def _check_type(name: str, value: object, kind: type | tuple[type, ...]) -> None:
@@ -42,6 +44,14 @@ class DataConfig:
     # Cache directory for downloaded corpora, tokenizers and token arrays;
     # "" means $NESTED_JAX_DATA, or ~/.cache/nested_jax when that is unset.
     data_dir: str = ""
+    # A folder written by `nested-jax prepare-data` (ArrayRecord token shards + manifest.json):
+    # training batches are read from it instead of tokenising the corpus in the training process
+    # (same batches; the manifest must match the tokenizer, seed, val_fraction and train text).
+    # "" (the default) tokenises in-process, which suits small corpora.
+    prepared_dir: str = ""
+    # Training batches read ahead by that many background threads (grain ReadOptions); 0 reads
+    # synchronously in the training thread. The iterator state is the same either way.
+    prefetch: int = 0
 
     def __post_init__(self) -> None:
         _check_type("corpus", self.corpus, str)
@@ -74,3 +84,13 @@ class DataConfig:
         if self.seed < 0:
             raise ValueError(f"data.seed: must be >= 0, got {self.seed}")
         _check_type("data_dir", self.data_dir, str)
+        _check_type("prepared_dir", self.prepared_dir, str)
+        if self.prepared_dir != self.prepared_dir.strip():
+            raise ValueError(
+                f"data.prepared_dir: leading/trailing spaces in {self.prepared_dir!r} (a typo?)"
+            )
+        _check_type("prefetch", self.prefetch, int)
+        if not 0 <= self.prefetch <= _MAX_PREFETCH:
+            raise ValueError(
+                f"data.prefetch: must be in [0, {_MAX_PREFETCH}] batches, got {self.prefetch}"
+            )

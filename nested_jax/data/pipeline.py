@@ -17,6 +17,12 @@ batch is therefore the same for any process count (1-process and 4-process runs 
 State. The iterator is a grain ``DatasetIterator``; its state is the next batch index (small JSON),
 saved with ``grain.checkpoint.CheckpointSave`` or ``get_state()``; restoring it reproduces the exact
 next batch.
+
+Sources. By default the train documents are tokenised in this process (cached under ``data_dir``).
+With ``data.prepared_dir`` the same token stream is read from the ArrayRecord shards written by
+``nested-jax prepare-data`` (:mod:`nested_jax.data.prepared`); windows, order, sharding and state
+are unchanged, so both give the same batches and a checkpoint of one resumes the other.
+``data.prefetch`` reads that many batches ahead in grain threads (same batches, same state).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from nested_jax.data.corpus import (
     write_cache_bytes,
 )
 from nested_jax.data.identity import corpus_fingerprint
+from nested_jax.data.prepared import PreparedStream, open_prepared, prepared_tokenizer
 from nested_jax.data.tokenizers import Tokenizer, build_tokenizer
 from nested_jax.files import as_path
 
@@ -132,20 +139,32 @@ def tokenize_documents(
     return stream
 
 
+class _InMemory:
+    """``read(a, b)`` over a :class:`TokenStream` (segments computed once)."""
+
+    def __init__(self, stream: TokenStream) -> None:
+        self.tokens = stream.tokens
+        self.segments = stream.segments
+        self.num_tokens = int(stream.tokens.shape[0])
+
+    def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.tokens[start:stop], self.segments[start:stop]
+
+
 class PackedWindows:
-    """Random access to the packed ``seq_len + 1`` windows of a :class:`TokenStream`.
+    """Random access to the packed ``seq_len + 1`` windows of a token stream.
 
     Args:
-      stream: the tokenized documents.
+      stream: the tokenized documents, in memory (:class:`TokenStream`) or prepared on disk
+        (:class:`~nested_jax.data.prepared.PreparedStream`: the same tokens and segments).
       seq_len: T; windows start every T tokens and hold T + 1 tokens.
       pad_last: keep a final partial window (padded with id 0, segment 0) instead of dropping it.
     """
 
-    def __init__(self, stream: TokenStream, seq_len: int, pad_last: bool) -> None:
-        self.tokens = stream.tokens
-        self.segments = stream.segments
+    def __init__(self, stream: TokenStream | PreparedStream, seq_len: int, pad_last: bool) -> None:
+        self.stream = _InMemory(stream) if isinstance(stream, TokenStream) else stream
         self.seq_len = seq_len
-        n = int(self.tokens.shape[0])
+        n = self.stream.num_tokens
         # Each window needs at least one (input, target) pair: start w*T must be < n - 1.
         self.num_windows = (
             max(0, math.ceil((n - 1) / seq_len)) if pad_last else max(0, (n - 1) // seq_len)
@@ -162,9 +181,8 @@ class PackedWindows:
         start = w * t
         tok = np.zeros((t + 1,), np.int32)
         seg = np.zeros((t + 1,), np.int32)
-        piece = self.tokens[start : start + t + 1]
+        piece, s = self.stream.read(start, start + t + 1)
         tok[: piece.shape[0]] = piece
-        s = self.segments[start : start + t + 1]
         # Renumber documents inside the row from 1; documents are contiguous so this is a shift.
         seg[: s.shape[0]] = s - s[0] + 1
         mask = (seg[1:] == seg[:-1]) & (seg[1:] > 0)
@@ -201,6 +219,13 @@ class _ShuffledShardSource:
         self.per_epoch = self.steps_per_epoch * global_batch
         self._perms: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        # Picklable for grain worker processes: a lock cannot be copied, permutations are redrawn.
+        return {**self.__dict__, "_perms": {}, "_lock": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     def __len__(self) -> int:
         return sys.maxsize  # endless: epochs repeat with fresh permutations
@@ -248,12 +273,22 @@ def _token_cache_dir(cfg: DataConfig) -> epath.Path:
 
 
 def train_windows(
-    cfg: DataConfig, tokenizer: Tokenizer, train_docs: Sequence[str]
+    cfg: DataConfig, tokenizer: Tokenizer, train_docs: Sequence[str] | None
 ) -> PackedWindows:
-    """The packed training windows (full windows only) and a check that one global batch fits."""
-    windows = PackedWindows(
-        tokenize_documents(tokenizer, train_docs, _token_cache_dir(cfg)), cfg.seq_len, False
-    )
+    """The packed training windows (full windows only) and a check that one global batch fits.
+
+    With ``cfg.prepared_dir`` the tokens come from the prepared shards
+    (:func:`~nested_jax.data.prepared.open_prepared`, checked against `cfg`, `tokenizer` and,
+    when given, `train_docs`); otherwise `train_docs` are tokenised here (token cache in
+    ``data_dir``).
+    """
+    if cfg.prepared_dir:
+        stream: TokenStream | PreparedStream = open_prepared(cfg, tokenizer, train_docs)
+    elif train_docs is None:
+        raise ValueError("train_docs: required unless data.prepared_dir is set")
+    else:
+        stream = tokenize_documents(tokenizer, train_docs, _token_cache_dir(cfg))
+    windows = PackedWindows(stream, cfg.seq_len, False)
     if len(windows) < cfg.batch_size:
         raise DataError(
             f"train split packs into {len(windows)} sequences of {cfg.seq_len + 1} tokens, fewer "
@@ -262,15 +297,24 @@ def train_windows(
     return windows
 
 
-def steps_per_epoch(cfg: DataConfig, tokenizer: Tokenizer, train_docs: Sequence[str]) -> int:
+def steps_per_epoch(cfg: DataConfig, tokenizer: Tokenizer, train_docs: Sequence[str] | None) -> int:
     """Global batches per training epoch (leftover windows are dropped each epoch)."""
     return len(train_windows(cfg, tokenizer, train_docs)) // cfg.batch_size
+
+
+def read_options(prefetch: int) -> grain.ReadOptions:
+    """``data.prefetch`` as grain read options: ``prefetch`` batches in flight, one thread each.
+
+    0 reads synchronously (no threads), which grain recommends for data already in memory. The
+    iterator state (the next batch index) does not depend on it.
+    """
+    return grain.ReadOptions(num_threads=prefetch, prefetch_buffer_size=prefetch)
 
 
 def make_train_iterator(
     cfg: DataConfig,
     tokenizer: Tokenizer,
-    train_docs: Sequence[str],
+    train_docs: Sequence[str] | None,
     *,
     process_index: int | None = None,
     process_count: int | None = None,
@@ -278,9 +322,11 @@ def make_train_iterator(
     """Endless, deterministic, checkpointable iterator of this process's training batches.
 
     Args:
-      cfg: data config (seq_len T, global batch_size B, seed, data_dir for the token cache).
-      tokenizer: from :func:`build_tokenizer`.
-      train_docs: training documents.
+      cfg: data config (seq_len T, global batch_size B, seed, data_dir for the token cache,
+        prepared_dir for pre-tokenised shards, prefetch).
+      tokenizer: from :func:`build_tokenizer` (must be the prepared corpus' one, if any).
+      train_docs: training documents; with ``cfg.prepared_dir`` they are only checked against
+        the manifest (``None`` skips that check).
       process_index, process_count: this JAX process and the number of processes
         (default ``jax.process_index()``/``jax.process_count()``); B must divide by the count.
 
@@ -288,14 +334,13 @@ def make_train_iterator(
       A grain ``DatasetIterator`` yielding ``{"inputs", "targets", "segment_ids": int32[b, T],
       "loss_mask": float32[b, T]}`` with ``b = B / process_count``. ``get_state()/set_state()``
       and ``grain.checkpoint.CheckpointSave/CheckpointRestore`` restore the exact next batch.
+      The batches and the state are the same with and without ``prepared_dir`` or ``prefetch``.
     """
     process_index, process_count = _process_args(cfg, process_index, process_count)
     windows = train_windows(cfg, tokenizer, train_docs)
     source = _ShuffledShardSource(windows, cfg.batch_size, process_index, process_count, cfg.seed)
     ds = grain.MapDataset.source(source).batch(source.local_batch, drop_remainder=True)
-    # The data is in memory: read synchronously (no threads), which grain recommends for this case.
-    read = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
-    return iter(ds.to_iter_dataset(read_options=read))
+    return iter(ds.to_iter_dataset(read_options=read_options(cfg.prefetch)))
 
 
 def make_eval_batches(
@@ -371,10 +416,14 @@ def prepare_data(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> DataBun
 
     Args:
       cfg: the data config.
-      tokenizer: use this tokenizer (a workdir's saved one) instead of building it from `cfg`.
+      tokenizer: use this tokenizer (a workdir's saved one) instead of building it from `cfg`;
+        without one, a ``cfg.prepared_dir``'s tokenizer is used (the one its tokens were made
+        with), else one is built from `cfg`.
     """
     docs = load_documents(cfg)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction, cfg.seed)
+    if tokenizer is None and cfg.prepared_dir:
+        tokenizer = prepared_tokenizer(cfg.prepared_dir)
     if tokenizer is None:
         tokenizer = build_tokenizer(cfg, train_docs)
     return DataBundle(tokenizer, train_docs, val_docs, corpus_fingerprint(docs))

@@ -78,6 +78,12 @@ SAFE_ON_RESUME = (
     "mesh.*",
     "data.corpus",
     "data.data_dir",
+    # Where the tokens come from: a prepared folder is checked against the tokenizer, split and
+    # train text (nested_jax.data.prepared.check_manifest), so one that loads gives the same
+    # token stream as tokenising in-process, and the iterator state is the same for both.
+    "data.prepared_dir",
+    # Read-ahead threads: the same batches in the same order, the same iterator state.
+    "data.prefetch",
     # Hope compute knobs: how the same math is scheduled (values equal up to rounding)
     "model.hope.chunk_updates",
     "model.hope.remat*",
