@@ -1,4 +1,4 @@
-"""`nested-jax` command line: `train | eval | generate | bench <name> | launch <kind>`.
+"""`nested-jax` commands: `train | eval | generate | bench <name> | launch <kind> | prepare-data`.
 
 Each sub-command lives in its own module and exposes `main(argv: list[str]) -> int`; this file only
 dispatches, so importing the CLI stays cheap and a broken sub-command cannot break the others.
@@ -14,15 +14,19 @@ COMMANDS = {
     "eval": ("nested_jax.eval.main", "evaluate the latest checkpoint: --workdir DIR"),
     "generate": ("nested_jax.eval.generate", "sample text: --workdir DIR --prompt TEXT"),
     "aot": ("nested_jax.train.aot", "compile for a TPU slice on this CPU: --config F --topology T"),
-    "bench": (None, "benchmarks: bench {core,titans,optim,hola,hope,kernels} [--json]"),
+    "bench": (
+        None,
+        "benchmarks: bench {core,titans,optim,hola,hope,kernels,context,data} [--json]",
+    ),
     "launch": ("nested_jax.launch.main", "start runs: launch {tpu-vm,xpk,local} ... [--dry-run]"),
+    "prepare-data": ("nested_jax.data.prepared", "tokenise once into shards: --config F --out DIR"),
 }
-BENCHES = ("core", "titans", "optim", "hola", "hope", "kernels")
+BENCHES = ("core", "titans", "optim", "hola", "hope", "kernels", "context", "data")
 
 
 def _usage() -> str:
     lines = ["usage: nested-jax <command> [args]", "", "commands:"]
-    lines += [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -40,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"usage: nested-jax bench {{{','.join(BENCHES)}}} [--json]", file=sys.stderr)
             return 2
         module_name, rest = f"nested_jax.bench.{rest[0]}", rest[1:]
+    elif command == "prepare-data":  # the data layer cannot load a whole config: hand it a loader
+        from nested_jax.data.prepared import main as prepare_main
+        from nested_jax.train.config import load_config
+
+        return prepare_main(rest, lambda paths, sets: load_config(paths, sets).data)
     else:
         module_name = COMMANDS[command][0]
     return int(importlib.import_module(module_name).main(rest) or 0)

@@ -26,9 +26,10 @@ from nested_jax.models.config import ModelConfig
 from nested_jax.models.registry import get_mixer
 from nested_jax.parallel.mesh import constrain
 
-# The residual stream [B, T, d] lives on the batch axes (features replicated): see
-# nested_jax.parallel.mesh for why every block boundary pins it.
-STREAM = ("batch", None, None)
+# The residual stream [B, T, d] lives on the batch axes and, with context parallelism, its tokens
+# on the seq axis (features replicated): see nested_jax.parallel.mesh for why every block
+# boundary pins it.
+STREAM = ("batch", "seq", None)
 
 
 class LMCache(NamedTuple):
@@ -199,7 +200,7 @@ class LanguageModel(nnx.Module):
         w, layout = self.output_weight()
         equation = "btd,vd->btv" if layout == "vd" else "btd,dv->btv"
         logits = jnp.einsum(equation, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", None, "vocab")), new_cache
+        return constrain(logits, ("batch", "seq", "vocab")), new_cache
 
     def _run_blocks(self, x, positions, segment_ids, layer_caches):
         graphdef, params = nnx.split(self.blocks)

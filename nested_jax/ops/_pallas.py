@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
-from nested_jax.parallel.mesh import LOGICAL_AXIS_RULES, logical_to_mesh_spec
+from nested_jax.ops._shard import per_shard
 
 __all__ = ["pallas_per_shard"]
 
@@ -43,17 +43,6 @@ def _interpret_unless_tpu(kernel: Callable, operands: Mapping[str, jax.Array]):
     )
 
 
-def _rules_on(axes: frozenset) -> dict:
-    """:data:`LOGICAL_AXIS_RULES` restricted to the mesh axes ``axes`` (the others dropped)."""
-
-    def keep(target):
-        names = () if target is None else (target,) if isinstance(target, str) else target
-        kept = tuple(a for a in names if a in axes)
-        return kept or None
-
-    return {name: keep(target) for name, target in LOGICAL_AXIS_RULES.items()}
-
-
 def pallas_per_shard(
     kernel: Callable,
     operands: Mapping[str, jax.Array | None],
@@ -63,16 +52,14 @@ def pallas_per_shard(
 ):
     """``kernel(**operands, interpret=…)`` on the lowering platform, per shard of the mesh.
 
-    With mesh axes ``A`` (the non-manual axes of ``jax.sharding.get_abstract_mesh()``) and
-    ``spec(x) = logical_to_mesh_spec(logical[x], x.shape, mesh)`` over ``A``, the result is
-    ``shard_map(kernel, in_specs=spec(operands), out_specs=spec(outputs))``: each shard runs the
-    kernel on its block of every operand, and the outputs are joined along the same axes. The
-    kernel must be independent along every dimension named here (batch, heads), so the result
-    equals the kernel on the whole arrays. Without a mesh (or with every axis manual already) it
-    is the kernel itself. The shard_map runs with ``check_vma=False``: JAX's Pallas HLO
-    interpreter (the non-TPU branch) mixes invariant grid indices with the operands' varying
-    blocks, which the varying-axes type check rejects ("Primitive and requires varying manual
-    axes to match"); the specs above are the whole contract.
+    :func:`nested_jax.ops._shard.per_shard` of the platform-dependent call: each shard runs the
+    kernel on its block of every operand, split as the logical names say, and the outputs are
+    joined along the same axes. The kernel must be independent along every dimension named here
+    (batch, heads), so the result equals the kernel on the whole arrays. Without a mesh it is the
+    kernel itself. The shard_map runs with ``check_vma=False``: JAX's Pallas HLO interpreter (the
+    non-TPU branch) mixes invariant grid indices with the operands' varying blocks, which the
+    varying-axes type check rejects ("Primitive and requires varying manual axes to match"); the
+    specs are the whole contract.
 
     Args:
       kernel: ``kernel(**operands, interpret: bool) -> tuple of arrays``; a kernel parameter that
@@ -84,26 +71,7 @@ def pallas_per_shard(
     Returns:
       the kernel's outputs (a tuple), as global arrays.
     """
-    present = {name: x for name, x in operands.items() if x is not None}
     local = functools.partial(_interpret_unless_tpu, kernel)
-    mesh = jax.sharding.get_abstract_mesh()
-    axes = frozenset() if mesh.empty else frozenset(mesh.axis_names) - set(mesh.manual_axes)
-    if not axes:
-        return local(present)
-    rules = _rules_on(axes)
-    in_specs = {
-        n: logical_to_mesh_spec(logical[n], x.shape, mesh, rules) for n, x in present.items()
-    }
-    out_specs = tuple(
-        logical_to_mesh_spec(names, shape, mesh, rules)
-        for names, shape in zip(out_logical, out_shapes, strict=True)
+    return per_shard(
+        lambda ops: tuple(local(ops)), operands, logical, out_logical, out_shapes, check_vma=False
     )
-    mapped = jax.shard_map(
-        lambda ops: tuple(local(ops)),
-        mesh=mesh,
-        in_specs=(in_specs,),
-        out_specs=out_specs,
-        axis_names=axes,
-        check_vma=False,
-    )
-    return mapped(present)

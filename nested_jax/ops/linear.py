@@ -5,6 +5,10 @@ value. The implementation is never switched silently (not on sequence length, no
 ``impl`` value that cannot run raises ``ValueError``.
 
 - ``"chunked"``: the WY/UT chunk form of ``nested_jax.core.associative`` (the training default).
+  Inside a mesh whose ``seq`` axis has more than one device, ``gated_delta`` and ``delta_rule``
+  run context-parallel (``nested_jax.core.context``: each device takes ``T / P`` tokens and the
+  devices fold their state maps; the same values and gradients); the other rules see the whole
+  sequence (XLA gathers it).
 - ``"recurrent"``: the per-token ``lax.scan`` ground truth (``chunk_size`` is ignored).
 - ``"pallas"``: ``pallas_kernels/gated_delta`` for ``gated_delta``, ``delta_rule`` (``g = 0``)
   and the backbone of ``proteus_gated_delta``, with ``chunk_size`` as its chunk (a multiple of 8):
@@ -29,10 +33,12 @@ import jax.numpy as jnp
 
 from nested_jax.core import associative as _assoc
 from nested_jax.core.associative import delta_rule_step, gated_delta_step, linear_attention_step
+from nested_jax.core.context import gated_delta_context_parallel as _gated_delta_context
 from nested_jax.core.proteus import ProteusRule, proteus_active_blocks, proteus_block_ids
 from nested_jax.core.proteus_gdn import proteus_gated_delta_chunked, proteus_gated_delta_recurrent
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._pallas import pallas_per_shard
+from nested_jax.ops._shard import mesh_axis_size, per_shard
 from nested_jax.ops._state import pin_head_state
 from pallas_kernels.gated_delta import BlockSizes as _GdnBlocks
 from pallas_kernels.gated_delta import gated_delta_pallas as _gated_delta_pallas
@@ -58,6 +64,9 @@ def _dispatch(op: str, impl: str, args: tuple, chunk_size: int, **kw):
         o, state = _pallas_delta(op, args, chunk_size, **kw)
         return o, pin_head_state(state)
     _check_impl(op, impl)
+    if impl == "chunked" and op in ("gated_delta", "delta_rule") and mesh_axis_size("seq") > 1:
+        o, state = _context_delta(op, args, chunk_size, **kw)
+        return o, pin_head_state(state)
     if impl == "recurrent":
         o, state = getattr(_assoc, f"{op}_recurrent")(*args, **kw)
     else:
@@ -77,6 +86,49 @@ _PALLAS_LOGICAL = {
 }
 
 
+_SEQ_SPLIT = ("batch", "seq", "heads", None)  # the same, tokens over the seq axis
+_CONTEXT_LOGICAL = {
+    **{n: _SEQ_SPLIT for n in ("q", "k", "v")},
+    "g": ("batch", "seq", "heads"),
+    "beta": ("batch", "seq", "heads"),
+    "initial_state": ("batch", "heads", None, None),
+    "segment_ids": ("batch", "seq"),
+}
+
+
+def _with_zero_decay(op: str, args: tuple) -> tuple:
+    """``(q, k, v, g, beta)``: the delta rule is the gated rule with ``g = 0``."""
+    if op == "delta_rule":
+        q, k, v, beta = args
+        return q, k, v, jnp.zeros(beta.shape, jnp.float32), beta
+    return args
+
+
+def _context_delta(op: str, args: tuple, chunk_size: int, *, scale=None, **arrays):
+    """The chunked delta rules with context parallelism: inside a mesh whose ``seq`` axis has
+    ``P > 1`` devices, each device takes ``T / P`` tokens of every sequence and the devices fold
+    their state maps (:func:`nested_jax.core.context.gated_delta_context_parallel`; equal to the
+    single-device chunked rule). ``arrays``: ``initial_state`` and ``segment_ids``."""
+    q, k, v, g, beta = _with_zero_decay(op, args)
+    B, T, H, K = q.shape
+    P = mesh_axis_size("seq")
+    if T % P:
+        raise ValueError(
+            f"{op}: the sequence length T = {T} of q must be divisible by the mesh's seq axis "
+            f"({P} devices) for context parallelism"
+        )
+
+    def local(ops):
+        return _gated_delta_context(**ops, axis_name="seq", scale=scale, chunk_size=chunk_size)
+
+    operands = dict(q=q, k=k, v=v, g=g, beta=beta, **arrays)
+    out_logical = (_SEQ_SPLIT, _CONTEXT_LOGICAL["initial_state"])
+    out_shapes = ((B, T, H, v.shape[-1]), (B, H, K, v.shape[-1]))
+    # check_vma off: the final state is folded from all_gathered maps, the same on every seq
+    # device, which the out_specs (no seq axis) state; tests/ops compare it with one device.
+    return per_shard(local, operands, _CONTEXT_LOGICAL, out_logical, out_shapes, check_vma=False)
+
+
 def _pallas_delta(op: str, args: tuple, chunk_size: int, *, scale=None, **arrays):
     """The Pallas gated delta kernel (``delta_rule``: ``g = 0``): the Mosaic kernel in a program
     lowered for TPU, the Pallas interpreter on any other platform, and under a mesh one call per
@@ -84,10 +136,7 @@ def _pallas_delta(op: str, args: tuple, chunk_size: int, *, scale=None, **arrays
     independent per batch row and head).
 
     ``arrays``: ``initial_state`` and ``segment_ids`` (either may be None)."""
-    if op == "delta_rule":
-        q, k, v, beta = args
-        args = (q, k, v, jnp.zeros(beta.shape, jnp.float32), beta)
-    q, k, v, g, beta = args
+    q, k, v, g, beta = _with_zero_decay(op, args)
     B, T, H, K = q.shape
     V = v.shape[-1]
     kernel = functools.partial(

@@ -2,11 +2,15 @@
 
 Model code names array dimensions logically (``nnx.with_partitioning(init, ("embed", "mlp"))`` for
 parameters, :func:`constrain` for activations); ONE table, :data:`LOGICAL_AXIS_RULES`, maps those
-names to mesh axes. The mesh has axes ``("data", "fsdp", "tensor")`` (Auto axis types, GSPMD-style):
+names to mesh axes. The mesh has axes ``("data", "fsdp", "seq", "tensor")`` (Auto axis types,
+GSPMD-style):
 
 - ``data``: pure data parallelism (parameters replicated); with ``mesh.slices > 1`` it spans the
   slices of a multi-slice job, so only gradients cross the slower DCN links;
 - ``fsdp``: batch split AND parameters / optimizer state sharded on their ``embed`` dimension;
+- ``seq``: context parallelism, one sequence's tokens split over devices (activations on their
+  ``seq`` dimension; the linear memories fold their states across it explicitly,
+  :mod:`nested_jax.core.context`; size 1 unless a long-context preset asks for it);
 - ``tensor``: model parallelism over heads, MLP width and vocabulary (Megatron-style; GSPMD inserts
   the collectives).
 
@@ -27,7 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "seq", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the mesh axes a batch is split over
 
 # logical name -> mesh axis (str), tuple of mesh axes, or None (replicated).
@@ -40,28 +44,29 @@ LOGICAL_AXIS_RULES: dict[str, Any] = {
     "kv": "tensor",
     "conv": None,
     "layers": None,
-    "seq": None,
+    "seq": "seq",
 }
 
 
 def resolve_mesh_shape(
-    data: int, fsdp: int, n_devices: int, tensor: int = 1
-) -> tuple[int, int, int]:
-    """Resolves the one -1 entry to the remaining devices; checks ``data × fsdp × tensor``.
+    data: int, fsdp: int, n_devices: int, tensor: int = 1, seq: int = 1
+) -> tuple[int, int, int, int]:
+    """Resolves the one -1 entry to the remaining devices; checks ``data × fsdp × seq × tensor``.
 
     Args:
-      data, fsdp, tensor: axis sizes (positive, or -1 = "all remaining" for at most one of them).
+      data, fsdp, seq, tensor: axis sizes (positive, or -1 = "all remaining" for at most one).
       n_devices: the devices of the mesh (of one slice when the job has several).
     Returns:
-      ``(data, fsdp, tensor)``.
+      ``(data, fsdp, seq, tensor)``.
     Raises:
       ValueError: naming ``mesh.<axis>`` when the sizes do not fit the devices.
     """
-    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    sizes = {"data": data, "fsdp": fsdp, "seq": seq, "tensor": tensor}
     free = [name for name, size in sizes.items() if size == -1]
     if len(free) > 1:
         raise ValueError(
-            f"mesh.{free[0]}: at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1"
+            f"mesh.{free[0]}: at most one of mesh.data / mesh.fsdp / mesh.seq / mesh.tensor may "
+            "be -1"
         )
     fixed = math.prod(size for size in sizes.values() if size != -1)
     if free:
@@ -78,7 +83,7 @@ def resolve_mesh_shape(
             f"mesh.fsdp: {formula} = {values} = {fixed} but {n_devices} devices are available "
             "(use -1 for 'all remaining')"
         )
-    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+    return sizes["data"], sizes["fsdp"], sizes["seq"], sizes["tensor"]
 
 
 def _device_grid(shape: tuple[int, ...], devices: list, slices: int) -> np.ndarray:
@@ -103,12 +108,12 @@ def _device_grid(shape: tuple[int, ...], devices: list, slices: int) -> np.ndarr
 
 
 def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the ("data", "fsdp", "tensor") mesh from a :class:`MeshConfig`.
+    """Builds the ("data", "fsdp", "seq", "tensor") mesh from a :class:`MeshConfig`.
 
     Args:
       mesh_cfg: object with int attributes ``data``, ``fsdp`` (-1 = remaining) and optionally
-        ``tensor`` (default 1) and ``slices`` (default 1: the number of TPU slices joined over DCN;
-        the sizes above are per slice and ``data`` is multiplied by ``slices``).
+        ``seq``, ``tensor`` (default 1) and ``slices`` (default 1: the number of TPU slices
+        joined over DCN; the sizes above are per slice and ``data`` is multiplied by ``slices``).
       devices: devices to use (default: all of ``jax.devices()``; a TPU topology's devices for an
         ahead-of-time compile).
     Returns:
@@ -120,10 +125,14 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Mes
     slices = int(getattr(mesh_cfg, "slices", 1))
     if slices < 1 or len(devices) % slices:
         raise ValueError(f"mesh.slices: {slices} does not divide the {len(devices)} devices")
-    data, fsdp, tensor = resolve_mesh_shape(
-        mesh_cfg.data, mesh_cfg.fsdp, len(devices) // slices, int(getattr(mesh_cfg, "tensor", 1))
+    data, fsdp, seq, tensor = resolve_mesh_shape(
+        mesh_cfg.data,
+        mesh_cfg.fsdp,
+        len(devices) // slices,
+        int(getattr(mesh_cfg, "tensor", 1)),
+        int(getattr(mesh_cfg, "seq", 1)),
     )
-    shape = (data * slices, fsdp, tensor)
+    shape = (data * slices, fsdp, seq, tensor)
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     return Mesh(_device_grid(shape, devices, slices), MESH_AXES, axis_types=auto)
 

@@ -118,7 +118,7 @@ def with_per_device_batch(config: Config, per_device_batch: int, n_devices: int)
     from nested_jax.parallel.mesh import resolve_mesh_shape
 
     m = config.mesh
-    data, fsdp, _ = resolve_mesh_shape(m.data, m.fsdp, n_devices // m.slices, m.tensor)
+    data, fsdp, _, _ = resolve_mesh_shape(m.data, m.fsdp, n_devices // m.slices, m.tensor, m.seq)
     batch = per_device_batch * data * fsdp * m.slices
     return dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=batch))
 

@@ -52,13 +52,16 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh with axes ("data", "fsdp", "tensor") (see nested_jax.parallel.mesh).
+    """Device mesh with axes ("data", "fsdp", "seq", "tensor") (see nested_jax.parallel.mesh).
 
-    Sizes are per slice; at most one of data / fsdp / tensor may be -1 (all remaining devices).
+    Sizes are per slice; at most one of data / fsdp / seq / tensor may be -1 (all remaining).
     """
 
     data: int = 1  # size of the pure data-parallel axis (parameters replicated across it)
     fsdp: int = -1  # size of the fully-sharded data-parallel axis; -1 = all remaining devices
+    # context-parallel axis: each sequence's tokens split over this many devices (GDN / delta
+    # rule fold their states across it, nested_jax.core.context); 1 = none
+    seq: int = 1
     # model-parallel axis over heads, MLP width and vocabulary (1 = none)
     tensor: int = 1
     # TPU slices joined over DCN (multi-slice); the data axis spans them (data × slices in all)
@@ -268,17 +271,24 @@ def _check_combinations(cfg: Config) -> None:
         if not ok:
             raise ConfigError(f"optimizer.{name}: must be {what}, got {value!r}")
     m = cfg.mesh
-    for name, value in (("data", m.data), ("fsdp", m.fsdp), ("tensor", m.tensor)):
+    sizes = (("data", m.data), ("fsdp", m.fsdp), ("seq", m.seq), ("tensor", m.tensor))
+    for name, value in sizes:
         if value == 0 or value < -1:
             raise ConfigError(
                 f"mesh.{name}: must be a positive size or -1 (all remaining), got {value}"
             )
     if m.slices < 1:
         raise ConfigError(f"mesh.slices: must be >= 1, got {m.slices}")
-    free = [n for n, v in (("data", m.data), ("fsdp", m.fsdp), ("tensor", m.tensor)) if v == -1]
+    free = [n for n, v in sizes if v == -1]
     if len(free) > 1:
         raise ConfigError(
-            f"mesh.{free[0]}: at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1"
+            f"mesh.{free[0]}: at most one of mesh.data / mesh.fsdp / mesh.seq / mesh.tensor may "
+            "be -1"
+        )
+    if m.seq > 1 and cfg.data.seq_len % m.seq:
+        raise ConfigError(
+            f"data.seq_len: {cfg.data.seq_len} is not divisible by mesh.seq = {m.seq} (each "
+            "device of the seq axis holds an equal stretch of every sequence)"
         )
     shards = m.data * m.fsdp * m.slices
     if m.data > 0 and m.fsdp > 0 and cfg.data.batch_size % shards:

@@ -66,11 +66,14 @@ def _assert_same(report: dict, reference: dict) -> None:
 
 def test_restore_onto_other_meshes_gives_the_same_report(workdir):
     one, shape1 = _report(workdir, jax.devices()[:1], ["mesh.data=1", "mesh.fsdp=-1"])
-    assert shape1 == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert shape1 == {"data": 1, "fsdp": 1, "seq": 1, "tensor": 1}
     assert one["niah"]["num_examples"] == 6
     for overrides, expected in (
-        (["mesh.data=1", "mesh.fsdp=-1"], {"data": 1, "fsdp": 8, "tensor": 1}),
-        (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], {"data": 2, "fsdp": 2, "tensor": 2}),
+        (["mesh.data=1", "mesh.fsdp=-1"], {"data": 1, "fsdp": 8, "seq": 1, "tensor": 1}),
+        (
+            ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+            {"data": 2, "fsdp": 2, "seq": 1, "tensor": 2},
+        ),
     ):
         report, shape = _report(workdir, overrides=overrides)
         assert shape == expected

@@ -94,7 +94,7 @@ def _assert_mosaic_kernels(train, lowered: str, rows_per_chip: int) -> None:
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"])
 def test_tiny_gdn_pallas_train_step_runs_the_mosaic_kernels_per_batch_shard(topology):
     train, lowered, mesh_shape = _compile_train_step(topology)
-    assert mesh_shape == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert mesh_shape == {"data": 1, "fsdp": 4, "seq": 1, "tensor": 1}
     if topology == "v5e:2x2":
         assert train.hlo, "compiled.as_text() failed on v5e: the compiled kernels cannot be read"
     # batch 8 split over fsdp 4, one head: each chip runs its 2 rows (unsplit it would be 8)
@@ -106,5 +106,5 @@ def test_tiny_gdn_pallas_train_step_splits_heads_over_tensor():
     kernel runs ``2 rows × 1 head`` (4 if the heads were not split, 8 if nothing were)."""
     overrides = ("mesh.tensor=2", "model.n_heads=2", "model.d_model=256")
     train, lowered, mesh_shape = _compile_train_step("v5e:2x2", overrides)
-    assert mesh_shape == {"data": 1, "fsdp": 2, "tensor": 2}
+    assert mesh_shape == {"data": 1, "fsdp": 2, "seq": 1, "tensor": 2}
     _assert_mosaic_kernels(train, lowered, rows_per_chip=PER_DEVICE_BATCH * 1)

@@ -23,12 +23,13 @@ from nested_jax.train.loop import init_train_setup
 
 
 def test_resolve_mesh_shape():
-    assert resolve_mesh_shape(1, -1, 8) == (1, 8, 1)
-    assert resolve_mesh_shape(-1, 2, 8) == (4, 2, 1)
-    assert resolve_mesh_shape(4, 2, 8) == (4, 2, 1)
-    assert resolve_mesh_shape(1, -1, 8, tensor=2) == (1, 4, 2)
-    assert resolve_mesh_shape(2, 2, 8, tensor=-1) == (2, 2, 2)
-    with pytest.raises(ValueError, match=r"mesh\.fsdp: mesh\.data × mesh\.fsdp × mesh\.tensor = "):
+    assert resolve_mesh_shape(1, -1, 8) == (1, 8, 1, 1)
+    assert resolve_mesh_shape(-1, 2, 8) == (4, 2, 1, 1)
+    assert resolve_mesh_shape(4, 2, 8) == (4, 2, 1, 1)
+    assert resolve_mesh_shape(1, -1, 8, tensor=2) == (1, 4, 1, 2)
+    assert resolve_mesh_shape(2, 2, 8, tensor=-1) == (2, 2, 1, 2)
+    assert resolve_mesh_shape(1, 2, 8, seq=-1) == (1, 2, 4, 1)
+    with pytest.raises(ValueError, match=r"mesh\.fsdp: mesh\.data × mesh\.fsdp × mesh\.seq × "):
         resolve_mesh_shape(2, 2, 8)
     with pytest.raises(ValueError, match=r"mesh\.data: 3 does not divide"):
         resolve_mesh_shape(3, -1, 8)
@@ -40,13 +41,15 @@ def test_resolve_mesh_shape():
 
 def test_make_mesh_axes_and_types():
     mesh = make_mesh(MeshConfig(data=4, fsdp=2))
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}
+    assert mesh.axis_names == ("data", "fsdp", "seq", "tensor")
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "seq": 1, "tensor": 1}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     one = make_mesh(MeshConfig(data=1, fsdp=-1), devices=jax.devices()[:1])
-    assert dict(one.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert dict(one.shape) == {"data": 1, "fsdp": 1, "seq": 1, "tensor": 1}
     tp = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=2))
-    assert dict(tp.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert dict(tp.shape) == {"data": 1, "fsdp": 4, "seq": 1, "tensor": 2}
+    cp = make_mesh(MeshConfig(data=1, fsdp=2, seq=4))
+    assert dict(cp.shape) == {"data": 1, "fsdp": 2, "seq": 4, "tensor": 1}
     with pytest.raises(ValueError, match=r"mesh\.slices: 3 does not divide the 8 devices"):
         make_mesh(MeshConfig(slices=3))
 

@@ -94,7 +94,7 @@ def small_on_2x2():
 @needs_libtpu
 def test_tiny_model_compiles_for_v5e_2x2_and_fits(small_on_2x2):
     cfg, mesh_shape, results = small_on_2x2
-    assert mesh_shape == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert mesh_shape == {"data": 1, "fsdp": 4, "seq": 1, "tensor": 1}
     assert cfg.data.batch_size == 4 * PER_CHIP
     assert [r.step for r in results] == ["train", "eval"]
     for r in results:
