@@ -35,7 +35,9 @@ from nested_jax.core.scan import (
     from_head_chunks,
     pad_to_multiple,
     segment_starts,
+    state_zeros,
     to_head_chunks,
+    zeros_typed,
 )
 from nested_jax.core.wy import chunk_output, kkt, solve_tril, state_pass, w_u, wy_delta_core
 
@@ -237,10 +239,9 @@ def gated_delta_step(state, q_t, k_t, v_t, g_t, beta_t, *, scale=None):
 
 
 def _recurrent(q, k, v, g, beta, scale, initial_state, segment_ids, delta: bool):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    K = q.shape[-1]
     f32 = jnp.float32
-    s0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
+    s0 = state_zeros(k, v) if initial_state is None else initial_state.astype(f32)
     scale = _scale(scale, K)
 
     def tm(x):  # time-major so lax.scan walks over T
@@ -325,25 +326,26 @@ def gated_delta_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, s
 def _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, C, delta: bool):
     """Shared chunk form (core/README.md). Padding tokens have k = v = 0, g = 0, β = 0, so they
     neither write nor decay the state."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    T, K = q.shape[1], q.shape[-1]
     f32 = jnp.float32
     Q = to_head_chunks(q.astype(f32) * _scale(scale, K), C)  # [N, B, H, C, K]
     Kc = to_head_chunks(k.astype(f32), C)
     Vc = to_head_chunks(v.astype(f32), C)  # [N, B, H, C, V]
-    gamma, d, m = _chunk_decays(g, segment_ids, C, Q.shape[:3])
+    gamma, d, m = _chunk_decays(g, segment_ids, C, Q[..., 0])
     s0 = None if initial_state is None else initial_state.astype(f32)
     bc = to_head_chunks(beta.astype(f32), C) if delta else None  # [N, B, H, C]
+    zero = state_zeros(k, v)  # typed like the inputs (shard_map / Explicit meshes)
     if delta and (m is None or s0 is None):
-        init = jnp.zeros((B, H, K, V), f32) if s0 is None else s0
+        init = zero if s0 is None else s0
         O, S_final = wy_delta_core(Q, Kc, Vc, bc, gamma, d if m is None else d * m, init)
     else:
-        O, S_final = _chunked_autodiff(Q, Kc, Vc, bc, gamma, d, m, s0)
+        O, S_final = _chunked_autodiff(Q, Kc, Vc, bc, gamma, d, m, s0, zero)
     return from_head_chunks(O, T).astype(v.dtype), S_final
 
 
-def _chunk_decays(g, segment_ids, C, lead):
-    """Decays of the chunk form (core/README.md §1, §3), ``lead = (N, B, H)``.
+def _chunk_decays(g, segment_ids, C, ref):
+    """Decays of the chunk form (core/README.md §1, §3); ``ref [N, B, H, C]`` (a slice of the
+    chunked queries) gives the leading shape ``(N, B, H)`` and the type of the constant decays.
 
     Returns ``Γ [N, B, H, C, C]`` (``e^{b_i − b_j}`` on the causal same-segment mask, else 0),
     ``d [N, B, H, C]`` (``e^{Σ g}`` from the segment-local chunk start) and ``m [N, B, 1, C]``
@@ -361,7 +363,9 @@ def _chunk_decays(g, segment_ids, C, lead):
     else:
         mask, m = causal, None
     if g is None:
-        return jnp.broadcast_to(mask, (*lead, C, C)).astype(f32), jnp.ones((*lead, C), f32), m
+        # typed like the inputs (scan.zeros_typed): they enter the scan and the custom VJP
+        zeros = zeros_typed(ref[..., None], (*ref.shape, C), f32)  # [N, B, H, C, C]
+        return mask.astype(f32) + zeros, 1.0 + zeros_typed(ref, dtype=f32), m
     # Decays are only ever exponentiated on the mask, where b_i − b_j ≤ 0 for g ≤ 0: no overflow,
     # and the masked-out entries get an exact zero (and a zero gradient), never exp(−inf).
     gc = to_head_chunks(g.astype(f32), C)  # [N, B, H, C]
@@ -373,16 +377,17 @@ def _chunk_decays(g, segment_ids, C, lead):
     return gamma, jnp.exp(logd), m
 
 
-def _chunked_autodiff(Q, Kc, Vc, bc, gamma, d, m, s0):
+def _chunked_autodiff(Q, Kc, Vc, bc, gamma, d, m, s0, zero):
     """Linear attention (``bc is None``: ``W = 0``, ``U = V``), and the delta rules when a segment
     restarts from a non-zero initial state: plain autodiff of the wy stages, with the ``s0``
-    restart as a second incoming state of coefficient ``d ⊙ (1 − m)`` (core/README.md §3)."""
+    restart as a second incoming state of coefficient ``d ⊙ (1 − m)`` (core/README.md §3).
+    ``zero`` is the ``[B, H, K, V]`` state used when ``s0`` is None."""
     # The order of operations fixes the order in which autodiff sums cotangents, so it is kept as
     # it was before the stages were factored out (gradients bit-identical).
     N, B, H, C, K = Kc.shape
     restart = m is not None and s0 is not None
     d_carry = d if m is None else d * m  # coefficient of the carried state for token i
-    init = jnp.zeros((B, H, K, Vc.shape[-1]), jnp.float32) if s0 is None else s0
+    init = zero if s0 is None else s0
     d_last = d_carry[..., -1]
     k_dec = Kc * gamma[..., -1, :][..., None]  # e^{b_C − b_j} within the last token's segment
     if bc is not None:

@@ -60,7 +60,7 @@ from nested_jax.core.cms_levels import (
 )
 from nested_jax.core.dgd import dgd_step_size
 from nested_jax.core.periods import accumulate, apply_at_boundary, period_boundary, reset_to_slower
-from nested_jax.core.scan import scan_remat
+from nested_jax.core.scan import cast_like, scan_remat, zeros_typed
 
 __all__ = [
     "CMSLevel",
@@ -177,7 +177,9 @@ def _zero_taps(levels, x_c, variant):
             taps.append(None)
             continue
         h = lv.w_up.shape[-1]
-        z = jnp.zeros(t + (h,), x_c.dtype)
+        # typed like x_c: under jax.shard_map the vjp of an invariant tap would psum the
+        # per-row signals over the devices (the transpose of its implicit broadcast)
+        z = zeros_typed(x_c[..., :1], t + (h,))
         taps.append((z, None if lv.w_gate is None else z, jnp.zeros_like(x_c)))
     return tuple(taps)
 
@@ -415,6 +417,9 @@ def cms_online(
         periods=periods, c=c, grid0=state.pos - off, end=off + T,
     )  # fmt: skip
     carry0 = (tuple(state.levels), tuple(state.accum))
+    # each row's weights are updated from that row's x: the carry is typed like x's rows (under
+    # jax.shard_map / on Explicit meshes levels broadcast from shared weights are not)
+    carry0 = jax.tree.map(lambda a: cast_like(a, x[:, 0, 0]), carry0)
     if remat_every is None:
         (lv_f, acc_f), ys = lax.scan(step, carry0, xs)
     else:

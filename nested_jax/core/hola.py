@@ -86,7 +86,14 @@ from nested_jax.core.hola_decode import (
     hola_recurrent,
     init_hola_state,
 )
-from nested_jax.core.scan import chunk, from_head_chunks, segment_starts, to_head_chunks
+from nested_jax.core.scan import (
+    cast_like,
+    chunk,
+    from_head_chunks,
+    segment_starts,
+    state_zeros,
+    to_head_chunks,
+)
 from nested_jax.core.wy import state_pass, w_u
 
 __all__ = [
@@ -100,6 +107,9 @@ __all__ = [
     "hola_decode_step",
     "hola_recurrent",
 ]
+
+# HolaState fields with [B, H, ...] rows (all but the shared position)
+_ROWS = tuple(f for f in HolaState._fields if f != "pos")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -167,7 +177,7 @@ def gdn_residuals(k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_
     check_positive_int(f"{fn}: chunk_size", chunk_size)
     _check_segments(fn, segment_ids, B, T, initial_state)
     if initial_state is None:
-        S0 = jnp.zeros((B, H, K, V), _F32)
+        S0 = state_zeros(k, v)
     else:
         _check_array(fn, "initial_state", initial_state, (B, H, K, V))
         S0 = initial_state.astype(_F32)
@@ -327,7 +337,10 @@ def _check_forward(
     _check_options(fn, eviction, read_norm)
     _check_segments(fn, segment_ids, B, T, initial_state)
     if initial_state is None:
-        return init_hola_state(B, H, K, V, window, block_size), None
+        # the empty state is scanned over the inputs: typed like their [B, H] rows (scan.py)
+        rows = k[:, :1].sum(1)[..., 0]  # [B, H]
+        state0 = init_hola_state(B, H, K, V, window, block_size)
+        return state0._replace(**{f: cast_like(getattr(state0, f), rows) for f in _ROWS}), None
     _check_state(fn, initial_state, B, H, K, V, window, block_size)
     return initial_state, initial_state.S
 

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from nested_jax.core.scan import cast_like
+
 __all__ = [
     "read_normalize",
     "attend",
@@ -296,7 +298,10 @@ def cache_blocks_packed(
         jnp.zeros((B, H, W), bool),
         jnp.full((B, H, W), -1, jnp.int32),
     )
-    (cache, s_last), (o, s_prev) = lax.scan(body, (cache0, jnp.zeros((B, H, C), _F32)), xs)
+    # the carry is updated from the inputs' rows: typed like them (jax.shard_map, Explicit meshes)
+    rows = k[:, :1].sum(1)[..., 0]  # [B, H]
+    carry0 = jax.tree.map(lambda a: cast_like(a, rows), (cache0, jnp.zeros((B, H, C), _F32)))
+    (cache, s_last), (o, s_prev) = lax.scan(body, carry0, xs)
     o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, n * C, H, -1)[:, :T]
     if eviction == "cumulative_attention":
         # final masses: block m's come out of step m + 1, the last block's are carried

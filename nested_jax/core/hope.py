@@ -351,23 +351,6 @@ def _chunk_body(
     return updates(state, sig, q, eta, alpha, valid_c, rule, act, init, reset_c)
 
 
-_FLAGS_DOC = """
-      dgd: DGD step (True) or plain GD with retention ``αW − η g xᵀ`` (False).
-      dgd_target: ``"gradient"`` (eq. 88: ``αW − γ(W x + g)xᵀ``, default) or ``"proximal"``
-        (``αW − γ g xᵀ``, SPEC §3.2 Decision).
-      step: ``"exact"`` (``γ = η/(1+η‖x‖²)``, default) or ``"paper"`` (``η/(1+η)``).
-      momentum: keep momenta ``S_t = μ S_{t−1} + u_t`` (needs ``state.momentum``).
-      momentum_coef: ``μ`` (scalar) when ``momentum``.
-      decay: False forces ``α_t = 1``.
-      inner_k, inner_v, inner_q: whether ``M_k``, ``M_v``, ``M_q`` adapt.
-      adaptive_q: ``q_t = norm(M_{q,t−1}(x_t))`` instead of ``norm(q_in)``.
-      stop_gradient_targets: stop the gradient through ``v̂ = M_0(v)``.
-      eta_max: ``η_t = eta_max · sigmoid(·)`` (1: the paper's rate).
-      grad_clip: softclamp ``c`` of each layer's inner gradient ``g xᵀ`` folded into its rate,
-        ``η · c·tanh(n/c)/n`` with ``n = ‖g‖‖x‖`` (0: off, the paper's rule; ``HopeRule``).
-      activation: elementwise ``σ`` of the memories."""
-
-
 def _initial(initial_memories, state: HopeState, B: int):
     """The memories a document start resets to, ``[B, H, ...]`` (default: ``state.memories``)."""
     if initial_memories is None:
@@ -507,8 +490,7 @@ def hope_chunked(
     eta_max: float = 1.0,
     grad_clip: float = 0.0,
 ):
-    (
-        """Chunk-wise Hope (SPEC §3.2 Decision); chunk sizes 1 = exact per-token Hope.
+    """Chunk-wise Hope (SPEC §3.2 Decision); chunk sizes 1 = exact per-token Hope.
 
     Chunks are aligned at position 0 of ``x``. Token ``t`` of a group with chunk size ``C`` uses
     the group's state just before position ``s = max(C⌊t/C⌋, start of t's document)`` as its
@@ -527,9 +509,21 @@ def hope_chunked(
       state: ``HopeState`` (``hope_init_state``), weights ``[B, H, ...]``.
       readout: ``HopeReadout`` of ``M_η``, ``M_α``.
       chunk_memory: chunk size of ``M_memory``.
-      chunk_other: chunk size of the projection memories; ``max`` must be a multiple of ``min``."""
-        + _FLAGS_DOC
-        + """
+      chunk_other: chunk size of the projection memories; ``max`` must be a multiple of ``min``.
+      dgd: DGD step (True) or plain GD with retention ``αW − η g xᵀ`` (False).
+      dgd_target: ``"gradient"`` (eq. 88: ``αW − γ(W x + g)xᵀ``, default) or ``"proximal"``
+        (``αW − γ g xᵀ``, SPEC §3.2 Decision).
+      step: ``"exact"`` (``γ = η/(1+η‖x‖²)``, default) or ``"paper"`` (``η/(1+η)``).
+      momentum: keep momenta ``S_t = μ S_{t−1} + u_t`` (needs ``state.momentum``).
+      momentum_coef: ``μ`` (scalar) when ``momentum``.
+      decay: False forces ``α_t = 1``.
+      inner_k, inner_v, inner_q: whether ``M_k``, ``M_v``, ``M_q`` adapt.
+      adaptive_q: ``q_t = norm(M_{q,t−1}(x_t))`` instead of ``norm(q_in)``.
+      stop_gradient_targets: stop the gradient through ``v̂ = M_0(v)``.
+      eta_max: ``η_t = eta_max · sigmoid(·)`` (1: the paper's rate).
+      grad_clip: softclamp ``c`` of each layer's inner gradient ``g xᵀ`` folded into its rate,
+        ``η · c·tanh(n/c)/n`` with ``n = ‖g‖‖x‖`` (0: off, the paper's rule; ``HopeRule``).
+      activation: elementwise ``σ`` of the memories.
       segment_ids: optional int ``[B, T]`` document ids of packed rows.
       initial_memories: the memories a document start resets to (``[H, ...]`` or ``[B, H, ...]``,
         structure of ``state.memories``); default ``state.memories``.
@@ -546,7 +540,6 @@ def hope_chunked(
     Returns:
       ``(o [B, T, H, D], final HopeState)``.
     """
-    )
     _validate(x, q, state, readout, adaptive_q, momentum)
     rule = HopeRule(  # checks the chunk sizes, grad_horizon, step and the flags
         chunk_memory=chunk_memory, chunk_other=chunk_other, dgd=dgd, dgd_target=dgd_target,

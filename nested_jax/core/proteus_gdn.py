@@ -48,6 +48,7 @@ from nested_jax.core.proteus import (
     proteus_block_ids,
     proteus_gated_step,
 )
+from nested_jax.core.scan import state_zeros
 
 __all__ = [
     "proteus_gated_delta_step",
@@ -153,11 +154,7 @@ def proteus_gated_delta_recurrent(
     if _statically_open(t0, n, e):
         return gated_delta_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     pos0 = _positions(t0, B)
-    s0 = (
-        jnp.zeros((B, H, K, V), jnp.float32)
-        if initial_state is None
-        else initial_state.astype(jnp.float32)
-    )
+    s0 = state_zeros(k, v) if initial_state is None else initial_state.astype(jnp.float32)
 
     def body(S, xs):
         i, q_t, k_t, v_t, g_t, b_t = xs

@@ -59,6 +59,7 @@ from nested_jax.core.proteus import (
     proteus_gated_step,
     proteus_gated_update,
 )
+from nested_jax.core.scan import state_zeros
 from nested_jax.core.titans import (
     DEFAULT_MLP_GRAD_CLIP,
     TitansLinearState,
@@ -107,10 +108,15 @@ def _check_titans_seq(fn, q, k, v, theta, eta, alpha, per_token: bool):
     return q.shape[0], q.shape[-2], q.shape[-1]
 
 
-def _linear_state(fn, initial_state, B, H, K, V) -> TitansLinearState:
-    """None → zeros; ``TitansLinearState``/``(M, S)`` → f32; a bare ``M`` → ``(M, 0)``."""
+def _linear_state(fn, initial_state, k, v) -> TitansLinearState:
+    """None → zeros typed like ``k``, ``v`` (``scan.state_zeros``); ``TitansLinearState``/``(M, S)``
+    → f32; a bare ``M`` → ``(M, 0)``. ``k [B, (T,) H, K]``, ``v [B, (T,) H, V]``."""
+    if k.ndim == 3:  # one token
+        k, v = k[:, None], v[:, None]
+    B, _, H, K = k.shape
+    V = v.shape[-1]
     if initial_state is None:
-        z = jnp.zeros((B, H, K, V), jnp.float32)
+        z = state_zeros(k, v)
         return TitansLinearState(z, z)
     if isinstance(initial_state, tuple) and len(initial_state) == 2:
         M, S = initial_state
@@ -189,7 +195,7 @@ def proteus_titans_linear_step(
     kw = dict(read_before_write=read_before_write, grad_clip=grad_clip)
     if _statically_open(t - 1 if _is_int(t) else t, n, e):
         return titans_linear_step(state, q_t, k_t, v_t, theta_t, eta_t, alpha_t, **kw)
-    st = _linear_state(fn, state, B, H, K, v_t.shape[-1])
+    st = _linear_state(fn, state, k_t, v_t)
     open_k = _key_open(proteus_active_blocks(_positions(t, B), n, e), K, e)
     return _titans_key_step(
         titans_linear_step, st, open_k, q_t, k_t, v_t, theta_t, eta_t, alpha_t, kw
@@ -244,7 +250,7 @@ def proteus_titans_linear_recurrent(
         return titans_linear_recurrent(
             q, k, v, theta, eta, alpha, initial_state=initial_state, **kw
         )
-    st = _linear_state(fn, initial_state, B, H, K, v.shape[-1])
+    st = _linear_state(fn, initial_state, k, v)
     pos0 = _positions(t0, B)
 
     def body(s, xs):
@@ -312,7 +318,7 @@ def proteus_titans_linear_chunked(
         return titans_linear_chunked(
             q, k, v, theta, eta, alpha, initial_state=initial_state, chunk_size=chunk_size, **kw
         )
-    st = _linear_state(fn, initial_state, B, H, K, v.shape[-1])
+    st = _linear_state(fn, initial_state, k, v)
 
     def open_fn(s, xs):
         return titans_linear_chunked(*xs, initial_state=s, chunk_size=chunk_size, **kw)

@@ -11,6 +11,9 @@
   momentum/decay (SPEC §2).
 - ``scan_remat``: ``lax.scan`` whose backward stores only every n-th carry (nested scan with
   ``jax.checkpoint`` on the inner n steps), for long chunk recurrences (DESIGN.md "States").
+- ``zeros_typed`` / ``state_zeros`` / ``cast_like``: scan carries and constants *typed like the
+  inputs*, so the rules run inside a user's ``jax.shard_map`` (``check_vma=True``) and on meshes
+  with Explicit axes (issue 18; ``tests/core/test_library_face.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ __all__ = [
     "segment_starts",
     "affine_scan",
     "scan_remat",
+    "zeros_typed",
+    "state_zeros",
+    "cast_like",
 ]
 
 
@@ -271,3 +277,60 @@ def scan_remat(f, init, xs, remat_every, length: int | None = None):
         return carry, ys_parts[0]
     ys = jax.tree_util.tree_map(lambda *p: jnp.concatenate(p, axis=0), *ys_parts)
     return carry, ys
+
+
+def zeros_typed(ref, shape=None, dtype=None):
+    """Zeros of ``shape`` that carry ``ref``'s type, for scan carries and constants.
+
+    Inside ``jax.shard_map`` (``check_vma=True``) an array has a set of *varying* manual axes, and
+    on a mesh with Explicit axes it has a sharding in its type; ``jnp.zeros``/``jnp.eye`` have
+    neither. ``lax.scan`` then rejects a zero initial carry whose update varies like the inputs
+    ("carry input and carry output must have equal types"), and a batched matmul rejects operands
+    sharded differently. ``jnp.zeros_like`` keeps both (and reads no value of ``ref``, so it costs
+    nothing once compiled); ``broadcast_to`` keeps them on ``ref``'s dimensions. Outside a mesh
+    this is ``jnp.zeros(shape, dtype)``.
+
+    Args:
+      ref: an array (usually a slice of an input) whose shape broadcasts to ``shape``.
+      shape: output shape (default ``ref.shape``).
+      dtype: output dtype (default ``ref.dtype``).
+
+    Returns:
+      zeros ``shape`` typed like ``ref``.
+    """
+    z = jnp.zeros_like(ref, dtype=dtype)
+    return z if shape is None else jnp.broadcast_to(z, shape)
+
+
+def state_zeros(k, v, dtype=jnp.float32):
+    """A zero matrix state ``[B, H, K, V]`` typed like the keys and values it will store.
+
+    ``zeros_typed`` of the first token's outer product ``k_0 v_0ᵀ``: the state varies over (is
+    sharded like) the batch and head axes of ``k`` and ``v``, as every state update does.
+
+    Args:
+      k: ``[B, T, H, K]`` keys; v: ``[B, T, H, V]`` values.
+      dtype: state dtype.
+
+    Returns:
+      zeros ``[B, H, K, V]``.
+    """
+    k0, v0 = k[:, :1].sum(1), v[:, :1].sum(1)  # the first token (zeros when T = 0)
+    return zeros_typed(k0[..., :, None] * v0[..., None, :], dtype=dtype)
+
+
+def cast_like(a, ref):
+    """``a`` with its values unchanged, typed like ``ref`` on its leading dimensions.
+
+    For a carry built from shared or constant values (weights broadcast to the batch, an empty
+    cache) that the scan then updates row by row from the inputs: see ``zeros_typed``. A ``where``
+    on an all-false mask typed like ``ref`` (values, dtype and the sign of zeros kept exactly).
+
+    Args:
+      a: any array; ref: an array whose shape is a prefix of ``a``'s (e.g. ``[B]`` or ``[B, H]``).
+
+    Returns:
+      ``a``, varying over (sharded like) ``ref``'s axes as well.
+    """
+    ref = ref.reshape(ref.shape + (1,) * (a.ndim - ref.ndim))
+    return jnp.where(zeros_typed(ref, a.shape, bool), a, a)

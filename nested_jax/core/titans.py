@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from nested_jax.core.dgd import clamped_rate
+from nested_jax.core.scan import state_zeros
 from nested_jax.core.titans_mlp import (
     DEFAULT_MLP_GRAD_CLIP,
     TitansMLPState,
@@ -71,11 +72,14 @@ class TitansLinearState(NamedTuple):
     S: jax.Array
 
 
-def _state_of(fn: str, x, B, H, K, V, name: str = "initial_state") -> TitansLinearState:
-    """None → zeros; a bare ``[B, H, K, V]`` array → ``(M, 0)``; a state tuple is checked."""
+def _state_of(fn: str, x, B, H, K, V, name: str = "initial_state", like=None) -> TitansLinearState:
+    """None → zeros; a bare ``[B, H, K, V]`` array → ``(M, 0)``; a state tuple is checked.
+
+    ``like = (k, v)``: the zeros are typed like those inputs (``scan.state_zeros``), as the carry
+    of a scan over them must be under ``jax.shard_map`` and on Explicit meshes."""
     f32 = jnp.float32
     if x is None:
-        z = jnp.zeros((B, H, K, V), f32)
+        z = jnp.zeros((B, H, K, V), f32) if like is None else state_zeros(*like)
         return TitansLinearState(z, z)
     M, S = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
     for nm, a in ((f"{name}.M", M), (f"{name}.S", S)):
@@ -185,7 +189,7 @@ def titans_linear_recurrent(
     fn = "titans_linear_recurrent"
     B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
     _validate_segment_ids(fn, segment_ids, B, T)
-    st0 = _state_of(fn, initial_state, B, H, K, V)
+    st0 = _state_of(fn, initial_state, B, H, K, V, like=(k, v))
     tm = lambda x: jnp.moveaxis(x, 1, 0).astype(jnp.float32)  # noqa: E731
     resets = None if segment_ids is None else tm(_segment_resets(segment_ids))
 
@@ -243,7 +247,7 @@ def titans_linear_chunked(
     B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
     _validate_chunk_size(fn, chunk_size)
     _validate_segment_ids(fn, segment_ids, B, T)
-    st = _state_of(fn, initial_state, B, H, K, V)
+    st = _state_of(fn, initial_state, B, H, K, V, like=(k, v))
     o, (W, S) = _chunked_core(
         (st.M,), (st.S,), q, k, v, theta, eta, alpha,
         chunk_size=chunk_size, activation=None, residual=False, rbw=read_before_write,

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from nested_jax.core.scan import zeros_typed
+
 __all__ = ["kkt", "solve_tril", "w_u", "state_pass", "chunk_output", "wy_delta_core"]
 
 
@@ -62,7 +64,7 @@ def _forward_substitution(A):
     ``X_i = e_i − Σ_{j<i} A_ij X_j``. Exact up to rounding and stable (no powers of A); a
     ``fori_loop`` keeps the compiled program small."""
     c = A.shape[-1]
-    eye = jnp.broadcast_to(jnp.eye(c, dtype=A.dtype), A.shape)
+    eye = jnp.eye(c, dtype=A.dtype) + zeros_typed(A)  # the loop carry: typed like A (scan.py)
 
     def row(i, X):
         a_i = lax.dynamic_slice_in_dim(A, i, 1, axis=-2)  # zero at columns ≥ i
@@ -89,7 +91,7 @@ def _tri_inverse(A):
     else:
         T11, T22 = _tri_inverse(A11), _tri_inverse(A22)
     T21 = -(T22 @ (A21 @ T11))
-    top = jnp.concatenate([T11, jnp.zeros(T11.shape[:-1] + (C - h,), A.dtype)], axis=-1)
+    top = jnp.concatenate([T11, zeros_typed(T11[..., :1], T11.shape[:-1] + (C - h,))], axis=-1)
     return jnp.concatenate([top, jnp.concatenate([T21, T22], axis=-1)], axis=-2)
 
 
