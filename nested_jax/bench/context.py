@@ -92,7 +92,6 @@ def _program(rule: str, args, devices: int | None):
         mesh=mesh,
         in_specs=(P(None, "seq"),),
         out_specs=(P(None, "seq"), P()),
-        check_vma=False,
     )
     return jax.value_and_grad(lambda x: _loss(*f(x))), mesh
 
@@ -112,7 +111,7 @@ def check_equal(rule: str, args) -> dict[str, float]:
     split_grad, mesh = _program(rule, args, args.check_devices)
     split = jax.shard_map(
         _rule(rule, args, split=True), mesh=mesh, in_specs=(P(None, "seq"),),
-        out_specs=(P(None, "seq"), P()), check_vma=False,
+        out_specs=(P(None, "seq"), P()),
     )  # fmt: skip
     (o_ref, final_ref), (o, final) = jax.jit(plain)(x), jax.jit(split)(x)
     grads_ref = jax.jit(jax.grad(lambda x: _loss(*plain(x))))(x)

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from nested_jax.core.associative import _validate_seq, gated_delta_chunked
-from nested_jax.core.scan import segment_starts
+from nested_jax.core.scan import segment_starts, zeros_typed
 from nested_jax.core.titans import TitansLinearState, _state_of, titans_linear_chunked
 from nested_jax.core.titans_mlp_net import _validate_chunk_size, _validate_common
 
@@ -62,16 +62,15 @@ __all__ = [
 ]
 
 
-def _identity_rows(num_states: int, lead: tuple[int, int], K: int, V: int):
+def _identity_rows(num_states: int, values, K: int):
     """The augmented initial states ``[E_j | 0]`` (``E_j`` the rows ``j·K … (j+1)·K`` of
-    ``I_n``, ``n = num_states·K``), each ``[B, H, K, n + V]`` f32."""
+    ``I_n``, ``n = num_states·K``), each ``[B, H, K, n + V]`` f32, typed like the augmented
+    ``values [B, T, H, n + V]`` (so they are scan carries of the rule under ``shard_map``)."""
+    B, _, H, width = values.shape
     n = num_states * K
-    eye = jnp.eye(n, dtype=jnp.float32).reshape(num_states, K, n)
-    pad = jnp.zeros((K, V), jnp.float32)
-    return tuple(
-        jnp.broadcast_to(jnp.concatenate([eye[j], pad], axis=-1), (*lead, K, n + V))
-        for j in range(num_states)
-    )
+    eye = jnp.eye(n, width, dtype=jnp.float32).reshape(num_states, K, width)
+    typed = zeros_typed(values[:, 0, :, None, :1], (B, H, K, width))
+    return tuple(typed + eye[j] for j in range(num_states))
 
 
 def carried_mask(segment_ids, axis_name: str):
@@ -95,15 +94,17 @@ def _fold_incoming(maps, biases, x0, axis_name: str):
     state entering device 0. Returns ``(x_i, x_P)``: the state entering this device and the state
     after the last one.
     """
-    every_map = lax.all_gather(maps, axis_name)  # [P, B, H, n, n]
-    every_bias = lax.all_gather(biases, axis_name)
-
-    def apply(x, map_and_bias):
-        L, b = map_and_bias
-        return L @ x + b, x
-
-    x_last, x_in = lax.scan(apply, x0, (every_map, every_bias))
-    return x_in[lax.axis_index(axis_name)], x_last
+    # "invarying": every device holds the same gathered maps (so the state after the sequence is
+    # typed replicated over the axis under shard_map's varying-axes check)
+    every_map = lax.all_gather(maps, axis_name, to="invarying")  # [P, B, H, n, n]
+    every_bias = lax.all_gather(biases, axis_name, to="invarying")
+    # A Python loop over the P devices (static, small): unlike a scan carry, its values may mix
+    # the replicated x0 with the gathered maps under shard_map's varying-axes types.
+    x, incoming = x0, []
+    for L, b in zip(every_map, every_bias, strict=True):
+        incoming.append(x)
+        x = L @ x + b
+    return jnp.stack(incoming)[lax.axis_index(axis_name)], x
 
 
 def affine_state_context(
@@ -134,7 +135,7 @@ def affine_state_context(
     values = jnp.concatenate(
         [jnp.zeros((*v.shape[:-1], n), jnp.float32), v.astype(jnp.float32)], -1
     )
-    o, finals = run(_identity_rows(m, (B, H), K, V), values)
+    o, finals = run(_identity_rows(m, values, K), values)
     stacked = jnp.concatenate(finals, axis=-2)  # [B, H, n, n + V] = [L | b]
     L, reads = stacked[..., :n], o[..., :n]
     if carried is not None:

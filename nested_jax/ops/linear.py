@@ -124,9 +124,7 @@ def _context_delta(op: str, args: tuple, chunk_size: int, *, scale=None, **array
     operands = dict(q=q, k=k, v=v, g=g, beta=beta, **arrays)
     out_logical = (_SEQ_SPLIT, _CONTEXT_LOGICAL["initial_state"])
     out_shapes = ((B, T, H, v.shape[-1]), (B, H, K, v.shape[-1]))
-    # check_vma off: the final state is folded from all_gathered maps, the same on every seq
-    # device, which the out_specs (no seq axis) state; tests/ops compare it with one device.
-    return per_shard(local, operands, _CONTEXT_LOGICAL, out_logical, out_shapes, check_vma=False)
+    return per_shard(local, operands, _CONTEXT_LOGICAL, out_logical, out_shapes)
 
 
 def _pallas_delta(op: str, args: tuple, chunk_size: int, *, scale=None, **arrays):

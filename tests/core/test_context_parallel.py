@@ -60,7 +60,7 @@ def _sharded(fn, mesh, seq_args: int, rest: int):
         mesh=mesh,
         in_specs=(SEQ,) * seq_args + (P(),) * rest,
         out_specs=(SEQ, P()),
-        check_vma=False,  # TEMP until the core rules carry varying types (issue 18 helper)
+        check_vma=True,
     )
 
 
@@ -171,3 +171,14 @@ def test_gdn_context_parallel_with_packed_documents(devices):
     grads = jax.jit(jax.grad(lambda *a: _loss(split(*a)), argnums=range(5)))(*args)
     for name, gr, gs in zip("q k v g beta".split(), grads_ref, grads, strict=True):
         np.testing.assert_allclose(gs, gr, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["gdn", "titans"])
+def test_context_parallel_at_4096_tokens_on_8_devices(rule):
+    """Issue 15's acceptance size: T = 4096 over 8 devices, outputs, states and every gradient
+    (``nested-jax bench context`` prints the same errors and the memory table)."""
+    from nested_jax.bench.context import build_parser, check_equal
+
+    errors = check_equal(rule, build_parser().parse_args([]))
+    assert max(errors.values()) < 1e-5, errors
