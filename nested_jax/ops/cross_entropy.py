@@ -26,7 +26,6 @@ import operator
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.parallel.mesh import constrain
@@ -39,7 +38,7 @@ _EINSUM = {"vd": "btd,vd->btv", "dv": "btd,dv->btv"}
 
 def _token_nll(hidden, weight, targets, layout):
     """``nll [B, c]`` f32 of one chunk: f32 logits ``hidden · weight`` (weight cast to the
-    activation dtype), then optax's integer-label softmax cross-entropy."""
+    activation dtype), then the integer-label softmax cross-entropy ``logsumexp(z) − z_target``."""
     logits = jnp.einsum(
         _EINSUM[layout],
         hidden,
@@ -48,7 +47,8 @@ def _token_nll(hidden, weight, targets, layout):
     )
     # On a mesh: rows stay on the batch axes, the vocabulary on the tensor axis (no-op off-mesh).
     logits = constrain(logits, ("batch", None, "vocab"))
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - picked
 
 
 def chunked_cross_entropy(

@@ -24,17 +24,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "seq", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the mesh axes a batch is split over
 
 # logical name -> mesh axis (str), tuple of mesh axes, or None (replicated).
+if TYPE_CHECKING:  # flax only for the parameter helpers: the ops import this module without it
+    from flax import nnx
+
 LOGICAL_AXIS_RULES: dict[str, Any] = {
     "batch": BATCH_AXES,
     "embed": "fsdp",
@@ -220,6 +222,8 @@ def state_shardings(
     Returns:
       a State of the same structure with ``NamedSharding`` leaves.
     """
+
+    from flax import nnx  # here, not at the top: the ops import this module without flax
 
     def one(var):
         if not isinstance(var, nnx.Variable):
