@@ -1,0 +1,354 @@
+"""The shared core of the drivers that train LM-shell models from scratch on generated batches.
+
+:mod:`nested_jax.experiments.mqar` (MQAR) and :mod:`nested_jax.experiments.synthetic` (formal
+languages, MAD) differ only in their batches and their scorer; everything else lives here:
+
+* model specs: a registered mixer name, optionally ``<name>+proteus<E>`` (:func:`parse_model`,
+  :func:`model_config`), validated by :func:`check_models`;
+* equal parameter budgets: :func:`count_params` (abstract shapes, nothing allocated) and
+  :func:`matched_d_model` / :func:`model_widths` (every model after the first gets the width whose
+  parameter count is closest to the first model's);
+* training: :func:`build_training` (AdamW behind global-norm clipping, linear warmup + cosine decay;
+  the CMS pretrain-mode steps for Hope models) and :func:`fit` (``steps`` steps on batches drawn
+  from one seeded generator, so every model sees the same batch sequence);
+* scoring: :func:`make_scorer` (accuracy weighted by the scored positions, and the mean loss there,
+  over a list of held-out batches);
+* a per-model result cache keyed by the settings (:func:`cached_row`), so a re-run resumes.
+
+Settings: any object with the attributes of :class:`ShellSettings` (``MqarSettings``,
+``SyntheticSettings``). A batch is ``{"inputs", "targets": int32[B, T], "loss_mask":
+float32[B, T]}``; the loss is taken only where ``loss_mask`` is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nested_jax.files import write_json
+
+Batch = dict[str, np.ndarray]
+
+
+class ShellSettings(Protocol):
+    """What the shared core reads from a driver's settings."""
+
+    steps: int  # optimizer steps per model
+    batch_size: int  # sequences per step
+    d_model: int  # width of the first model (the parameter budget)
+    n_layers: int  # blocks per model
+    n_heads: int  # heads per mixer
+    lr: float  # AdamW peak learning rate
+    warmup_steps: int  # linear warmup steps
+    weight_decay: float  # decoupled AdamW weight decay on matrices
+    seed: int  # parameter init and training batches
+
+    @property
+    def seq_len(self) -> int: ...  # T of a training batch (Proteus context, chunk size)
+
+    @property
+    def vocab(self) -> int: ...  # model vocabulary
+
+
+PROTEUS_TAG = "+proteus"
+
+
+def check_positive(s: object, names: Sequence[str]) -> None:
+    """Raises ``ValueError`` naming the first field of ``names`` that is below 1."""
+    for name in names:
+        if getattr(s, name) < 1:
+            raise ValueError(f"{name}: expected >= 1, got {getattr(s, name)}")
+
+
+def check_multipliers(m: object) -> None:
+    """Raises ``ValueError`` naming ``eval_multipliers`` unless ``m`` is a non-empty tuple of
+    distinct positive ints."""
+    if (
+        not isinstance(m, tuple)
+        or not m
+        or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in m)
+        or len(set(m)) != len(m)
+    ):
+        raise ValueError(
+            f"eval_multipliers: expected a non-empty tuple of distinct positive ints, got {m!r}"
+        )
+
+
+def parse_model(spec: str) -> tuple[str, int]:
+    """``"gdn"`` -> ``("gdn", 1)``; ``"gdn+proteus16"`` -> ``("gdn", 16)`` (Proteus blocks E).
+
+    Raises:
+      ValueError: naming ``models`` when the Proteus suffix is not a positive int.
+    """
+    if PROTEUS_TAG not in spec:
+        return spec, 1
+    name, _, blocks = spec.partition(PROTEUS_TAG)
+    if not blocks.isdigit() or int(blocks) < 1:
+        raise ValueError(
+            f"models: {spec!r}: expected <name>{PROTEUS_TAG}<E> with a positive int E "
+            f"(e.g. gdn{PROTEUS_TAG}16)"
+        )
+    return name, int(blocks)
+
+
+def check_models(models: Sequence[str]) -> None:
+    """Raises ``ValueError`` naming ``models`` when the list is empty, has duplicates, or names a
+    mixer that is not registered (``nested_jax.models.available_mixers``)."""
+    from nested_jax.models import available_mixers
+
+    if not models:
+        raise ValueError("models: expected at least one model name")
+    known = available_mixers()
+    unknown = [m for m in models if parse_model(m)[0] not in known]
+    if unknown:
+        raise ValueError(f"models: unknown {unknown}; registered: {list(known)}")
+    if len(set(models)) != len(models):
+        raise ValueError(f"models: duplicate names in {list(models)}")
+
+
+def model_config(name: str, s: ShellSettings, d_model: int):
+    """The :class:`ModelConfig` of model ``name`` (maybe ``<mixer>+proteus<E>``, see
+    :func:`parse_model`) at width ``d_model`` for these settings."""
+    from nested_jax.layers.options import ProteusOptions
+    from nested_jax.models import ModelConfig
+
+    mixer, blocks = parse_model(name)
+    proteus = ProteusOptions(blocks=blocks, context_len=s.seq_len if blocks > 1 else 0)
+    chunk = min(64, s.seq_len)
+    return ModelConfig(
+        name=mixer,
+        vocab_size=s.vocab,
+        d_model=d_model,
+        n_layers=s.n_layers,
+        n_heads=s.n_heads,
+        chunk_size=chunk,
+        proteus=proteus,
+    )
+
+
+def count_params(name: str, s: ShellSettings, d_model: int) -> int:
+    """Parameters of model ``name`` at ``d_model`` (from abstract shapes; nothing allocated)."""
+    from nested_jax.models import build_model
+
+    cfg = model_config(name, s, d_model)
+    abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.state(abstract, nnx.Param)
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def matched_d_model(name: str, s: ShellSettings, target: int) -> tuple[int, int]:
+    """``(d_model, params)`` of ``name`` closest to ``target`` parameters (``d_model`` a multiple
+    of ``2 · n_heads``, searched from ``2 · n_heads`` up to ``4 · s.d_model``)."""
+    step = 2 * s.n_heads
+    best = None
+    for d in range(step, 4 * s.d_model + 1, step):
+        try:
+            n = count_params(name, s, d)
+        except ValueError:  # a mixer may reject some widths (e.g. head-dim constraints)
+            continue
+        if best is None or abs(n - target) < abs(best[1] - target):
+            best = (d, n)
+        if n >= target:
+            break  # counts grow with d_model: past the target the search is over
+    if best is None:
+        raise ValueError(f"models: no d_model gives a valid {name!r} model")
+    return best
+
+
+def model_widths(models: Sequence[str], s: ShellSettings, match_params: bool) -> dict[str, int]:
+    """``{model: d_model}``: the first at ``s.d_model``; the others matched to its parameter count
+    (:func:`matched_d_model`) when ``match_params``, else also ``s.d_model``."""
+    widths = {models[0]: s.d_model}
+    target = count_params(models[0], s, s.d_model)
+    for name in models[1:]:
+        widths[name] = matched_d_model(name, s, target)[0] if match_params else s.d_model
+    return widths
+
+
+def build_training(name: str, s: ShellSettings, d_model: int):
+    """Model ``name`` at ``d_model`` (init seed ``s.seed``), its jitted AdamW train step and the
+    initial train state: ``(graphdef, state_def, rest, step, state, n_params)``."""
+    from nested_jax.models import build_model
+    from nested_jax.train.config import OptimizerConfig
+    from nested_jax.train.optimizer import build_optimizer
+    from nested_jax.train.step import make_train_step
+
+    cfg = model_config(name, s, d_model)
+    model = build_model(cfg, rngs=nnx.Rngs(s.seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    state_def = jax.tree.structure(params)
+    params = nnx.to_pure_dict(params)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    ocfg = OptimizerConfig(
+        name="adamw",
+        lr=s.lr,
+        warmup_steps=min(s.warmup_steps, s.steps),
+        weight_decay=s.weight_decay,
+    )
+    # model=cfg: CMS models (hope, hope_attention) get their pretrain-mode multi-frequency steps
+    # as in the training loop; a no-op for every other model.
+    tx, schedule = build_optimizer(ocfg, s.steps, model=cfg)
+    step = jax.jit(make_train_step(graphdef, state_def, tx, schedule), donate_argnums=(0,))
+    state = {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "opt_state": tx.init(params),
+        "consecutive_skips": jnp.zeros((), jnp.int32),
+    }
+    return graphdef, state_def, rest, step, state, n_params
+
+
+def train(
+    name: str,
+    s: ShellSettings,
+    step,
+    state: dict,
+    rest,
+    next_batch: Callable[[np.random.Generator], Batch],
+    log_every: int,
+):
+    """``s.steps`` steps on ``next_batch(rng)`` with one generator seeded by ``s.seed`` (the same
+    batch sequence for every model).
+
+    Returns:
+      ``(state, losses, seconds, steady_seconds)``: wall time of all steps (compilation
+      included) and of the steps after the first.
+    """
+    rng = np.random.default_rng(s.seed)
+    losses = []
+    t_start = t0 = time.perf_counter()
+    for i in range(1, s.steps + 1):
+        state, m = step(state, rest, next_batch(rng))
+        losses.append(m["loss"])
+        if i == 1:  # throughput excludes the first step (compilation)
+            jax.block_until_ready(state["params"])
+            t0 = time.perf_counter()
+        if log_every and (i % log_every == 0 or i == s.steps):
+            print(f"  [{name}] step {i}/{s.steps} loss {float(m['loss']):.4f}", flush=True)
+    jax.block_until_ready(state["params"])
+    t_end = time.perf_counter()
+    return state, losses, t_end - t_start, t_end - t0
+
+
+class Trained(NamedTuple):
+    """A trained model, split as the train step holds it."""
+
+    graphdef: Any
+    state_def: Any
+    rest: Any
+    params: Any
+
+
+def fit(
+    name: str,
+    s: ShellSettings,
+    d_model: int,
+    next_batch: Callable[[np.random.Generator], Batch],
+    log_every: int = 50,
+) -> tuple[Trained, dict]:
+    """Build model ``name`` at ``d_model`` and train it (:func:`build_training`, :func:`train`).
+
+    Returns:
+      ``(trained, stats)``; ``stats``: ``params`` (count), ``final_train_loss`` (mean of the last
+      10 steps), ``train_seconds`` (compilation included), ``tokens_per_s`` (steps after the
+      first, ``s.batch_size · s.seq_len`` tokens each; NaN with a single step).
+    """
+    graphdef, state_def, rest, step, state, n_params = build_training(name, s, d_model)
+    state, losses, seconds, steady = train(name, s, step, state, rest, next_batch, log_every)
+    timed_steps = s.steps - 1
+    tail = np.asarray(jax.device_get(losses[-10:]), np.float64)
+    stats = {
+        "params": n_params,
+        "final_train_loss": float(tail.mean()),
+        "train_seconds": seconds,
+        "tokens_per_s": (
+            timed_steps * s.batch_size * s.seq_len / steady if timed_steps else float("nan")
+        ),
+    }
+    return Trained(graphdef, state_def, rest, state["params"]), stats
+
+
+def make_scorer(trained: Trained) -> Callable[[Sequence[Batch], Callable], dict]:
+    """``score(batches, accuracy_fn) -> {accuracy, eval_loss, eval_queries}`` for ``trained``.
+
+    ``accuracy_fn(logits, batch)`` is the accuracy over the batch's scored positions
+    (``loss_mask``); it is weighted by their number, so the result is the accuracy over all scored
+    positions of ``batches``. ``eval_loss`` is the mean loss (nats) there; ``eval_queries`` their
+    number. The jitted forward passes are compiled once per batch shape.
+    """
+    from nested_jax.train.step import make_eval_step
+
+    graphdef, state_def, rest, params = trained
+    eval_step = jax.jit(make_eval_step(graphdef, state_def))
+    logits_fn = jax.jit(
+        lambda p, tokens: nnx.merge(
+            graphdef, jax.tree.unflatten(state_def, jax.tree.leaves(p)), rest
+        )(tokens)[0]
+    )
+
+    def score(batches: Sequence[Batch], accuracy_fn: Callable) -> dict:
+        correct, total, loss_sum, tokens = 0.0, 0, 0.0, 0.0
+        for b in batches:
+            n = int(b["loss_mask"].sum())
+            correct += accuracy_fn(logits_fn(params, b["inputs"]), b) * n
+            total += n
+            sums = eval_step(params, rest, b)
+            loss_sum += float(sums["loss_sum"])
+            tokens += float(sums["tokens"])
+        return {"accuracy": correct / total, "eval_loss": loss_sum / tokens, "eval_queries": total}
+
+    return score
+
+
+def cached_row(path: Path | None, key: dict, compute: Callable[[], dict], label: str) -> dict:
+    """``compute()``, or the row saved at ``path`` by an earlier call with an equal ``key``.
+
+    A computed row is saved as ``{"key", "row"}`` JSON at ``path`` (nothing when ``path`` is None),
+    so a re-run with the same settings resumes after its last finished model.
+    """
+    if path is not None and path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == json.loads(json.dumps(key)):
+            print(f"== {label}: reusing {path}", flush=True)
+            return saved["row"]
+    row = compute()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"key": key, "row": row})
+    return row
+
+
+def _scalar_fields(cls: type, skip: Sequence[str]) -> list[tuple[str, Any]]:
+    defaults = cls()
+    return [
+        (f.name, getattr(defaults, f.name))
+        for f in dataclasses.fields(cls)
+        if f.name not in skip
+        and not isinstance(getattr(defaults, f.name), bool)
+        and isinstance(getattr(defaults, f.name), int | float | str)
+    ]
+
+
+def add_scalar_flags(p: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:
+    """``--field-name`` (default None) for every int / float / str field of dataclass ``cls``."""
+    for name, value in _scalar_fields(cls, skip):
+        p.add_argument("--" + name.replace("_", "-"), type=type(value), default=None, dest=name)
+
+
+def scalar_values(args: argparse.Namespace, cls: type, skip: Sequence[str] = ()) -> dict:
+    """The fields of :func:`add_scalar_flags` given on the command line (not None)."""
+    return {
+        name: getattr(args, name)
+        for name, _ in _scalar_fields(cls, skip)
+        if getattr(args, name) is not None
+    }

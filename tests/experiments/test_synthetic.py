@@ -1,0 +1,127 @@
+"""Generated-task comparison (nested_jax.experiments.synthetic): end to end on a formal task and a
+MAD task, settings validation, aggregation over seeds."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from nested_jax.experiments import synthetic
+from nested_jax.experiments.synthetic import SyntheticSettings
+
+TINY = ["--d-model", "16", "--n-layers", "1", "--batch-size", "4", "--eval-batches", "2"]
+TINY += ["--steps", "2", "--warmup-steps", "1"]
+RUN_KEYS = {"model", "seed", "d_model", "params", "steps", "final_train_loss", "accuracy"}
+RUN_KEYS |= {"scores", "train_seconds", "tokens_per_s"}
+
+
+def test_formal_task_end_to_end_writes_json_md_png(tmp_path, capsys):
+    out = tmp_path / "synth"
+    argv = ["--task", "formal:dyck1", "--models", "transformer", *TINY]
+    argv += ["--train-lengths", "2", "6", "--eval-multipliers", "1", "2", "--out", str(out)]
+    assert synthetic.main(argv) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((out / "formal_dyck1.json").read_text())
+    md = (out / "formal_dyck1.md").read_text()
+    png = (out / "formal_dyck1.png").read_bytes()
+    assert md in printed and png.startswith(b"\x89PNG")
+    assert "| 1× (2–6) | 2× (7–12) |" in md and "| transformer | 16 |" in md
+    assert result["task"] == "formal:dyck1" and result["seeds"] == [0]
+    assert result["chance"] == pytest.approx(0.5)
+    (run,) = result["runs"]
+    assert set(run) == RUN_KEYS and run["model"] == "transformer" and run["steps"] == 2
+    assert list(run["scores"]) == ["1", "2"]
+    for key, (lo, hi) in {"1": (2, 6), "2": (7, 12)}.items():
+        sc = run["scores"][key]
+        assert (sc["min_len"], sc["max_len"], sc["seq_len"]) == (lo, hi, int(key) * 8)
+        assert 0.0 <= sc["accuracy"] <= 1.0 and sc["eval_loss"] > 0
+        assert sc["eval_queries"] == 2 * 4  # one answer per string, 2 batches of 4
+    assert run["accuracy"] == run["scores"]["1"]["accuracy"]
+    (row,) = result["rows"]
+    assert row["model"] == "transformer" and row["seeds"] == [0]
+    assert row["scores"]["2"]["accuracy"]["mean"] == run["scores"]["2"]["accuracy"]
+    # a re-run with the same settings reuses the finished model: identical rows, nothing trained
+    assert synthetic.main(argv) == 0
+    assert "reusing" in capsys.readouterr().out
+    assert json.loads((out / "formal_dyck1.json").read_text())["runs"] == result["runs"]
+
+
+def test_mad_task_end_to_end(tmp_path):
+    s = SyntheticSettings(
+        task="mad:in_context_recall", steps=2, batch_size=4, d_model=16, n_layers=1,
+        warmup_steps=1, eval_batches=2, mad_sizes=(("seq_len", 16),),
+    )  # fmt: skip
+    assert (s.vocab, s.seq_len, s.chance) == (16, 15, pytest.approx(1 / 8))
+    res = synthetic.run_synthetic(["gdn"], s, seeds=(3,), out=tmp_path)
+    (run,) = res["runs"]
+    assert set(run) == RUN_KEYS and run["seed"] == 3
+    sc = run["scores"]["heldout"]
+    assert 0.0 <= sc["accuracy"] <= 1.0 and sc["eval_queries"] > 0 and sc["seq_len"] == 15
+    assert "| gdn | 16 |" in res["markdown"] and "× chance" in res["markdown"]
+    for ext in ("json", "md", "png"):
+        assert (tmp_path / f"mad_in_context_recall.{ext}").is_file()
+
+
+def test_bad_task_names_exit_with_one_line_naming_the_argument(capsys):
+    for task in ("parity", "formal:palindromes", "mad:nope", "regular:parity"):
+        assert synthetic.main(["--task", task, "--models", "gdn"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: task:") and "\n" not in err and repr(task) in err
+    with pytest.raises(ValueError, match="^task:"):
+        SyntheticSettings(task="formal")
+
+
+def test_settings_name_the_bad_argument(capsys):
+    bad = {
+        "train_lengths": dict(task="formal:modular_counting", train_lengths=(1, 8)),
+        "eval_multipliers": dict(eval_multipliers=(1, 1)),
+        "mad_sizes": dict(task="formal:parity", mad_sizes=(("seq_len", 8),)),
+        "d_model": dict(d_model=15, n_heads=2),
+    }
+    for field, kwargs in bad.items():
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            SyntheticSettings(**kwargs)
+    with pytest.raises(ValueError, match="^mad_sizes:"):
+        SyntheticSettings(task="mad:selective_copying", mad_sizes=(("no_such_size", 3),))
+    argv = ["--task", "mad:compression", "--models", "gdn", "--train-lengths", "1", "4"]
+    assert synthetic.main(argv) == 2
+    assert capsys.readouterr().err.startswith("error: train_lengths:")
+    assert synthetic.main(["--task", "mad:compression", "--models", "gdn", "--mad-sizes", "x"]) == 2
+    assert capsys.readouterr().err.startswith("error: mad_sizes:")
+    assert synthetic.main(["--task", "formal:parity", "--models", "no_such_model"]) == 2
+    assert capsys.readouterr().err.startswith("error: models:")
+
+
+def test_length_bins_and_held_out_batches():
+    s = SyntheticSettings(task="formal:parity", train_lengths=(1, 16), eval_batches=2)
+    assert [s.eval_lengths(m) for m in (1, 2, 4, 8)] == [(1, 16), (17, 32), (33, 64), (65, 128)]
+    sets = synthetic.eval_sets(s)
+    assert [k for k, _, _ in sets] == ["1", "2", "4", "8"]
+    for _, info, batches in sets:
+        for b in batches:
+            n = b["loss_mask"].argmax(-1) - 1  # string lengths
+            assert b["inputs"].shape == (32, info["seq_len"])
+            assert n.min() >= info["min_len"] and n.max() <= info["max_len"]
+    # held-out batches come from seed + 10_000, training batches from the seed
+    train = synthetic.train_batch(s, np.random.default_rng(s.seed))
+    assert not np.array_equal(train["inputs"], sets[0][2][0]["inputs"])
+
+
+def test_aggregate_over_seeds():
+    def run(seed, acc):
+        sc = {"1": {"multiplier": 1, "min_len": 1, "max_len": 4, "accuracy": acc, "eval_loss": 1.0}}
+        return {"model": "m", "seed": seed, "d_model": 8, "params": 10, "scores": sc,
+                "final_train_loss": 2.0, "train_seconds": 1.0}  # fmt: skip
+
+    (row,) = synthetic.aggregate([run(0, 0.5), run(1, 0.7)])
+    acc = row["scores"]["1"]["accuracy"]
+    assert row["seeds"] == [0, 1] and row["scores"]["1"]["max_len"] == 4
+    assert acc["mean"] == pytest.approx(0.6) and acc["std"] == pytest.approx(
+        np.std([0.5, 0.7], ddof=1)
+    )
+    assert (acc["min"], acc["max"]) == (0.5, 0.7)
+    s = SyntheticSettings(train_lengths=(1, 4), eval_multipliers=(1,))
+    md = synthetic.markdown_table([row], s, [0, 1])
+    assert "| m | 8 | 10 | 1.000 | 0.600 ± 0.141 |" in md and "seeds 0, 1" in md
