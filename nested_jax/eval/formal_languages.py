@@ -62,6 +62,8 @@ from math import comb
 
 import numpy as np
 
+from nested_jax.eval.seeds import as_rng
+
 SYMBOLS = ("0", "1", "a", "b", "c", "(", ")", "[", "]")
 
 
@@ -374,16 +376,6 @@ FORMAL_TASKS: dict[str, FormalTask] = {
 }
 
 
-def _as_rng(rng_or_seed) -> np.random.Generator:
-    if isinstance(rng_or_seed, np.random.Generator):
-        return rng_or_seed
-    if isinstance(rng_or_seed, bool) or not isinstance(rng_or_seed, int | np.integer):
-        raise ValueError(
-            f"rng_or_seed: expected an int seed or a numpy Generator, got {rng_or_seed!r}"
-        )
-    return np.random.default_rng(rng_or_seed)
-
-
 def _check_range(length_range) -> tuple[int, int]:
     ok = (
         isinstance(length_range, tuple | list)
@@ -435,7 +427,7 @@ def make_formal_batch(
     t = hi + 2 if seq_len is None else seq_len
     if t < hi + 2:
         raise ValueError(f"seq_len: needs >= hi + 2 = {hi + 2} (BOS, string, QUERY), got {seq_len}")
-    rng = _as_rng(rng_or_seed)
+    rng = as_rng(rng_or_seed)
     inputs = np.full((batch_size, t), vocab.pad, np.int32)
     targets = np.full((batch_size, t), vocab.pad, np.int32)
     mask = np.zeros((batch_size, t), np.float32)

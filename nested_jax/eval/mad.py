@@ -56,17 +56,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nested_jax.eval.seeds import as_rng
+
 Batch = dict[str, np.ndarray]
-
-
-def _as_rng(rng_or_seed) -> np.random.Generator:
-    if isinstance(rng_or_seed, np.random.Generator):
-        return rng_or_seed
-    if isinstance(rng_or_seed, bool) or not isinstance(rng_or_seed, int | np.integer):
-        raise ValueError(
-            f"rng_or_seed: expected an int seed or a numpy Generator, got {rng_or_seed!r}"
-        )
-    return np.random.default_rng(rng_or_seed)
 
 
 def _check_int(name: str, value, least: int) -> int:
@@ -124,7 +116,7 @@ def in_context_recall(
         raise ValueError(f"frac_noise: expected a fraction in [0, 1), got {frac_noise}")
     if frac_noise > 0 and noise_vocab_size == 0:
         raise ValueError("noise_vocab_size: must be > 0 when frac_noise > 0")
-    rng = _as_rng(rng_or_seed)
+    rng = as_rng(rng_or_seed)
     n_keys, n_pairs = n // 2, seq_len // 2
     stream = np.zeros((batch_size, seq_len), np.int64)
     mask = np.zeros((batch_size, seq_len - 1), np.float32)
@@ -208,7 +200,7 @@ def fuzzy_in_context_recall(
             f"seq_len: needs seq_len + 1 >= 2 * (k_motif_size + v_motif_size) = "
             f"{2 * (k_max + v_max)} (the probe twice), got {seq_len}"
         )
-    rng = _as_rng(rng_or_seed)
+    rng = as_rng(rng_or_seed)
     k_sizes = [k_max] if fixed_key_size else list(range(1, k_max + 1))
 
     def motif(tokens, sizes):
@@ -277,7 +269,7 @@ def selective_copying(
         raise ValueError(
             f"seq_len: needs > 2 * num_tokens_to_copy + 1 = {2 * n + 1}, got {seq_len}"
         )
-    rng = _as_rng(rng_or_seed)
+    rng = as_rng(rng_or_seed)
     blank, copy = vocab_size - 2, vocab_size - 1
     slots = seq_len - n - 1  # content + blanks before COPY
     inputs = np.full((batch_size, seq_len), blank, np.int64)
@@ -316,7 +308,7 @@ def compression(
     batch_size = _check_int("batch_size", batch_size, 1)
     vocab_size = _check_int("vocab_size", vocab_size, 2)
     seq_len = _check_int("seq_len", seq_len, 2)
-    rng = _as_rng(rng_or_seed)
+    rng = as_rng(rng_or_seed)
     n, token = seq_len - 1, vocab_size - 1
     content = rng.integers(0, token, size=(batch_size, n))
     inputs = np.concatenate([content, np.full((batch_size, n), token)], axis=1)
@@ -365,7 +357,7 @@ def memorization(
     if seq_len % 2:
         raise ValueError(f"seq_len: expected an even number (pairs), got {seq_len}")
     value_of = memorization_kv_map(vocab_size, kv_map_seed)
-    rng = _as_rng(rng_or_seed)
+    rng = as_rng(rng_or_seed)
     insert = vocab_size - 1
     keys = rng.integers(0, value_of.size, size=(batch_size, seq_len // 2))
     inputs = np.full((batch_size, seq_len), insert, np.int64)
