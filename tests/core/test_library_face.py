@@ -546,7 +546,12 @@ def test_shard_map_check_vma_matches_plain_call(name):
     _check_against_reference(name, _value_and_grad(sharded)(case.make(0)))
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+# Auto meshes are how the project's own training runs every rule (tests/parallel): slow here.
+@pytest.mark.parametrize(
+    "axis_type",
+    [AxisType.Explicit, pytest.param(AxisType.Auto, marks=pytest.mark.slow)],
+    ids=["explicit", "auto"],
+)
 @pytest.mark.parametrize("name", _params("mesh"))
 def test_jit_on_mesh_matches_plain_call(name, axis_type):
     """Inputs placed on a ``jax.make_mesh`` mesh (batch on ``data``, heads on ``heads``) under
