@@ -446,6 +446,18 @@ CASES = {
 MODES = ("shard_map", "mesh", "vmap")
 XFAIL: dict[tuple[str, str], str] = {}
 
+# Measured failing on an Explicit mesh (ShardingTypeError: a select / dynamic_update_slice /
+# concatenate mixes operands sharded on (data, heads) with unsharded constants); issue 18 keeps
+# them open. Strict: a fix makes these cases fail here until the entry is removed.
+EXPLICIT_FAILS = {
+    "cms_online": "select `which` unsharded vs cases sharded on (data, heads)",
+    "gdn_residuals": "concatenate of operands with different shardings",
+    "hola_decode_step": "dynamic_update_slice operand unsharded vs update on data",
+    "hola_forward": "concatenate / select with different shardings",
+    "hope_decode": "select `which` sharded vs cases unsharded",
+    "proteus_gated_delta_chunked": "select `which` unsharded vs cases on (data, heads)",
+}
+
 # Compile-heavy rules (≥ ~5 s a mode on 2 CPU cores): run with `pytest -m slow`. The default run
 # keeps the associative, Titans and CMS-forward rules, which share the carries/constants fixed here.
 SLOW = {
@@ -546,13 +558,20 @@ def test_shard_map_check_vma_matches_plain_call(name):
     _check_against_reference(name, _value_and_grad(sharded)(case.make(0)))
 
 
-# Auto meshes are how the project's own training runs every rule (tests/parallel): slow here.
-@pytest.mark.parametrize(
-    "axis_type",
-    [AxisType.Explicit, pytest.param(AxisType.Auto, marks=pytest.mark.slow)],
-    ids=["explicit", "auto"],
-)
-@pytest.mark.parametrize("name", _params("mesh"))
+def _mesh_params():
+    """(name, axis type) cases: Auto meshes (how the project's own training runs every rule,
+    tests/parallel) and the compile-heavy rules are slow; EXPLICIT_FAILS are strict xfails."""
+    out = []
+    for name in CASES:
+        for axis_type, tag in ((AxisType.Explicit, "explicit"), (AxisType.Auto, "auto")):
+            marks = [pytest.mark.slow] if name in SLOW or tag == "auto" else []
+            if tag == "explicit" and name in EXPLICIT_FAILS:
+                marks.append(pytest.mark.xfail(strict=True, reason=EXPLICIT_FAILS[name]))
+            out.append(pytest.param(name, axis_type, id=f"{name}-{tag}", marks=marks))
+    return out
+
+
+@pytest.mark.parametrize(("name", "axis_type"), _mesh_params())
 def test_jit_on_mesh_matches_plain_call(name, axis_type):
     """Inputs placed on a ``jax.make_mesh`` mesh (batch on ``data``, heads on ``heads``) under
     ``jax.set_mesh``, then ``jax.jit`` of value and grad."""
