@@ -63,6 +63,7 @@ from math import comb
 import numpy as np
 
 from nested_jax.eval.seeds import as_rng
+from nested_jax.eval.tasks import predicted_ids
 
 SYMBOLS = ("0", "1", "a", "b", "c", "(", ")", "[", "]")
 
@@ -461,20 +462,13 @@ def formal_correct(logits, batch: dict) -> np.ndarray:
       logits: float[B, T, V], or the argmax ids int[B, T].
       batch: from :func:`make_formal_batch` (uses ``targets`` and ``loss_mask``).
     """
-    out = np.asarray(logits)
     targets, mask = np.asarray(batch["targets"]), np.asarray(batch["loss_mask"])
-    is_ids = out.ndim == 2 and np.issubdtype(out.dtype, np.integer)
-    if out.shape[:2] != targets.shape or not (out.ndim == 3 or is_ids):
-        raise ValueError(
-            f"logits: expected [B, T, V] (or int ids [B, T]) with B, T = {targets.shape}, "
-            f"got {out.dtype} {out.shape}"
-        )
+    ids = predicted_ids(logits, targets.shape)
     if not ((mask > 0).sum(-1) == 1).all():
         raise ValueError("batch: loss_mask must select exactly one answer position per row")
     pos = mask.argmax(-1)
     rows = np.arange(targets.shape[0])
-    pred = out[rows, pos] if is_ids else out[rows, pos].argmax(-1)
-    return pred == targets[rows, pos]
+    return ids[rows, pos] == targets[rows, pos]
 
 
 def formal_accuracy(logits, batch: dict) -> float:

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nested_jax.eval.seeds import as_rng
+from nested_jax.eval.tasks import predicted_ids
 
 Batch = dict[str, np.ndarray]
 
@@ -449,20 +450,14 @@ def mad_accuracy(logits, batch: dict, average: str = "micro") -> float:
     Returns:
       Accuracy in [0, 1].
     """
-    out = np.asarray(logits)
     targets, mask = np.asarray(batch["targets"]), np.asarray(batch["loss_mask"])
-    is_ids = out.ndim == 2 and np.issubdtype(out.dtype, np.integer)
-    if out.shape[:2] != targets.shape or not (out.ndim == 3 or is_ids):
-        raise ValueError(
-            f"logits: expected [B, T, V] (or int ids [B, T]) with B, T = {targets.shape}, "
-            f"got {out.dtype} {out.shape}"
-        )
+    ids = predicted_ids(logits, targets.shape)
     if average not in ("micro", "macro"):
         raise ValueError(f"average: expected 'micro' or 'macro', got {average!r}")
     sel = mask > 0
     if not sel.any():
         raise ValueError("batch: loss_mask selects no scored positions")
-    pred = (out if is_ids else out.argmax(-1))[sel]
+    pred = ids[sel]
     want = targets[sel]
     if average == "micro":
         return float((pred == want).mean())

@@ -190,7 +190,7 @@ def score_niah(
         for a in range(0, len(idx), batch_size):
             chunk = idx[a : a + batch_size]
             tokens = np.stack([examples[i].tokens for i in chunk]).astype(np.int32)
-            predicted = _argmax_ids(np.asarray(logits_fn(tokens)), tokens.shape)
+            predicted = predicted_ids(logits_fn(tokens), tokens.shape, name="logits_fn")
             for row, i in enumerate(chunk):
                 ex = examples[i]
                 pred = predicted[row, ex.prompt_len - 1 : length - 1]
@@ -209,14 +209,16 @@ def score_niah(
     }
 
 
-def _argmax_ids(out: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    """``[B, L]`` predicted ids from logits ``[B, L, V]`` or from ids already taken."""
-    ok = out.shape[:2] == shape and (
+def predicted_ids(out, shape: tuple[int, int], name: str = "logits") -> np.ndarray:
+    """``[B, L]`` predicted ids from logits ``[B, L, V]`` or from ids already taken (every
+    generated task's scorer takes either); ValueError naming ``name`` for any other shape."""
+    out = np.asarray(out)
+    ok = out.shape[:2] == tuple(shape) and (
         out.ndim == 3 or (out.ndim == 2 and np.issubdtype(out.dtype, np.integer))
     )
     if not ok:
         raise ValueError(
-            f"logits_fn: expected logits [B, L, V] or int ids [B, L] with B, L = {shape}, "
+            f"{name}: expected logits [B, L, V] or int ids [B, L] with B, L = {tuple(shape)}, "
             f"got {out.dtype} {out.shape}"
         )
     return out.argmax(-1) if out.ndim == 3 else out
