@@ -77,12 +77,11 @@ def _rule(rule: str, args, split: bool):
     return lambda x: titans_linear_chunked(**x, chunk_size=chunk)
 
 
-def _program(rule: str, args, devices: int | None):
-    """``(value_and_grad of the loss, mesh)``: plain on one device when ``devices`` is None, else
-    the context-parallel rule under ``shard_map`` over a ``devices``-long 'seq' axis."""
+def _forward(rule: str, args, devices: int | None):
+    """``(rule on named inputs, mesh)``: the plain rule on one device when ``devices`` is None,
+    else the context-parallel rule under ``shard_map`` over a ``devices``-long 'seq' axis."""
     if devices is None:
-        f = _rule(rule, args, split=False)
-        return jax.value_and_grad(lambda x: _loss(*f(x))), None
+        return _rule(rule, args, split=False), None
     mesh = jax.make_mesh(
         (devices,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
         devices=jax.devices()[:devices],
@@ -93,6 +92,12 @@ def _program(rule: str, args, devices: int | None):
         in_specs=(P(None, "seq"),),
         out_specs=(P(None, "seq"), P()),
     )
+    return f, mesh
+
+
+def _program(rule: str, args, devices: int | None):
+    """``(value_and_grad of the loss, mesh)`` of :func:`_forward`."""
+    f, mesh = _forward(rule, args, devices)
     return jax.value_and_grad(lambda x: _loss(*f(x))), mesh
 
 
@@ -107,15 +112,11 @@ def check_equal(rule: str, args) -> dict[str, float]:
     """Max relative error of the context-parallel rule on ``--check-devices`` devices against the
     plain rule: outputs, final state(s) and every input's gradient."""
     x = _inputs(rule, args.batch, args.seq_len, args.heads, args.dim)
-    plain = _rule(rule, args, split=False)
-    split_grad, mesh = _program(rule, args, args.check_devices)
-    split = jax.shard_map(
-        _rule(rule, args, split=True), mesh=mesh, in_specs=(P(None, "seq"),),
-        out_specs=(P(None, "seq"), P()),
-    )  # fmt: skip
+    plain, _ = _forward(rule, args, None)
+    split, _ = _forward(rule, args, args.check_devices)
     (o_ref, final_ref), (o, final) = jax.jit(plain)(x), jax.jit(split)(x)
     grads_ref = jax.jit(jax.grad(lambda x: _loss(*plain(x))))(x)
-    grads = jax.jit(split_grad)(x)[1]
+    grads = jax.jit(jax.grad(lambda x: _loss(*split(x))))(x)
     rel = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))  # noqa: E731
     errors = {"o": rel(o, o_ref)}
     states = zip(jax.tree.leaves(final), jax.tree.leaves(final_ref), strict=True)
