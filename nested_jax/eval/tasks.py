@@ -61,8 +61,43 @@ class NiahExample:
         return self.tokens[self.prompt_len :]
 
 
-def _ids(tokenizer: Tokenizer, text: str) -> np.ndarray:
+def token_ids(tokenizer: Tokenizer, text: str) -> np.ndarray:
+    """``int32[n]`` ids of ``text`` (every generated task encodes its pieces one by one)."""
     return np.asarray(tokenizer.encode(text), dtype=np.int32)
+
+
+def haystack_window(haystack_ids: np.ndarray, n_fill: int, rng: np.random.Generator) -> np.ndarray:
+    """``n_fill`` consecutive haystack ids from a random offset (the haystack tiled when it is
+    shorter than ``n_fill + 1``), the filler of every needle task."""
+    if haystack_ids.size < n_fill + 1:
+        haystack_ids = np.tile(haystack_ids, n_fill // haystack_ids.size + 2)
+    start = int(rng.integers(0, haystack_ids.size - n_fill + 1))
+    return haystack_ids[start : start + n_fill]
+
+
+def answer_predictions(
+    logits_fn: Callable, examples: Sequence, batch_size: int
+) -> list[np.ndarray]:
+    """Teacher-forced predictions of every example's answer, in input order.
+
+    Examples (anything with ``tokens int32[length]``, ``length`` and ``prompt_len``) of one length
+    are stacked into batches of up to ``batch_size`` and passed whole to ``logits_fn``
+    (``int32[B, length] -> logits [B, length, V]`` or argmax ids ``[B, length]``); an example's
+    prediction is the argmax at positions ``prompt_len - 1 .. length - 2``, the positions that
+    predict its answer tokens.
+    """
+    out: list[np.ndarray] = [np.zeros(0, np.int32)] * len(examples)
+    by_length: dict[int, list[int]] = {}
+    for i, ex in enumerate(examples):
+        by_length.setdefault(ex.length, []).append(i)
+    for length, idx in by_length.items():
+        for a in range(0, len(idx), batch_size):
+            chunk = idx[a : a + batch_size]
+            tokens = np.stack([examples[i].tokens for i in chunk]).astype(np.int32)
+            predicted = predicted_ids(logits_fn(tokens), tokens.shape, name="logits_fn")
+            for row, i in enumerate(chunk):
+                out[i] = predicted[row, examples[i].prompt_len - 1 : length - 1]
+    return out
 
 
 def make_niah_example(
@@ -91,19 +126,16 @@ def make_niah_example(
         raise ValueError(f"haystack_ids: expected a non-empty [N] array, got {haystack_ids.shape}")
     key = str(int(rng.integers(10000, 100000)))
     head = np.asarray([] if tokenizer.bos_id is None else [tokenizer.bos_id], np.int32)
-    needle = _ids(tokenizer, " " + NEEDLE_TEMPLATE.format(key=key) + " ")
-    question = _ids(tokenizer, "\n\n" + QUESTION)
-    answer = _ids(tokenizer, " " + key)
+    needle = token_ids(tokenizer, " " + NEEDLE_TEMPLATE.format(key=key) + " ")
+    question = token_ids(tokenizer, "\n\n" + QUESTION)
+    answer = token_ids(tokenizer, " " + key)
     n_fill = length - head.size - needle.size - question.size - answer.size
     if n_fill < 0:
         raise ValueError(
             f"lengths: {length} tokens cannot hold the needle, question and answer "
             f"({length - n_fill} tokens)"
         )
-    if haystack_ids.size < n_fill + 1:
-        haystack_ids = np.tile(haystack_ids, n_fill // haystack_ids.size + 2)
-    start = int(rng.integers(0, haystack_ids.size - n_fill + 1))
-    fill = haystack_ids[start : start + n_fill]
+    fill = haystack_window(haystack_ids, n_fill, rng)
     pos = int(round(depth * n_fill))
     tokens = np.concatenate([head, fill[:pos], needle, fill[pos:], question, answer])
     assert tokens.size == length
@@ -146,7 +178,7 @@ def niah_grid(
         raise ValueError(f"depths: expected fractions in [0, 1], got {list(depths)}")
     if n_per_cell < 1:
         raise ValueError(f"n_per_cell: expected >= 1, got {n_per_cell}")
-    hay = _ids(tokenizer, haystack_text)
+    hay = token_ids(tokenizer, haystack_text)
     rng = np.random.default_rng(seed)
     return [
         make_niah_example(hay, tokenizer, int(n), float(d), rng)
@@ -182,19 +214,10 @@ def score_niah(
         raise ValueError("examples: expected at least one NIAH example")
     if batch_size < 1:
         raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
-    correct = [False] * len(examples)
-    by_length: dict[int, list[int]] = {}
-    for i, ex in enumerate(examples):
-        by_length.setdefault(ex.length, []).append(i)
-    for length, idx in by_length.items():
-        for a in range(0, len(idx), batch_size):
-            chunk = idx[a : a + batch_size]
-            tokens = np.stack([examples[i].tokens for i in chunk]).astype(np.int32)
-            predicted = predicted_ids(logits_fn(tokens), tokens.shape, name="logits_fn")
-            for row, i in enumerate(chunk):
-                ex = examples[i]
-                pred = predicted[row, ex.prompt_len - 1 : length - 1]
-                correct[i] = bool(np.array_equal(pred, ex.answer))
+    predictions = answer_predictions(logits_fn, examples, batch_size)
+    correct = [
+        bool(np.array_equal(p, ex.answer)) for p, ex in zip(predictions, examples, strict=True)
+    ]
     table: dict[int, dict[float, float]] = {}
     cells: dict[tuple[int, float], list[bool]] = {}
     for ex, ok in zip(examples, correct, strict=True):
