@@ -7,7 +7,11 @@ Computes validation loss, perplexity and bits/byte (``eval.eval_batches`` batche
 validation split) and a needle-in-a-haystack accuracy grid (``eval.niah_lengths`` ×
 ``eval.niah_depths``, ``eval.niah_per_cell`` examples per cell, teacher-forced exact match of the
 passkey), writes ``workdir/eval_report.json`` and ``workdir/eval_report.md`` and prints the
-Markdown. The workdir is only read (plus the two report files).
+Markdown. ``--suite validation,niah,ruler,babilong`` picks the sections (default
+``validation,niah``): ``ruler`` runs the RULER-style retrieval kinds, ``babilong`` the bAbI-style
+questions over facts scattered in the validation text (:mod:`nested_jax.eval.suites`, sizes in the
+config's ``eval`` section), each with a plot ``workdir/eval_<suite>.png``. The workdir is only read
+(plus the report files and plots).
 
 Continual mode (``nested_jax.eval.continual``): ``--stream val|FILE`` runs a long text through the
 model once, carrying every memory across the whole stream (and, with ``--cms-periods``, updating
@@ -22,7 +26,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 
+from nested_jax.eval.suites import (
+    DEFAULT_SUITES,
+    RUNNERS,
+    SECTIONS,
+    SUITES,
+    parse_suites,
+    plot_suite,
+)
 from nested_jax.files import PathError, as_path, atomic_write_text, write_json
 from nested_jax.train.config import ConfigError, add_override_argument
 
@@ -36,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_override_argument(
         p, "override a field of the saved config, e.g. --set eval.niah_per_cell=8"
+    )
+    p.add_argument(
+        "--suite",
+        default=",".join(DEFAULT_SUITES),
+        help=f"what to evaluate, names from {', '.join(SUITES)} joined by commas "
+        f"(default {','.join(DEFAULT_SUITES)}); sizes in the config's eval section",
     )
     s = p.add_argument_group("continual stream (instead of the standard report)")
     s.add_argument("--stream", help="'val' (the validation documents) or a UTF-8 text file")
@@ -60,11 +79,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_eval(trained) -> dict:
-    """Validation metrics + NIAH grid for a :class:`~nested_jax.train.inference.TrainedModel`."""
-    from nested_jax.data import pipeline
-    from nested_jax.eval.tasks import niah_grid, score_niah
+def run_eval(trained, suites: Sequence[str] = DEFAULT_SUITES) -> dict:
+    """The report of ``suites`` (:data:`~nested_jax.eval.suites.SUITES`) for a
+    :class:`~nested_jax.train.inference.TrainedModel`: validation metrics and each generated
+    retrieval suite (NIAH, RULER-style, BABILong-style; :mod:`nested_jax.eval.suites`)."""
     from nested_jax.train.inference import sharded_argmax_fn
+
+    cfg = trained.config
+    report = {
+        "workdir": str(trained.workdir),
+        "step": trained.step,
+        "model": cfg.model.name,
+        "suites": list(suites),
+    }
+    if "validation" in suites:
+        report.update(validation_report(trained))
+    generated = [n for n in suites if n in RUNNERS]
+    if "niah" in generated and not (
+        cfg.eval.niah_per_cell > 0 and cfg.eval.niah_lengths and cfg.eval.niah_depths
+    ):
+        report["niah"] = None  # switched off in the config (eval.niah_per_cell = 0)
+        generated.remove("niah")
+    if generated:
+        haystack = "\n\n".join(trained.bundle.val_docs or trained.bundle.train_docs)
+        predict = sharded_argmax_fn(trained)
+        for name in generated:
+            report[name] = RUNNERS[name](predict, trained.tokenizer, haystack, cfg.eval)
+    return report
+
+
+def validation_report(trained) -> dict:
+    """Validation loss / perplexity / bits per byte (``eval.eval_batches`` batches) and the
+    corpus's unigram byte entropy, the bits/byte of a model that learned nothing but frequencies."""
+    from nested_jax.data import pipeline
     from nested_jax.train.loop import evaluate
 
     cfg = trained.config
@@ -78,10 +125,7 @@ def run_eval(trained) -> dict:
     entropy = pipeline.unigram_byte_entropy(
         list(trained.bundle.train_docs) + list(trained.bundle.val_docs)
     )
-    report = {
-        "workdir": str(trained.workdir),
-        "step": trained.step,
-        "model": cfg.model.name,
+    return {
         "validation": {
             "loss": val["val_loss"],
             "perplexity": val["val_perplexity"],
@@ -91,69 +135,61 @@ def run_eval(trained) -> dict:
             "batches": len(batches),
         },
         "unigram_entropy_bits_per_byte": entropy,
-        "niah": None,
     }
-    if cfg.eval.niah_per_cell > 0 and cfg.eval.niah_lengths and cfg.eval.niah_depths:
-        haystack = "\n\n".join(trained.bundle.val_docs or trained.bundle.train_docs)
-        examples = niah_grid(
-            haystack,
-            trained.tokenizer,
-            cfg.eval.niah_lengths,
-            cfg.eval.niah_depths,
-            cfg.eval.niah_per_cell,
-            cfg.eval.niah_seed,
-        )
-        result = score_niah(sharded_argmax_fn(trained), examples)
-        report["niah"] = {
-            # JSON keys are strings: "length" -> {"depth": accuracy}
-            "accuracy": {
-                str(n): {f"{d:g}": a for d, a in row.items()}
-                for n, row in result["accuracy"].items()
-            },
-            "overall": result["overall"],
-            "num_examples": result["num_examples"],
-        }
-    return report
 
 
 def report_markdown(report: dict) -> str:
-    """The report as Markdown tables (validation metrics, then NIAH accuracy by length × depth)."""
-    v = report["validation"]
-    gap = report["unigram_entropy_bits_per_byte"] - v["bits_per_byte"]
+    """The report as Markdown: the validation table, then a section per generated suite."""
     lines = [
-        f"# Evaluation of `{report['workdir']}` (model `{report['model']}`, step {report['step']})",
-        "",
-        "| metric | value |",
-        "|---|---:|",
-        f"| validation loss (nats/token) | {v['loss']:.4f} |",
-        f"| validation perplexity | {v['perplexity']:.3f} |",
-        f"| validation bits/byte | {v['bits_per_byte']:.4f} |",
-        f"| corpus unigram entropy (bits/byte) | {report['unigram_entropy_bits_per_byte']:.4f} |",
-        f"| bits/byte below unigram entropy | {gap:.4f} |",
-        f"| validation tokens / bytes | {int(v['tokens'])} / {int(v['bytes'])} |",
+        f"# Evaluation of `{report['workdir']}` (model `{report['model']}`, step {report['step']})"
     ]
-    if report.get("corpus_change"):
-        lines += ["", f"> warning: {report['corpus_change']} (evaluated on the current text)"]
-    niah = report.get("niah")
-    if niah:
-        depths = sorted({float(d) for row in niah["accuracy"].values() for d in row})
+    v = report.get("validation")
+    if v:
+        gap = report["unigram_entropy_bits_per_byte"] - v["bits_per_byte"]
         lines += [
             "",
-            "## Needle in a haystack (passkey exact match)",
-            "",
-            "| length | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
-            "|---:|" + "---:|" * len(depths),
+            "| metric | value |",
+            "|---|---:|",
+            f"| validation loss (nats/token) | {v['loss']:.4f} |",
+            f"| validation perplexity | {v['perplexity']:.3f} |",
+            f"| validation bits/byte | {v['bits_per_byte']:.4f} |",
+            f"| corpus unigram entropy (bits/byte) | "
+            f"{report['unigram_entropy_bits_per_byte']:.4f} |",
+            f"| bits/byte below unigram entropy | {gap:.4f} |",
+            f"| validation tokens / bytes | {int(v['tokens'])} / {int(v['bytes'])} |",
         ]
-        for n in sorted(niah["accuracy"], key=int):
-            row = niah["accuracy"][n]
-            cells = [f"{row[f'{d:g}']:.2f}" if f"{d:g}" in row else "" for d in depths]
-            lines.append(f"| {n} | " + " | ".join(cells) + " |")
-        lines += ["", f"overall {niah['overall']:.3f} over {niah['num_examples']} examples"]
+    if report.get("corpus_change"):
+        lines += ["", f"> warning: {report['corpus_change']} (evaluated on the current text)"]
+    for name, section in SECTIONS.items():
+        if report.get(name):
+            lines += ["", *section(report[name])]
     return "\n".join(lines) + "\n"
+
+
+def write_plots(workdir, report: dict) -> list[str]:
+    """``eval_<suite>.png`` for every generated suite in the report (process 0 only)."""
+    import jax
+
+    if jax.process_index() != 0:
+        return []
+    workdir = as_path(workdir)
+    title = f"{report['model']} step {report['step']}"
+    paths = []
+    for name in RUNNERS:
+        if report.get(name):
+            path = workdir / f"eval_{name}.png"
+            plot_suite(name, report[name], path, title)
+            paths.append(str(path))
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        suites = parse_suites(args.suite)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     from nested_jax.parallel.distributed import maybe_initialize
     from nested_jax.train.inference import load_trained
 
@@ -168,9 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             report = run_stream(trained, args)
             name, md = "stream_report", stream_markdown(report)
         else:
-            report = run_eval(trained)
+            report = run_eval(trained, suites)
             if trained.corpus_change is not None:
                 report["corpus_change"] = trained.corpus_change
+            report["plots"] = write_plots(workdir, report)
             name, md = "eval_report", report_markdown(report)
     except (ConfigError, PathError) as err:
         print(f"config error: {err}", file=sys.stderr)

@@ -106,7 +106,23 @@ class EvalConfig:
     # NIAH needle depths as fractions of the haystack (0 = start, 1 = end)
     niah_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
     niah_per_cell: int = 4  # NIAH examples per (length, depth) cell
-    niah_seed: int = 0  # seed of the NIAH generator (needle values, haystack offsets)
+    niah_seed: int = 0  # seed of every generated eval task (needle values, haystack offsets)
+    # `nested-jax eval --suite ruler` (nested_jax.eval.ruler): kinds, lengths (× niah_depths),
+    # examples per (length, depth) cell, haystack "text" (validation text) or "noise"
+    ruler_kinds: tuple[str, ...] = (
+        "single",
+        "multikey",
+        "multivalue",
+        "multiquery",
+        "variable_tracking",
+    )
+    ruler_lengths: tuple[int, ...] = (512, 1024)
+    ruler_per_cell: int = 2
+    ruler_haystack: str = "text"
+    # `nested-jax eval --suite babilong` (nested_jax.eval.babilong): tasks, lengths, examples each
+    babilong_tasks: tuple[str, ...] = ("qa1", "qa2", "qa3", "qa4", "qa5")
+    babilong_lengths: tuple[int, ...] = (512, 1024)
+    babilong_per_length: int = 4
 
 
 @dataclass(frozen=True)
@@ -323,9 +339,17 @@ def _check_combinations(cfg: Config) -> None:
     for i, d in enumerate(e.niah_depths):
         if not 0.0 <= d <= 1.0:
             raise ConfigError(f"eval.niah_depths[{i}]: must be in [0, 1], got {d}")
-    for i, n in enumerate(e.niah_lengths):
-        if n < 1:
-            raise ConfigError(f"eval.niah_lengths[{i}]: must be >= 1, got {n}")
+    for field_name in ("niah_lengths", "ruler_lengths", "babilong_lengths"):
+        for i, n in enumerate(getattr(e, field_name)):
+            if n < 1:
+                raise ConfigError(f"eval.{field_name}[{i}]: must be >= 1, got {n}")
+    for field_name in ("ruler_per_cell", "babilong_per_length"):
+        if getattr(e, field_name) < 1:
+            raise ConfigError(f"eval.{field_name}: must be >= 1, got {getattr(e, field_name)}")
+    if e.ruler_haystack not in ("text", "noise"):
+        raise ConfigError(
+            f"eval.ruler_haystack: expected 'text' or 'noise', got {e.ruler_haystack!r}"
+        )
 
 
 def config_from_dict(values: Mapping[str, Any]) -> Config:

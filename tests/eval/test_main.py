@@ -120,3 +120,49 @@ def test_reports_are_written_and_printed_by_process_zero_only(tmp_path, monkeypa
     write_report(tmp_path, "eval_report", {"loss": float("nan")}, "# report\n")
     assert json.loads((tmp_path / "eval_report.json").read_text()) == {"loss": None}
     assert capsys.readouterr().out == "# report\n"
+
+
+def test_eval_suites_ruler_and_babilong_write_sections_and_plots(trained, capsys):
+    sizes = [
+        "eval.ruler_kinds=[single, variable_tracking]",
+        "eval.ruler_lengths=[600]",
+        "eval.ruler_per_cell=1",
+        "eval.ruler_haystack=noise",
+        "eval.babilong_tasks=[qa1, qa4]",
+        "eval.babilong_lengths=[400, 512]",
+        "eval.babilong_per_length=2",
+    ]
+    argv = ["eval", "--workdir", str(trained), "--suite", "ruler,babilong,niah"]
+    assert cli.main(argv + _set_args(sizes)) == 0
+    report = json.loads((trained / "eval_report.json").read_text())
+    assert report["suites"] == ["niah", "ruler", "babilong"] and "validation" not in report
+    ruler = report["ruler"]
+    assert ruler["haystack"] == "noise" and list(ruler["kinds"]) == ["single", "variable_tracking"]
+    for r in ruler["kinds"].values():
+        assert r["num_examples"] == 2 and set(r["accuracy"]) == {"600"}
+        assert set(r["accuracy"]["600"]) == {"0", "1"} and 0.0 <= r["overall_recall"] <= 1.0
+    bab = report["babilong"]
+    assert bab["num_examples"] == 8 and set(bab["by_task"]) == {"qa1", "qa4"}
+    assert set(bab["by_task"]["qa1"]) == {"400", "512"} and bab["chance"]["qa1"] == 1 / 6
+    names = sorted(Path(p).name for p in report["plots"])
+    assert names == ["eval_babilong.png", "eval_niah.png", "eval_ruler.png"]
+    for name in names:
+        assert (trained / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (trained / "eval_report.md").read_text()
+    assert "## RULER-style retrieval (noise haystack" in md and "### variable_tracking" in md
+    assert "## BABILong-style" in md and "| qa4 |" in md and "validation bits/byte" not in md
+    assert md.strip() in capsys.readouterr().out
+
+
+def test_eval_suite_errors_are_one_line(trained, capsys):
+    capsys.readouterr()
+    assert cli.main(["eval", "--workdir", str(trained), "--suite", "niah,babel"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --suite: expected names from")
+    bad_kind = ["--suite", "ruler", "--set", "eval.ruler_kinds=[single, haystacks]"]
+    assert cli.main(["eval", "--workdir", str(trained), *bad_kind]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "error: eval.ruler_kinds: expected names"
+    )
+    bad_hay = ["--suite", "ruler", "--set", "eval.ruler_haystack=sand"]
+    assert cli.main(["eval", "--workdir", str(trained), *bad_hay]) == 2
+    assert "eval.ruler_haystack: expected 'text' or 'noise'" in capsys.readouterr().err
