@@ -15,3 +15,25 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop JAX's compiled programs.
+
+    A worker that keeps every program of its ~600 tests alive grows without bound: XLA:CPU maps
+    each compiled kernel's code and data as separate anonymous regions (a 105-test subset reached
+    15 640 mappings of the kernel's default vm.max_map_count of 65 530), and the default suite's
+    peak worker RSS was 6.9 GB. A CI worker died with a segfault inside backend_compile after
+    ~800 tests; running out of mappings or memory is the likely cause (not reproduced here).
+    Cleared per module: peak 2.6 GB RSS and under 15 000 mappings per worker, and the suite is
+    no slower (programs are rarely shared across modules).
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
