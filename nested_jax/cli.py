@@ -1,4 +1,4 @@
-"""`nested-jax` commands: `train | eval | generate | bench <name> | launch <kind> | prepare-data`.
+"""`nested-jax` commands: `train | eval | report | generate | aot | bench | launch | prepare-data`.
 
 Each sub-command lives in its own module and exposes `main(argv: list[str]) -> int`; this file only
 dispatches, so importing the CLI stays cheap and a broken sub-command cannot break the others.
@@ -12,6 +12,7 @@ import sys
 COMMANDS = {
     "train": ("nested_jax.train.main", "train a model: --config FILE --workdir DIR"),
     "eval": ("nested_jax.eval.main", "evaluate the latest checkpoint: --workdir DIR"),
+    "report": ("nested_jax.eval.report", "compare evaluated runs: RUN [RUN ...] [--out DIR]"),
     "generate": ("nested_jax.eval.generate", "sample text: --workdir DIR --prompt TEXT"),
     "aot": ("nested_jax.train.aot", "compile for a TPU slice on this CPU: --config F --topology T"),
     "bench": (
