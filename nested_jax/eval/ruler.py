@@ -69,7 +69,7 @@ import numpy as np
 
 from nested_jax.data.tokenizers import Tokenizer
 from nested_jax.eval.seeds import as_rng
-from nested_jax.eval.tasks import answer_predictions, haystack_window, token_ids
+from nested_jax.eval.tasks import answer_predictions, grid_markdown, haystack_window, token_ids
 
 KINDS = ("single", "multikey", "multivalue", "multiquery", "variable_tracking")
 VALUE_TYPES = ("passkey", "number", "uuid")
@@ -561,14 +561,7 @@ def ruler_markdown(result: dict) -> str:
     """:func:`score_ruler`'s tables as Markdown: rows length, columns depth, cells ``exact /
     recall``, then the overall numbers."""
     exact, recall = result["accuracy"], result["recall"]
-    depths = sorted({d for row in exact.values() for d in row})
-    lines = [
-        "| length | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
-        "|---:|" + "---:|" * len(depths),
-    ]
-    for n in sorted(exact):
-        cells = [f"{exact[n][d]:.2f} / {recall[n][d]:.2f}" if d in exact[n] else "" for d in depths]
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines = grid_markdown(exact, lambda n, d: f"{exact[n][d]:.2f} / {recall[n][d]:.2f}")
     lines.append(
         f"\ncells: exact match / recall; overall exact {result['overall']:.3f}, recall "
         f"{result['overall_recall']:.3f}, token recall {result['overall_token_recall']:.3f} "

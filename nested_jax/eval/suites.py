@@ -122,28 +122,12 @@ RUNNERS = {"niah": run_niah, "ruler": run_ruler, "babilong": run_babilong}
 # ---- Markdown -----------------------------------------------------------------------------------
 
 
-def _grid_markdown(cells: dict, fmt: Callable[[str, str], str]) -> list[str]:
-    depths = sorted({float(d) for row in cells.values() for d in row})
-    lines = [
-        "| length | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
-        "|---:|" + "---:|" * len(depths),
-    ]
-    for n in sorted(cells, key=int):
-        row = cells[n]
-        lines.append(
-            f"| {n} | "
-            + " | ".join(fmt(n, f"{d:g}") if f"{d:g}" in row else "" for d in depths)
-            + " |"
-        )
-    return lines
-
-
 def niah_section(niah: dict) -> list[str]:
     acc = niah["accuracy"]
     return [
         "## Needle in a haystack (passkey exact match)",
         "",
-        *_grid_markdown(acc, lambda n, d: f"{acc[n][d]:.2f}"),
+        *tasks.grid_markdown(acc, lambda n, d: f"{acc[n][d]:.2f}"),
         "",
         f"overall {niah['overall']:.3f} over {niah['num_examples']} examples",
     ]
@@ -157,7 +141,7 @@ def ruler_section(section: dict) -> list[str]:
             "",
             f"### {kind}",
             "",
-            *_grid_markdown(
+            *tasks.grid_markdown(
                 exact, lambda n, d, e=exact, c=recall: f"{e[n][d]:.2f} / {c[n][d]:.2f}"
             ),
             "",

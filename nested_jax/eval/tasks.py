@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -247,17 +248,28 @@ def predicted_ids(out, shape: tuple[int, int], name: str = "logits") -> np.ndarr
     return out.argmax(-1) if out.ndim == 3 else out
 
 
+def grid_markdown(table: dict, cell: Callable[[Any, Any], str]) -> list[str]:
+    """A length × depth table as Markdown rows (rows: length, columns: depth).
+
+    Args:
+      table: ``{length: {depth: value}}``; keys numbers or their strings (a JSON report's).
+      cell: ``(length, depth) -> text`` for each present cell (an absent one is left empty).
+    """
+    depths = sorted({d for row in table.values() for d in row}, key=float)
+    lines = [
+        "| length | " + " | ".join(f"depth {float(d):g}" for d in depths) + " |",
+        "|---:|" + "---:|" * len(depths),
+    ]
+    for n in sorted(table, key=int):
+        cells = [cell(n, d) if d in table[n] else "" for d in depths]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def niah_markdown(result: dict) -> str:
     """The accuracy table of :func:`score_niah` as Markdown (rows: length, columns: depth)."""
     table = result["accuracy"]
-    depths = sorted({d for row in table.values() for d in row})
-    lines = [
-        "| length | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
-        "|---:|" + "---:|" * len(depths),
-    ]
-    for length in sorted(table):
-        cells = [f"{table[length][d]:.2f}" if d in table[length] else "" for d in depths]
-        lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    lines = grid_markdown(table, lambda n, d: f"{table[n][d]:.2f}")
     lines.append(
         f"\noverall accuracy {result['overall']:.3f} over {result['num_examples']} examples"
     )
