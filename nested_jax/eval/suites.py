@@ -94,6 +94,7 @@ def run_ruler(predict: Callable, tokenizer, haystack: str, e) -> dict:
             "recall": _cells(r["recall"]),
             "overall": r["overall"],
             "overall_recall": r["overall_recall"],
+            "overall_token_recall": r["overall_token_recall"],
             "num_examples": r["num_examples"],
         }
     return {"haystack": e.ruler_haystack, "kinds": out}
@@ -145,8 +146,8 @@ def ruler_section(section: dict) -> list[str]:
                 exact, lambda n, d, e=exact, c=recall: f"{e[n][d]:.2f} / {c[n][d]:.2f}"
             ),
             "",
-            f"overall exact {r['overall']:.3f}, recall {r['overall_recall']:.3f} over "
-            f"{r['num_examples']} examples",
+            f"overall exact {r['overall']:.3f}, recall {r['overall_recall']:.3f}, token recall "
+            f"{r['overall_token_recall']:.3f} over {r['num_examples']} examples",
         ]
     return lines
 

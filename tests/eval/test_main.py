@@ -141,6 +141,7 @@ def test_eval_suites_ruler_and_babilong_write_sections_and_plots(trained, capsys
     for r in ruler["kinds"].values():
         assert r["num_examples"] == 2 and set(r["accuracy"]) == {"600"}
         assert set(r["accuracy"]["600"]) == {"0", "1"} and 0.0 <= r["overall_recall"] <= 1.0
+        assert 0.0 <= r["overall_token_recall"] <= 1.0
     bab = report["babilong"]
     assert bab["num_examples"] == 8 and set(bab["by_task"]) == {"qa1", "qa4"}
     assert set(bab["by_task"]["qa1"]) == {"400", "512"} and bab["chance"]["qa1"] == 1 / 6
