@@ -161,8 +161,11 @@ def test_eval_suite_errors_are_one_line(trained, capsys):
     assert capsys.readouterr().err.strip().startswith("error: --suite: expected names from")
     bad_kind = ["--suite", "ruler", "--set", "eval.ruler_kinds=[single, haystacks]"]
     assert cli.main(["eval", "--workdir", str(trained), *bad_kind]) == 1
-    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
-        "error: eval.ruler_kinds: expected names"
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .startswith("error: eval.ruler_kinds: expected names")
     )
     bad_hay = ["--suite", "ruler", "--set", "eval.ruler_haystack=sand"]
     assert cli.main(["eval", "--workdir", str(trained), *bad_hay]) == 2
