@@ -29,10 +29,11 @@ def _release_compiled_programs():
     A worker that keeps every program of its ~600 tests alive grows without bound: XLA:CPU maps
     each compiled kernel's code and data as separate anonymous regions (a 105-test subset reached
     15 640 mappings of the kernel's default vm.max_map_count of 65 530), and the default suite's
-    peak worker RSS was 6.9 GB. A CI worker died with a segfault inside backend_compile after
-    ~800 tests; running out of mappings or memory is the likely cause (not reproduced here).
-    Cleared per module: peak 2.6 GB RSS and under 15 000 mappings per worker, and the suite is
-    no slower (programs are rarely shared across modules).
+    peak worker RSS was 6.9 GB. Cleared per module: peak 2.6 GB RSS and under 15 000 mappings
+    per worker, and the suite is no slower (programs are rarely shared across modules). (A CI
+    worker once died with a segfault inside backend_compile after ~800 tests, not reproduced
+    here; XLA:CPU out of section memory aborts rather than segfaults, so this is headroom, not a
+    proven fix for it.)
     """
     yield
     jax.clear_caches()
