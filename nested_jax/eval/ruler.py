@@ -69,7 +69,13 @@ import numpy as np
 
 from nested_jax.data.tokenizers import Tokenizer
 from nested_jax.eval.seeds import as_rng
-from nested_jax.eval.tasks import answer_predictions, grid_markdown, haystack_window, token_ids
+from nested_jax.eval.tasks import (
+    PromptAnswer,
+    answer_predictions,
+    grid_markdown,
+    haystack_window,
+    token_ids,
+)
 
 KINDS = ("single", "multikey", "multivalue", "multiquery", "variable_tracking")
 VALUE_TYPES = ("passkey", "number", "uuid")
@@ -121,7 +127,7 @@ _LEAST = {"num_values": 1, "num_queries": 1, "hops": 1}
 
 
 @dataclass(frozen=True)
-class RulerExample:
+class RulerExample(PromptAnswer):
     """One RULER-style retrieval example.
 
     Attributes:
@@ -152,14 +158,6 @@ class RulerExample:
     query: tuple[str, ...]
     needle_starts: tuple[int, ...]
     answer_spans: tuple[tuple[int, int], ...]
-
-    @property
-    def prompt(self) -> np.ndarray:
-        return self.tokens[: self.prompt_len]
-
-    @property
-    def answer(self) -> np.ndarray:
-        return self.tokens[self.prompt_len :]
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,21 @@ NEEDLE_TEMPLATE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 
 
+class PromptAnswer:
+    """Mixin of the generated retrieval examples: ``tokens`` is the prompt followed by the answer,
+    split at ``prompt_len`` (both fields of the dataclass that inherits it)."""
+
+    @property
+    def prompt(self) -> np.ndarray:
+        return self.tokens[: self.prompt_len]
+
+    @property
+    def answer(self) -> np.ndarray:
+        return self.tokens[self.prompt_len :]
+
+
 @dataclass(frozen=True)
-class NiahExample:
+class NiahExample(PromptAnswer):
     """One needle-in-a-haystack example.
 
     Attributes:
@@ -52,14 +65,6 @@ class NiahExample:
     depth: float
     needle_start: int
     passkey: str
-
-    @property
-    def prompt(self) -> np.ndarray:
-        return self.tokens[: self.prompt_len]
-
-    @property
-    def answer(self) -> np.ndarray:
-        return self.tokens[self.prompt_len :]
 
 
 def token_ids(tokenizer: Tokenizer, text: str) -> np.ndarray:
