@@ -48,7 +48,7 @@ from nested_jax.core.proteus import (
     proteus_block_ids,
     proteus_gated_step,
 )
-from nested_jax.core.scan import state_zeros
+from nested_jax.core.scan import state_zeros, zeros_typed
 
 __all__ = [
     "proteus_gated_delta_step",
@@ -269,13 +269,14 @@ def _gdn_with_injections(qm, km, v, g, beta, S0, s_start, spans, ids, scale, chu
         prev = act
         R = rows.size
         if R:
-            zeros = jnp.zeros((B, R, H), g.dtype)
+            # injected rows typed like the tokens (sharded like them on an Explicit mesh, varying
+            # like them under shard_map): concatenate needs one type for all its pieces
             onehot = jnp.asarray(np.eye(K, dtype=np.float32)[rows], km.dtype)  # [R, K]
-            pieces["q"].append(jnp.zeros((B, R, H, K), qm.dtype))
-            pieces["k"].append(jnp.broadcast_to(onehot[None, :, None, :], (B, R, H, K)))
+            pieces["q"].append(zeros_typed(qm[:, :1], (B, R, H, K)))
+            pieces["k"].append(onehot[None, :, None, :] + zeros_typed(km[:, :1], (B, R, H, K)))
             pieces["v"].append(jnp.moveaxis(S0[:, :, rows, :], 2, 1).astype(vdt))  # [B, R, H, V]
-            pieces["g"].append(zeros)
-            pieces["beta"].append(jnp.ones((B, R, H), beta.dtype))
+            pieces["g"].append(zeros_typed(g[:, :1], (B, R, H)))
+            pieces["beta"].append(1 + zeros_typed(beta[:, :1], (B, R, H)))
             n_ext += R
         for name, x in (("q", qm), ("k", km), ("v", v.astype(vdt)), ("g", g), ("beta", beta)):
             pieces[name].append(x[:, a:b])

@@ -455,7 +455,6 @@ EXPLICIT_FAILS = {
     "hola_decode_step": "dynamic_update_slice operand unsharded vs update on data",
     "hola_forward": "concatenate / select with different shardings",
     "hope_decode": "select `which` sharded vs cases unsharded",
-    "proteus_gated_delta_chunked": "select `which` unsharded vs cases on (data, heads)",
 }
 
 # Compile-heavy rules (≥ ~5 s a mode on 2 CPU cores): run with `pytest -m slow`. The default run
