@@ -272,7 +272,7 @@ def _chunk_inputs(x, delta, side, off, n: int, c: int) -> dict:
 
     def place(a):
         a = jnp.asarray(a)
-        buf = jnp.zeros((B, L) + a.shape[2:], a.dtype)
+        buf = zeros_typed(a[:, :1], (B, L) + a.shape[2:])  # sharded like the update it receives
         start = (0, off) + (0,) * (a.ndim - 2)
         return lax.dynamic_update_slice(buf, a, start)
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.scan import cast_like
+from nested_jax.core.scan import cast_like, zeros_typed
 
 __all__ = [
     "read_normalize",
@@ -61,7 +61,8 @@ def attend(qn, ck_n, cv, c_mask, bk_n, bv, b_mask, sink, cache_scale):
     lb = jnp.einsum("bhqk,bhjk->bhqj", qn, bk_n) * cache_scale
     lc = jnp.where(c_mask[:, :, None, :], lc, -jnp.inf)
     lb = jnp.where(b_mask, lb, -jnp.inf)
-    ls = jnp.broadcast_to(sink.astype(_F32)[None, :, None, None], lc.shape[:3] + (1,))
+    # typed like the logits (sharded like them on an Explicit mesh): concatenate needs one type
+    ls = sink.astype(_F32)[None, :, None, None] + zeros_typed(lc[..., :1])
     # The sink column is always present, so no row is fully masked (no NaN).
     p = jax.nn.softmax(jnp.concatenate([lc, lb, ls], axis=-1), axis=-1)
     pc, pb = p[..., :w], p[..., w:-1]

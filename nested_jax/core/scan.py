@@ -323,8 +323,10 @@ def cast_like(a, ref):
     """``a`` with its values unchanged, typed like ``ref`` on its leading dimensions.
 
     For a carry built from shared or constant values (weights broadcast to the batch, an empty
-    cache) that the scan then updates row by row from the inputs: see ``zeros_typed``. A ``where``
-    on an all-false mask typed like ``ref`` (values, dtype and the sign of zeros kept exactly).
+    cache) that the scan then updates row by row from the inputs: see ``zeros_typed``. ``a`` minus
+    zeros typed like ``ref`` (``x - (+0)`` is ``x`` exactly, the sign of a zero included; ``or``
+    with ``False`` for booleans), an elementwise op whose result takes ``ref``'s sharding on an
+    Explicit mesh (a ``where`` would need its cases typed alike already).
 
     Args:
       a: any array; ref: an array whose shape is a prefix of ``a``'s (e.g. ``[B]`` or ``[B, H]``).
@@ -333,4 +335,5 @@ def cast_like(a, ref):
       ``a``, varying over (sharded like) ``ref``'s axes as well.
     """
     ref = ref.reshape(ref.shape + (1,) * (a.ndim - ref.ndim))
-    return jnp.where(zeros_typed(ref, a.shape, bool), a, a)
+    zeros = zeros_typed(ref, a.shape, a.dtype)
+    return a | zeros if a.dtype == jnp.bool_ else a - zeros
