@@ -1,7 +1,9 @@
-"""`nested-jax` commands: `train | eval | report | generate | aot | bench | launch | prepare-data`.
+"""`nested-jax` commands: `train | eval | report | generate | aot | bench | launch | prepare-data |
+import-hf | export-hf`.
 
-Each sub-command lives in its own module and exposes `main(argv: list[str]) -> int`; this file only
-dispatches, so importing the CLI stays cheap and a broken sub-command cannot break the others.
+Each sub-command lives in its own module and exposes `main(argv: list[str]) -> int` (or the
+function named after a colon); this file only dispatches, so importing the CLI stays cheap and a
+broken sub-command cannot break the others.
 """
 
 from __future__ import annotations
@@ -21,13 +23,21 @@ COMMANDS = {
     ),
     "launch": ("nested_jax.launch.main", "start runs: launch {tpu-vm,xpk,local} ... [--dry-run]"),
     "prepare-data": ("nested_jax.data.prepared", "tokenise once into shards: --config F --out DIR"),
+    "import-hf": (
+        "nested_jax.train.hf:main_import",
+        "Hugging Face Llama/Qwen2 -> step 0: --from HF_DIR --workdir NEW [--to hope_attention]",
+    ),
+    "export-hf": (
+        "nested_jax.train.hf:main_export",
+        "a run's checkpoint -> Hugging Face: --workdir W --out DIR [--arch llama|qwen2]",
+    ),
 }
 BENCHES = ("core", "titans", "optim", "hola", "hope", "kernels", "context", "data")
 
 
 def _usage() -> str:
     lines = ["usage: nested-jax <command> [args]", "", "commands:"]
-    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<13} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -52,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         return prepare_main(rest, lambda paths, sets: load_config(paths, sets).data)
     else:
         module_name = COMMANDS[command][0]
-    return int(importlib.import_module(module_name).main(rest) or 0)
+    module_name, _, function = module_name.partition(":")
+    return int(getattr(importlib.import_module(module_name), function or "main")(rest) or 0)
 
 
 if __name__ == "__main__":

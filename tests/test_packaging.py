@@ -48,11 +48,12 @@ def test_library_dependencies_are_jax_and_numpy_in_ranges():
         assert all(s.operator not in ("==", "===") for s in spec), f"{dep!r}: a range, not a pin"
 
 
-def test_every_train_extra_package_is_pinned_in_constraints():
+def test_every_extra_package_is_pinned_in_constraints():
     pins = _constraints()
     train = PYPROJECT["project"]["optional-dependencies"]["train"]
     assert TRAINING_STACK <= {_name(d).split("-")[0] for d in train}, train
-    for dep in train + PYPROJECT["project"]["dependencies"]:
+    extras = PYPROJECT["project"]["optional-dependencies"].values()
+    for dep in PYPROJECT["project"]["dependencies"] + [d for extra in extras for d in extra]:
         name = _name(dep)
         assert name in pins, f"{name} (from {dep!r}) has no exact pin in constraints.txt"
         assert Requirement(dep).specifier.contains(pins[name], prereleases=True), (

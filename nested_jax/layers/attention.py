@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nested_jax.layers.common import check_rank, dense
-from nested_jax.layers.rope import apply_rope
+from nested_jax.layers.rope import RopeScaling, apply_rope
 
 
 class AttentionCache(NamedTuple):
@@ -191,6 +191,10 @@ class Attention(nnx.Module):
     ``attention_block``: above this many queries in one call (training, prefill) the scores are
     computed per block of that many queries (:func:`blockwise_softmax_attention`, no
     ``[B, H, T, S]`` scores); ``0`` always uses the full-scores reference.
+
+    ``qkv_bias``: ``q = RoPE(x W_q + b_q)`` etc. (Qwen2); ``rope_scaling``: the RoPE frequency
+    stretch (:class:`nested_jax.layers.rope.RopeScaling`; Llama 3). Both come from the config's
+    ``model.attention`` section (``AttentionOptions``).
     """
 
     def __init__(
@@ -203,6 +207,8 @@ class Attention(nnx.Module):
         window: int = 0,
         rope_theta: float = 10000.0,
         attention_block: int = 512,
+        qkv_bias: bool = False,
+        rope_scaling: RopeScaling | None = None,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -222,10 +228,11 @@ class Attention(nnx.Module):
             rope_theta,
             dtype,
         )
-        self.attention_block = attention_block
-        self.q_proj = dense(d_model, n_heads * head_dim, ("embed", "heads"), dtype=dtype, rngs=rngs)
-        self.k_proj = dense(d_model, n_kv_heads * head_dim, ("embed", "kv"), dtype=dtype, rngs=rngs)
-        self.v_proj = dense(d_model, n_kv_heads * head_dim, ("embed", "kv"), dtype=dtype, rngs=rngs)
+        self.attention_block, self.rope_scaling = attention_block, rope_scaling
+        qkv = {"dtype": dtype, "rngs": rngs, "bias": qkv_bias}
+        self.q_proj = dense(d_model, n_heads * head_dim, ("embed", "heads"), **qkv)
+        self.k_proj = dense(d_model, n_kv_heads * head_dim, ("embed", "kv"), **qkv)
+        self.v_proj = dense(d_model, n_kv_heads * head_dim, ("embed", "kv"), **qkv)
         self.o_proj = dense(n_heads * head_dim, d_model, ("heads", "embed"), dtype=dtype, rngs=rngs)
 
     @classmethod
@@ -241,6 +248,8 @@ class Attention(nnx.Module):
             rope_theta=cfg.rope_theta,
             # ModelConfig.attention_block when the config has the field; 512 until then.
             attention_block=cfg.attention_block,
+            qkv_bias=cfg.attention.qkv_bias,
+            rope_scaling=cfg.attention.scaling(),
             dtype=cfg.activation_dtype(),
             rngs=rngs,
         )
@@ -282,8 +291,8 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
-        q = apply_rope(q, positions, theta=self.rope_theta)
-        k = apply_rope(k, positions, theta=self.rope_theta)
+        q = apply_rope(q, positions, theta=self.rope_theta, scaling=self.rope_scaling)
+        k = apply_rope(k, positions, theta=self.rope_theta, scaling=self.rope_scaling)
         q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         k_index, new_cache = q_index, None
         if cache is not None:

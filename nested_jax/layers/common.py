@@ -36,9 +36,10 @@ def dense(
     dtype: jnp.dtype,
     rngs: nnx.Rngs,
     init: Callable | None = None,
+    bias: bool = False,
 ) -> nnx.Linear:
-    """A bias-free ``nnx.Linear`` (``y = x W``, ``W [d_in, d_out]``) with f32 params and ``dtype``
-    compute.
+    """An ``nnx.Linear`` (``y = x W``, ``W [d_in, d_out]``; ``y = x W + b`` with ``bias``) with f32
+    params and ``dtype`` compute.
 
     Args:
       d_in, d_out: input / output widths.
@@ -46,13 +47,15 @@ def dense(
       dtype: activation dtype (the computation dtype; params stay float32).
       rngs: NNX random streams.
       init: kernel initialiser (default: LeCun normal, fan-in scaled).
+      bias: add a learned bias ``b [d_out]`` (initialised at 0, named ``names[1:]``).
     """
     init = init or nnx.initializers.lecun_normal()
     return nnx.Linear(
         d_in,
         d_out,
-        use_bias=False,
+        use_bias=bias,
         kernel_init=partitioned(init, names),
+        bias_init=partitioned(nnx.initializers.zeros_init(), names[1:]),
         dtype=dtype,
         param_dtype=jnp.float32,
         rngs=rngs,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nested_jax.layers.rope import ROPE_SCALINGS, RopeScaling
 from nested_jax.rules import CMSRule, HolaRule, HopeRule, ProteusRule
 
 __all__ = ["OPTION_SECTIONS"]
@@ -288,3 +289,67 @@ class CMSOptions:
 
 
 OPTION_SECTIONS["cms"] = CMSOptions
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Softmax-attention details of Llama / Qwen2-style checkpoints (``model.attention.<field>``).
+
+    Read by the ``transformer`` and ``hope_attention`` mixers (SPEC §6, Transformer++); the
+    defaults are the project's own Transformer++ (no projection bias, plain RoPE). A Hugging Face
+    import (``nested-jax import-hf``) fills them from the checkpoint's ``config.json``.
+
+    ``rope_scaling``: ``none``, ``linear`` or ``llama3`` (see
+    :class:`nested_jax.layers.rope.RopeScaling` for the frequency rule and the other ``rope_*``
+    fields).
+    """
+
+    qkv_bias: bool = False  # a learned bias on the q, k and v projections (Qwen2)
+    rope_scaling: str = "none"  # none | linear | llama3
+    rope_factor: float = 1.0  # linear / llama3: the stretch of the long wavelengths
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_len: int = 8192  # llama3: the context length the frequencies were made for
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.qkv_bias, bool):
+            raise ValueError(f"AttentionOptions.qkv_bias: expected bool, got {self.qkv_bias!r}")
+        kinds = ("none", *ROPE_SCALINGS)
+        if self.rope_scaling not in kinds:
+            raise ValueError(
+                f"AttentionOptions.rope_scaling: unknown {self.rope_scaling!r}; expected one of "
+                f"{kinds}"
+            )
+        for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"AttentionOptions.{name}: must be a number > 0, got {value!r}")
+        n = self.rope_original_max_len
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(
+                f"AttentionOptions.rope_original_max_len: must be an int > 0, got {n!r}"
+            )
+        if (
+            self.rope_scaling == "llama3"
+            and self.rope_high_freq_factor <= self.rope_low_freq_factor
+        ):
+            raise ValueError(
+                "AttentionOptions.rope_high_freq_factor: must exceed rope_low_freq_factor "
+                f"({self.rope_low_freq_factor}) for llama3 scaling, "
+                f"got {self.rope_high_freq_factor}"
+            )
+
+    def scaling(self) -> RopeScaling | None:
+        """The RoPE frequency stretch these options select (None: plain RoPE)."""
+        if self.rope_scaling == "none":
+            return None
+        return RopeScaling(
+            self.rope_scaling,
+            float(self.rope_factor),
+            float(self.rope_low_freq_factor),
+            float(self.rope_high_freq_factor),
+            self.rope_original_max_len,
+        )
+
+
+OPTION_SECTIONS["attention"] = AttentionOptions

@@ -66,6 +66,10 @@ class ModelConfig:
     hope: _options.HopeOptions = dataclasses.field(default_factory=_options.HopeOptions)
     # Continuum Memory System FFN (read when ffn resolves to cms; SPEC §3.3, §3.4)
     cms: _options.CMSOptions = dataclasses.field(default_factory=_options.CMSOptions)
+    # softmax attention: q/k/v bias and RoPE scaling (read by transformer / hope_attention; SPEC §6)
+    attention: _options.AttentionOptions = dataclasses.field(
+        default_factory=_options.AttentionOptions
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -92,7 +92,7 @@ def available_mixers() -> tuple[str, ...]:
     return tuple(sorted(_MIXERS))
 
 
-register_mixer("transformer", Attention)
+register_mixer("transformer", Attention, options=("attention",))
 register_mixer("deltanet", DeltaNet, options=("proteus",))
 register_mixer("gdn", GatedDeltaNet, options=("proteus",))
 
@@ -111,7 +111,7 @@ register_mixer("titans_mag", TitansMAG, options=("titans", "proteus"))
 register_mixer("titans_mal", TitansMAL, options=("titans", "proteus"))
 
 # Hope-Attention (SPEC §3.4): softmax attention; its CMS FFN comes from ModelConfig.ffn = auto/cms.
-register_mixer("hope_attention", Attention)
+register_mixer("hope_attention", Attention, options=("attention",))
 
 from nested_jax.layers.hope import HopeMixer  # noqa: E402  (Hope, SPEC §3.2)
 

@@ -478,11 +478,17 @@ def apply_overrides(values: Mapping, overrides: Sequence[str]) -> dict:
 
 def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ()) -> Config:
     """defaults ← YAML files (later wins) ← ``--set`` overrides → a valid :class:`Config`."""
+    return config_from_dict(load_config_values(paths, overrides))
+
+
+def load_config_values(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ()) -> dict:
+    """The nested dict of what the YAML files and ``--set`` overrides say (not yet validated;
+    missing keys are not filled): for commands that add fields of their own before
+    :func:`config_from_dict`."""
     values: dict = {}
     for p in paths:
         values = _deep_merge(values, _read_yaml(Path(p)))
-    values = apply_overrides(values, overrides)
-    return config_from_dict(values)
+    return apply_overrides(values, overrides)
 
 
 def save_config(cfg: Config, workdir: str | Path) -> Path:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,16 +44,18 @@ from nested_jax.models.config import ModelConfig
 from nested_jax.train.checkpoint import CHECKPOINT_DIR
 
 __all__ = [
+    "FFN_TO_LEVEL",
     "check_convertible",
     "convert_ffn_to_cms",
     "init_params_from_checkpoint",
     "load_checkpoint_params",
     "main",
     "write_initial_checkpoint",
+    "write_step_zero",
 ]
 
 # SwiGLU submodule name -> CMS level kernel name (both row-major [in, out]).
-_FFN_TO_LEVEL = {"gate": "w_gate", "up": "w_up", "down": "w_down"}
+FFN_TO_LEVEL = {"gate": "w_gate", "up": "w_up", "down": "w_down"}
 
 
 def check_convertible(src: ModelConfig, dst: ModelConfig) -> None:
@@ -103,7 +105,8 @@ def _where(path: tuple) -> str:
 
 
 def convert_ffn_to_cms(src_params: dict, dst_params: dict) -> dict:
-    """The target parameters filled from a SwiGLU-FFN model's parameters (SPEC §3.4).
+    """The target parameters filled from a SwiGLU-FFN model's parameters (SPEC §3.4); with a
+    SwiGLU target (same paths), a shape-checked placement of the source onto the target.
 
     Args:
       src_params: pure parameter dict of the source LM (``blocks/mlp/{gate,up,down}/kernel``).
@@ -122,7 +125,7 @@ def convert_ffn_to_cms(src_params: dict, dst_params: dict) -> dict:
     used, out = set(), {}
     for path, target in dst.items():
         if path[:3] == ("blocks", "mlp", "levels") and len(path) == 5:
-            names = {v: k for k, v in _FFN_TO_LEVEL.items()}
+            names = {v: k for k, v in FFN_TO_LEVEL.items()}
             if path[4] not in names:
                 raise ValueError(f"init_from: unexpected CMS parameter {_where(path)}")
             spath = ("blocks", "mlp", names[path[4]], "kernel")
@@ -289,23 +292,52 @@ def write_initial_checkpoint(config: Any, workdir: str | Path, source: str | Pat
     Returns:
       the step-0 checkpoint directory.
     """
+    from nested_jax.train.workdir import saved_data
+
+    # The converted model reads the token ids of the transformer it comes from: its tokenizer.
+    source_ckpts, _ = _step_dir(Path(source))
+    source_data = saved_data(source_ckpts.parent)
+    tokenizer = None if source_data is None else source_data.tokenizer
+
+    def fill(target: dict, mesh: jax.sharding.Mesh) -> dict:
+        return init_params_from_checkpoint(source, config.model, target, mesh=mesh)
+
+    return write_step_zero(config, workdir, fill, tokenizer=tokenizer)
+
+
+def write_step_zero(
+    config: Any,
+    workdir: str | Path,
+    fill: Callable[[dict, jax.sharding.Mesh], dict],
+    *,
+    tokenizer: Any = None,
+) -> Path:
+    """Writes step 0 of a new training workdir whose parameters come from elsewhere.
+
+    Args:
+      config: the run's ``Config``.
+      workdir: a new run directory (must not hold checkpoints yet).
+      fill: ``fill(target_params, mesh) -> params``: the parameters, given the freshly initialised
+        pure parameter dict (structure, shapes, shardings) and the run's mesh.
+      tokenizer: the tokenizer object to record (default: the one ``config.data`` names).
+
+    Returns:
+      the step-0 checkpoint directory; ``nested-jax train --workdir`` resumes from it (optimizer
+      state freshly initialised, data from its start).
+    """
     from nested_jax.data import pipeline
     from nested_jax.data.identity import data_spec, tokenizer_payload
     from nested_jax.train.checkpoint import Checkpointer
     from nested_jax.train.config import config_to_dict, save_config
     from nested_jax.train.setup import prepare_run
-    from nested_jax.train.workdir import saved_data, write_data_spec
+    from nested_jax.train.workdir import write_data_spec
 
     workdir = Path(workdir)
     ckpt_dir = workdir / CHECKPOINT_DIR
     if ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
         raise ValueError(f"--workdir: {workdir} already has checkpoints; use a new workdir")
-    # The converted model reads the token ids of the transformer it comes from: its tokenizer.
-    source_ckpts, _ = _step_dir(Path(source))
-    source_data = saved_data(source_ckpts.parent)
-    tokenizer = None if source_data is None else source_data.tokenizer
     mesh, bundle, setup = prepare_run(config, tokenizer=tokenizer)
-    params = init_params_from_checkpoint(source, config.model, setup.state["params"], mesh=mesh)
+    params = fill(setup.state["params"], mesh)
     # The optimizer state of the loop's own freshly built optimizer (its moments and
     # accumulators start at zero whatever the parameter values), so the resume target matches.
     state = {**setup.state, "params": params}

@@ -70,7 +70,8 @@ def test_read_option_sections_follow_the_mixer_and_the_ffn():
     assert ModelConfig(name="titans_mag").read_option_sections() == ("titans", "proteus")
     assert ModelConfig(name="hope").read_option_sections() == ("hope", "proteus", "cms")
     assert ModelConfig(name="gdn", ffn="cms").read_option_sections() == ("proteus", "cms")
-    assert ModelConfig(name="transformer").read_option_sections() == ()
+    assert ModelConfig(name="transformer").read_option_sections() == ("attention",)
+    assert ModelConfig(name="hope_attention").read_option_sections() == ("attention", "cms")
 
 
 def _proteus_readers():
