@@ -84,7 +84,7 @@ def merge_top_w(cache, blk, window, eviction):
         # + 0.0 maps −0.0 to +0.0 so the total-order float sort does not split ties by sign.
         primary = jnp.where(val, -lax.stop_gradient(s) + 0.0, jnp.inf)
     secondary = jnp.where(val, p, _INT_MAX)
-    idx = lax.broadcasted_iota(jnp.int32, val.shape, val.ndim - 1)
+    idx = lax.broadcasted_iota(jnp.int32, val.shape, val.ndim - 1) + zeros_typed(p, dtype=jnp.int32)
     _, _, order = lax.sort((primary, secondary, idx), dimension=-1, num_keys=2)
     sel = order[..., :window]
     take = lambda x: jnp.take_along_axis(x, sel, axis=2)  # noqa: E731
@@ -157,7 +157,8 @@ def _to_blocks(x, buf, r, n_blocks, C):
     blocks ``[n, B, H, C, ...]``."""
     B = x.shape[0]
     L = n_blocks * C
-    out = jnp.zeros((B, L) + x.shape[2:], _F32)
+    # typed like x (its batch / head shardings on an Explicit mesh) so the update below matches
+    out = zeros_typed(x[:, :1], (B, L) + x.shape[2:], _F32)
     if buf is not None:
         out = out.at[:, :C].set(jnp.moveaxis(buf.astype(_F32), 2, 1))
     start = (jnp.zeros((), jnp.int32), r) + (jnp.zeros((), jnp.int32),) * (x.ndim - 2)
@@ -187,8 +188,9 @@ def _stream_block_fn(gamma_q, gamma_k, sink, W, C, eviction, read_norm, cs):
             wq = iq.astype(_F32)[None, None, :, None]
             cscore = cscore + lax.stop_gradient(jnp.sum(pc * wq, axis=2))
             sb = sb + lax.stop_gradient(jnp.sum(pb_ * wq, axis=2))
-        pos_b = jnp.broadcast_to(pb, (B, H, C))
-        val_b = jnp.broadcast_to(fb, (B, H, C))
+        # [C] -> [B, H, C] typed like the block scores (their shardings on an Explicit mesh)
+        pos_b = pb + zeros_typed(sb, dtype=jnp.int32)
+        val_b = fb | zeros_typed(sb, dtype=bool)
         old = (ck, cv, cscore, cpos, cval)
         merged = merge_top_w(old, (kb, vb, sb, pos_b, val_b), W, eviction)
         complete = fb[-1]  # a block is merged only once all of its C positions have been seen

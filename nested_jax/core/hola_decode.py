@@ -27,6 +27,7 @@ from jax import lax
 
 from nested_jax.core.checks import check_positive_int
 from nested_jax.core.hola_cache import attend, merge_top_w, read_normalize
+from nested_jax.core.scan import zeros_typed
 from nested_jax.rules import EVICTIONS, READ_NORMS, HolaRule
 
 __all__ = [
@@ -329,12 +330,13 @@ def _close_block(cache, blk, pos, pos_new, r, W, eviction):
     buffer; otherwise everything unchanged. ``cache`` is the 5-tuple of ``HolaState`` cache fields,
     ``blk = (block_k, block_v, block_score)`` the filled buffer; ``pos`` the token's position and
     ``r = pos % C`` its slot. Returns ``(cache, block_k, block_v, block_score)``."""
-    B, H, C = blk[2].shape
+    C = blk[2].shape[-1]
 
     def merge_and_clear(operands):
         cache, bk, bv, bs = operands
-        pos_b = jnp.broadcast_to(pos - r + jnp.arange(C, dtype=jnp.int32), (B, H, C))
-        val_b = jnp.ones((B, H, C), bool)
+        # typed like the buffer's scores (their shardings on an Explicit mesh), as the cache is
+        pos_b = pos - r + jnp.arange(C, dtype=jnp.int32) + zeros_typed(bs, dtype=jnp.int32)
+        val_b = jnp.logical_not(zeros_typed(bs, dtype=bool))
         merged = merge_top_w(cache, (bk, bv, bs, pos_b, val_b), W, eviction)
         return merged, jnp.zeros_like(bk), jnp.zeros_like(bv), jnp.zeros_like(bs)
 

@@ -132,8 +132,31 @@ def solve_tril(A, rhs=None):
     """
     if rhs is None:
         return _inverse(A)
+    return _explicit_as_auto(_unit_lower_solve, rhs)(A, rhs)
+
+
+def _unit_lower_solve(A, rhs):
     eye = jnp.eye(A.shape[-1], dtype=A.dtype)
     return lax.linalg.triangular_solve(eye + A, rhs, left_side=True, lower=True, unit_diagonal=True)
+
+
+def _explicit_as_auto(f, like):
+    """``f`` itself, or on a mesh with Explicit axes ``f`` run with those axes Auto
+    (``jax.sharding.auto_axes``), its output typed like ``like``.
+
+    ``lax.linalg.triangular_solve`` lowers to a ``select`` whose mask it builds unsharded, which an
+    Explicit mesh rejects ("select `which` must ... have the same sharding as cases"); inside
+    ``auto_axes`` the partitioner places it instead. Same values: only the typing differs.
+    """
+    sharding = getattr(jax.typeof(like), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None:
+        return f
+    kinds = zip(mesh.axis_names, mesh.axis_types, strict=True)
+    explicit = tuple(name for name, kind in kinds if kind == jax.sharding.AxisType.Explicit)
+    if not explicit:
+        return f
+    return jax.sharding.auto_axes(f, axes=explicit, out_sharding=sharding)
 
 
 def w_u(k, v, beta, d, *, T=None, A=None):

@@ -450,9 +450,6 @@ XFAIL: dict[tuple[str, str], str] = {}
 # concatenate mixes operands sharded on (data, heads) with unsharded constants); issue 18 keeps
 # them open. Strict: a fix makes these cases fail here until the entry is removed.
 EXPLICIT_FAILS = {
-    "gdn_residuals": "select inside lax.linalg.triangular_solve (its mask unsharded)",
-    "hola_decode_step": "the cache merge (merge_top_w) with different shardings",
-    "hola_forward": "dynamic_update_slice of the cache blocks with different shardings",
     "hope_decode": "select `which` sharded vs cases unsharded",
 }
 
