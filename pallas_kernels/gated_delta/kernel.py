@@ -4,7 +4,8 @@
 One grid step is one chunk of ``C`` tokens of one (batch, head) row; the grid is
 ``(B·H "parallel", N "arbitrary")`` so the chunks of a row run in order on one core and the
 ``[K, V]`` state lives in an f32 VMEM scratch between them. Per chunk, with the incoming state
-``S``, the restart state ``s0`` and the per-token scalars prepared by ``ops._token_scalars``::
+``S``, the restart state ``s0`` and the per-token scalars prepared by ``ops._token_scalars``
+(lane-dense ``[len(SCALARS), C]`` per chunk; their columns are formed in the kernel)::
 
     Γ_ij = e^{b_i − b_j} [j ≤ i] [z_i = z_j]                 (decays on the same-segment mask)
     A    = strict_tril(diag(β) (K Kᵀ) ⊙ Γ)
@@ -36,12 +37,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-__all__ = ["COLS", "ROWS", "gated_delta_fwd_call", "gated_delta_bwd_call"]
+__all__ = ["SCALARS", "gated_delta_fwd_call", "gated_delta_bwd_call"]
 
-# Per-token scalars, column layout [BH, Tp, len(COLS)] (one column each) ...
-COLS = ("b", "z", "beta", "d", "d0", "kdec")
-# ... and row layout [BH, N, len(ROWS), C], for the pairwise [C, C] masks without a transpose.
-ROWS = ("b", "z")
+# Per-token scalars, one row each: [BH, N, len(SCALARS), C], the chunk's tokens on the lanes. (A
+# token-major [BH, Tp, 6] layout puts 6 values on the 128 lanes of every tile row: 21× padding
+# in HBM, which made the f32 forward need more memory than XLA's.)
+SCALARS = ("b", "z", "beta", "d", "d0", "kdec")
 
 _F32 = jnp.float32
 _NN = (((1,), (0,)), ((), ()))  # A @ B
@@ -72,15 +73,26 @@ def _unit_lower_inverse(A):
     return lax.fori_loop(1, C, body, eye)
 
 
-def _chunk(q, k, cols, rows, scale):
+def _as_column(row, diagonal):
+    """``[1, C] → [C, 1]`` without a transpose: the diagonal of the row broadcast over ``[C, C]``,
+    summed over the lanes (exact: one nonzero term per row)."""
+    return jnp.sum(jnp.where(diagonal, row, 0.0), axis=1, keepdims=True)
+
+
+def _as_row(column, diagonal):
+    """``[C, 1] → [1, C]``, the inverse of :func:`_as_column` (a sum over the sublanes)."""
+    return jnp.sum(jnp.where(diagonal, column, 0.0), axis=0, keepdims=True)
+
+
+def _chunk(q, k, scalars, scale):
     """The state-free quantities of one chunk shared by both kernels: the per-token columns
-    ``{name: [C, 1]}`` and rows ``{name: [1, C]}``, ``Γ``, ``Q̂Kᵀ`` (scaled), ``KKᵀ``, ``A``'s
-    strict mask and ``T = (I + A)^{-1}``."""
+    ``{name: [C, 1]}`` (from the rows ``scalars [len(SCALARS), C]``), ``Γ``, ``Q̂Kᵀ`` (scaled),
+    ``KKᵀ``, ``A``'s strict mask and ``T = (I + A)^{-1}``."""
     C = q.shape[0]
-    c = {name: cols[:, i : i + 1] for i, name in enumerate(COLS)}
-    r = {name: rows[i : i + 1, :] for i, name in enumerate(ROWS)}
     ii = lax.broadcasted_iota(jnp.int32, (C, C), 0)
     jj = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    r = {name: scalars[i : i + 1, :] for i, name in enumerate(SCALARS)}
+    c = {name: _as_column(row, ii == jj) for name, row in r.items()}
     mask = (jj <= ii) & (c["z"] == r["z"])
     # exponent ≤ 0 on the mask for g ≤ 0; masked entries are an exact zero, never exp(−inf)
     gamma = jnp.where(mask, jnp.exp(jnp.where(mask, c["b"] - r["b"], 0.0)), 0.0)
@@ -91,9 +103,9 @@ def _chunk(q, k, cols, rows, scale):
     return c, gamma, qk, kk, strict, T
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, cols_ref, rows_ref, s0_ref, *refs, scale, restart):
+def _fwd_kernel(q_ref, k_ref, v_ref, scalars_ref, s0_ref, *refs, scale, restart):
     """One chunk of one (batch, head) row; refs are ``q, k [C, K]``, ``v [C, V]``,
-    ``cols [C, len(COLS)]``, ``rows [len(ROWS), C]``, ``s0 [K, V]``, outputs ``o [C, V]``,
+    ``scalars [len(SCALARS), C]``, ``s0 [K, V]``, outputs ``o [C, V]``,
     ``sfin [K, V]`` (and, when saved, ``sn [K, V]`` the state entering the chunk), scratch
     ``s_scr [K, V]`` f32 (the state entering this chunk)."""
     o_ref, sfin_ref, *sn_ref, s_scr = refs
@@ -105,7 +117,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, cols_ref, rows_ref, s0_ref, *refs, scale, r
 
     q, k = q_ref[...], k_ref[...]
     C = q.shape[0]
-    c, gamma, qk, _, _, T = _chunk(q, k, cols_ref[...], rows_ref[...], scale)
+    c, gamma, qk, _, _, T = _chunk(q, k, scalars_ref[...], scale)
     d, d0 = c["d"], c["d0"]
 
     S = s_scr[...]
@@ -135,15 +147,15 @@ def _rowdot(a, b):
 
 
 def _bwd_kernel(
-    q_ref, k_ref, v_ref, cols_ref, rows_ref, s0_ref, sn_ref, do_ref, dsfin_ref,
-    dq_ref, dk_ref, dv_ref, dcols_ref, drows_ref, ds0_ref,
+    q_ref, k_ref, v_ref, scalars_ref, s0_ref, sn_ref, do_ref, dsfin_ref,
+    dq_ref, dk_ref, dv_ref, dscalars_ref, ds0_ref,
     g_scr, acc0_scr, *, scale, restart,
 ):  # fmt: skip
     """Reverse of one chunk (core/README.md §2 in this kernel's form). ``sn`` is the saved state
     entering the chunk, ``do [C, V]`` the output cotangent, ``g_scr`` holds ``G = ∂L/∂S_{n+1}``
     (``dsfin`` at the last chunk) and ``acc0_scr`` the restart state's gradient so far. Outputs
-    ``dq, dk [C, K]``, ``dv [C, V]`` f32, ``dcols [C, len(COLS)]`` / ``drows [len(ROWS), C]``
-    (cotangents of the per-token scalars; ``ops`` maps them to ``g`` and ``β``) and ``ds0``."""
+    ``dq, dk [C, K]``, ``dv [C, V]`` f32, ``dscalars [len(SCALARS), C]`` (cotangents of the
+    per-token scalars; ``ops`` maps them to ``g`` and ``β``) and ``ds0``."""
     n = pl.program_id(1)
 
     @pl.when(n == 0)
@@ -153,7 +165,7 @@ def _bwd_kernel(
 
     q, k = q_ref[...], k_ref[...]
     C = q.shape[0]
-    c, gamma, qk, kk, strict, T = _chunk(q, k, cols_ref[...], rows_ref[...], scale)
+    c, gamma, qk, kk, strict, T = _chunk(q, k, scalars_ref[...], scale)
     beta, d, d0, kdec = c["beta"], c["d"], c["d0"], c["kdec"]
     last = lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1
     qf, kf = q.astype(_F32) * scale, k.astype(_F32)
@@ -192,21 +204,24 @@ def _bwd_kernel(
     dq_ref[...] = dq * scale
     dk_ref[...] = dk
     dv_ref[...] = dR
-    named = {
+    columns = {  # per-token cotangents [C, 1] of the scalars' columns
         "b": jnp.sum(E, axis=1, keepdims=True),
         "beta": dbeta,
         "d": dd[0],
         "d0": dd[1] if restart else None,
         "kdec": _rowdot(dUG, kf),
     }
-    lane = lax.broadcasted_iota(jnp.int32, (C, len(COLS)), 1)
-    dcols = jnp.zeros((C, len(COLS)), _F32)
-    for i, name in enumerate(COLS):
-        if named.get(name) is not None:
-            dcols = jnp.where(lane == i, named[name], dcols)
-    dcols_ref[...] = dcols
-    sub = lax.broadcasted_iota(jnp.int32, (len(ROWS), C), 0)
-    drows_ref[...] = jnp.where(sub == ROWS.index("b"), -jnp.sum(E, axis=0, keepdims=True), 0.0)
+    diagonal = lax.broadcasted_iota(jnp.int32, (C, C), 0) == lax.broadcasted_iota(
+        jnp.int32, (C, C), 1
+    )
+    rows = {n: _as_row(col, diagonal) for n, col in columns.items() if col is not None}
+    rows["b"] = rows["b"] - jnp.sum(E, axis=0, keepdims=True)  # b's row use in Γ (e^{−b_j})
+    sub = lax.broadcasted_iota(jnp.int32, (len(SCALARS), C), 0)
+    dscalars = jnp.zeros((len(SCALARS), C), _F32)
+    for i, name in enumerate(SCALARS):
+        if name in rows:
+            dscalars = jnp.where(sub == i, rows[name], dscalars)
+    dscalars_ref[...] = dscalars
 
     g_scr[...] = dS_prev[0]
     if restart:
@@ -227,7 +242,7 @@ def _specs(BH, N, chunk, K, V, reverse):
 
     return {
         "tok": tok,
-        "rows": pl.BlockSpec((sq, sq, len(ROWS), chunk), lambda h, n: (h, at(n), 0, 0)),
+        "scalars": pl.BlockSpec((sq, sq, len(SCALARS), chunk), lambda h, n: (h, at(n), 0, 0)),
         "state": pl.BlockSpec((sq, K, V), lambda h, n: (h, 0, 0)),
         "states": pl.BlockSpec((sq, sq, K, V), lambda h, n: (h, at(n), 0, 0)),
     }
@@ -250,13 +265,13 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret, name
 
 
 def gated_delta_fwd_call(
-    q, k, v, cols, rows, s0, *, chunk, scale, restart, interpret, save_states=False
+    q, k, v, scalars, s0, *, chunk, scale, restart, interpret, save_states=False
 ):
     """The forward ``pallas_call``.
 
     Args:
       q, k: ``[BH, Tp, K]``; v: ``[BH, Tp, V]`` (``Tp`` a multiple of ``chunk``).
-      cols: ``[BH, Tp, len(COLS)]`` f32; rows: ``[BH, N, len(ROWS), chunk]`` f32.
+      scalars: ``[BH, N, len(SCALARS), chunk]`` f32 per-token scalars (``ops._token_scalars``).
       s0: ``[BH, K, V]`` f32 initial (and restart) state.
       chunk: ``C``; scale: query scale; restart: whether ``s0`` re-enters at segment starts
         (segment_ids with an initial state); interpret: run the Pallas interpreter;
@@ -274,46 +289,45 @@ def gated_delta_fwd_call(
     out_shape = [((BH, Tp, V), v.dtype), ((BH, K, V), _F32)]
     out_shape += [((BH, N, K, V), _F32)] if save_states else []
     kernel = functools.partial(_fwd_kernel, scale=float(scale), restart=restart)
-    in_specs = [sp["tok"](K), sp["tok"](K), sp["tok"](V), sp["tok"](len(COLS)), sp["rows"]]
+    in_specs = [sp["tok"](K), sp["tok"](K), sp["tok"](V), sp["scalars"]]
     return _call(
         kernel, (BH, N), in_specs + [sp["state"]], out_specs, out_shape,
-        [pltpu.VMEM((K, V), _F32)], interpret, "gated_delta_fwd", q, k, v, cols, rows, s0,
+        [pltpu.VMEM((K, V), _F32)], interpret, "gated_delta_fwd", q, k, v, scalars, s0,
     )  # fmt: skip
 
 
 def gated_delta_bwd_call(
-    q, k, v, cols, rows, s0, states, do, dsfin, *, chunk, scale, restart, interpret
+    q, k, v, scalars, s0, states, do, dsfin, *, chunk, scale, restart, interpret
 ):
     """The backward ``pallas_call``: the chunks in reverse order with ``∂L/∂S`` in VMEM.
 
     Args:
-      q, k, v, cols, rows, s0, chunk, scale, restart, interpret: as in ``gated_delta_fwd_call``.
+      q, k, v, scalars, s0, chunk, scale, restart, interpret: as in ``gated_delta_fwd_call``.
       states: ``[BH, N, K, V]`` f32 chunk-start states saved by the forward.
       do: ``[BH, Tp, V]`` output cotangent; dsfin: ``[BH, K, V]`` f32 final-state cotangent.
 
     Returns:
-      ``(dq, dk [BH, Tp, K], dv [BH, Tp, V], dcols [BH, Tp, len(COLS)],
-      drows [BH, N, len(ROWS), C], ds0 [BH, K, V])``, all f32.
+      ``(dq, dk [BH, Tp, K], dv [BH, Tp, V], dscalars [BH, N, len(SCALARS), C],
+      ds0 [BH, K, V])``, all f32.
     """
     BH, Tp, K = q.shape
     V = v.shape[-1]
     N = Tp // chunk
     sp = _specs(BH, N, chunk, K, V, reverse=True)
     tok = sp["tok"]
-    in_specs = [tok(K), tok(K), tok(V), tok(len(COLS)), sp["rows"], sp["state"], sp["states"]]
+    in_specs = [tok(K), tok(K), tok(V), sp["scalars"], sp["state"], sp["states"]]
     in_specs += [tok(V), sp["state"]]
-    out_specs = [tok(K), tok(K), tok(V), tok(len(COLS)), sp["rows"], sp["state"]]
+    out_specs = [tok(K), tok(K), tok(V), sp["scalars"], sp["state"]]
     out_shape = [
         ((BH, Tp, K), _F32),
         ((BH, Tp, K), _F32),
         ((BH, Tp, V), _F32),
-        ((BH, Tp, len(COLS)), _F32),
-        ((BH, N, len(ROWS), chunk), _F32),
+        ((BH, N, len(SCALARS), chunk), _F32),
         ((BH, K, V), _F32),
     ]
     kernel = functools.partial(_bwd_kernel, scale=float(scale), restart=restart)
     scratch = [pltpu.VMEM((K, V), _F32), pltpu.VMEM((K, V), _F32)]
-    args = (q, k, v, cols, rows, s0, states, do, dsfin)
+    args = (q, k, v, scalars, s0, states, do, dsfin)
     return _call(
         kernel, (BH, N), in_specs, out_specs, out_shape, scratch, interpret, "gated_delta_bwd",
         *args,

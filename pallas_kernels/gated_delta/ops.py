@@ -19,12 +19,7 @@ from jax import lax
 
 from nested_jax.core.associative import _validate_seq
 from nested_jax.core.scan import pad_to_multiple, segment_starts
-from pallas_kernels.gated_delta.kernel import (
-    COLS,
-    ROWS,
-    gated_delta_bwd_call,
-    gated_delta_fwd_call,
-)
+from pallas_kernels.gated_delta.kernel import SCALARS, gated_delta_bwd_call, gated_delta_fwd_call
 
 __all__ = ["BlockSizes", "gated_delta_pallas"]
 
@@ -68,7 +63,7 @@ def _token_scalars(g, beta, segment_ids, C):
     segment with ``g = β = 0``.
 
     Returns:
-      ``cols [B·H, Tp, len(COLS)]`` and ``rows [B·H, N, len(ROWS), C]``.
+      ``scalars [B·H, N, len(SCALARS), C]`` (each chunk's tokens on the last axis: lane-dense).
     """
     B, T, H = g.shape
     f32 = jnp.float32
@@ -92,19 +87,17 @@ def _token_scalars(g, beta, segment_ids, C):
     beta_c = _heads_major(beta.astype(f32), C).reshape(bc.shape)
     named = {"b": bc, "z": z, "beta": beta_c, "d": d, "d0": d0, "kdec": kdec}
     N = bc.shape[2]
-    cols = jnp.stack([named[c] for c in COLS], axis=-1).reshape(B * H, N * C, len(COLS))
-    rows = jnp.stack([named[r] for r in ROWS], axis=-2).reshape(B * H, N, len(ROWS), C)
-    return cols, rows
+    return jnp.stack([named[n] for n in SCALARS], axis=-2).reshape(B * H, N, len(SCALARS), C)
 
 
 def _kernel_inputs(q, k, v, g, beta, s0, segment_ids, chunk):
     """Heads-major padded operands and the per-token scalars with their VJP (to ``g``, ``β``)."""
     B, T, H, K = q.shape
-    cols_rows, scalars_vjp = jax.vjp(
+    scalars, scalars_vjp = jax.vjp(
         lambda g, beta: _token_scalars(g, beta, segment_ids, chunk), g, beta
     )
     qkv = tuple(_heads_major(x, chunk) for x in (q, k, v))
-    return (*qkv, *cols_rows, s0.reshape(B * H, K, -1)), scalars_vjp
+    return (*qkv, scalars, s0.reshape(B * H, K, -1)), scalars_vjp
 
 
 def _from_heads_major(x, B, T):
@@ -143,7 +136,7 @@ def _gated_delta_bwd(scale, chunk, has_init, interpret, res, cts):
     do, ds_fin = cts
     B, T, H, K = q.shape
     args, scalars_vjp = _kernel_inputs(q, k, v, g, beta, s0, segment_ids, chunk)
-    dq, dk, dv, dcols, drows, ds0 = gated_delta_bwd_call(
+    dq, dk, dv, dscalars, ds0 = gated_delta_bwd_call(
         *args,
         states,
         _heads_major(do, chunk),
@@ -153,7 +146,7 @@ def _gated_delta_bwd(scale, chunk, has_init, interpret, res, cts):
         restart=has_init and segment_ids is not None,
         interpret=interpret,
     )
-    dg, dbeta = scalars_vjp((dcols, drows))
+    dg, dbeta = scalars_vjp(dscalars)
     dq, dk, dv = (
         _from_heads_major(d, B, T).astype(x.dtype) for d, x in ((dq, q), (dk, k), (dv, v))
     )
