@@ -1,5 +1,5 @@
 """`nested-jax` commands: `train | eval | report | generate | aot | bench | launch | prepare-data |
-import-hf | export-hf`.
+import-hf | export-hf | lm-eval`.
 
 Each sub-command lives in its own module and exposes `main(argv: list[str]) -> int` (or the
 function named after a colon); this file only dispatches, so importing the CLI stays cheap and a
@@ -26,6 +26,10 @@ COMMANDS = {
     "import-hf": (
         "nested_jax.train.hf:main_import",
         "Hugging Face Llama/Qwen2 -> step 0: --from HF_DIR --workdir NEW [--to hope_attention]",
+    ),
+    "lm-eval": (
+        "nested_jax.eval.harness",
+        "lm-evaluation-harness on a run: --model nested_jax --model_args workdir=W --tasks T",
     ),
     "export-hf": (
         "nested_jax.train.hf:main_export",
