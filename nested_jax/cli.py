@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         return prepare_main(rest, lambda paths, sets: load_config(paths, sets).data)
     else:
         module_name = COMMANDS[command][0]
+    if command in ("train", "eval", "generate"):  # the generated-task families of data.task
+        import nested_jax.eval.task_families  # noqa: F401
     module_name, _, function = module_name.partition(":")
     return int(getattr(importlib.import_module(module_name), function or "main")(rest) or 0)
 

@@ -7,11 +7,14 @@ naming the field (DESIGN.md "Configs").
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 _TOKENIZER_KINDS = ("byte", "sentencepiece")
 # Each prefetched batch has its own read thread; more than this only adds GIL contention.
 _MAX_PREFETCH = 64
+# "<family>:<name>" of a generated task (nested_jax.data.task_source); names are identifiers.
+_TASK_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*:[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _check_type(name: str, value: object, kind: type | tuple[type, ...]) -> None:
@@ -52,6 +55,15 @@ class DataConfig:
     # Training batches read ahead by that many background threads (grain ReadOptions); 0 reads
     # synchronously in the training thread. The iterator state is the same either way.
     prefetch: int = 0
+    # A generated task instead of a text corpus: "" (the default) trains on `corpus`; else
+    # "<family>:<name>", e.g. "formal:parity" or "mad:in_context_recall" (the families an upper
+    # layer registered in nested_jax.data.task_source; `nested-jax train` registers formal and
+    # mad). Rows are data.seq_len long; corpus, val_fraction and vocab_size are then unused.
+    task: str = ""
+    # Options of the task's generator, e.g. {train_lengths: [1, 16], eval_lengths: [17, 30]} for
+    # a formal task or {seq_len: 64, vocab_size: 32} for a MAD task (each family checks its keys
+    # when the run starts). Values: numbers, bools, strings or lists of ints. Only with data.task.
+    task_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_type("corpus", self.corpus, str)
@@ -94,3 +106,46 @@ class DataConfig:
             raise ValueError(
                 f"data.prefetch: must be in [0, {_MAX_PREFETCH}] batches, got {self.prefetch}"
             )
+        self._check_task()
+
+    def _check_task(self) -> None:
+        _check_type("task", self.task, str)
+        if self.task and not _TASK_PATTERN.fullmatch(self.task):
+            raise ValueError(
+                "data.task: expected '' (a text corpus) or '<family>:<name>' such as "
+                f"'formal:parity' or 'mad:in_context_recall', got {self.task!r}"
+            )
+        _check_type("task_options", self.task_options, dict)
+        for key, value in self.task_options.items():
+            if not isinstance(key, str) or not key.isidentifier():
+                raise ValueError(f"data.task_options: keys must be identifiers, got {key!r}")
+            if not _option_value_ok(value):
+                raise ValueError(
+                    f"data.task_options.{key}: expected an int, float, bool, str or a list of "
+                    f"ints, got {type(value).__name__} {value!r}"
+                )
+        if not self.task:
+            if self.task_options:
+                raise ValueError(
+                    f"data.task_options: only with data.task (a generated task), got "
+                    f"{sorted(self.task_options)} for a text corpus"
+                )
+            return
+        if self.prepared_dir:
+            raise ValueError(
+                f"data.prepared_dir: a generated task (data.task={self.task!r}) reads no prepared "
+                "shards; leave prepared_dir empty"
+            )
+        if self.tokenizer != "byte":
+            raise ValueError(
+                f"data.tokenizer: a generated task (data.task={self.task!r}) brings its own token "
+                f"ids; leave data.tokenizer at 'byte' (got {self.tokenizer!r})"
+            )
+
+
+def _option_value_ok(value: object) -> bool:
+    if isinstance(value, bool | int | float | str):
+        return True
+    return isinstance(value, list | tuple) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    )

@@ -13,6 +13,12 @@ The record (a JSON-able dict, :func:`data_spec`)::
                    "vocab_size": int, "file": "tokenizer.model" | "tokenizer.json" | None},
      "corpus": {"source": data.corpus, "sha256": str, "documents": int, "bytes": int}}
 
+A generated-task run (``data.task``, :mod:`nested_jax.data.task_source`) records the task instead
+of a text: ``tokenizer`` is ``{"kind": "task", ..., "file": None, "task": data.task, "options":
+data.task_options}`` and ``corpus`` is ``{"source": data.task, "task", "options", "sha256",
+"documents": 0, "bytes": 0}`` (:func:`~nested_jax.data.task_source.task_record`), so a resume on
+another task or other options is refused like a changed corpus.
+
 plus the tokenizer file's bytes (:func:`tokenizer_payload`), which :func:`tokenizer_from_payload`
 turns back into the same tokenizer (same fingerprint, checked).
 """
@@ -24,6 +30,7 @@ from collections.abc import Sequence
 
 from nested_jax.data.config import DataConfig
 from nested_jax.data.corpus import DataError
+from nested_jax.data.task_source import TaskTokenizer
 from nested_jax.data.tokenizers import (
     ByteTokenizer,
     HFTokenizer,
@@ -60,6 +67,8 @@ def tokenizer_payload(tokenizer: Tokenizer) -> tuple[str, bytes | None]:
         return "sentencepiece", tokenizer.model_proto
     if isinstance(tokenizer, HFTokenizer):
         return "tokenizer.json", tokenizer.raw
+    if isinstance(tokenizer, TaskTokenizer):
+        return "task", None  # rebuilt from the record's task, options and vocab_size
     raise ValueError(f"tokenizer: cannot save a {type(tokenizer).__name__} into a workdir")
 
 
@@ -73,6 +82,11 @@ def tokenizer_from_payload(meta: dict, payload: bytes | None, where: str) -> Tok
     kind = meta.get("kind")
     if kind == "byte":
         tok: Tokenizer = ByteTokenizer()
+    elif kind == "task":
+        try:
+            tok = TaskTokenizer(meta["task"], meta["vocab_size"], meta.get("options"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"{where}: unreadable task tokenizer record ({e!r})") from None
     elif payload is None:
         raise DataError(f"{where}: missing (the {kind} tokenizer this run was trained with)")
     elif kind == "sentencepiece":
@@ -96,25 +110,32 @@ def data_spec(cfg: DataConfig, tokenizer: Tokenizer, corpus: dict) -> dict:
     """The record of a run's data (module docstring).
 
     Args:
-      cfg: the data config (``corpus`` is kept as the source's name).
+      cfg: the data config (``corpus``, or ``task`` for a generated task, is kept as the
+        source's name).
       tokenizer: the run's tokenizer.
-      corpus: :func:`corpus_fingerprint` of the corpus.
+      corpus: :func:`corpus_fingerprint` of the corpus (a task run: its
+        :func:`~nested_jax.data.task_source.task_record`).
     """
     kind, _ = tokenizer_payload(tokenizer)
-    return {
-        "version": SPEC_VERSION,
-        "tokenizer": {
-            "kind": kind,
-            "fingerprint": tokenizer.fingerprint,
-            "vocab_size": int(tokenizer.vocab_size),
-            "file": TOKENIZER_FILES.get(kind),
-        },
-        "corpus": {"source": cfg.corpus, **corpus},
+    record = {
+        "kind": kind,
+        "fingerprint": tokenizer.fingerprint,
+        "vocab_size": int(tokenizer.vocab_size),
+        "file": TOKENIZER_FILES.get(kind),
     }
+    if isinstance(tokenizer, TaskTokenizer):
+        record.update(task=tokenizer.task, options=tokenizer.options)
+    source = cfg.task if cfg.task else cfg.corpus
+    return {"version": SPEC_VERSION, "tokenizer": record, "corpus": {"source": source, **corpus}}
 
 
 def describe_corpus(corpus: dict) -> str:
-    """``"1234 documents, 4.02 MB (sha256 ab12cd34)"`` for a ``corpus`` record."""
+    """``"1234 documents, 4.02 MB (sha256 ab12cd34)"`` for a ``corpus`` record
+    (``"task formal:parity {options} (sha256 ab12cd34)"`` for a generated task's)."""
+    if "task" in corpus:
+        options = corpus.get("options") or {}
+        shown = f"{corpus['task']} {options}" if options else corpus["task"]
+        return f"task {shown} (sha256 {corpus['sha256'][:8]})"
     return (
         f"{corpus['documents']} documents, {corpus['bytes'] / 1e6:.2f} MB "
         f"(sha256 {corpus['sha256'][:8]})"

@@ -23,6 +23,11 @@ With ``data.prepared_dir`` the same token stream is read from the ArrayRecord sh
 ``nested-jax prepare-data`` (:mod:`nested_jax.data.prepared`); windows, order, sharding and state
 are unchanged, so both give the same batches and a checkpoint of one resumes the other.
 ``data.prefetch`` reads that many batches ahead in grain threads (same batches, same state).
+
+Generated tasks. With ``data.task`` (``"formal:parity"``, ...) there is no corpus: the training
+iterator yields the task's batches (global batch ``g`` drawn from ``(seed, g)``; same keys and
+shapes, same checkpointable index state), the evaluation batches are held-out task batches and
+the tokenizer is the task's (:mod:`nested_jax.data.task_source`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grain
 import numpy as np
@@ -50,6 +56,14 @@ from nested_jax.data.corpus import (
 )
 from nested_jax.data.identity import corpus_fingerprint
 from nested_jax.data.prepared import PreparedStream, open_prepared, prepared_tokenizer
+from nested_jax.data.task_source import (
+    DEFAULT_EVAL_BATCHES,
+    TaskBatchSource,
+    build_task,
+    task_record,
+    task_tokenizer,
+    validation_batches,
+)
 from nested_jax.data.tokenizers import Tokenizer, build_tokenizer
 from nested_jax.files import as_path
 
@@ -299,6 +313,8 @@ def train_windows(
 
 def steps_per_epoch(cfg: DataConfig, tokenizer: Tokenizer, train_docs: Sequence[str] | None) -> int:
     """Global batches per training epoch (leftover windows are dropped each epoch)."""
+    if cfg.task:
+        raise ValueError(f"data.task: {cfg.task!r} is generated without end (no epochs)")
     return len(train_windows(cfg, tokenizer, train_docs)) // cfg.batch_size
 
 
@@ -335,8 +351,16 @@ def make_train_iterator(
       "loss_mask": float32[b, T]}`` with ``b = B / process_count``. ``get_state()/set_state()``
       and ``grain.checkpoint.CheckpointSave/CheckpointRestore`` restore the exact next batch.
       The batches and the state are the same with and without ``prepared_dir`` or ``prefetch``.
+      With ``cfg.task`` the batches are the generated task's (`tokenizer` and `train_docs`
+      unused; :class:`~nested_jax.data.task_source.TaskBatchSource`).
     """
     process_index, process_count = _process_args(cfg, process_index, process_count)
+    if cfg.task:
+        source = TaskBatchSource(
+            build_task(cfg), cfg.seed, cfg.batch_size, cfg.seq_len, process_index, process_count
+        )
+        ds = grain.MapDataset.source(source)
+        return iter(ds.to_iter_dataset(read_options=read_options(cfg.prefetch)))
     windows = train_windows(cfg, tokenizer, train_docs)
     source = _ShuffledShardSource(windows, cfg.batch_size, process_index, process_count, cfg.seed)
     ds = grain.MapDataset.source(source).batch(source.local_batch, drop_remainder=True)
@@ -365,10 +389,17 @@ def make_eval_batches(
 
     Returns:
       A list of batches (dicts of numpy arrays, same keys as training batches).
+
+    With ``cfg.task``: ``max_batches`` (default
+    :data:`~nested_jax.data.task_source.DEFAULT_EVAL_BATCHES`) held-out batches of the task
+    (`tokenizer` and `val_docs` unused).
     """
     process_index, process_count = _process_args(cfg, process_index, process_count)
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"max_batches: must be >= 1 or None, got {max_batches}")
+    if cfg.task:
+        count = DEFAULT_EVAL_BATCHES if max_batches is None else max_batches
+        return validation_batches(build_task(cfg), cfg, count, process_index, process_count)
     if not val_docs:
         raise DataError("validation split is empty (data.val_fraction is 0 or the corpus is tiny)")
     windows = PackedWindows(
@@ -408,7 +439,8 @@ class DataBundle:
     tokenizer: Tokenizer
     train_docs: list[str]
     val_docs: list[str]
-    corpus: dict  # corpus_fingerprint() of all documents in corpus order
+    corpus: dict  # corpus_fingerprint() of all documents in corpus order (task: task_record())
+    task: Any = None  # the GeneratedTask of data.task (None: a text corpus)
 
 
 def prepare_data(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> DataBundle:
@@ -419,7 +451,24 @@ def prepare_data(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> DataBun
       tokenizer: use this tokenizer (a workdir's saved one) instead of building it from `cfg`;
         without one, a ``cfg.prepared_dir``'s tokenizer is used (the one its tokens were made
         with), else one is built from `cfg`.
+
+    With ``cfg.task`` nothing is read: the bundle holds the task, its
+    :class:`~nested_jax.data.task_source.TaskTokenizer`, no documents and the task record as
+    ``corpus``. A given `tokenizer` must be that task's (same fingerprint).
+
+    Raises:
+      ValueError: ``cfg.task`` names an unregistered family / unknown task / bad options.
+      DataError: the corpus cannot be read, or `tokenizer` belongs to another task.
     """
+    if cfg.task:
+        task = build_task(cfg)
+        tok = task_tokenizer(cfg, task)
+        if tokenizer is not None and tokenizer.fingerprint != tok.fingerprint:
+            raise DataError(
+                f"data.task: the saved tokenizer {tokenizer.fingerprint} is not the one of "
+                f"{tok.fingerprint}"
+            )
+        return DataBundle(tok, [], [], task_record(cfg), task=task)
     docs = load_documents(cfg)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction, cfg.seed)
     if tokenizer is None and cfg.prepared_dir:

@@ -52,9 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--suite",
-        default=",".join(DEFAULT_SUITES),
+        default=None,
         help=f"what to evaluate, names from {', '.join(SUITES)} joined by commas "
-        f"(default {','.join(DEFAULT_SUITES)}); sizes in the config's eval section",
+        f"(default {','.join(DEFAULT_SUITES)}; a run on a generated task (data.task): "
+        "validation); sizes in the config's eval section",
     )
     s = p.add_argument_group("continual stream (instead of the standard report)")
     s.add_argument("--stream", help="'val' (the validation documents) or a UTF-8 text file")
@@ -95,6 +96,11 @@ def run_eval(trained, suites: Sequence[str] = DEFAULT_SUITES) -> dict:
     if "validation" in suites:
         report.update(validation_report(trained))
     generated = [n for n in suites if n in RUNNERS]
+    if generated and trained.bundle.task is not None:
+        raise ValueError(
+            f"--suite: {', '.join(generated)} read text; this run trained on the generated task "
+            f"{cfg.data.task!r} (use --suite validation)"
+        )
     if "niah" in generated and not (
         cfg.eval.niah_per_cell > 0 and cfg.eval.niah_lengths and cfg.eval.niah_depths
     ):
@@ -122,6 +128,20 @@ def validation_report(trained) -> dict:
         max_batches=cfg.eval.eval_batches or None,
     )
     val = evaluate(trained.setup, trained.params, batches)
+    if trained.bundle.task is not None:  # a generated task: its accuracy, no text statistics
+        from nested_jax.train.setup import make_score_fn
+
+        scores = make_score_fn(trained.setup, trained.bundle.task.score)(trained.params, batches)
+        return {
+            "validation": {
+                "loss": val["val_loss"],
+                "perplexity": val["val_perplexity"],
+                "tokens": val["val_tokens"],
+                "batches": len(batches),
+                **{k.removeprefix("val_"): v for k, v in scores.items()},
+            },
+            "task": cfg.data.task,
+        }
     entropy = pipeline.unigram_byte_entropy(
         list(trained.bundle.train_docs) + list(trained.bundle.val_docs)
     )
@@ -138,13 +158,27 @@ def validation_report(trained) -> dict:
     }
 
 
+_TASK_PLAIN = ("loss", "perplexity", "tokens", "batches")
+
+
 def report_markdown(report: dict) -> str:
     """The report as Markdown: the validation table, then a section per generated suite."""
     lines = [
         f"# Evaluation of `{report['workdir']}` (model `{report['model']}`, step {report['step']})"
     ]
     v = report.get("validation")
-    if v:
+    if v and report.get("task"):
+        lines += [
+            "",
+            f"Generated task `{report['task']}` (held-out batches):",
+            "",
+            "| metric | value |",
+            "|---|---:|",
+            f"| validation loss (nats/scored token) | {v['loss']:.4f} |",
+            *(f"| validation {k} | {v[k]:.4f} |" for k in v if k not in _TASK_PLAIN),
+            f"| scored tokens / batches | {int(v['tokens'])} / {v['batches']} |",
+        ]
+    elif v:
         gap = report["unigram_entropy_bits_per_byte"] - v["bits_per_byte"]
         lines += [
             "",
@@ -186,7 +220,7 @@ def write_plots(workdir, report: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        suites = parse_suites(args.suite)
+        suites = parse_suites(args.suite) if args.suite is not None else None
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -204,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             report = run_stream(trained, args)
             name, md = "stream_report", stream_markdown(report)
         else:
+            if suites is None:
+                suites = ("validation",) if trained.bundle.task is not None else DEFAULT_SUITES
             report = run_eval(trained, suites)
             if trained.corpus_change is not None:
                 report["corpus_change"] = trained.corpus_change

@@ -318,8 +318,9 @@ def _check_combinations(cfg: Config) -> None:
                 f"data.seq_len: {cfg.data.seq_len} is not a multiple of {knob} = {size} "
                 f"(the chunked {cfg.model.name!r} mixer runs whole chunks)"
             )
+    # A generated task (data.task) brings its own ids; prepare_plan checks them against the model.
     needed = {"byte": 257, "sentencepiece": cfg.data.vocab_size}.get(cfg.data.tokenizer, 0)
-    if cfg.model.vocab_size < needed:
+    if cfg.model.vocab_size < needed and not cfg.data.task:
         raise ConfigError(
             f"model.vocab_size: {cfg.model.vocab_size} is smaller than the {cfg.data.tokenizer!r} "
             f"tokenizer's vocabulary ({needed} ids)"

@@ -8,7 +8,9 @@ One run, as named steps (each a function below):
 2. :func:`prepare_data` builds the mesh, loads the data with the workdir's own tokenizer,
    initialises the sharded state and jits the steps
    (:func:`~nested_jax.train.setup.prepare_run`); the corpus is checked against the saved
-   fingerprint.
+   fingerprint. With ``data.task`` the data is a generated task
+   (:mod:`nested_jax.data.task_source`) and every validation also reports its score
+   (``val_accuracy``).
 3. :func:`restore_or_start` restores the newest good checkpoint (params, optimizer, data
    iterator, step) or starts from scratch; :func:`record_run` writes the config, the data record
    and the config history.
@@ -42,6 +44,7 @@ from nested_jax.train.setup import (  # noqa: F401  (re-exported: the loop's pub
     TrainSetup,
     evaluate,
     init_train_setup,
+    make_score_fn,
     prepare_run,
 )
 from nested_jax.train.signals import StopSignal
@@ -122,8 +125,10 @@ class PreparedRun:
     setup: TrainSetup
     bundle: Any  # the loaded corpus: tokenizer, train_docs, val_docs, corpus record
     spec: dict  # the data record written to data_spec.json and saved with every checkpoint
-    entropy: float  # unigram byte entropy of the whole corpus (bits/byte)
+    entropy: float  # unigram byte entropy of the whole corpus (bits/byte; NaN for a task)
     eval_batches: list[dict]  # this process's validation batches
+    # (params, eval batches) -> {"val_accuracy": ...} of a generated task (None: a text corpus)
+    score_fn: Callable[[dict, list[dict]], dict] | None = None
 
     def make_iterator(self) -> Any:
         """A fresh training-data iterator (this process's share); a checkpoint restores its
@@ -157,7 +162,11 @@ def prepare_data(
     check_corpus(plan, bundle, workdir)
     tok = bundle.tokenizer
     spec = data_spec(config.data, tok, bundle.corpus)
-    entropy = pipeline.unigram_byte_entropy(list(bundle.train_docs) + list(bundle.val_docs))
+    if bundle.task is None:
+        entropy = pipeline.unigram_byte_entropy(list(bundle.train_docs) + list(bundle.val_docs))
+        score_fn = None
+    else:  # no text: no byte entropy; the task scores its own predictions
+        entropy, score_fn = float("nan"), make_score_fn(setup, bundle.task.score)
     eval_batches = pipeline.make_eval_batches(
         config.data,
         tok,
@@ -166,7 +175,7 @@ def prepare_data(
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
-    return PreparedRun(config.data, mesh, setup, bundle, spec, entropy, eval_batches)
+    return PreparedRun(config.data, mesh, setup, bundle, spec, entropy, eval_batches, score_fn)
 
 
 # -- 3. restore and record -------------------------------------------------------------------------
@@ -274,6 +283,7 @@ class RunContext:
     writer: MetricsWriter
     progress: Progress
     save_extras: dict  # config dict, data spec and tokenizer bytes saved with every checkpoint
+    score_fn: Callable[[dict, list[dict]], dict] | None = None  # a generated task's scores
 
     def save(self, step: int, state: dict) -> None:
         """Starts saving checkpoint `step`; a write error (disk full) stops training in one line."""
@@ -335,9 +345,12 @@ def _train_step(run: RunContext, state: dict, step: int, stats: StepStats) -> di
 
 def _validate(run: RunContext, state: dict, step: int) -> dict:
     val = evaluate(run.setup, state["params"], run.eval_batches)
+    scores = run.score_fn(state["params"], run.eval_batches) if run.score_fn else {}
+    val.update(scores)
     run.writer.write(step, "eval", val)
     run.progress.write(
         f"step {step}: val loss {val['val_loss']:.4f}, val bits/byte {val['val_bits_per_byte']:.4f}"
+        + "".join(f", {k.replace('_', ' ')} {v:.4f}" for k, v in scores.items())
     )
     return val
 
@@ -387,9 +400,14 @@ def open_run(
         writer.write(start, "event", {"event": "resume"})
     tc = config.train
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
+    data = (
+        f"task {config.data.task} ({prep.bundle.tokenizer.vocab_size} ids)"
+        if config.data.task
+        else f"unigram byte entropy {prep.entropy:.3f} bits/byte"
+    )
     _say(
         f"model {config.model.name}: {n_params / 1e6:.2f}M params; mesh {dict(prep.mesh.shape)}; "
-        f"{max(tc.steps - start, 0)} steps to go; unigram byte entropy {prep.entropy:.3f} bits/byte"
+        f"{max(tc.steps - start, 0)} steps to go; {data}"
     )
     progress = Progress(
         tc.steps,
@@ -405,7 +423,15 @@ def open_run(
         "tokenizer_file": tokenizer_payload(prep.bundle.tokenizer)[1],
     }
     return RunContext(
-        config, prep.setup, ckpt, iterator, prep.eval_batches, writer, progress, save_extras
+        config,
+        prep.setup,
+        ckpt,
+        iterator,
+        prep.eval_batches,
+        writer,
+        progress,
+        save_extras,
+        prep.score_fn,
     )
 
 
@@ -482,6 +508,12 @@ def format_summary(summary: dict) -> str:
     """Human-readable multi-line summary of a run (missing numbers print as ``n/a``)."""
     bpb, entropy = summary.get("val_bits_per_byte"), summary["unigram_entropy_bits_per_byte"]
     gap = entropy - bpb if isinstance(bpb, int | float) else None
+    data = (  # a generated task (nested_jax.data.task_source) has a score, not a byte entropy
+        f"validation accuracy        {_num(summary['val_accuracy'], '.4f')}"
+        if "val_accuracy" in summary
+        else f"corpus unigram entropy     {_num(entropy, '.4f')} bits/byte "
+        f"(model is {_num(gap, '.3f')} below)"
+    )
     return "\n".join(
         [
             "== summary ==",
@@ -490,8 +522,7 @@ def format_summary(summary: dict) -> str:
             f"final train loss           {_num(summary['final_train_loss'], '.4f')} nats/token",
             f"validation loss            {_num(summary.get('val_loss'), '.4f')} nats/token",
             f"validation bits/byte       {_num(bpb, '.4f')}",
-            f"corpus unigram entropy     {_num(entropy, '.4f')} bits/byte "
-            f"(model is {_num(gap, '.3f')} below)",
+            data,
             f"throughput                 {_num(summary['tokens_per_s'], '.0f')} tokens/s",
             f"wall time                  {summary['wall_time_s']:.1f} s",
         ]
@@ -548,6 +579,8 @@ def train_and_evaluate(
     state, stats = run_and_close(run, state, start)
     if not stats.val and stats.stopped_by is None:  # nothing trained: evaluate what was restored
         stats.val = evaluate(prep.setup, state["params"], prep.eval_batches)
+        if prep.score_fn is not None:
+            stats.val.update(prep.score_fn(state["params"], prep.eval_batches))
     summary = build_summary(workdir, stats, state, start, prep.entropy, t_start)
     write_summary(workdir, summary)
     return summary

@@ -3,6 +3,12 @@
     nested-jax train --config configs/experiments/tiny_gdn.yaml [--config MORE.yaml]
                      [--set train.steps=100 ...] --workdir runs/tiny_gdn
     nested-jax train --workdir runs/tiny_gdn [--set train.steps=2000]   # continue a run
+    nested-jax train --task formal:parity --config configs/experiments/tiny_transformer.yaml \
+                     --set data.task_options.train_lengths=[1,16] --workdir runs/parity
+
+``--task FAMILY:NAME`` is ``--set data.task=FAMILY:NAME``: train on a generated task
+(``formal:<name>``, ``mad:<name>``; :mod:`nested_jax.data.task_source`) with the same loop,
+checkpoints and progress bar; each validation also reports the task's accuracy.
 
 Without ``--config`` the run saved in the workdir is continued with its own config (``--set``
 still applies); a workdir without a run is refused. A resumed run may change only settings that
@@ -47,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run directory (checkpoints, metrics, summary); a local path or a gs:// URL",
     )
     p.add_argument(
+        "--task",
+        metavar="FAMILY:NAME",
+        help="train on a generated task instead of text, e.g. formal:parity or "
+        "mad:in_context_recall (shorthand for --set data.task=FAMILY:NAME; options via --set "
+        "data.task_options.KEY=VALUE)",
+    )
+    p.add_argument(
         "--reset-optimizer",
         action="store_true",
         help="resume the weights and data position with a fresh optimizer state (allows "
@@ -60,14 +73,31 @@ def _error(prefix: str, err: BaseException) -> None:
     print(f"{prefix}: {text}", file=sys.stderr)
 
 
+def _check_task(config) -> None:
+    """A generated task's family, name and options are known before anything runs (the families
+    are registered by ``nested_jax.eval.task_families``, which ``nested-jax`` imports)."""
+    if not config.data.task:
+        return
+    from nested_jax.data.task_source import build_task
+
+    try:
+        build_task(config.data)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from nested_jax.data.corpus import DataError
     from nested_jax.train.workdir import resolve_config
 
+    overrides = list(args.overrides)
+    if args.task is not None:
+        overrides.append(f"data.task={args.task}")
     try:
         workdir = as_path(args.workdir, "--workdir")
-        config, source = resolve_config(workdir, args.config, args.overrides)
+        config, source = resolve_config(workdir, args.config, overrides)
+        _check_task(config)
     except (ConfigError, PathError) as err:
         _error("config error", err)
         return EXIT_CONFIG

@@ -286,6 +286,48 @@ def evaluate(setup: TrainSetup, params: dict, batches: list[dict]) -> dict:
     }
 
 
+def make_score_fn(
+    setup: TrainSetup, score: Callable[[np.ndarray, dict], dict]
+) -> Callable[[dict, list[dict]], dict]:
+    """``score_fn(params, batches) -> {"val_<metric>": value}``: a generated task's metrics over
+    process-local numpy `batches` (``nested_jax.data.task_source``).
+
+    Each batch runs through the model on the mesh (jitted once per shape); only the argmax ids
+    ``int32[B, T]`` of the global batch come back, replicated, with its inputs, targets and mask,
+    so every process scores the same global rows. ``score(ids, batch)`` gives each metric as an
+    average over the batch's scored positions (``loss_mask > 0``); the result weights batch ``i``
+    by its count ``n_i``: ``Σ_i n_i m_i / Σ_i n_i`` (exact accuracy over all scored positions).
+    """
+    from nested_jax.train.step import params_to_state
+
+    repl = replicated(setup.mesh)
+
+    def forward(params, rest, batch):
+        model = nnx.merge(setup.graphdef, params_to_state(params, setup.state_def), rest)
+        logits, _ = model(batch["inputs"], segment_ids=batch["segment_ids"])
+        ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return ids, batch["inputs"], batch["targets"], batch["loss_mask"]
+
+    predict = on_mesh(setup.mesh, jax.jit(forward, out_shardings=(repl,) * 4))
+
+    def score_fn(params: dict, batches: list[dict]) -> dict:
+        sums: dict[str, float] = {}
+        weight = 0.0
+        for local in batches:
+            batch = global_batch_from_local({k: local[k] for k in BATCH_KEYS}, setup.mesh)
+            ids, inputs, targets, mask = jax.device_get(predict(params, setup.rest, batch))
+            n = float((np.asarray(mask) > 0).sum())
+            if not n:
+                continue
+            rows = {"inputs": inputs, "targets": targets, "loss_mask": mask}
+            for name, value in score(ids, rows).items():
+                sums[name] = sums.get(name, 0.0) + float(value) * n
+            weight += n
+        return {f"val_{k}": v / weight for k, v in sums.items()}
+
+    return score_fn
+
+
 def build_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
     """The run's mesh on `devices` (default: all), checked against ``data.batch_size``.
 
