@@ -21,20 +21,45 @@ import gc  # noqa: E402
 
 import pytest  # noqa: E402
 
+# vm.max_map_count is 65 530 by default: XLA:CPU maps every compiled kernel's code and data as
+# separate anonymous regions and keeps them while the program is cached, and a process that reaches
+# the limit dies inside backend_compile_and_load (measured: `-m slow tests/pallas/
+# test_pallas_wiring.py` in one process climbed to 65 279 mappings after 70 tests and aborted
+# there, as the CI worker that segfaulted in the same call after ~800 tests had). Dropping the
+# compiled programs returns the mappings; the checks below keep every worker far from the limit.
+_MAPPINGS_HIGH = 20_000
+
+
+def _mappings() -> int:
+    """This process's memory mappings (0 where /proc is absent)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def _release() -> None:
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _bound_mappings():
+    """After a test that leaves more than ``_MAPPINGS_HIGH`` mappings, drop the compiled programs
+    (a module of many compile-heavy tests would otherwise reach the kernel's limit)."""
+    yield
+    if _mappings() > _MAPPINGS_HIGH:
+        _release()
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """After each test module, drop JAX's compiled programs.
 
-    A worker that keeps every program of its ~600 tests alive grows without bound: XLA:CPU maps
-    each compiled kernel's code and data as separate anonymous regions (a 105-test subset reached
-    15 640 mappings of the kernel's default vm.max_map_count of 65 530), and the default suite's
-    peak worker RSS was 6.9 GB. Cleared per module: peak 2.6 GB RSS and under 15 000 mappings
-    per worker, and the suite is no slower (programs are rarely shared across modules). (A CI
-    worker once died with a segfault inside backend_compile after ~800 tests, not reproduced
-    here; XLA:CPU out of section memory aborts rather than segfaults, so this is headroom, not a
-    proven fix for it.)
+    A worker that keeps every program of its ~600 tests alive grows without bound (mappings, see
+    above; the default suite's peak worker RSS was 6.9 GB). Cleared per module: peak 2.6 GB RSS,
+    and the suite is no slower (programs are rarely shared across modules).
     """
     yield
-    jax.clear_caches()
-    gc.collect()
+    _release()
