@@ -70,7 +70,9 @@ def _old_packed(x, q, state, readout, rule, segment_ids, n, e):
     reset, kw = state, rule.kwargs()
 
     def call(st, xs, seg, init):
-        return hope_chunked(xs[0], xs[1], st, readout, segment_ids=seg, initial_memories=init, **kw)
+        return hope_chunked(
+            xs[0], xs[1], readout, initial_state=st, segment_ids=seg, initial_memories=init, **kw
+        )
 
     def span_fn(st, xs, seg, active):
         tree = proteus_hope_masks(st, active, e)
@@ -90,11 +92,11 @@ def _old_packed(x, q, state, readout, rule, segment_ids, n, e):
 def _core(x, q, state, ro, segment_ids, proteus):
     """What the layer computed before ops.hope, per case."""
     if not proteus:
-        return hope_chunked(x, q, state, ro, segment_ids=segment_ids, **RULE.kwargs())
+        return hope_chunked(x, q, ro, initial_state=state, segment_ids=segment_ids, **RULE.kwargs())
     n, e = PROTEUS["proteus"].context_len, PROTEUS["proteus"].blocks
     if segment_ids is None:
         return proteus_hope_chunked(
-            x, q, state, ro, context_len=n, num_blocks=e, t0=0, **RULE.kwargs()
+            x, q, ro, initial_state=state, context_len=n, num_blocks=e, t0=0, **RULE.kwargs()
         )
     return _old_packed(x, q, state, ro, RULE, segment_ids, n, e)
 
@@ -102,7 +104,7 @@ def _core(x, q, state, ro, segment_ids, proteus):
 def _op(x, q, state, ro, segment_ids, proteus, impl="chunked"):
     kw = PROTEUS if proteus else {}
     return ops_hope.hope_memories(
-        x, q, state, ro, rule=RULE, segment_ids=segment_ids, impl=impl, **kw
+        x, q, ro, initial_state=state, rule=RULE, segment_ids=segment_ids, impl=impl, **kw
     )
 
 
@@ -165,18 +167,21 @@ def test_decode_equals_sequence_form_token_by_token(proteus):
     rule = dataclasses.replace(RULE, adaptive_q=proteus)
     kw = PROTEUS if proteus else {}
     seq_o, seq_st = jax.jit(
-        lambda x, q: ops_hope.hope_memories(x, q, _state(mems, rule), ro, rule=rule, **kw)
+        lambda x, q: ops_hope.hope_memories(
+            x, q, ro, initial_state=_state(mems, rule), rule=rule, **kw
+        )
     )(x, q)
     zero = jax.tree.map(lambda w: jnp.zeros((B, *w.shape)), mems)
     step = jax.jit(
-        lambda x, q, st, snap, n: ops_hope.hope_decode(
-            x, q, st, snap, n, readout=ro, rule=rule, initial_memories=mems, **kw
+        lambda x, q, ds: ops_hope.hope_decode(
+            x, q, ro, rule=rule, initial_state=ds, initial_memories=mems, **kw
         )
     )
     part = lambda a, i: None if a is None else a[:, 6 * i : 6 * i + 6]  # noqa: E731
     n = jnp.zeros((), jnp.int32)
-    o1, state, snap, n = step(part(x, 0), part(q, 0), ops_hope.HopeState(zero, zero), zero, n)
-    o2, state, snap, n = step(part(x, 1), part(q, 1), state, snap, n)
+    ds = ops_hope.HopeDecodeState(ops_hope.HopeState(zero, zero), zero, n)
+    o1, ds = step(part(x, 0), part(q, 0), ds)
+    o2, (state, snap, n) = step(part(x, 1), part(q, 1), ds)
     assert int(n) == 12
     _close(jnp.concatenate([o1, o2], 1), seq_o)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(seq_st), strict=True):
@@ -205,10 +210,13 @@ def test_bad_impl_raises_naming_the_op(op, impl):
     mems, ro, x, q = _setup()
     st = _state(mems, RULE)
     if op == "hope_memories":
-        call = functools.partial(ops_hope.hope_memories, x, q, st, ro, rule=RULE, impl=impl)
-    else:
         call = functools.partial(
-            ops_hope.hope_decode, x, q, st, st.memories, 0, readout=ro, rule=RULE, impl=impl
+            ops_hope.hope_memories, x, q, ro, initial_state=st, rule=RULE, impl=impl
+        )
+    else:
+        ds = ops_hope.HopeDecodeState(st, st.memories, jnp.zeros((), jnp.int32))
+        call = functools.partial(
+            ops_hope.hope_decode, x, q, ro, initial_state=ds, rule=RULE, impl=impl
         )
     with pytest.raises(ValueError, match=f"^{op}: impl"):
         call()
@@ -218,16 +226,25 @@ def test_rule_checks():
     mems, ro, x, q = _setup()
     horizon = dataclasses.replace(RULE, grad_horizon=4)
     with pytest.raises(ValueError, match=r"^hope_memories: impl='recurrent'.*grad_horizon"):
-        ops_hope.hope_memories(x, q, _state(mems, RULE), ro, rule=horizon, impl="recurrent")
+        ops_hope.hope_memories(
+            x, q, ro, initial_state=_state(mems, RULE), rule=horizon, impl="recurrent"
+        )
     bad = dataclasses.replace(RULE, chunk_memory=8)  # Δ = 4: 8 does not divide it
     with pytest.raises(ValueError, match=r"^HopeOptions\.chunk_memory: decoding with Proteus"):
         ops_hope.check_hope_decode(bad, **PROTEUS, owner="HopeOptions")
     ops_hope.check_hope_decode(bad)  # no Proteus: any chunk sizes decode
     with pytest.raises(ValueError, match=r"^rule\.chunk_memory: decoding with Proteus"):
-        st = _state(mems, RULE)
-        ops_hope.hope_decode(x, q, st, st.memories, 0, readout=ro, rule=bad, **PROTEUS)
+        ds = ops_hope.hope_decode_state(mems, B, momentum=RULE.momentum)
+        ops_hope.hope_decode(x, q, ro, initial_state=ds, rule=bad, **PROTEUS)
     # The schedule is a ProteusRule, not a pair of ints.
     with pytest.raises(ValueError, match=r"^hope_memories: proteus must be a ProteusRule"):
-        ops_hope.hope_memories(x, q, _state(mems, RULE), ro, rule=RULE, proteus=(4, 16))
+        ops_hope.hope_memories(
+            x, q, ro, initial_state=_state(mems, RULE), rule=RULE, proteus=(4, 16)
+        )
     with pytest.raises(ValueError, match=r"^check_hope_decode: proteus must be a ProteusRule"):
         ops_hope.check_hope_decode(RULE, proteus=(4, 16))
+    # no zero state: a missing initial_state names the constructor
+    with pytest.raises(ValueError, match=r"^hope_memories: initial_state: .*hope_init_state\("):
+        ops_hope.hope_memories(x, q, ro, rule=RULE)
+    with pytest.raises(ValueError, match=r"^hope_decode: initial_state: .*hope_decode_state\("):
+        ops_hope.hope_decode(x, q, ro, rule=RULE)

@@ -39,7 +39,7 @@ def test_chunk_one_equals_recurrent_values_and_gradients():
     xs, m0 = _inputs(), _m0()
 
     def loss(m0, xs, impl):
-        y, st = T.titans_memory(T.titans_mlp_state(m0, B), *xs, spec=spec, impl=impl)
+        y, st = T.titans_memory(*xs, initial_state=T.titans_mlp_state(m0, B), spec=spec, impl=impl)
         return jnp.sum(jnp.sin(y)) + sum(jnp.sum(w) for w in st.weights), y
 
     @jax.jit
@@ -71,7 +71,7 @@ def test_proteus_packed_rows_through_ops_equal_the_layer_and_the_core_wrapper():
     def via_ops(xs):  # what the layer documents: reset to the learned (M_0, 0)
         m0 = mem.initial_state(B)
         kw = dict(spec=mem.spec, impl=mem.impl, segment_ids=seg, reset_state=m0)
-        return T.titans_memory(carried, *xs, **kw)
+        return T.titans_memory(*xs, initial_state=carried, **kw)
 
     layer = jax.make_jaxpr(lambda xs: mem(*xs, state=carried, segment_ids=seg))(xs)
     assert str(layer) == str(jax.make_jaxpr(via_ops)(xs))
@@ -79,8 +79,8 @@ def test_proteus_packed_rows_through_ops_equal_the_layer_and_the_core_wrapper():
     @jax.jit
     def run(xs):
         y_ref, _ = proteus_titans_mlp_chunked(
-            mem.initial_state(B), *(a[:, cut:] for a in xs), context_len=8, num_blocks=2,
-            t0=cut, chunk_size=mem.spec.chunk, grad_clip=mem.spec.grad_clip,
+            *(a[:, cut:] for a in xs), initial_state=mem.initial_state(B), context_len=8,
+            num_blocks=2, t0=cut, chunk_size=mem.spec.chunk, grad_clip=mem.spec.grad_clip,
         )  # fmt: skip
         return via_ops(xs)[0], y_ref
 
@@ -99,7 +99,9 @@ def test_decode_step_equals_the_sequence_form(impl, chunk):
 
     @jax.jit
     def run(cache, xs):  # the sequence form and a scan of decode steps, one compile
-        y_seq, st_seq = T.titans_memory(T.titans_mlp_state(m0, B), *xs, spec=spec, impl=impl)
+        y_seq, st_seq = T.titans_memory(
+            *xs, initial_state=T.titans_mlp_state(m0, B), spec=spec, impl=impl
+        )
 
         def body(c, tok):
             y, c = T.titans_memory_step(c, *tok, spec=spec, initial_weights=m0, impl=impl)
@@ -121,7 +123,7 @@ def test_impl_errors_name_the_op():
     st = T.titans_mlp_state(m0, B)
     cache = T.titans_memory_init_cache(spec, B, H)
     calls = {
-        "titans_memory": lambda impl: T.titans_memory(st, *xs, spec=spec, impl=impl),
+        "titans_memory": lambda impl: T.titans_memory(*xs, initial_state=st, spec=spec, impl=impl),
         "titans_memory_step": lambda impl: T.titans_memory_step(
             cache, *(a[:, 0] for a in xs), spec=spec, initial_weights=m0, impl=impl
         ),
@@ -132,6 +134,9 @@ def test_impl_errors_name_the_op():
             call("pallas")
         with pytest.raises(ValueError, match=f"{op}: impl must be one of"):
             call("bogus")
+    # the memory has no zero state: a missing initial_state names the constructor
+    with pytest.raises(ValueError, match=r"^titans_memory: initial_state: .*titans_mlp_state\("):
+        T.titans_memory(*xs, spec=spec)
 
 
 def test_spec_is_hashable_and_checks():

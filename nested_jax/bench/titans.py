@@ -89,7 +89,7 @@ def _mlp_grad(fn):
         B = q.shape[0]
         ws = tuple(jnp.broadcast_to(w, (B, *w.shape)) for w in weights)
         state = TitansMLPState(ws, tuple(jnp.zeros_like(w) for w in ws))
-        o, st = fn(state, q, k, v, th, et, al)
+        o, st = fn(q, k, v, th, et, al, initial_state=state)
         return jnp.sum(o) + sum(jnp.sum(w) for w in st.weights)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5, 6)))

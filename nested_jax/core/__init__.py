@@ -2,8 +2,10 @@
 
 No Flax, no configs, no sharding: import these into your own JAX code (SPEC §0.1 lists the
 stable names). Shapes follow flash-linear-attention: ``[B, T, H, D]`` arrays, ``[B, T, H]`` gates
-(``g`` is a *log* decay), ``[B, H, K, V]`` matrix states; every sequence function returns
-``(output, state)``.
+(``g`` is a *log* decay), ``[B, H, K, V]`` matrix states. Every sequence function takes its
+per-token inputs, then its parameters, then the keyword ``initial_state=`` (required for the MLP
+memories, which have no zero state), and returns ``(output, final_state)``; every ``*_step`` takes
+``state`` first (``README.md`` §0).
 
     from nested_jax.core import gated_delta_chunked, titans_linear_chunked, dgd_update
 
@@ -63,7 +65,7 @@ from nested_jax.core.hope import (
     hope_init_state,
     mlp_memory_apply,
 )
-from nested_jax.core.hope_decode import hope_decode
+from nested_jax.core.hope_decode import HopeDecodeState, hope_decode, hope_decode_state
 from nested_jax.core.hope_linear import hope_linear_chunk_update
 from nested_jax.core.hope_token import hope_decode_step, hope_recurrent, hope_step
 from nested_jax.core.proteus import (
@@ -207,6 +209,8 @@ __all__ = [
     "hope_recurrent",
     "hope_chunked",
     "hope_decode_step",
+    "HopeDecodeState",
+    "hope_decode_state",
     "hope_decode",
     "HopeRule",
     "hope_linear_chunk_update",

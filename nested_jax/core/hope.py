@@ -73,9 +73,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from nested_jax.core.checks import require_initial_state
 from nested_jax.core.dgd import clamped_rate, dgd_step_size
 from nested_jax.core.hope_parallel import chunk_coefficients, layer_chunk, read_running
 from nested_jax.core.hope_state import (
+    HOPE_STATE_CONSTRUCTOR,
     HopeMemories,
     HopeReadout,
     HopeRule,
@@ -103,7 +105,8 @@ def _l2norm(x, eps=1e-6):
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _validate(x, q, state, readout, adaptive_q, momentum):
+def _validate(x, q, state, readout, adaptive_q, momentum, name="state"):
+    """Shape checks of a Hope call; ``name`` is the state's argument name in the messages."""
     x = jnp.asarray(x)
     if x.ndim != 4:
         raise ValueError(f"x must have shape [B, T, H, D], got {x.shape}")
@@ -115,25 +118,25 @@ def _validate(x, q, state, readout, adaptive_q, momentum):
                 f"{None if q is None else jnp.shape(q)}"
             )
     if not isinstance(state, HopeState):
-        raise ValueError(f"state must be a HopeState, got {type(state).__name__}")
+        raise ValueError(f"{name} must be a HopeState, got {type(state).__name__}")
     mems = state.memories
     if adaptive_q and mems.q is None:
-        raise ValueError("state.memories.q must be an MLPMemory when adaptive_q=True, got None")
+        raise ValueError(f"{name}.memories.q must be an MLPMemory when adaptive_q=True, got None")
     if momentum and state.momentum is None:
-        raise ValueError("state.momentum must be set when momentum=True (hope_init_state)")
+        raise ValueError(f"{name}.momentum must be set when momentum=True (hope_init_state)")
     hidden = None
     for n in _names(mems):
         m = getattr(mems, n)
         w1, w2 = jnp.shape(m.w1), jnp.shape(m.w2)
         if len(w1) != 4 or w1[:3] != (B, H, D):
             raise ValueError(
-                f"state.memories.{n}.w1 must have shape [B={B}, H={H}, D={D}, h], got {w1}"
+                f"{name}.memories.{n}.w1 must have shape [B={B}, H={H}, D={D}, h], got {w1}"
             )
         h = w1[3]
         hidden = h if hidden is None else hidden
         if w2 != (B, H, h, D):
             raise ValueError(
-                f"state.memories.{n}.w2 must have shape [B, H, h, D]={(B, H, h, D)}, got {w2}"
+                f"{name}.memories.{n}.w2 must have shape [B, H, h, D]={(B, H, h, D)}, got {w2}"
             )
     for f in ("eta_w", "alpha_w"):
         if jnp.shape(getattr(readout, f)) != (H, D):
@@ -463,9 +466,9 @@ def _chunked(x, q, state, readout, rule: HopeRule, act, segment_ids, initial_mem
 def hope_chunked(
     x,
     q,
-    state: HopeState,
     readout: HopeReadout,
     *,
+    initial_state: HopeState | None = None,
     chunk_memory: int = 1,
     chunk_other: int = 1,
     dgd: bool = True,
@@ -501,20 +504,21 @@ def hope_chunked(
     ``initial_memories`` and the momenta zero, and for the rest of that chunk (of each group) the
     initial memories are also the snapshot that produces projections, targets and signals. So every
     document is processed exactly as if it were alone, with its first chunk cut short at the next
-    multiple of the chunk size. Position 0 is never a reset (it starts from ``state``).
+    multiple of the chunk size. Position 0 is never a reset (it starts from ``initial_state``).
 
     Args:
       x: memory inputs ``[B, T, H, D]``.
       q: ``W_q x`` ``[B, T, H, D]`` (ignored, may be None, when ``adaptive_q``).
-      state: ``HopeState`` (``hope_init_state``), weights ``[B, H, ...]``.
       readout: ``HopeReadout`` of ``M_η``, ``M_α``.
+      initial_state: ``HopeState`` (``hope_init_state(memories, B)``), weights ``[B, H, ...]``.
+        Required: Hope's memories have no zero state (None raises ``ValueError``).
       chunk_memory: chunk size of ``M_memory``.
       chunk_other: chunk size of the projection memories; ``max`` must be a multiple of ``min``.
       dgd: DGD step (True) or plain GD with retention ``αW − η g xᵀ`` (False).
       dgd_target: ``"gradient"`` (eq. 88: ``αW − γ(W x + g)xᵀ``, default) or ``"proximal"``
         (``αW − γ g xᵀ``, SPEC §3.2 Decision).
       step: ``"exact"`` (``γ = η/(1+η‖x‖²)``, default) or ``"paper"`` (``η/(1+η)``).
-      momentum: keep momenta ``S_t = μ S_{t−1} + u_t`` (needs ``state.momentum``).
+      momentum: keep momenta ``S_t = μ S_{t−1} + u_t`` (needs ``initial_state.momentum``).
       momentum_coef: ``μ`` (scalar) when ``momentum``.
       decay: False forces ``α_t = 1``.
       inner_k, inner_v, inner_q: whether ``M_k``, ``M_v``, ``M_q`` adapt.
@@ -526,7 +530,7 @@ def hope_chunked(
       activation: elementwise ``σ`` of the memories.
       segment_ids: optional int ``[B, T]`` document ids of packed rows.
       initial_memories: the memories a document start resets to (``[H, ...]`` or ``[B, H, ...]``,
-        structure of ``state.memories``); default ``state.memories``.
+        structure of ``initial_state.memories``); default ``initial_state.memories``.
       grad_horizon: truncated backprop (values unchanged): the carried state is a
         ``stop_gradient`` after every ``grad_horizon`` tokens (a multiple of the larger chunk
         size); 0 = full backprop.
@@ -540,7 +544,8 @@ def hope_chunked(
     Returns:
       ``(o [B, T, H, D], final HopeState)``.
     """
-    _validate(x, q, state, readout, adaptive_q, momentum)
+    state = require_initial_state("hope_chunked", initial_state, HOPE_STATE_CONSTRUCTOR)
+    _validate(x, q, state, readout, adaptive_q, momentum, name="initial_state")
     rule = HopeRule(  # checks the chunk sizes, grad_horizon, step and the flags
         chunk_memory=chunk_memory, chunk_other=chunk_other, dgd=dgd, dgd_target=dgd_target,
         step=step, momentum=momentum,

@@ -1,16 +1,17 @@
 """Hope decoding: the cached token loop, plain or under the Proteus schedule (SPEC §3.2, §4).
 
-A decode state is the running ``HopeState`` (memories and momenta), the chunk-start snapshots of
-both groups (``HopeMemories``) and the number ``n`` of tokens seen. Token ``i`` of a call sits at
-0-based position ``n + i`` (chunks aligned at 0) and is one :func:`hope_decode_step`::
+A decode state (:class:`HopeDecodeState`, built by :func:`hope_decode_state`) is the running
+``HopeState`` (memories and momenta), the chunk-start snapshots of both groups (``HopeMemories``)
+and the number ``n`` of tokens seen. Token ``i`` of a call sits at 0-based position ``n + i``
+(chunks aligned at 0) and is one :func:`hope_decode_step`::
 
-    (o_t, S_t, snap_t) = hope_decode_step(x_t, q_t, S_{t−1}, snap_{t−1}, n + i)
+    (o_t, S_t, snap_t) = hope_decode_step(S_{t−1}, x_t, q_t, snap_{t−1}, n + i)
 
 so a cached call (a prefill too) equals :func:`hope_chunked` row by row. With Proteus
 (``E = num_blocks > 1``, SPEC §4) every token is gated by the mask ``g_t`` of its 1-based position
 ``t = n + i + 1``::
 
-    (o_t, cand, snap_t) = hope_decode_step(x_t, q_t, g_t ⊙ S_{t−1}, snap_{t−1}, n + i)
+    (o_t, cand, snap_t) = hope_decode_step(g_t ⊙ S_{t−1}, x_t, q_t, snap_{t−1}, n + i)
     S_t = where(g_t, cand, S_{t−1})                      # locked coordinates keep their bits
 
 which equals ``proteus_hope_chunked`` only when both chunk sizes divide ``Δ = N // E``: the
@@ -22,11 +23,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from nested_jax.core._proteus_common import _check_silent_at_zero
+from nested_jax.core.checks import require_initial_state
 from nested_jax.core.hope import (
     HopeMemories,
     HopeReadout,
@@ -44,7 +47,42 @@ from nested_jax.core.proteus import (
 )
 from nested_jax.core.proteus_hope import proteus_hope_masks
 
-__all__ = ["check_proteus_decode_chunks", "hope_decode"]
+__all__ = ["HopeDecodeState", "hope_decode_state", "check_proteus_decode_chunks", "hope_decode"]
+
+
+class HopeDecodeState(NamedTuple):
+    """What :func:`hope_decode` carries from one call to the next (SPEC §3.2); a pytree.
+
+    Attributes:
+      state: the running ``HopeState`` (memories and momenta), weights ``[B, H, ...]``.
+      snapshot: ``HopeMemories`` shaped like ``state.memories``: each group's chunk-start
+        snapshot (read only inside a chunk; any value at ``n = 0``).
+      n: int32 scalar, tokens seen (the 0-based position of the next token).
+    """
+
+    state: HopeState
+    snapshot: HopeMemories
+    n: jax.Array
+
+
+def hope_decode_state(
+    memories: HopeMemories, batch_size: int, *, momentum: bool = False, dtype=jnp.float32
+) -> HopeDecodeState:
+    """The decode state at position 0: ``hope_init_state(memories, B)``, its memories as the
+    snapshot, ``n = 0``.
+
+    Args:
+      memories: learned ``HopeMemories`` (``w1 [H, D, h]``, ``w2 [H, h, D]``, or already
+        ``[B, ...]``).
+      batch_size: ``B``.
+      momentum: add zero momenta (needed when the rule has ``momentum``).
+      dtype: state dtype (f32 or wider).
+
+    Returns:
+      ``HopeDecodeState`` with weights ``[B, H, ...]``.
+    """
+    st = hope_init_state(memories, batch_size, momentum=momentum, dtype=dtype)
+    return HopeDecodeState(st, st.memories, jnp.zeros((), jnp.int32))
 
 
 def check_proteus_decode_chunks(
@@ -78,12 +116,10 @@ def check_proteus_decode_chunks(
 def hope_decode(
     x,
     q,
-    state: HopeState,
-    snapshot: HopeMemories,
-    n,
     readout: HopeReadout,
     *,
     rule: HopeRule,
+    initial_state: HopeDecodeState | None = None,
     context_len: int = 0,
     num_blocks: int = 1,
     initial_memories: HopeMemories | None = None,
@@ -96,20 +132,28 @@ def hope_decode(
 
     Args:
       x: memory inputs ``[B, T, H, D]``; q: ``W_q x`` ``[B, T, H, D]`` (None with ``adaptive_q``).
-      state: running ``HopeState``, weights ``[B, H, ...]``.
-      snapshot: chunk-start snapshots, ``HopeMemories`` shaped like ``state.memories``.
-      n: int32 scalar, tokens seen before this call.
       readout: ``HopeReadout`` of ``M_η``, ``M_α``.
       rule: ``HopeRule`` (chunk sizes and flags; ``grad_horizon`` and ``remat`` are unused here).
+      initial_state: :class:`HopeDecodeState` ``(state, snapshot, n)``: the running ``HopeState``
+        (weights ``[B, H, ...]``), the chunk-start snapshots (``HopeMemories`` shaped like
+        ``state.memories``) and the int32 scalar ``n`` of tokens seen before this call. Required
+        (:func:`hope_decode_state` builds the one at position 0; None raises ``ValueError``).
       context_len: ``N``; num_blocks: ``E`` (1: no Proteus). Both chunk sizes must divide ``Δ``.
       initial_memories: optional ``HopeMemories`` ``[H, ...]``: where ``n == 0`` the call starts
-        from ``hope_init_state(initial_memories)`` instead of ``state`` (a cache built before the
-        parameters were known holds placeholders).
+        from ``hope_init_state(initial_memories)`` instead of ``initial_state.state`` (a cache
+        built before the parameters were known holds placeholders).
       activation: the memories' ``σ`` (``σ(0) = 0`` with Proteus).
 
     Returns:
-      ``(o [B, T, H, D], new state, new snapshot, n + T)``.
+      ``(o [B, T, H, D], HopeDecodeState(new state, new snapshot, n + T))``.
     """
+    ds = require_initial_state("hope_decode", initial_state, "hope_decode_state(memories, B)")
+    if not isinstance(ds, tuple) or len(ds) != 3:
+        raise ValueError(
+            "hope_decode: initial_state must be a HopeDecodeState(state, snapshot, n), got "
+            f"{type(ds).__name__}"
+        )
+    state, snapshot, n = ds
     b = x.shape[0]
     if initial_memories is not None:
         fresh = hope_init_state(initial_memories, b, momentum=rule.momentum)
@@ -135,10 +179,10 @@ def hope_decode(
             tree = proteus_hope_masks(st, active, num_blocks)
             # The snapshots need no gate: they are taken from the gated state at chunk starts,
             # and the mask is constant inside a chunk (the chunk sizes divide Δ).
-            o_t, new, snap = step(x_t, q_t, proteus_gate(st, tree), snap, i)
+            o_t, new, snap = step(proteus_gate(st, tree), x_t, q_t, snap, i)
             st = proteus_gated_update(st, new, tree)
         else:
-            o_t, st, snap = step(x_t, q_t, st, snap, i)
+            o_t, st, snap = step(st, x_t, q_t, snap, i)
         return (st, snap, i + 1), o_t
 
     # adaptive_q: q is unused, x stands in so the scan has one input structure
@@ -146,4 +190,4 @@ def hope_decode(
     (state, snapshot, n), out = jax.lax.scan(
         body, (state, snapshot, n), (jnp.moveaxis(x, 1, 0), qs)
     )
-    return jnp.moveaxis(out, 0, 1), state, snapshot, n
+    return jnp.moveaxis(out, 0, 1), HopeDecodeState(state, snapshot, n)

@@ -40,9 +40,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.scipy.linalg import solve_triangular
 
 from nested_jax.core.dgd import clamped_rate, dgd_step_size
+from nested_jax.core.wy import solve_tril
 
 __all__ = ["ChunkCoefficients", "chunk_coefficients", "layer_chunk", "read_running"]
 
@@ -175,8 +175,8 @@ def layer_chunk(
         gamma = dgd_step_size(lr, x, step=step)[..., None]  # [B, H, C, 1]
         a = read_running(W0, S0, x, jnp.zeros_like(g), x, co, W_init)  # P̄ W_0 x + Q̄ S_0 x
         k_mat = co.e_before[..., :-1, :] * jnp.einsum("bhci,bhsi->bhcs", x, x)
-        eye = jnp.eye(x.shape[2], dtype=x.dtype)
-        U = solve_triangular(eye + gamma * k_mat, -gamma * (a + g), lower=True, unit_diagonal=True)
+        # (I + Γ K) U = −Γ(a + g), unit lower: the WY form's solve (runs on Explicit meshes too)
+        U = solve_tril(gamma * k_mat, -gamma * (a + g))
     else:
         U = -lr[..., None] * g
     end = lambda c: jnp.einsum("bj,bhj...->bh...", co.end, c)  # noqa: E731  (row n)

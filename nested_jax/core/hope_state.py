@@ -20,6 +20,10 @@ import jax.numpy as jnp
 
 from nested_jax.rules import HopeRule
 
+# What the error for a missing ``initial_state`` tells the caller to pass (SPEC §0: Hope's
+# memories are learned, so there is no zero state).
+HOPE_STATE_CONSTRUCTOR = "hope_init_state(memories, B)"
+
 __all__ = [
     "MLPMemory",
     "HopeMemories",

@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from nested_jax.core.checks import require_initial_state
 from nested_jax.core.hope import _chunk_body, _validate, hope_chunked
 from nested_jax.core.hope_state import (
+    HOPE_STATE_CONSTRUCTOR,
     HopeMemories,
     HopeReadout,
     HopeRule,
@@ -60,9 +62,9 @@ def _refresh_snapshots(memories: HopeMemories, snapshot: HopeMemories, index, ru
 
 
 def hope_decode_step(
+    state: HopeState,
     x_t,
     q_t,
-    state: HopeState,
     snapshot: HopeMemories,
     index,
     readout: HopeReadout,
@@ -79,8 +81,8 @@ def hope_decode_step(
     is one in-order step of :func:`hope_chunked`'s chunk body with those snapshots.
 
     Args:
-      x_t, q_t: ``[B, H, D]`` (``q_t`` ignored, may be None, when ``adaptive_q``).
       state: running ``HopeState``, weights ``[B, H, ...]``.
+      x_t, q_t: ``[B, H, D]`` (``q_t`` ignored, may be None, when ``adaptive_q``).
       snapshot: ``HopeMemories`` of the same structure: the chunk-start snapshots (read only where
         ``index`` is not a multiple of the group's chunk size; any value at ``index = 0``).
       index: int scalar or ``[B]``: the token's position.
@@ -127,12 +129,13 @@ def hope_decode_step(
     return o[:, 0], state, snapshot
 
 
-def hope_step(x_t, q_t, state: HopeState, readout: HopeReadout, **flags):
+def hope_step(state: HopeState, x_t, q_t, readout: HopeReadout, **flags):
     """One exact Hope token (SPEC §3.2): read ``o_t = M_{memory,t−1}(q_t)``, then write memories.
 
     Args:
+      state: ``HopeState`` (``hope_init_state``), weights ``[B, H, ...]``.
       x_t, q_t: ``[B, H, D]`` (``q_t`` ignored when ``adaptive_q``).
-      state, readout: as in :func:`hope_chunked`.
+      readout: as in :func:`hope_chunked`.
       **flags: the flags of :func:`hope_chunked` except the chunk sizes.
 
     Returns:
@@ -142,11 +145,17 @@ def hope_step(x_t, q_t, state: HopeState, readout: HopeReadout, **flags):
     if x_t.ndim != 3:
         raise ValueError(f"x_t must have shape [B, H, D], got {x_t.shape}")
     qq = None if q_t is None else jnp.asarray(q_t)[:, None]
-    o, st = hope_chunked(x_t[:, None], qq, state, readout, chunk_memory=1, chunk_other=1, **flags)
+    _validate(
+        x_t[:, None], qq, state, readout, flags.get("adaptive_q", False),
+        flags.get("momentum", False),
+    )  # fmt: skip
+    o, st = hope_chunked(
+        x_t[:, None], qq, readout, initial_state=state, chunk_memory=1, chunk_other=1, **flags
+    )
     return o[:, 0], st
 
 
-def hope_recurrent(x, q, state: HopeState, readout: HopeReadout, **flags):
+def hope_recurrent(x, q, readout: HopeReadout, *, initial_state: HopeState | None = None, **flags):
     """``lax.scan`` of :func:`hope_step` over time: exact per-token Hope (SPEC §3.2).
 
     :func:`hope_step` is one token of :func:`hope_chunked` (both chunk sizes 1), so this form shares
@@ -155,18 +164,20 @@ def hope_recurrent(x, q, state: HopeState, readout: HopeReadout, **flags):
     §3.2, inner gradients by ``jax.grad``), which the tests compare with :func:`hope_chunked` on
     values and gradients at chunk sizes 1 and (4, 2).
 
-    Args/Returns: as :func:`hope_chunked` with both chunk sizes 1.
+    Args/Returns: as :func:`hope_chunked` with both chunk sizes 1 (``initial_state`` required:
+    ``hope_init_state(memories, B)``).
     """
+    state = require_initial_state("hope_recurrent", initial_state, HOPE_STATE_CONSTRUCTOR)
     x = jnp.asarray(x)
     if x.ndim != 4:
         raise ValueError(f"x must have shape [B, T, H, D], got {x.shape}")
     adaptive_q = flags.get("adaptive_q", False)
-    _validate(x, q, state, readout, adaptive_q, flags.get("momentum", False))
+    _validate(x, q, state, readout, adaptive_q, flags.get("momentum", False), name="initial_state")
     qs = x if adaptive_q else jnp.asarray(q)
 
     def body(st, inp):
         x_t, q_t = inp
-        o_t, st = hope_step(x_t, q_t, st, readout, **flags)
+        o_t, st = hope_step(st, x_t, q_t, readout, **flags)
         return st, o_t
 
     state, o = lax.scan(body, state, (jnp.moveaxis(x, 1, 0), jnp.moveaxis(qs, 1, 0)))

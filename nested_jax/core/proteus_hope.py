@@ -8,7 +8,7 @@ schedule, and their momenta are gated like their weights. With training context 
 ``Δ = max(1, ⌊N/E⌋)`` and the 1-based absolute position ``t = t0 + i + 1`` of local token ``i``::
 
     M^{(g)}_{t-1} = g_t ⊙ M_{t-1}                     (every memory and momentum)
-    (o_t, cand)   = hope_step(x_t, q_t, M^{(g)}_{t-1})  (read o_t = M^{(g)}_{memory,t-1}(q_t),
+    (o_t, cand)   = hope_step(M^{(g)}_{t-1}, x_t, q_t)  (read o_t = M^{(g)}_{memory,t-1}(q_t),
                                                         then projections, targets, DGD writes)
     M_t           = where(g_t, cand, M_{t-1})          # locked coordinates keep their bits
 
@@ -35,8 +35,9 @@ Forms (SPEC §0):
   schedule follows the row position and a document start resets the whole state, locked
   coordinates included (``run_proteus_spans_packed``, the Titans layer's decision).
 
-Both span forms take ``backbone``: ``hope_chunked`` (default) or a function with its arguments,
-e.g. the per-token twin ``core.reference.hope.hope_reference``, run span by span the same way.
+Both span forms take ``backbone``: ``hope_chunked`` (default) or a function with its arguments
+(``backbone(x, q, readout, initial_state=..., **flags)``), e.g. the per-token twin
+``core.reference.hope.hope_reference``, run span by span the same way.
 
 Static dispatch: ``num_blocks == 1``, or a static ``t0`` with every position of the call past the
 last opening (``k(t0 + 1) = E``), calls the plain backbone, so the result is the backbone's bit for
@@ -65,12 +66,14 @@ from nested_jax.core._proteus_common import (
     run_proteus_spans,
     run_proteus_spans_packed,
 )
+from nested_jax.core.checks import require_initial_state
 from nested_jax.core.hope import (
     HopeMemories,
     HopeState,
     MLPMemory,
     hope_chunked,
 )
+from nested_jax.core.hope_state import HOPE_STATE_CONSTRUCTOR
 from nested_jax.core.hope_token import hope_recurrent, hope_step
 from nested_jax.core.proteus import (
     proteus_active_blocks,
@@ -116,24 +119,28 @@ def proteus_hope_masks(state: HopeState, active, num_blocks: int):
 
 
 def _check_hope(fn: str, x, state, context_len, num_blocks, per_token: bool, flags):
-    """Shared checks; returns ``(n, e, B)``. The backbone validates the rest (q, readout, flags)."""
+    """Shared checks; returns ``(n, e, B)``. The backbone validates the rest (q, readout, flags).
+    The state's argument is ``state`` for the step, ``initial_state`` for the sequence forms."""
+    sname = "state" if per_token else "initial_state"
+    if not per_token:
+        require_initial_state(fn, state, HOPE_STATE_CONSTRUCTOR)
     n, e = _check_schedule(fn, context_len, num_blocks)
     rank, shape = (3, "[B, H, D]") if per_token else (4, "[B, T, H, D]")
     name = "x_t" if per_token else "x"
     if getattr(x, "ndim", None) != rank:
         raise ValueError(f"{fn}: {name} must have shape {shape}, got {getattr(x, 'shape', None)}")
     if not isinstance(state, HopeState) or not isinstance(state.memories, HopeMemories):
-        raise ValueError(f"{fn}: state must be a HopeState (hope_init_state), got {type(state)}")
+        raise ValueError(f"{fn}: {sname} must be a HopeState (hope_init_state), got {type(state)}")
     for mname in HopeMemories._fields:
         mem = getattr(state.memories, mname)
         if mem is None:
             continue
         if not isinstance(mem, MLPMemory) or getattr(mem.w1, "ndim", None) != 4:
             raise ValueError(
-                f"{fn}: state.memories.{mname} must be an MLPMemory with w1 [B, H, D, h] (use "
+                f"{fn}: {sname}.memories.{mname} must be an MLPMemory with w1 [B, H, D, h] (use "
                 "hope_init_state to add the batch axis)"
             )
-        _check_blocked(fn, f"hidden size h of state.memories.{mname}", mem.w1.shape[-1], e)
+        _check_blocked(fn, f"hidden size h of {sname}.memories.{mname}", mem.w1.shape[-1], e)
     if flags.get("segment_ids") is not None:
         raise ValueError(
             f"{fn}: segment_ids is not supported with Proteus (positions would have to restart per "
@@ -151,16 +158,16 @@ def _gated(fn_name, state, active, e, activation, call):
 
 
 def proteus_hope_step(
-    x_t, q_t, state: HopeState, readout, *, t, context_len: int, num_blocks: int, **flags
+    state: HopeState, x_t, q_t, readout, *, t, context_len: int, num_blocks: int, **flags
 ):
     """One Hope token with Proteus hidden-unit blocks at 1-based position ``t`` (SPEC §3.2, §4).
 
-    ``(o_t, cand) = hope_step(x_t, q_t, g_t ⊙ M_{t-1})``, ``M_t = where(g_t, cand, M_{t-1})`` on
+    ``(o_t, cand) = hope_step(g_t ⊙ M_{t-1}, x_t, q_t)``, ``M_t = where(g_t, cand, M_{t-1})`` on
     every memory's ``w1`` (columns), ``w2`` (rows) and momenta.
 
     Args:
-      x_t, q_t: ``[B, H, D]`` (``q_t`` ignored, may be None, with ``adaptive_q``).
       state: ``HopeState`` (``hope_init_state``), weights ``[B, H, ...]``.
+      x_t, q_t: ``[B, H, D]`` (``q_t`` ignored, may be None, with ``adaptive_q``).
       readout: ``HopeReadout`` of ``M_η``, ``M_α``.
       t: 1-based absolute position, a Python int ``≥ 1`` or an integer array ``[]`` / ``[B]``.
       context_len: training context ``N``; num_blocks: ``E`` (every hidden size ``h ≥ E``).
@@ -174,16 +181,24 @@ def proteus_hope_step(
     n, e, B = _check_hope(fn, x_t, state, context_len, num_blocks, True, flags)
     _check_t0(fn, t, B, name="t (1-based)", low=1)
     if _statically_open(t - 1 if _is_int(t) else t, n, e):
-        return hope_step(x_t, q_t, state, readout, **flags)
+        return hope_step(state, x_t, q_t, readout, **flags)
     active = proteus_active_blocks(_positions(t, B), n, e)
     return _gated(
         fn, state, active, e, flags.get("activation", jax.nn.silu),
-        lambda s: hope_step(x_t, q_t, s, readout, **flags),
+        lambda s: hope_step(s, x_t, q_t, readout, **flags),
     )  # fmt: skip
 
 
 def proteus_hope_recurrent(
-    x, q, state: HopeState, readout, *, context_len: int, num_blocks: int, t0=0, **flags
+    x,
+    q,
+    readout,
+    *,
+    context_len: int,
+    num_blocks: int,
+    initial_state: HopeState | None = None,
+    t0=0,
+    **flags,
 ):
     """Hope with Proteus hidden-unit blocks, token by token (SPEC §3.2, §4; ground truth).
 
@@ -192,8 +207,10 @@ def proteus_hope_recurrent(
     Args:
       x: memory inputs ``[B, T, H, D]``; q: ``W_q x`` ``[B, T, H, D]`` (ignored, may be None, with
         ``adaptive_q``).
-      state, readout: as :func:`proteus_hope_step`.
+      readout: as :func:`proteus_hope_step`.
       context_len: ``N``; num_blocks: ``E``, Python ints.
+      initial_state: ``HopeState`` (``hope_init_state(memories, B)``), weights ``[B, H, ...]``;
+        required (None raises ``ValueError``).
       t0: tokens already seen: a Python int (static; enables the fully-open dispatch) or an integer
         array ``[]`` / ``[B]`` (traced, e.g. ragged decoding).
       **flags: as :func:`proteus_hope_step`.
@@ -202,10 +219,11 @@ def proteus_hope_recurrent(
       ``(o [B, T, H, D], final HopeState)``.
     """
     fn = "proteus_hope_recurrent"
+    state = initial_state
     n, e, B = _check_hope(fn, x, state, context_len, num_blocks, False, flags)
     _check_t0(fn, t0, B)
     if _statically_open(t0, n, e):
-        return hope_recurrent(x, q, state, readout, **flags)
+        return hope_recurrent(x, q, readout, initial_state=state, **flags)
     activation = flags.get("activation", jax.nn.silu)
     _check_silent_at_zero(fn, activation)
     qs = x if flags.get("adaptive_q", False) else q
@@ -220,7 +238,7 @@ def proteus_hope_recurrent(
         i, x_t, q_t = xs
         active = proteus_active_blocks(pos0 + i + 1, n, e)
         o_t, st = _gated(
-            fn, st, active, e, activation, lambda s: hope_step(x_t, q_t, s, readout, **flags)
+            fn, st, active, e, activation, lambda s: hope_step(s, x_t, q_t, readout, **flags)
         )
         return st, o_t
 
@@ -232,11 +250,11 @@ def proteus_hope_recurrent(
 def proteus_hope_chunked(
     x,
     q,
-    state: HopeState,
     readout,
     *,
     context_len: int,
     num_blocks: int,
+    initial_state: HopeState | None = None,
     t0: int = 0,
     chunk_memory: int = 1,
     chunk_other: int = 1,
@@ -253,8 +271,9 @@ def proteus_hope_chunked(
 
     Args:
       x, q: as :func:`proteus_hope_recurrent`.
-      state, readout: as :func:`proteus_hope_step`.
+      readout: as :func:`proteus_hope_step`.
       context_len: ``N``; num_blocks: ``E``, Python ints.
+      initial_state: as :func:`proteus_hope_recurrent` (required).
       t0: tokens already seen (static Python int ``≥ 0``).
       chunk_memory, chunk_other: as ``hope_chunked`` (the larger a multiple of the smaller).
       backbone: the function run on every span, ``hope_chunked`` or one with its arguments and
@@ -265,22 +284,23 @@ def proteus_hope_chunked(
       ``(o [B, T, H, D], final HopeState)``.
     """
     fn = "proteus_hope_chunked"
+    state = initial_state
     n, e, _ = _check_hope(fn, x, state, context_len, num_blocks, False, flags)
     t0 = _check_static_t0(fn, t0)
     kw = dict(chunk_memory=chunk_memory, chunk_other=chunk_other, **flags)
     spans = proteus_spans(x.shape[1], t0, n, e)
     if _statically_open(t0, n, e) or not spans:
-        return backbone(x, q, state, readout, **kw)
+        return backbone(x, q, readout, initial_state=state, **kw)
     activation = flags.get("activation", jax.nn.silu)
     _check_silent_at_zero(fn, activation)
     # validates q, readout, flags and chunk sizes once, with the backbone's messages
-    jax.eval_shape(lambda *a: backbone(*a, **kw), x[:, :1], None if q is None else q[:, :1],
-                   state, readout)  # fmt: skip
+    jax.eval_shape(lambda x1, q1, s, r: backbone(x1, q1, r, initial_state=s, **kw), x[:, :1],
+                   None if q is None else q[:, :1], state, readout)  # fmt: skip
     adaptive_q = flags.get("adaptive_q", False)
     seq = (x,) if adaptive_q else (x, q)
 
     def call(s, xs):
-        return backbone(xs[0], None if adaptive_q else xs[1], s, readout, **kw)
+        return backbone(xs[0], None if adaptive_q else xs[1], readout, initial_state=s, **kw)
 
     def span_fn(s, xs, active):
         return _gated(fn, s, active, e, activation, lambda g: call(g, xs))
@@ -291,12 +311,12 @@ def proteus_hope_chunked(
 def proteus_hope_packed(
     x,
     q,
-    state: HopeState,
     readout,
     *,
     context_len: int,
     num_blocks: int,
     segment_ids,
+    initial_state: HopeState | None = None,
     chunk_memory: int = 1,
     chunk_other: int = 1,
     backbone: Callable = hope_chunked,
@@ -306,23 +326,26 @@ def proteus_hope_packed(
 
     The spans of :func:`proteus_hope_chunked` at ``t0 = 0`` (chunk grids restart at every
     Δ-boundary), with ``segment_ids`` passed to the backbone. A document start returns the
-    **whole** state, locked coordinates included, to ``state`` (``run_proteus_spans_packed``): a
-    document starting at row position ``p`` gets exactly what :func:`proteus_hope_chunked` with
-    ``t0 = p`` from ``state`` gives it, so nothing of the previous document leaks through a
-    coordinate that opens later. Inside a locked span the backbone's own reset target is the
-    gated ``g ⊙ state.memories`` (its open coordinates; the locked ones are put back after).
+    **whole** state, locked coordinates included, to ``initial_state``
+    (``run_proteus_spans_packed``): a document starting at row position ``p`` gets exactly what
+    :func:`proteus_hope_chunked` with ``t0 = p`` from ``initial_state`` gives it, so nothing of
+    the previous document leaks through a coordinate that opens later. Inside a locked span the
+    backbone's own reset target is the gated ``g ⊙ initial_state.memories`` (its open
+    coordinates; the locked ones are put back after).
 
     Args:
-      x, q: as :func:`proteus_hope_chunked`; state: the row's start state, which every document
-        start also restores (e.g. the learned initial memories and zero momenta).
+      x, q: as :func:`proteus_hope_chunked`.
       readout: ``HopeReadout``; context_len: ``N``; num_blocks: ``E``, Python ints.
       segment_ids: int ``[B, T]`` document ids (a change of id starts a document).
+      initial_state: the row's start ``HopeState``, which every document start also restores
+        (e.g. the learned initial memories and zero momenta); required.
       chunk_memory, chunk_other, backbone, **flags: as :func:`proteus_hope_chunked`.
 
     Returns:
       ``(o [B, T, H, D], final HopeState)``.
     """
     fn = "proteus_hope_packed"
+    state = initial_state
     n, e, _ = _check_hope(fn, x, state, context_len, num_blocks, False, flags)
     if jnp.shape(segment_ids) != x.shape[:2]:
         raise ValueError(
@@ -331,14 +354,16 @@ def proteus_hope_packed(
     kw = dict(chunk_memory=chunk_memory, chunk_other=chunk_other, **flags)
     spans = proteus_spans(x.shape[1], 0, n, e)
     if _statically_open(0, n, e) or not spans:
-        return backbone(x, q, state, readout, segment_ids=segment_ids, **kw)
+        return backbone(x, q, readout, initial_state=state, segment_ids=segment_ids, **kw)
     _check_silent_at_zero(fn, flags.get("activation", jax.nn.silu))
     adaptive_q = flags.get("adaptive_q", False)
     reset = state
 
     def call(st, xs, seg, init):
         q_in = None if adaptive_q else xs[1]
-        return backbone(xs[0], q_in, st, readout, segment_ids=seg, initial_memories=init, **kw)
+        return backbone(
+            xs[0], q_in, readout, initial_state=st, segment_ids=seg, initial_memories=init, **kw
+        )
 
     def span_fn(st, xs, seg, active):
         tree = proteus_hope_masks(st, active, e)

@@ -52,6 +52,7 @@ from nested_jax.core._proteus_common import (
     proteus_spans,
     run_proteus_spans,
 )
+from nested_jax.core.checks import require_initial_state
 from nested_jax.core.proteus import (
     proteus_active_blocks,
     proteus_block_ids,
@@ -71,6 +72,7 @@ from nested_jax.core.titans import (
     titans_mlp_recurrent,
     titans_mlp_step,
 )
+from nested_jax.core.titans_mlp_net import MLP_STATE_CONSTRUCTOR
 
 __all__ = [
     "proteus_titans_linear_step",
@@ -465,7 +467,6 @@ def proteus_titans_mlp_step(
 
 
 def proteus_titans_mlp_recurrent(
-    state: TitansMLPState,
     q,
     k,
     v,
@@ -475,6 +476,7 @@ def proteus_titans_mlp_recurrent(
     *,
     context_len: int,
     num_blocks: int,
+    initial_state: TitansMLPState | None = None,
     t0=0,
     activation: Callable = jax.nn.silu,
     residual=None,
@@ -486,9 +488,10 @@ def proteus_titans_mlp_recurrent(
     ``lax.scan`` of :func:`proteus_titans_mlp_step` at positions ``t0 + 1 … t0 + T``.
 
     Args:
-      state: initial ``TitansMLPState`` (``[B, H, d_l, d_{l+1}]`` arrays).
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; theta, eta, alpha: ``[B, T, H]``.
       context_len: ``N``; num_blocks: ``E``, Python ints.
+      initial_state: ``TitansMLPState`` (``[B, H, d_l, d_{l+1}]`` arrays,
+        ``titans_mlp_state(weights, B)``); required (None raises ``ValueError``).
       t0: tokens already seen: Python int, or integer array ``[]`` / ``[B]`` (traced).
       activation, residual, read_before_write, grad_clip: as :func:`proteus_titans_mlp_step`.
 
@@ -496,6 +499,7 @@ def proteus_titans_mlp_recurrent(
       ``(y [B, T, H, V] in v's dtype, final TitansMLPState f32)``.
     """
     fn = "proteus_titans_mlp_recurrent"
+    state = require_initial_state(fn, initial_state, MLP_STATE_CONSTRUCTOR)
     B, _, _ = _check_titans_seq(fn, q, k, v, theta, eta, alpha, per_token=False)
     _check_t0(fn, t0, B)
     n, e, dims = _mlp_setup(fn, state, q, context_len, num_blocks, t0, activation, residual)
@@ -504,7 +508,7 @@ def proteus_titans_mlp_recurrent(
         grad_clip=grad_clip,
     )  # fmt: skip
     if _statically_open(t0, n, e):
-        return titans_mlp_recurrent(state, q, k, v, theta, eta, alpha, **kw)
+        return titans_mlp_recurrent(q, k, v, theta, eta, alpha, initial_state=state, **kw)
     pos0 = _positions(t0, B)
     f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
 
@@ -521,7 +525,6 @@ def proteus_titans_mlp_recurrent(
 
 
 def proteus_titans_mlp_chunked(
-    state: TitansMLPState,
     q,
     k,
     v,
@@ -531,6 +534,7 @@ def proteus_titans_mlp_chunked(
     *,
     context_len: int,
     num_blocks: int,
+    initial_state: TitansMLPState | None = None,
     t0: int = 0,
     chunk_size: int = 16,
     activation: Callable = jax.nn.silu,
@@ -549,9 +553,10 @@ def proteus_titans_mlp_chunked(
     ``chunk_size = 1`` equals the recurrent form.
 
     Args:
-      state: initial ``TitansMLPState`` (``[B, H, d_l, d_{l+1}]`` arrays).
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; theta, eta, alpha: ``[B, T, H]``; any T.
       context_len: ``N``; num_blocks: ``E``, Python ints.
+      initial_state: ``TitansMLPState`` (``[B, H, d_l, d_{l+1}]`` arrays,
+        ``titans_mlp_state(weights, B)``); required (None raises ``ValueError``).
       t0: tokens already seen (static Python int ``≥ 0``).
       chunk_size, activation, residual, read_before_write, grad_clip, per_chunk_gates, remat: as
         ``titans_mlp_chunked`` (``σ(0) = 0`` required when ``num_blocks > 1``).
@@ -560,6 +565,7 @@ def proteus_titans_mlp_chunked(
       ``(y [B, T, H, V] in v's dtype, final TitansMLPState f32)``.
     """
     fn = "proteus_titans_mlp_chunked"
+    state = require_initial_state(fn, initial_state, MLP_STATE_CONSTRUCTOR)
     _check_titans_seq(fn, q, k, v, theta, eta, alpha, per_token=False)
     t0 = _check_static_t0(fn, t0)
     n, e, dims = _mlp_setup(fn, state, q, context_len, num_blocks, t0, activation, residual)
@@ -572,12 +578,12 @@ def proteus_titans_mlp_chunked(
     )  # fmt: skip
     spans = proteus_spans(q.shape[1], t0, n, e)
     if _statically_open(t0, n, e) or not spans:
-        return titans_mlp_chunked(state, q, k, v, theta, eta, alpha, **kw)
+        return titans_mlp_chunked(q, k, v, theta, eta, alpha, initial_state=state, **kw)
     L = len(dims) - 1
     st = jax.tree.map(lambda x: x.astype(jnp.float32), state)
 
     def open_fn(s, xs):
-        return titans_mlp_chunked(s, *xs, **kw)
+        return titans_mlp_chunked(*xs, initial_state=s, **kw)
 
     def span_fn(s, xs, active):
         masks = proteus_titans_mlp_masks(active, dims, e)
@@ -586,7 +592,7 @@ def proteus_titans_mlp_chunked(
         if L == 1:
             rows = _seq_rows(_key_open(active, dims[0], e))
             qs, ks = _zero_where(rows, qs), _zero_where(rows, ks)
-        o, cand = titans_mlp_chunked(proteus_gate(s, tree), qs, ks, *rest, **kw)
+        o, cand = titans_mlp_chunked(qs, ks, *rest, initial_state=proteus_gate(s, tree), **kw)
         return o, proteus_gated_update(s, cand, tree)
 
     return run_proteus_spans(span_fn, open_fn, st, (q, k, v, theta, eta, alpha), spans, e)

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from nested_jax.core.checks import require_initial_state
 from nested_jax.core.proteus import (
     ProteusRule,
     proteus_active_blocks,
@@ -59,6 +60,7 @@ from nested_jax.core.titans_mlp import (
     titans_mlp_state,
     titans_mlp_step,
 )
+from nested_jax.core.titans_mlp_net import MLP_STATE_CONSTRUCTOR
 
 __all__ = [
     "TitansMemorySpec",
@@ -156,10 +158,10 @@ def _run_rule(state, xs, spec, recurrent, segment_ids, reset_state):
     """One call of the plain rule on ``xs = (q, k, v, θ, η, α)``: ``(y, final state)``."""
     kw = dict(segment_ids=segment_ids, reset_state=reset_state, grad_horizon=spec.grad_horizon)
     if recurrent:
-        return titans_mlp_recurrent(state, *xs, **kw, **_rule_kw(spec))
+        return titans_mlp_recurrent(*xs, initial_state=state, **kw, **_rule_kw(spec))
     return titans_mlp_chunked(
-        state, *xs, chunk_size=spec.chunk, per_chunk_gates=spec.per_chunk_gates, **kw,
-        **_rule_kw(spec),
+        *xs, initial_state=state, chunk_size=spec.chunk, per_chunk_gates=spec.per_chunk_gates,
+        **kw, **_rule_kw(spec),
     )  # fmt: skip
 
 
@@ -231,8 +233,9 @@ def _proteus_sequence(state, xs, spec, recurrent, segment_ids, reset_state):
 
 
 def titans_memory_sequence(
-    state: TitansMLPState, q, k, v, theta, eta, alpha, *, spec: TitansMemorySpec,
-    recurrent: bool = False, segment_ids=None, reset_state: TitansMLPState | None = None,
+    q, k, v, theta, eta, alpha, *, spec: TitansMemorySpec,
+    initial_state: TitansMLPState | None = None, recurrent: bool = False, segment_ids=None,
+    reset_state: TitansMLPState | None = None,
 ):  # fmt: skip
     """A whole row of the Titans memory (SPEC §2), Proteus-gated when ``spec.proteus.enabled`` (§4).
 
@@ -241,16 +244,19 @@ def titans_memory_sequence(
     start (chunked) or at ``M_{t-1}`` (``recurrent``).
 
     Args:
-      state: ``TitansMLPState`` ``[B, H, d_l, d_{l+1}]``.
       q, k, v: ``[B, T, H, D]``; theta, eta, alpha: ``[B, T, H]``.
       spec: static options.
+      initial_state: ``TitansMLPState`` ``[B, H, d_l, d_{l+1}]`` (``titans_mlp_state(weights,
+        B)``); required (None raises ``ValueError``: the memory has no zero state).
       recurrent: the per-token rule (``titans_mlp_recurrent``) instead of the chunked one.
       segment_ids: optional ``[B, T]`` int: exact reset to ``reset_state`` at document starts.
-      reset_state: the state a document start resets to (default: the rule's, i.e. ``state``).
+      reset_state: the state a document start resets to (default: the rule's, i.e.
+        ``initial_state``).
 
     Returns:
       ``(y [B, T, H, D], final TitansMLPState f32)``.
     """
+    state = require_initial_state("titans_memory_sequence", initial_state, MLP_STATE_CONSTRUCTOR)
     xs = (q, k, v, theta, eta, alpha)
     if spec.proteus.enabled:
         return _proteus_sequence(state, xs, spec, recurrent, segment_ids, reset_state)
@@ -343,7 +349,9 @@ def _step_chunk(cache: MemoryCache, xs, spec, chunk: int, commit):
         st = proteus_gate(st, tree)
     # Later slots hold stale tokens: rows ≤ n of the dual form never read them, and the final
     # state is used only when every slot is filled by the current chunk.
-    ys, new = titans_mlp_chunked(st, *run_bufs, chunk_size=chunk, remat=False, **_rule_kw(spec))
+    ys, new = titans_mlp_chunked(
+        *run_bufs, initial_state=st, chunk_size=chunk, remat=False, **_rule_kw(spec)
+    )
     if spec.proteus.enabled:
         new = proteus_gated_update(st0, new, tree)
     y = jax.lax.dynamic_index_in_dim(ys, n, 1, keepdims=False)
@@ -356,14 +364,14 @@ def _step_chunk(cache: MemoryCache, xs, spec, chunk: int, commit):
 
 
 def titans_memory_step(
-    cache: MemoryCache, q, k, v, theta, eta, alpha, *, spec: TitansMemorySpec,
+    state: MemoryCache, q, k, v, theta, eta, alpha, *, spec: TitansMemorySpec,
     initial_weights: tuple, recurrent: bool = False, commit=None,
 ):  # fmt: skip
     """One decode token, equal to row ``t`` of :func:`titans_memory_sequence` (SPEC §2, §4).
 
     Args:
-      cache: :class:`MemoryCache` (from :func:`titans_memory_init_cache` with the same
-        ``recurrent``; a fresh one starts from ``M_0``).
+      state: the decode state, a :class:`MemoryCache` (from :func:`titans_memory_init_cache`
+        with the same ``recurrent``; a fresh one starts from ``M_0``).
       q, k, v: ``[B, H, D]``; theta, eta, alpha: ``[B, H]`` (computed in f32).
       spec: static options.
       initial_weights: the learned ``M_0``, tuple of ``[H, d_l, d_{l+1}]``.
@@ -374,6 +382,7 @@ def titans_memory_step(
     Returns:
       ``(y [B, H, D] f32, cache)``.
     """
+    cache = state
     chunk = _decode_chunk(spec, recurrent)
     if cache.q.shape[1] != chunk:
         raise ValueError(

@@ -43,10 +43,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from nested_jax.core.checks import require_initial_state
 from nested_jax.core.dgd import softclamp_factor
 from nested_jax.core.titans_mlp_chunk import titans_mlp_chunked, titans_pool_gates
 from nested_jax.core.titans_mlp_net import (
     DEFAULT_MLP_GRAD_CLIP,
+    MLP_STATE_CONSTRUCTOR,
     Activation,
     TitansMLPState,
     _check_state,
@@ -234,7 +236,6 @@ def titans_mlp_step(
 
 
 def titans_mlp_recurrent(
-    state: TitansMLPState,
     q,
     k,
     v,
@@ -242,6 +243,7 @@ def titans_mlp_recurrent(
     eta,
     alpha,
     *,
+    initial_state: TitansMLPState | None = None,
     activation: Activation = jax.nn.silu,
     residual=None,
     read_before_write: bool = False,
@@ -253,14 +255,15 @@ def titans_mlp_recurrent(
     """Titans memory over a sequence token by token (``lax.scan`` of the step; ground truth).
 
     Args:
-      state: initial ``TitansMLPState`` (weights usually learned outer params, momentum zero; see
-        ``titans_mlp_state``), arrays ``[B, H, d_l, d_{l+1}]``.
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; theta, eta, alpha: ``[B, T, H]``.
+      initial_state: ``TitansMLPState`` (weights usually learned outer params, momentum zero;
+        ``titans_mlp_state(weights, B)``), arrays ``[B, H, d_l, d_{l+1}]``. Required: the MLP
+        memory has no zero state (None raises ``ValueError``).
       activation, residual, read_before_write, grad_clip: as ``titans_mlp_step``.
       segment_ids: optional ``[B, T]`` int (packed sequences, SPEC §0): the state resets to
         ``reset_state`` before the first token of every segment after the first.
-      reset_state: the state a segment start resets to (default ``state``; a caller that carries
-        the state across calls passes the learned initial state here).
+      reset_state: the state a segment start resets to (default ``initial_state``; a caller that
+        carries the state across calls passes the learned initial state here).
       grad_horizon: truncated backprop, ``n ≥ 0``: the carried state is a ``stop_gradient``
         before every position that is a positive multiple of n (values unchanged; 0 = off).
 
@@ -268,8 +271,9 @@ def titans_mlp_recurrent(
       ``(y [B, T, H, V] in v's dtype, final TitansMLPState f32)``.
     """
     fn = "titans_mlp_recurrent"
+    state = require_initial_state(fn, initial_state, MLP_STATE_CONSTRUCTOR)
     B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
-    _check_state(fn, state, B, H, K, V)
+    _check_state(fn, state, B, H, K, V, name="initial_state")
     _validate_segment_ids(fn, segment_ids, B, T)
     _validate_horizon(fn, grad_horizon, 1)
     res = _resolve_residual(fn, residual, len(state.weights), K, V)

@@ -33,10 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from nested_jax.core.checks import require_initial_state
 from nested_jax.core.dgd import softclamp_factor
 from nested_jax.core.scan import chunk, from_head_chunks, to_head_chunks
 from nested_jax.core.titans_mlp_net import (
     DEFAULT_MLP_GRAD_CLIP,
+    MLP_STATE_CONSTRUCTOR,
     Activation,
     TitansMLPState,
     _backward,
@@ -350,7 +352,6 @@ def _chunked_core(
 
 
 def titans_mlp_chunked(
-    state: TitansMLPState,
     q,
     k,
     v,
@@ -358,6 +359,7 @@ def titans_mlp_chunked(
     eta,
     alpha,
     *,
+    initial_state: TitansMLPState | None = None,
     chunk_size: int = 16,
     activation: Activation = jax.nn.silu,
     residual=None,
@@ -377,8 +379,10 @@ def titans_mlp_chunked(
     never reaches the state).
 
     Args:
-      state: initial ``TitansMLPState`` ``[B, H, d_l, d_{l+1}]`` arrays.
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; theta, eta, alpha: ``[B, T, H]``.
+      initial_state: ``TitansMLPState`` ``[B, H, d_l, d_{l+1}]`` arrays
+        (``titans_mlp_state(weights, B)``). Required: the MLP memory has no zero state (None
+        raises ``ValueError``).
       chunk_size: b.
       activation, residual, read_before_write, grad_clip: as ``titans_mlp_step``.
       per_chunk_gates: replace θ, η, α by their per-chunk means (``titans_pool_gates``).
@@ -390,8 +394,8 @@ def titans_mlp_chunked(
         separate call on it, wherever it starts in the row. Costs up to two more surprise
         evaluations per chunk where a segment starts or a segment-local chunk starts mid-chunk
         (skipped by ``lax.cond`` elsewhere).
-      reset_state: the state a segment start resets to (default ``state``; a caller that carries
-        the state across calls passes the learned initial state here).
+      reset_state: the state a segment start resets to (default ``initial_state``; a caller that
+        carries the state across calls passes the learned initial state here).
       grad_horizon: truncated backprop, a multiple of ``chunk_size`` (0 = off): the carried state
         is a ``stop_gradient`` before every chunk starting at a positive multiple of it. Values
         are unchanged; gradients stop flowing through the inner loop after that many tokens.
@@ -400,9 +404,10 @@ def titans_mlp_chunked(
       ``(y [B, T, H, V] in v's dtype, final TitansMLPState f32)``.
     """
     fn = "titans_mlp_chunked"
+    state = require_initial_state(fn, initial_state, MLP_STATE_CONSTRUCTOR)
     B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
     _validate_chunk_size(fn, chunk_size)
-    _check_state(fn, state, B, H, K, V)
+    _check_state(fn, state, B, H, K, V, name="initial_state")
     _validate_segment_ids(fn, segment_ids, B, T)
     _validate_horizon(fn, grad_horizon, chunk_size)
     if reset_state is not None:

@@ -21,10 +21,12 @@ from jax import lax
 
 from nested_jax.core.scan import segment_starts
 
-__all__ = ["DEFAULT_MLP_GRAD_CLIP", "TitansMLPState"]
+__all__ = ["DEFAULT_MLP_GRAD_CLIP", "MLP_STATE_CONSTRUCTOR", "TitansMLPState"]
 
 Activation = Callable[[jax.Array], jax.Array]
 DEFAULT_MLP_GRAD_CLIP = 10.0
+# What the error for a missing ``initial_state`` tells the caller to pass (SPEC §0: no zero state).
+MLP_STATE_CONSTRUCTOR = "titans_mlp_state(weights, B)"
 
 
 class TitansMLPState(NamedTuple):
@@ -188,19 +190,20 @@ def _f32_state(state):
     return TitansMLPState(f(state.weights), f(state.momentum))
 
 
-def _check_state(fn, state, B, H, K, V):
-    """``state`` must be a ``TitansMLPState`` of ``[B, H, d_l, d_{l+1}]`` arrays chaining K → V."""
+def _check_state(fn, state, B, H, K, V, name="state"):
+    """``state`` (the argument ``name``) must be a ``TitansMLPState`` of ``[B, H, d_l, d_{l+1}]``
+    arrays chaining K → V."""
     if not isinstance(state, TitansMLPState):
         raise ValueError(
-            f"{fn}: state must be a TitansMLPState(weights, momentum), got {type(state)}"
+            f"{fn}: {name} must be a TitansMLPState(weights, momentum), got {type(state)}"
         )
-    _validate_weights(fn, "state.weights", state.weights, B, H, K, V)
+    _validate_weights(fn, f"{name}.weights", state.weights, B, H, K, V)
     if not isinstance(state.momentum, (tuple, list)) or len(state.momentum) != len(state.weights):
-        raise ValueError(f"{fn}: state.momentum must be a tuple like state.weights")
+        raise ValueError(f"{fn}: {name}.momentum must be a tuple like {name}.weights")
     for i, (w, s) in enumerate(zip(state.weights, state.momentum, strict=True)):
         if _shape(s) != w.shape:
             raise ValueError(
-                f"{fn}: state.momentum[{i}] must have shape {w.shape}, got {_shape(s)}"
+                f"{fn}: {name}.momentum[{i}] must have shape {w.shape}, got {_shape(s)}"
             )
 
 

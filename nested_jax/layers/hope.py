@@ -58,6 +58,7 @@ from nested_jax.layers.deltanet import l2_normalize
 from nested_jax.layers.norm import GatedRMSNorm
 from nested_jax.layers.options import HopeOptions
 from nested_jax.ops.hope import (
+    HopeDecodeState,
     HopeMemories,
     HopeReadout,
     HopeState,
@@ -281,12 +282,13 @@ class HopeMixer(nnx.Module):
         if cache is None:
             state = hope_init_state(init, b, momentum=rule.momentum)
             out, _ = hope_memories(
-                xm, q, state, readout, rule=rule, proteus=self.proteus_rule,
+                xm, q, readout, rule=rule, initial_state=state, proteus=self.proteus_rule,
                 segment_ids=segment_ids, impl=self.impl,
             )  # fmt: skip
             return self._out(x, out), None
-        out, state, snap, n = hope_decode(
-            xm, q, cache.state, cache.snapshot, cache.n, readout=readout, rule=rule,
+        out, (state, snap, n) = hope_decode(
+            xm, q, readout, rule=rule,
+            initial_state=HopeDecodeState(cache.state, cache.snapshot, cache.n),
             proteus=self.proteus_rule, initial_memories=init, impl=self.impl,
         )  # fmt: skip
         return self._out(x, out), HopeCache(state, snap, cx, cq, n)

@@ -226,8 +226,8 @@ class NeuralMemory(nnx.Module):
         if segment_ids is not None and reset_state is None:
             reset_state = self.initial_state(b)
         return titans_memory(
-            state, q, k, v, theta, eta, alpha, spec=self.spec, segment_ids=segment_ids,
-            reset_state=reset_state, impl=self.impl,
+            q, k, v, theta, eta, alpha, spec=self.spec, initial_state=state,
+            segment_ids=segment_ids, reset_state=reset_state, impl=self.impl,
         )  # fmt: skip
 
     def read(self, weights: tuple, z: jax.Array) -> jax.Array:

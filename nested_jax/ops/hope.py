@@ -14,8 +14,8 @@ Layers call these functions, never a core form directly, so the implementation i
   like the chunked form. Not ``core.hope.hope_recurrent``: that is ``hope_chunked`` with chunk
   sizes 1, a different rule unless the rule's sizes are 1. The twin has no truncated backprop
   (``rule.grad_horizon > 0`` raises) and ``rule.remat`` is ignored (it only trades memory for
-  recomputation). The twin returns momenta iff ``rule.momentum``, so ``state`` must hold momenta
-  exactly then.
+  recomputation). The twin returns momenta iff ``rule.momentum``, so ``initial_state`` must hold
+  momenta exactly then.
 - ``"pallas"``: the seam for ``pallas_kernels/<op>``; no kernel yet, so it raises ``ValueError``.
 
 Decoding (:func:`hope_decode`) has one form for ``"chunked"`` and ``"recurrent"`` alike: the
@@ -23,12 +23,14 @@ per-token ``hope_decode_step`` (one token of the chunked form, snapshots and pos
 which equals the sequence form row by row.
 
 Re-exported for layers: the types (``HopeRule``, ``HopeMemories``, ``HopeReadout``, ``HopeState``,
-``MLPMemory``), ``hope_init_state`` (learned memories over the batch, zero momenta) and
-:func:`check_hope_decode` (the Proteus decode condition, for ``init_cache``).
+``MLPMemory``, ``HopeDecodeState``), ``hope_init_state`` (learned memories over the batch, zero
+momenta), ``hope_decode_state`` (the decode state at position 0) and :func:`check_hope_decode`
+(the Proteus decode condition, for ``init_cache``).
 """
 
 from __future__ import annotations
 
+from nested_jax.core.checks import require_initial_state
 from nested_jax.core.hope import (
     HopeMemories,
     HopeReadout,
@@ -38,7 +40,11 @@ from nested_jax.core.hope import (
     hope_chunked,
     hope_init_state,
 )
-from nested_jax.core.hope_decode import check_proteus_decode_chunks
+from nested_jax.core.hope_decode import (
+    HopeDecodeState,
+    check_proteus_decode_chunks,
+    hope_decode_state,
+)
 from nested_jax.core.hope_decode import hope_decode as _hope_decode
 from nested_jax.core.proteus import ProteusRule
 from nested_jax.core.proteus_hope import proteus_hope_chunked, proteus_hope_packed
@@ -52,7 +58,9 @@ __all__ = [
     "HopeReadout",
     "HopeState",
     "MLPMemory",
+    "HopeDecodeState",
     "hope_init_state",
+    "hope_decode_state",
     "hope_memories",
     "hope_decode",
     "check_hope_decode",
@@ -61,13 +69,13 @@ __all__ = [
 _NO_PROTEUS = ProteusRule()  # the default schedule: E = 1, the plain memories
 
 
-def _twin(x, q, state, readout, *, grad_horizon=0, remat=False, remat_every=0, remat_levels=2,
+def _twin(x, q, readout, *, grad_horizon=0, remat=False, remat_every=0, remat_levels=2,
           chunk_updates="scan", **kw):  # fmt: skip
     """``hope_reference`` behind ``hope_chunked``'s arguments (``grad_horizon`` is checked to be 0
     by the caller; ``remat``, ``remat_every``, ``remat_levels`` and ``chunk_updates`` change no
     value or gradient)."""
     del grad_horizon, remat, remat_every, remat_levels, chunk_updates
-    return hope_reference(x, q, state, readout, **kw)
+    return hope_reference(x, q, readout, **kw)
 
 
 def _backbone(op: str, impl: str, rule: HopeRule):
@@ -91,7 +99,7 @@ def _check_proteus(op: str, proteus: ProteusRule) -> ProteusRule:
 
 
 def hope_memories(
-    x, q, state: HopeState, readout: HopeReadout, *, rule: HopeRule,
+    x, q, readout: HopeReadout, *, rule: HopeRule, initial_state: HopeState | None = None,
     proteus: ProteusRule = _NO_PROTEUS, segment_ids=None, impl: str = "chunked",
 ):  # fmt: skip
     """Hope's self-modifying memories over a row (SPEC §3.2; Proteus SPEC §4).
@@ -105,17 +113,18 @@ def hope_memories(
     With ``proteus.blocks = E > 1`` every memory and momentum is gated by the hidden-unit mask
     ``g_t`` of its 1-based row position ``t`` (``M_t = where(g_t, Write(g_t ⊙ M_{t−1}),
     M_{t−1})``; both chunk grids restart at every Δ-boundary). Packed rows (``segment_ids``):
-    a document start resets the memories to ``state.memories`` and the momenta to zero; with
-    Proteus the schedule keeps the row position and the whole state (locked coordinates too)
-    resets to ``state``.
+    a document start resets the memories to ``initial_state.memories`` and the momenta to zero;
+    with Proteus the schedule keeps the row position and the whole state (locked coordinates too)
+    resets to ``initial_state``.
 
     Args:
       x: memory inputs ``[B, T, H, D]``; q: ``W_q x`` ``[B, T, H, D]`` (None with
         ``rule.adaptive_q``).
-      state: ``HopeState`` (``hope_init_state``), weights ``[B, H, ...]``; also the state every
-        document of a packed row starts from.
       readout: ``HopeReadout`` of ``M_η``, ``M_α``.
       rule: :class:`HopeRule` (chunk sizes, ablation flags, ``grad_horizon``, ``remat``).
+      initial_state: ``HopeState`` (``hope_init_state(memories, B)``), weights ``[B, H, ...]``;
+        also the state every document of a packed row starts from. Required (None raises
+        ``ValueError``: Hope's memories have no zero state).
       proteus: the Proteus schedule, a :class:`ProteusRule` ``(E, N)`` (``E = 1``, the default:
         no Proteus).
       segment_ids: optional int ``[B, T]`` document ids of packed rows.
@@ -127,20 +136,23 @@ def hope_memories(
     """
     backbone = _backbone("hope_memories", impl, rule)
     proteus = _check_proteus("hope_memories", proteus)
+    state = require_initial_state("hope_memories", initial_state, "hope_init_state(memories, B)")
     kw = rule.kwargs()
     if not proteus.enabled:
-        o, final = backbone(x, q, state, readout, segment_ids=segment_ids, **kw)
+        o, final = backbone(x, q, readout, initial_state=state, segment_ids=segment_ids, **kw)
     else:
         kw.update(context_len=proteus.context_len, num_blocks=proteus.blocks, backbone=backbone)
         if segment_ids is None:
-            o, final = proteus_hope_chunked(x, q, state, readout, t0=0, **kw)
+            o, final = proteus_hope_chunked(x, q, readout, initial_state=state, t0=0, **kw)
         else:
-            o, final = proteus_hope_packed(x, q, state, readout, segment_ids=segment_ids, **kw)
+            o, final = proteus_hope_packed(
+                x, q, readout, initial_state=state, segment_ids=segment_ids, **kw
+            )
     return o, pin_head_state(final)
 
 
 def hope_decode(
-    x, q, state: HopeState, snapshot: HopeMemories, n, *, readout: HopeReadout, rule: HopeRule,
+    x, q, readout: HopeReadout, *, rule: HopeRule, initial_state: HopeDecodeState | None = None,
     proteus: ProteusRule = _NO_PROTEUS, initial_memories: HopeMemories | None = None,
     impl: str = "chunked",
 ):  # fmt: skip
@@ -149,21 +161,24 @@ def hope_decode(
 
     Args:
       x, q: ``[B, T, H, D]`` as :func:`hope_memories` (a prefill or single tokens).
-      state: running ``HopeState``; snapshot: chunk-start snapshots (``HopeMemories``, shapes of
-        ``state.memories``); n: int32 scalar, tokens seen.
       readout, rule, proteus: as :func:`hope_memories`; with Proteus both chunk sizes must
         divide ``Δ = N // E`` (:func:`check_hope_decode`).
+      initial_state: :class:`HopeDecodeState` ``(state, snapshot, n)``: the running
+        ``HopeState``, the chunk-start snapshots (``HopeMemories``, shapes of
+        ``state.memories``) and the int32 scalar ``n`` of tokens seen. Required
+        (:func:`hope_decode_state` builds the one at position 0).
       initial_memories: optional learned memories ``[H, ...]``: a call at ``n = 0`` starts from
-        ``hope_init_state(initial_memories)`` instead of ``state`` (cache placeholders).
+        ``hope_init_state(initial_memories)`` instead of ``initial_state.state`` (cache
+        placeholders).
       impl: ``"chunked"`` | ``"recurrent"`` (both the per-token step; ``"pallas"``: ValueError).
 
     Returns:
-      ``(o [B, T, H, D] f32, new state, new snapshot, n + T)``.
+      ``(o [B, T, H, D] f32, HopeDecodeState(new state, new snapshot, n + T))``.
     """
     _check_impl("hope_decode", impl)
     proteus = _check_proteus("hope_decode", proteus)
     return _hope_decode(
-        x, q, state, snapshot, n, readout, rule=rule, context_len=proteus.context_len,
+        x, q, readout, rule=rule, initial_state=initial_state, context_len=proteus.context_len,
         num_blocks=proteus.blocks, initial_memories=initial_memories,
     )  # fmt: skip
 

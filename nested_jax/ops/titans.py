@@ -21,6 +21,7 @@ the state types (``TitansMLPState``, ``MemoryCache``), ``titans_mlp_init_weights
 from __future__ import annotations
 
 from nested_jax.core import titans_memory as _tm
+from nested_jax.core.checks import require_initial_state
 from nested_jax.core.titans_memory import MemoryCache, TitansMemorySpec, titans_memory_start
 from nested_jax.core.titans_mlp import (
     TitansMLPState,
@@ -52,8 +53,9 @@ def _recurrent(op: str, impl: str) -> bool:
 
 
 def titans_memory(
-    state: TitansMLPState, q, k, v, theta, eta, alpha, *, spec: TitansMemorySpec,
-    segment_ids=None, reset_state: TitansMLPState | None = None, impl: str = "chunked",
+    q, k, v, theta, eta, alpha, *, spec: TitansMemorySpec,
+    initial_state: TitansMLPState | None = None, segment_ids=None,
+    reset_state: TitansMLPState | None = None, impl: str = "chunked",
 ):  # fmt: skip
     """Titans memory over a row, SPEC §2 (Proteus-gated when ``spec.proteus.blocks > 1``, §4).
 
@@ -61,11 +63,13 @@ def titans_memory(
     ``y_t = M_t(q_t)`` (``M_{t-1}`` with ``spec.read_before_write``), ``ℓ = ½‖M(k) − v‖²``.
 
     Args:
-      state: ``TitansMLPState`` with ``W_l, S_l [B, H, d_l, d_{l+1}]``.
       q, k, v: ``[B, T, H, D]``; theta, eta, alpha: ``[B, T, H]``.
       spec: :class:`TitansMemorySpec`.
+      initial_state: ``TitansMLPState`` with ``W_l, S_l [B, H, d_l, d_{l+1}]``
+        (``titans_mlp_state(weights, B)``); required (None raises ``ValueError``: the memory
+        has no zero state).
       segment_ids: optional ``[B, T]`` int (packed rows): every document start resets the state
-        to ``reset_state`` (default ``state``) and restarts the chunk grid; with Proteus the
+        to ``reset_state`` (default ``initial_state``) and restarts the chunk grid; with Proteus the
         schedule follows the row position and the locked coordinates reset too.
       reset_state: the state of a document start.
       impl: ``"chunked"`` | ``"recurrent"`` (``"pallas"``: ValueError).
@@ -75,15 +79,16 @@ def titans_memory(
       "heads", …)`` (``ops._state``).
     """
     recurrent = _recurrent("titans_memory", impl)
+    state = require_initial_state("titans_memory", initial_state, "titans_mlp_state(weights, B)")
     y, final = _tm.titans_memory_sequence(
-        state, q, k, v, theta, eta, alpha, spec=spec, recurrent=recurrent,
+        q, k, v, theta, eta, alpha, spec=spec, initial_state=state, recurrent=recurrent,
         segment_ids=segment_ids, reset_state=reset_state,
     )  # fmt: skip
     return y, pin_head_state(final)
 
 
 def titans_memory_step(
-    cache: MemoryCache, q, k, v, theta, eta, alpha, *, spec: TitansMemorySpec,
+    state: MemoryCache, q, k, v, theta, eta, alpha, *, spec: TitansMemorySpec,
     initial_weights: tuple, commit=None, impl: str = "chunked",
 ):  # fmt: skip
     """One decode token, equal to row ``t`` of :func:`titans_memory` (chunks aligned at 0).
@@ -92,7 +97,8 @@ def titans_memory_step(
     the chunk over the buffer and commits the state when the chunk is full (SPEC §2).
 
     Args:
-      cache: :class:`MemoryCache` from :func:`titans_memory_init_cache` with the same ``impl``.
+      state: the decode state, a :class:`MemoryCache` from :func:`titans_memory_init_cache` with
+        the same ``impl``.
       q, k, v: ``[B, H, D]``; theta, eta, alpha: ``[B, H]``.
       spec: :class:`TitansMemorySpec`.
       initial_weights: the learned ``M_0``, tuple of ``[H, d_l, d_{l+1}]`` (a fresh cache starts
@@ -106,7 +112,7 @@ def titans_memory_step(
     """
     recurrent = _recurrent("titans_memory_step", impl)
     return _tm.titans_memory_step(
-        cache, q, k, v, theta, eta, alpha, spec=spec, initial_weights=initial_weights,
+        state, q, k, v, theta, eta, alpha, spec=spec, initial_weights=initial_weights,
         recurrent=recurrent, commit=commit,
     )  # fmt: skip
 

@@ -53,7 +53,7 @@ def _setup(adaptive_q=False, seed=0, t=T):
 def _ref(x, q, mems, ro, momentum=False, **flags):
     """The twin's ``(o, final memories as a dict name -> (w1, w2))``."""
     st = hope_init_state(mems, x.shape[0], momentum=momentum)
-    o, st_ref = hope_reference(x, q, st, ro, momentum=momentum, **flags)
+    o, st_ref = hope_reference(x, q, ro, initial_state=st, momentum=momentum, **flags)
     names = [n for n in HopeMemories._fields if getattr(mems, n) is not None]
     return o, {n: tuple(getattr(st_ref.memories, n)) for n in names}
 
@@ -68,7 +68,7 @@ def _jit_ours(momentum, flags):
 
     def f(x, q, mems, ro):
         st = hope_init_state(mems, x.shape[0], momentum=momentum)
-        return hope_chunked(x, q, st, ro, momentum=momentum, **dict(flags))
+        return hope_chunked(x, q, ro, initial_state=st, momentum=momentum, **dict(flags))
 
     return jax.jit(f)
 
@@ -101,7 +101,11 @@ def test_chunk1_equals_reference_values(flags):
         _close(getattr(st.memories, n).w1, w1)
         _close(getattr(st.memories, n).w2, w2)
     o_rec, _ = hope_recurrent(
-        x, q, hope_init_state(mems, B, momentum=flags.get("momentum", False)), ro, **flags
+        x,
+        q,
+        ro,
+        initial_state=hope_init_state(mems, B, momentum=flags.get("momentum", False)),
+        **flags,
     )
     _close(o_rec, o, 1e-6)
 
@@ -194,12 +198,16 @@ def test_package_twin_equals_chunked_values_and_gradients(cm, co, momentum, pack
     kw = dict(chunk_memory=cm, chunk_other=co, momentum=momentum, momentum_coef=0.6)
     if packed:
         kw["segment_ids"] = jnp.asarray(TWIN_SEG)
-    args = (x, q, st, ro)
-    out_shape = jax.eval_shape(lambda *a: hope_reference(*a, **kw), *args)
+    args = (x, q, ro, st)  # the state is the keyword initial_state; last here for the VJP
+
+    def seq(fn):
+        return lambda x, q, ro, st, **kw: fn(x, q, ro, initial_state=st, **kw)
+
+    out_shape = jax.eval_shape(lambda *a: seq(hope_reference)(*a, **kw), *args)
     rng = np.random.default_rng(11)
     ct = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), out_shape)
-    out_c, g_c = _value_and_vjp(hope_chunked, args, ct, **kw)
-    out_r, g_r = _value_and_vjp(hope_reference, args, ct, **kw)
+    out_c, g_c = _value_and_vjp(seq(hope_chunked), args, ct, **kw)
+    out_r, g_r = _value_and_vjp(seq(hope_reference), args, ct, **kw)
     assert jax.tree.structure(out_c) == jax.tree.structure(out_r)
     for a, b in zip(jax.tree.leaves(out_c), jax.tree.leaves(out_r), strict=True):
         _close(a, b)  # measured ≈ 1e-7
@@ -208,7 +216,7 @@ def test_package_twin_equals_chunked_values_and_gradients(cm, co, momentum, pack
     for a, b in zip(flat_c, flat_r, strict=True):
         _close(a, b)  # measured ≈ 3e-7
     # gradients reach the initial memories through every write
-    assert all(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(g_c[2].memories))
+    assert all(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(g_c[3].memories))
 
 
 def test_causality():
@@ -291,8 +299,10 @@ def test_inner_flags_freeze_only_their_memory(flag):
     adaptive_q = flag == "inner_q"
     mems, ro, x, q = _setup(adaptive_q=adaptive_q)
     st0 = hope_init_state(mems, B)
-    _, on = hope_chunked(x, q, st0, ro, adaptive_q=adaptive_q, chunk_other=2)
-    _, off = hope_chunked(x, q, st0, ro, adaptive_q=adaptive_q, chunk_other=2, **{flag: False})
+    _, on = hope_chunked(x, q, ro, initial_state=st0, adaptive_q=adaptive_q, chunk_other=2)
+    _, off = hope_chunked(
+        x, q, ro, initial_state=st0, adaptive_q=adaptive_q, chunk_other=2, **{flag: False}
+    )
     name = flag.split("_")[1]
     assert _moved(st0, on, name)
     assert not _moved(st0, off, name)
@@ -306,8 +316,8 @@ def test_dgd_false_is_plain_gd_with_retention():
     mems, ro, x, q = _setup()
     x1, q1 = x[:, :1], q[:, :1]
     st0 = hope_init_state(mems, B)
-    _, gd = hope_chunked(x1, q1, st0, ro, dgd=False)
-    _, dg = hope_chunked(x1, q1, st0, ro)
+    _, gd = hope_chunked(x1, q1, ro, initial_state=st0, dgd=False)
+    _, dg = hope_chunked(x1, q1, ro, initial_state=st0)
     act = jax.nn.silu
     m = lambda mm, z: (
         z + jnp.einsum("bhdk,bhk->bhd", mm.w1, act(jnp.einsum("bhkd,bhd->bhk", mm.w2, z)))
@@ -375,22 +385,26 @@ def test_bad_shapes_raise_naming_the_argument():
     mems, ro, x, q = _setup()
     st = hope_init_state(mems, B)
     with pytest.raises(ValueError, match="x must"):
-        hope_chunked(x[0], q, st, ro)
+        hope_chunked(x[0], q, ro, initial_state=st)
     with pytest.raises(ValueError, match="q must"):
-        hope_chunked(x, q[:, :, :, :3], st, ro)
+        hope_chunked(x, q[:, :, :, :3], ro, initial_state=st)
     with pytest.raises(ValueError, match="chunk_memory"):
-        hope_chunked(x, q, st, ro, chunk_memory=3, chunk_other=2)
+        hope_chunked(x, q, ro, initial_state=st, chunk_memory=3, chunk_other=2)
     with pytest.raises(ValueError, match="chunk_other"):
-        hope_chunked(x, q, st, ro, chunk_other=0)
+        hope_chunked(x, q, ro, initial_state=st, chunk_other=0)
     with pytest.raises(ValueError, match="readout.eta_w"):
-        hope_chunked(x, q, st, ro._replace(eta_w=ro.eta_w[:, :2]))
+        hope_chunked(x, q, ro._replace(eta_w=ro.eta_w[:, :2]), initial_state=st)
     with pytest.raises(ValueError, match="state.memories.v.w2"):
         bad = st.memories._replace(v=MLPMemory(st.memories.v.w1, st.memories.v.w2[..., :2]))
-        hope_chunked(x, q, st._replace(memories=bad), ro)
+        hope_chunked(x, q, ro, initial_state=st._replace(memories=bad))
     with pytest.raises(ValueError, match="state.memories.q"):
-        hope_chunked(x, None, st, ro, adaptive_q=True)
+        hope_chunked(x, None, ro, initial_state=st, adaptive_q=True)
     with pytest.raises(ValueError, match="state.momentum"):
-        hope_chunked(x, q, st, ro, momentum=True)
+        hope_chunked(x, q, ro, initial_state=st, momentum=True)
+    # Hope's memories have no zero state: a missing initial_state names the constructor
+    for fn in (hope_chunked, hope_recurrent, hope_reference):
+        with pytest.raises(ValueError, match=r"initial_state: .*hope_init_state\(memories, B\)"):
+            fn(x, q, ro)
     with pytest.raises(ValueError, match="memories.k.w1"):
         hope_init_state(mems._replace(k=MLPMemory(mems.k.w1[0], mems.k.w2)), B)
     M0 = jnp.zeros((1, 2, 3, 4))
@@ -447,7 +461,9 @@ def test_packed_rows_reset_to_initial_memories():
     @jax.jit
     def run(x, q, seg):
         st = hope_init_state(mems, x.shape[0], momentum=True)
-        return hope_chunked(x, q, st, ro, chunk_memory=4, chunk_other=2, segment_ids=seg, **flags)
+        return hope_chunked(
+            x, q, ro, initial_state=st, chunk_memory=4, chunk_other=2, segment_ids=seg, **flags
+        )
 
     o, st = run(x, q, seg)
     o_ref, m_ref = _ref_packed(x, q, mems, ro, SEG, 4, 2, **flags)
@@ -478,7 +494,7 @@ def test_decode_steps_equal_chunked():
     )
     outs = []
     for t in range(T):
-        o_t, st_d, snap = step(x[:, t], q[:, t], st_d, snap, jnp.int32(t))
+        o_t, st_d, snap = step(st_d, x[:, t], q[:, t], snap, jnp.int32(t))
         outs.append(o_t)
     _close(jnp.stack(outs, 1), o, 1e-5)
     _close(st_d.memories.memory.w1, st.memories.memory.w1, 1e-5)
@@ -492,7 +508,9 @@ def test_grad_horizon_keeps_values_and_cuts_gradients():
 
     def loss(x):
         st = hope_init_state(mems, B)
-        o, _ = hope_chunked(x, q, st, ro, chunk_memory=2, chunk_other=2, grad_horizon=2)
+        o, _ = hope_chunked(
+            x, q, ro, initial_state=st, chunk_memory=2, chunk_other=2, grad_horizon=2
+        )
         return jnp.sum(o[:, -1] ** 2), o
 
     (_, o2), g2 = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
@@ -506,18 +524,25 @@ def test_packed_and_decode_validation():
     mems, ro, x, q = _setup()
     st = hope_init_state(mems, B)
     with pytest.raises(ValueError, match="segment_ids"):
-        hope_chunked(x, q, st, ro, segment_ids=jnp.zeros((B, T - 1), jnp.int32))
+        hope_chunked(x, q, ro, initial_state=st, segment_ids=jnp.zeros((B, T - 1), jnp.int32))
     with pytest.raises(ValueError, match="grad_horizon"):
-        hope_chunked(x, q, st, ro, chunk_memory=2, grad_horizon=3)
+        hope_chunked(x, q, ro, initial_state=st, chunk_memory=2, grad_horizon=3)
     with pytest.raises(ValueError, match="initial_memories"):
         bad = mems._replace(k=MLPMemory(mems.k.w1[:, :2], mems.k.w2))
-        hope_chunked(x, q, st, ro, segment_ids=jnp.zeros((B, T), jnp.int32), initial_memories=bad)
+        hope_chunked(
+            x,
+            q,
+            ro,
+            initial_state=st,
+            segment_ids=jnp.zeros((B, T), jnp.int32),
+            initial_memories=bad,
+        )
     with pytest.raises(ValueError, match="snapshot"):
-        hope_decode_step(x[:, 0], q[:, 0], st, mems, 0, ro)
+        hope_decode_step(st, x[:, 0], q[:, 0], mems, 0, ro)
     with pytest.raises(ValueError, match="index"):
-        hope_decode_step(x[:, 0], q[:, 0], st, st.memories, jnp.zeros((3,), jnp.int32), ro)
+        hope_decode_step(st, x[:, 0], q[:, 0], st.memories, jnp.zeros((3,), jnp.int32), ro)
     with pytest.raises(ValueError, match="x_t"):
-        hope_decode_step(x[:, :2], q[:, 0], st, st.memories, 0, ro)
+        hope_decode_step(st, x[:, :2], q[:, 0], st.memories, 0, ro)
 
 
 @pytest.mark.slow  # four fwd+bwd compiles (~25 s CPU)
@@ -536,7 +561,9 @@ def test_remat_keeps_no_per_token_weights():
 
             def loss(mems, x):
                 st = hope_init_state(mems, B)
-                o, _ = hope_chunked(x, x, st, ro, chunk_memory=c, chunk_other=c, remat=remat)
+                o, _ = hope_chunked(
+                    x, x, ro, initial_state=st, chunk_memory=c, chunk_other=c, remat=remat
+                )
                 return jnp.sum(o**2)
 
             comp = jax.jit(jax.grad(loss)).lower(mems, z).compile()

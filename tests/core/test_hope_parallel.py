@@ -191,9 +191,9 @@ def test_chunked_equals_the_per_token_twin(flags, chunks):
     kw = dict(dgd=dgd, dgd_target=target, momentum=momentum, decay=decay, momentum_coef=0.7,
               chunk_updates="parallel",
               chunk_memory=chunks[0], chunk_other=chunks[1])  # fmt: skip
-    fast = jax.jit(lambda x, q: hope_chunked(x, q, state, readout, **kw))
+    fast = jax.jit(lambda x, q: hope_chunked(x, q, readout, initial_state=state, **kw))
     twin_kw = {k: v for k, v in kw.items() if k != "chunk_updates"}
-    twin = jax.jit(lambda x, q: hope_reference(x, q, state, readout, **twin_kw))
+    twin = jax.jit(lambda x, q: hope_reference(x, q, readout, initial_state=state, **twin_kw))
     _assert_matches_twin(fast, twin, x, q)
 
 
@@ -224,8 +224,10 @@ def test_both_update_forms_take_the_proximal_target(updates):
     state = hope_init_state(mems, B, momentum=True)
     kw = dict(dgd_target="proximal", momentum=True, momentum_coef=0.7, chunk_memory=4,
               chunk_other=2)  # fmt: skip
-    o1, _ = jax.jit(lambda: hope_chunked(x, q, state, readout, chunk_updates=updates, **kw))()
-    o2, _ = jax.jit(lambda: hope_reference(x, q, state, readout, **kw))()
+    o1, _ = jax.jit(
+        lambda: hope_chunked(x, q, readout, initial_state=state, chunk_updates=updates, **kw)
+    )()
+    o2, _ = jax.jit(lambda: hope_reference(x, q, readout, initial_state=state, **kw))()
     np.testing.assert_allclose(o1, o2, atol=2e-5 * float(jnp.max(jnp.abs(o2))))
 
 
@@ -239,13 +241,15 @@ def test_the_bounded_step_equals_the_twin(updates, chunks):
     state = hope_init_state(mems, B, momentum=True)
     kw = dict(momentum=True, momentum_coef=0.7, chunk_memory=chunks[0], chunk_other=chunks[1],
               eta_max=0.5, grad_clip=0.2)  # fmt: skip
-    fast = jax.jit(lambda x, q: hope_chunked(x, q, state, readout, chunk_updates=updates, **kw))
-    twin = jax.jit(lambda x, q: hope_reference(x, q, state, readout, **kw))
+    fast = jax.jit(
+        lambda x, q: hope_chunked(x, q, readout, initial_state=state, chunk_updates=updates, **kw)
+    )
+    twin = jax.jit(lambda x, q: hope_reference(x, q, readout, initial_state=state, **kw))
     _assert_matches_twin(fast, twin, x, q)
     # the bound changes the result (the test would not see a clamp that does nothing)
     o2, _ = twin(x, q)
     unbounded = {**kw, "grad_clip": 0.0}
-    o3, _ = jax.jit(lambda: hope_reference(x, q, state, readout, **unbounded))()
+    o3, _ = jax.jit(lambda: hope_reference(x, q, readout, initial_state=state, **unbounded))()
     assert float(jnp.max(jnp.abs(o3 - o2))) > 1e-3 * float(jnp.max(jnp.abs(o2)))
 
 
@@ -256,7 +260,7 @@ def test_three_remat_levels_change_no_value_or_gradient():
 
     def loss(levels):
         def f(x, q):
-            o, _ = hope_chunked(x, q, state, readout, remat_levels=levels, **kw)
+            o, _ = hope_chunked(x, q, readout, initial_state=state, remat_levels=levels, **kw)
             return jnp.sum(jnp.sin(o))
 
         return jax.jit(jax.value_and_grad(f, (0, 1)))

@@ -94,6 +94,7 @@ EXCLUDED = {
     "HopeMemories": "parameter type (NamedTuple)",
     "HopeReadout": "parameter type (NamedTuple)",
     "HopeState": "state type (NamedTuple)",
+    "HopeDecodeState": "state type (NamedTuple)",
     "HopeRule": "configuration value (frozen dataclass)",
     "init_hola_state": "builds a zero state from Python ints (used as an input here)",
     "titans_mlp_init_weights": "random parameter initialiser from a PRNG key",
@@ -107,6 +108,7 @@ EXCLUDED = {
     "surprise_from_loss": "builds a delta_fn callable",
     "check_periods": "validation of Python ints",
     "hope_init_state": "broadcasts memories to a batch (used to build inputs here)",
+    "hope_decode_state": "broadcasts memories to a batch (hope_init_state + snapshot + n = 0)",
     "mlp_memory_apply": "MLP read of given weights; runs inside the hope rules",
 }
 
@@ -199,10 +201,15 @@ def _titans_mlp_case(fn, **kw):
         state = core.titans_mlp_state(ws, B)
         return {"state": jax.tree.map(np.asarray, state), **_qkv(rng), **_gates(rng, *gates)}
 
-    names = ("state", "q", "k", "v", *gates)
+    names = ("q", "k", "v", *gates)
     state_spec = core.TitansMLPState((BH, BH), (BH, BH))
     specs = {**dict.fromkeys(names, BTH), "state": state_spec}
-    return Case(lambda a: fn(*(a[n] for n in names), **kw), make, specs, (BTH, state_spec))
+    return Case(
+        lambda a: fn(*(a[n] for n in names), initial_state=a["state"], **kw),
+        make,
+        specs,
+        (BTH, state_spec),
+    )
 
 
 def _hope_memories(rng, c=0.3):
@@ -234,11 +241,11 @@ def _hope_state_spec(momentum):
 
 
 def _hope_case(fn, momentum=False, **kw):
-    names = ("x", "q", "state", "readout")
+    names = ("x", "q", "readout")
     state_spec = _hope_state_spec(momentum)
     specs = dict(x=BTH, q=BTH, state=state_spec, readout=core.HopeReadout(HD, HD, HD, HD))
     return Case(
-        lambda a: fn(*(a[n] for n in names), momentum=momentum, **kw),
+        lambda a: fn(*(a[n] for n in names), initial_state=a["state"], momentum=momentum, **kw),
         functools.partial(_hope_inputs, momentum=momentum),
         specs,
         (BTH, state_spec),
@@ -253,9 +260,8 @@ def _hope_decode_case():
         return {**a, "snapshot": a["state"].memories, "n": np.zeros((), np.int32)}
 
     def fn(a):
-        return core.hope_decode(
-            a["x"], a["q"], a["state"], a["snapshot"], a["n"], a["readout"], rule=rule
-        )
+        ds = core.HopeDecodeState(a["state"], a["snapshot"], a["n"])
+        return core.hope_decode(a["x"], a["q"], a["readout"], rule=rule, initial_state=ds)
 
     state_spec = _hope_state_spec(True)
     specs = dict(
@@ -266,7 +272,7 @@ def _hope_decode_case():
         n=REP,
         readout=core.HopeReadout(HD, HD, HD, HD),
     )
-    return Case(fn, make, specs, (BTH, state_spec, state_spec.memories, REP))
+    return Case(fn, make, specs, (BTH, core.HopeDecodeState(state_spec, state_spec.memories, REP)))
 
 
 def _hope_linear_case():
@@ -449,9 +455,7 @@ XFAIL: dict[tuple[str, str], str] = {}
 # Measured failing on an Explicit mesh (ShardingTypeError: a select / dynamic_update_slice /
 # concatenate mixes operands sharded on (data, heads) with unsharded constants); issue 18 keeps
 # them open. Strict: a fix makes these cases fail here until the entry is removed.
-EXPLICIT_FAILS = {
-    "hope_decode": "select `which` sharded vs cases unsharded",
-}
+EXPLICIT_FAILS: dict[str, str] = {}  # rule -> the error it raises on an Explicit mesh (none now)
 
 # Compile-heavy rules (≥ ~5 s a mode on 2 CPU cores): run with `pytest -m slow`. The default run
 # keeps the associative, Titans and CMS-forward rules, which share the carries/constants fixed here.

@@ -170,13 +170,17 @@ def _close_state(st, W, S, tol=2e-5):
 
 def test_recurrent_matches_reference_and_ragged_t0():
     st, ro, x, q = setup(T=20)
-    o, new = rec(x, q, st, ro, t0=5, **N48, **FLAGS)  # positions 6..25: blocks 1, 2, 3 open
+    o, new = rec(
+        x, q, ro, initial_state=st, t0=5, **N48, **FLAGS
+    )  # positions 6..25: blocks 1, 2, 3 open
     o_ref, W, S = ref_proteus_hope(x, q, st, ro, 48, 4, 5)
     np.testing.assert_allclose(o, o_ref, rtol=2e-5, atol=2e-5)
     _close_state(new, W, S)
     # traced per-row positions: row 0 starts fresh, row 1 crosses into the fully open range
     t0 = jnp.array([0, 30], jnp.int32)
-    o2, new2 = jax.jit(partial(proteus_hope_recurrent, **N48, **FLAGS))(x, q, st, ro, t0=t0)
+    o2, new2 = jax.jit(partial(proteus_hope_recurrent, **N48, **FLAGS))(
+        x, q, ro, initial_state=st, t0=t0
+    )
     o_ref2, W2, S2 = ref_proteus_hope(x, q, st, ro, 48, 4, np.array([0, 30]))
     np.testing.assert_allclose(o2, o_ref2, rtol=2e-5, atol=2e-5)
     _close_state(new2, W2, S2)
@@ -190,7 +194,7 @@ def test_locked_coordinates_bit_identical_every_step():
     def run(state):
         def body(s, xs):
             i, x_t, q_t = xs
-            _, s = proteus_hope_step(x_t, q_t, s, ro, t=T0 + i + 1, **N48, **FLAGS)
+            _, s = proteus_hope_step(s, x_t, q_t, ro, t=T0 + i + 1, **N48, **FLAGS)
             return s, s
 
         tm = lambda a: jnp.moveaxis(a, 1, 0)  # noqa: E731
@@ -210,7 +214,7 @@ def test_locked_coordinates_bit_identical_every_step():
             n_locked += locked.sum()
     assert n_locked > 0
     # the step form is the recurrent form
-    _, new = rec(x, q, st, ro, t0=T0, **N48, **FLAGS)
+    _, new = rec(x, q, ro, initial_state=st, t0=T0, **N48, **FLAGS)
     last = jax.tree.map(lambda a: a[-1], states)
     chex.assert_trees_all_close(last, new, rtol=1e-6, atol=1e-6)
 
@@ -224,30 +228,36 @@ def test_single_block_and_beyond_context_are_the_backbone():
     chunks = dict(chunk_memory=2, chunk_other=4)
     for kw in (dict(context_len=48, num_blocks=1, t0=3), dict(context_len=48, num_blocks=4, t0=36)):
         assert _same_jaxpr(
-            lambda *a, kw=kw: proteus_hope_recurrent(*a, **kw, **FLAGS),
-            lambda *a: hope_recurrent(*a, **FLAGS),
-            x, q, st, ro,
+            lambda x, q, r, s, kw=kw: proteus_hope_recurrent(
+                x, q, r, initial_state=s, **kw, **FLAGS
+            ),
+            lambda x, q, r, s: hope_recurrent(x, q, r, initial_state=s, **FLAGS),
+            x, q, ro, st,
         )  # fmt: skip
         assert _same_jaxpr(
-            lambda *a, kw=kw: proteus_hope_chunked(*a, **chunks, **kw, **FLAGS),
-            lambda *a: hope_chunked(*a, **chunks, **FLAGS),
-            x, q, st, ro,
+            lambda x, q, r, s, kw=kw: proteus_hope_chunked(
+                x, q, r, initial_state=s, **chunks, **kw, **FLAGS
+            ),
+            lambda x, q, r, s: hope_chunked(x, q, r, initial_state=s, **chunks, **FLAGS),
+            x, q, ro, st,
         )  # fmt: skip
     assert _same_jaxpr(
         lambda *a: proteus_hope_step(*a, t=2, context_len=48, num_blocks=1, **FLAGS),
         lambda *a: hope_step(*a, **FLAGS),
-        x[:, 0], q[:, 0], st, ro,
+        st, x[:, 0], q[:, 0], ro,
     )  # fmt: skip
     # and the bits, compiled separately
-    o1, s1 = chk(x, q, st, ro, t0=3, context_len=48, num_blocks=1, chunk_memory=2, **FLAGS)
-    o0, s0 = jax.jit(partial(hope_chunked, chunk_memory=2, **FLAGS))(x, q, st, ro)
+    o1, s1 = chk(
+        x, q, ro, initial_state=st, t0=3, context_len=48, num_blocks=1, chunk_memory=2, **FLAGS
+    )
+    o0, s0 = jax.jit(partial(hope_chunked, chunk_memory=2, **FLAGS))(x, q, ro, initial_state=st)
     np.testing.assert_array_equal(o1, o0)
     chex.assert_trees_all_equal(s1, s0)
     # beyond N with a traced position (no static dispatch): the backbone's values
     o2, s2 = jax.jit(partial(proteus_hope_recurrent, **N48, **FLAGS))(
-        x, q, st, ro, t0=jnp.int32(40)
+        x, q, ro, initial_state=st, t0=jnp.int32(40)
     )
-    o3, s3 = jax.jit(partial(hope_recurrent, **FLAGS))(x, q, st, ro)
+    o3, s3 = jax.jit(partial(hope_recurrent, **FLAGS))(x, q, ro, initial_state=st)
     np.testing.assert_allclose(o2, o3, rtol=1e-6, atol=1e-6)
     chex.assert_trees_all_close(s2, s3, rtol=1e-6, atol=1e-6)
 
@@ -258,7 +268,7 @@ def _grads(fn, st, ro, x, q, **kw):
     ws = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(np.float32), st)
 
     def loss(x, q, st, ro):
-        o, new = fn(x, q, st, ro, **kw)
+        o, new = fn(x, q, ro, initial_state=st, **kw)
         tree = sum(
             jnp.sum(a * b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ws), strict=True)
         )
@@ -284,7 +294,9 @@ def test_chunked_unit_chunks_equal_recurrent_values_and_grads():
 def test_chunked_matches_reference_with_snapshots(c_mem, c_other, t0):
     """Chunk sizes dividing Δ = 12 and t0: the global grid; spans with 1..4 blocks open."""
     st, ro, x, q = setup(T=30)
-    o, new = chk(x, q, st, ro, t0=t0, chunk_memory=c_mem, chunk_other=c_other, **N48, **FLAGS)
+    o, new = chk(
+        x, q, ro, initial_state=st, t0=t0, chunk_memory=c_mem, chunk_other=c_other, **N48, **FLAGS
+    )
     o_ref, W, S = ref_proteus_hope(x, q, st, ro, 48, 4, t0, c_mem=c_mem, c_other=c_other)
     np.testing.assert_allclose(o, o_ref, rtol=2e-5, atol=2e-5)
     _close_state(new, W, S)
@@ -300,22 +312,26 @@ def test_chunked_matches_reference_with_snapshots(c_mem, c_other, t0):
 def test_bad_inputs_raise_naming_the_argument():
     st, ro, x, q = setup(T=4)
     with pytest.raises(ValueError, match="hidden size"):
-        proteus_hope_recurrent(x, q, st, ro, context_len=48, num_blocks=16)
+        proteus_hope_recurrent(x, q, ro, initial_state=st, context_len=48, num_blocks=16)
     with pytest.raises(ValueError, match="activation"):
-        proteus_hope_chunked(x, q, st, ro, activation=jax.nn.sigmoid, **N48)
+        proteus_hope_chunked(x, q, ro, initial_state=st, activation=jax.nn.sigmoid, **N48)
     with pytest.raises(ValueError, match="t0"):
-        proteus_hope_chunked(x, q, st, ro, t0=jnp.int32(2), **N48)
+        proteus_hope_chunked(x, q, ro, initial_state=st, t0=jnp.int32(2), **N48)
     with pytest.raises(ValueError, match="t0"):
-        proteus_hope_recurrent(x, q, st, ro, t0=jnp.zeros((3,), jnp.int32), **N48)
+        proteus_hope_recurrent(x, q, ro, initial_state=st, t0=jnp.zeros((3,), jnp.int32), **N48)
     with pytest.raises(ValueError, match="context_len"):
-        proteus_hope_recurrent(x, q, st, ro, context_len=48.0, num_blocks=4)
+        proteus_hope_recurrent(x, q, ro, initial_state=st, context_len=48.0, num_blocks=4)
     with pytest.raises(ValueError, match="x must"):
-        proteus_hope_chunked(x[0], q, st, ro, **N48)
+        proteus_hope_chunked(x[0], q, ro, initial_state=st, **N48)
     with pytest.raises(ValueError, match="q must"):
-        proteus_hope_chunked(x, q[:, :2], st, ro, **N48)
+        proteus_hope_chunked(x, q[:, :2], ro, initial_state=st, **N48)
     with pytest.raises(ValueError, match="state"):
-        proteus_hope_recurrent(x, q, st.memories, ro, **N48)
+        proteus_hope_recurrent(x, q, ro, initial_state=st.memories, **N48)
+    with pytest.raises(ValueError, match=r"initial_state: .*hope_init_state\(memories, B\)"):
+        proteus_hope_chunked(x, q, ro, **N48)
     with pytest.raises(ValueError, match="segment_ids"):
-        proteus_hope_chunked(x, q, st, ro, segment_ids=jnp.zeros((B, 4), jnp.int32), **N48)
+        proteus_hope_chunked(
+            x, q, ro, initial_state=st, segment_ids=jnp.zeros((B, 4), jnp.int32), **N48
+        )
     with pytest.raises(ValueError, match="t "):
-        proteus_hope_step(x[:, 0], q[:, 0], st, ro, t=0, **N48)
+        proteus_hope_step(st, x[:, 0], q[:, 0], ro, t=0, **N48)

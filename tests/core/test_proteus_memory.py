@@ -458,15 +458,15 @@ mlp_chk = jax.jit(
 def test_titans_recurrent_matches_reference_and_streams(L):
     st, seq = titans_inputs(L)
     for rbw in (True, False):
-        y, new = mlp_rec(st, *seq, t0=5, read_before_write=rbw, **N60, **NOCLIP)
+        y, new = mlp_rec(*seq, initial_state=st, t0=5, read_before_write=rbw, **N60, **NOCLIP)
         y_ref, W_ref, S_ref = ref_proteus_titans(st.weights, st.momentum, *seq, 60, 4, 5, rbw=rbw)
         np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
         chex.assert_trees_all_close(
             (*new.weights, *new.momentum), (*W_ref, *S_ref), rtol=1e-5, atol=1e-5
         )
     # streaming: [0, 20) then [20, 37) carrying the state equals one call (y, new: rbw = False)
-    y1, s1 = mlp_rec(st, *(x[:, :20] for x in seq), t0=5, **N60, **NOCLIP)
-    y2, s2 = mlp_rec(s1, *(x[:, 20:] for x in seq), t0=25, **N60, **NOCLIP)
+    y1, s1 = mlp_rec(*(x[:, :20] for x in seq), initial_state=st, t0=5, **N60, **NOCLIP)
+    y2, s2 = mlp_rec(*(x[:, 20:] for x in seq), initial_state=s1, t0=25, **N60, **NOCLIP)
     np.testing.assert_allclose(np.concatenate([y1, y2], 1), y, rtol=1e-6, atol=1e-6)
     chex.assert_trees_all_close(s2, new, rtol=1e-6, atol=1e-6)
     if L == 1:  # the matrix-memory API is the same memory
@@ -527,11 +527,20 @@ def _titans_grads(fn, st, seq, **kw):
 
 
 def _lin(fn):
-    """The matrix-memory API with the MLP API's argument order (state first)."""
+    """The matrix-memory API with the state as the first argument (for ``_titans_grads``)."""
 
     def call(state, *xs, **kw):
         y, new = fn(*xs, initial_state=TitansLinearState(*state), **kw)
         return y, (new.M, new.S)
+
+    return call
+
+
+def _mlp(fn):
+    """The MLP API with the state as the first argument (for ``_titans_grads``)."""
+
+    def call(state, *xs, **kw):
+        return fn(*xs, initial_state=state, **kw)
 
     return call
 
@@ -552,7 +561,8 @@ def test_titans_chunked_equals_recurrent_and_reference(L, t0, B, T):
         rec_fn = _lin(proteus_titans_linear_recurrent)
         chk_fn = _lin(proteus_titans_linear_chunked)
     else:
-        st0, rec_fn, chk_fn = st, proteus_titans_mlp_recurrent, proteus_titans_mlp_chunked
+        st0 = st
+        rec_fn, chk_fn = _mlp(proteus_titans_mlp_recurrent), _mlp(proteus_titans_mlp_chunked)
     kw = dict(t0=t0, **N60, **(NOCLIP if L == 2 else {}))
     (_, (y_r, s_r)), g_r = _titans_grads(rec_fn, st0, seq, **kw)
     # chunk_size = 1 is the recurrence (remat only changes what the backward pass recomputes)
@@ -583,12 +593,14 @@ def test_titans_single_block_and_beyond_context_are_the_backbone():
     lin_seq = seq  # K = V = 8: a square matrix memory
     for kw in (dict(context_len=60, num_blocks=1, t0=7), dict(context_len=60, num_blocks=4, t0=45)):
         assert _same_jaxpr(
-            lambda s, *a, kw=kw: proteus_titans_mlp_recurrent(s, *a, **kw),
-            titans_mlp_recurrent, st, *seq,
+            lambda s, *a, kw=kw: proteus_titans_mlp_recurrent(*a, initial_state=s, **kw),
+            lambda s, *a: titans_mlp_recurrent(*a, initial_state=s), st, *seq,
         )  # fmt: skip
         assert _same_jaxpr(
-            lambda s, *a, kw=kw: proteus_titans_mlp_chunked(s, *a, chunk_size=4, **kw),
-            lambda s, *a: titans_mlp_chunked(s, *a, chunk_size=4), st, *seq,
+            lambda s, *a, kw=kw: proteus_titans_mlp_chunked(
+                *a, initial_state=s, chunk_size=4, **kw
+            ),
+            lambda s, *a: titans_mlp_chunked(*a, initial_state=s, chunk_size=4), st, *seq,
         )  # fmt: skip
         assert _same_jaxpr(
             lambda s, *a, kw=kw: proteus_titans_linear_recurrent(*a, initial_state=s, **kw),
@@ -608,8 +620,10 @@ def test_titans_single_block_and_beyond_context_are_the_backbone():
         titans_linear_step, lin0, *tok,
     )  # fmt: skip
     # beyond N with a traced position: the backbone's values
-    y, s = jax.jit(partial(proteus_titans_mlp_recurrent, **N60))(st, *seq, t0=jnp.int32(60))
-    y0, s0 = jax.jit(titans_mlp_recurrent)(st, *seq)
+    y, s = jax.jit(partial(proteus_titans_mlp_recurrent, **N60))(
+        *seq, initial_state=st, t0=jnp.int32(60)
+    )
+    y0, s0 = jax.jit(titans_mlp_recurrent)(*seq, initial_state=st)
     np.testing.assert_allclose(y, y0, rtol=1e-6, atol=1e-6)
     chex.assert_trees_all_close(s, s0, rtol=1e-6, atol=1e-6)
 
@@ -617,14 +631,16 @@ def test_titans_single_block_and_beyond_context_are_the_backbone():
 def test_titans_errors():
     st, seq = titans_inputs(2, B=1, T=4)
     with pytest.raises(ValueError, match="activation"):
-        proteus_titans_mlp_recurrent(st, *seq, activation=jax.nn.sigmoid, **N60)
+        proteus_titans_mlp_recurrent(*seq, initial_state=st, activation=jax.nn.sigmoid, **N60)
     with pytest.raises(ValueError, match="hidden"):
-        proteus_titans_mlp_chunked(st, *seq, context_len=60, num_blocks=16)
+        proteus_titans_mlp_chunked(*seq, initial_state=st, context_len=60, num_blocks=16)
     st1, seq1 = titans_inputs(1, B=1, T=4)
     with pytest.raises(ValueError, match="residual"):
-        proteus_titans_mlp_recurrent(st1, *seq1, residual=True, **N60)
+        proteus_titans_mlp_recurrent(*seq1, initial_state=st1, residual=True, **N60)
     with pytest.raises(ValueError, match="state"):
-        proteus_titans_mlp_recurrent(st.weights, *seq, **N60)
+        proteus_titans_mlp_recurrent(*seq, initial_state=st.weights, **N60)
+    with pytest.raises(ValueError, match=r"initial_state: .*titans_mlp_state\(weights, B\)"):
+        proteus_titans_mlp_chunked(*seq, **N60)
     with pytest.raises(ValueError, match="t0"):
         proteus_titans_linear_chunked(*seq1, t0=jnp.int32(1), **N60)
     with pytest.raises(ValueError, match="theta"):

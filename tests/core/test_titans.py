@@ -143,10 +143,10 @@ def test_mlp_chunk1_equals_recurrent_values_and_grads():
     st = _mlp_state(3, B, H, (D, hid, D))  # L_M = 2, residual (auto since K == V)
 
     def rec(st, *a):
-        return titans_mlp_recurrent(st, *a)
+        return titans_mlp_recurrent(*a, initial_state=st)
 
     def chk(st, *a):
-        return titans_mlp_chunked(st, *a, chunk_size=1)
+        return titans_mlp_chunked(*a, initial_state=st, chunk_size=1)
 
     (y_r, st_r), g_r = _grads(rec, (st, *x))
     (y_c, st_c), g_c = _grads(chk, (st, *x))
@@ -160,16 +160,16 @@ def test_recurrent_equals_independent_per_token_reference():
     B, T, H, K, V = 1, 19, 2, 8, 6
     x = _inputs(2, B, T, H, K, V)
     st = _mlp_state(4, B, H, (K, 10, V))  # K != V: no residual
-    y, st_r = _run(titans_mlp_recurrent, st, *x, read_before_write=True, grad_clip=None)
-    y_ref, w_ref, s_ref = _run(
-        ref.per_token_rule, st.weights, st.momentum, *x, read_before_write=True
+    y, st_r = _run(
+        titans_mlp_recurrent, *x, initial_state=st, read_before_write=True, grad_clip=None
     )
+    y_ref, (w_ref, s_ref) = _run(ref.per_token_rule, *x, initial_state=st, read_before_write=True)
     _close(y, y_ref, what="mlp y")
     _assert_tree_close((st_r.weights, st_r.momentum), (w_ref, s_ref), "mlp state")
 
     M0, S0 = st.weights[0][..., :V], st.momentum[0][..., :V]
     o, s = _run(titans_linear_recurrent, *x, initial_state=TitansLinearState(M0, S0))
-    o_ref, w_ref, s_ref = _run(ref.per_token_rule, (M0,), (S0,), *x)
+    o_ref, (w_ref, s_ref) = _run(ref.per_token_rule, *x, initial_state=((M0,), (S0,)))
     _close(o, o_ref, what="linear o")
     _assert_tree_close((s.M, s.S), (w_ref[0], s_ref[0]), "linear state")
 
@@ -195,13 +195,16 @@ def test_chunked_matches_slow_chunk_rule_values_and_grads(layers, b):
                 read_before_write=rbw,
             )  # fmt: skip
             return o, (s.M,), (s.S,)
-        y, s = titans_mlp_chunked(st, *a, chunk_size=b, read_before_write=rbw, grad_clip=None)
+        y, s = titans_mlp_chunked(
+            *a, initial_state=st, chunk_size=b, read_before_write=rbw, grad_clip=None
+        )
         return y, s.weights, s.momentum
 
     def slow(st, *a):
-        return ref.chunk_rule(
-            st.weights, st.momentum, *a, chunk_size=b, residual=residual, read_before_write=rbw
+        y, (w, m) = ref.chunk_rule(
+            *a, initial_state=st, chunk_size=b, residual=residual, read_before_write=rbw
         )
+        return y, w, m
 
     out_f, g_f = _grads(fast, (st, *x))
     out_s, g_s = _grads(slow, (st, *x))
@@ -219,9 +222,9 @@ def test_deep_memories_match_slow_chunk_rule(layers):
     act = jax.nn.silu if layers == 3 else jax.nn.gelu
     st = _mlp_state(13, B, H, dims)
     kw = dict(chunk_size=8, activation=act)
-    y, s = _run(titans_mlp_chunked, st, *x, grad_clip=0.5, **kw)
-    y_ref, w_ref, s_ref = _run(
-        ref.chunk_rule, st.weights, st.momentum, *x, residual=True, grad_clip=0.5, **kw
+    y, s = _run(titans_mlp_chunked, *x, initial_state=st, grad_clip=0.5, **kw)
+    y_ref, (w_ref, s_ref) = _run(
+        ref.chunk_rule, *x, initial_state=st, residual=True, grad_clip=0.5, **kw
     )
     _close(y, y_ref, what="y")
     _assert_tree_close((s.weights, s.momentum), (w_ref, s_ref), "state")
@@ -242,9 +245,10 @@ def test_per_chunk_gates_equal_pooled_gates_in_slow_rule():
     pooled = [titans_pool_gates(g, 4) for g in (th, et, al)]
     np.testing.assert_allclose(pooled[0][:, 12], th[:, 12])  # the 1-token last chunk keeps its gate
     np.testing.assert_allclose(pooled[1][:, 5], et[:, 4:8].mean(1), rtol=1e-6)
-    o_ref, w_ref, _ = _run(
-        ref.chunk_rule, (M0,), (jnp.zeros_like(M0),), q, k, v, *pooled, chunk_size=4
-    )
+    o_ref, (w_ref, _) = _run(
+        ref.chunk_rule, q, k, v, *pooled, initial_state=((M0,), (jnp.zeros_like(M0),)),
+        chunk_size=4,
+    )  # fmt: skip
     _close(o, o_ref, what="o")
     _close(s.M, w_ref[0], what="M")
 
@@ -324,7 +328,7 @@ def test_theta_zero_leaves_memory_unchanged(layers):
     dims = (D, D) if layers == 1 else (D, 8, D)
     st = _mlp_state(5, B, H, dims, momentum_scale=0.0)
     for fn in (titans_mlp_recurrent, functools.partial(titans_mlp_chunked, chunk_size=4)):
-        y, new = _run(fn, st, q, k, v, zero, zero, zero)
+        y, new = _run(fn, q, k, v, zero, zero, zero, initial_state=st)
         for w0, w in zip(st.weights, new.weights, strict=True):
             np.testing.assert_allclose(w, w0, atol=1e-7)
         np.testing.assert_allclose(y, titans_mlp_apply(st.weights, q), atol=1e-6)
@@ -347,7 +351,7 @@ def test_repeated_pair_is_recalled(layers):
         recall = jnp.einsum("bhk,bhkv->bhv", k[:, 0], s.M)
     else:
         st = _mlp_state(6, B, H, (D, 16, D), momentum_scale=0.0)
-        o, s = _run(titans_mlp_recurrent, st, k, k, v, g(0.1), g(0.5), g(0.0))
+        o, s = _run(titans_mlp_recurrent, k, k, v, g(0.1), g(0.5), g(0.0), initial_state=st)
         recall = titans_mlp_apply(s.weights, k[:, :1])[:, 0]
     err0 = float(jnp.linalg.norm(o[:, 0] - v[:, 0]))
     err = float(jnp.linalg.norm(recall - v[:, 0]))
@@ -363,13 +367,13 @@ def test_causality(rbw):
     x = _inputs(60, B, T, H, D, D)
     st = _mlp_state(8, B, H, (D, 8, D))
     kw = dict(chunk_size=8, read_before_write=rbw)
-    y1, _ = _run(titans_mlp_chunked, st, *x, **kw)
+    y1, _ = _run(titans_mlp_chunked, *x, initial_state=st, **kw)
     x2 = [a.at[:, t0:].multiply(0.5) for a in x]
-    y2, _ = _run(titans_mlp_chunked, st, *x2, **kw)
+    y2, _ = _run(titans_mlp_chunked, *x2, initial_state=st, **kw)
     np.testing.assert_array_equal(y1[:, :t0], y2[:, :t0])
     assert float(jnp.max(jnp.abs(y1[:, t0:] - y2[:, t0:]))) > 1e-3
     x3 = [a if i == 0 else a.at[:, t0].multiply(0.5) for i, a in enumerate(x)]
-    y3, _ = _run(titans_mlp_chunked, st, *x3, **kw)
+    y3, _ = _run(titans_mlp_chunked, *x3, initial_state=st, **kw)
     same = np.allclose(y1[:, t0], y3[:, t0], atol=1e-6)
     assert same == rbw
 
@@ -390,9 +394,11 @@ def test_decode_with_anchor_equals_chunked(layers):
         )
         step, get_w = titans_linear_step, lambda s: s.M
     else:
-        y_full, s_full = _run(titans_mlp_chunked, st, *x, chunk_size=b)
+        y_full, s_full = _run(titans_mlp_chunked, *x, initial_state=st, chunk_size=b)
         full_w = s_full.weights
-        _, state = _run(titans_mlp_chunked, st, *(a[:, :prefill] for a in x), chunk_size=b)
+        _, state = _run(
+            titans_mlp_chunked, *(a[:, :prefill] for a in x), initial_state=st, chunk_size=b
+        )
         step, get_w = titans_mlp_step, lambda s: s.weights
 
     def dec(state, anchor, *xt):
@@ -422,7 +428,7 @@ def test_bf16_inputs_keep_f32_state():
     o, s = _run(titans_linear_chunked, *x, chunk_size=4)
     assert o.dtype == jnp.bfloat16 and s.M.dtype == jnp.float32 and s.S.dtype == jnp.float32
     st = _mlp_state(1, 1, 1, (4, 8, 4))
-    y, ms = _run(titans_mlp_chunked, st, *x, chunk_size=4)
+    y, ms = _run(titans_mlp_chunked, *x, initial_state=st, chunk_size=4)
     assert y.dtype == jnp.bfloat16 and all(w.dtype == jnp.float32 for w in ms.weights)
 
 
@@ -451,9 +457,10 @@ def _separate_segments(st, seg, *a, chunk_size):
         row = lambda x, r=r: x[r : r + 1]  # noqa: E731
         parts = []
         for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
-            y, w, s_ = ref.chunk_rule(
-                tuple(map(row, st.weights)), tuple(map(row, st.momentum)),
-                *(row(x)[:, lo:hi] for x in a), chunk_size=chunk_size, residual=True,
+            y, (w, s_) = ref.chunk_rule(
+                *(row(x)[:, lo:hi] for x in a),
+                initial_state=(tuple(map(row, st.weights)), tuple(map(row, st.momentum))),
+                chunk_size=chunk_size, residual=True,
             )  # fmt: skip
             parts.append(y)
         ys.append(jnp.concatenate(parts, 1))
@@ -473,7 +480,9 @@ def test_segment_ids_chunked_equals_separate_segments_values_and_grads():
     seg = _segments(T, last=13)
 
     def fast(st, *a):
-        y, s = titans_mlp_chunked(st, *a, chunk_size=b, grad_clip=None, segment_ids=seg)
+        y, s = titans_mlp_chunked(
+            *a, initial_state=st, chunk_size=b, grad_clip=None, segment_ids=seg
+        )
         return y, s.weights, s.momentum
 
     def slow(st, *a):
@@ -492,26 +501,30 @@ def test_segment_ids_reset_state_and_grad_horizon():
     x = _inputs(111, B, T, H, D, D)
     st, st_r = _mlp_state(21, B, H, (D, 8, D)), _mlp_state(22, B, H, (D, 8, D))
     seg = _segments(T, last=13)
-    y, _ = _run(titans_mlp_chunked, st, *x, chunk_size=b, segment_ids=seg, reset_state=st_r)
+    y, _ = _run(
+        titans_mlp_chunked, *x, initial_state=st, chunk_size=b, segment_ids=seg, reset_state=st_r
+    )
     st_r1 = jax.tree.map(lambda a: a[1:], st_r)
-    y_ref, _ = _run(titans_mlp_chunked, st_r1, *(a[1:, 8:13] for a in x), chunk_size=b)
+    y_ref, _ = _run(
+        titans_mlp_chunked, *(a[1:, 8:13] for a in x), initial_state=st_r1, chunk_size=b
+    )
     _close(y[1:, 8:13], y_ref, what="segment [8, 13) from reset_state")
-    y_rec, _ = _run(titans_mlp_recurrent, st, *x, segment_ids=seg, reset_state=st_r)
-    y_ref, _ = _run(titans_mlp_recurrent, st_r1, *(a[1:, 8:13] for a in x))
+    y_rec, _ = _run(titans_mlp_recurrent, *x, initial_state=st, segment_ids=seg, reset_state=st_r)
+    y_ref, _ = _run(titans_mlp_recurrent, *(a[1:, 8:13] for a in x), initial_state=st_r1)
     _close(y_rec[1:, 8:13], y_ref, what="recurrent segment [8, 13) from reset_state")
     for fn, kw in ((titans_mlp_chunked, {"chunk_size": b}), (titans_mlp_recurrent, {})):
 
         def last_out(k0, fn=fn, kw=kw, n=0):
             k = x[1].at[:, 0].set(k0)
-            return fn(st, x[0], k, *x[2:], grad_horizon=n, **kw)[0][:, -1].sum()
+            return fn(x[0], k, *x[2:], initial_state=st, grad_horizon=n, **kw)[0][:, -1].sum()
 
         g_cut = jax.grad(functools.partial(last_out, n=8))(x[1][:, 0])
         g_full = jax.grad(last_out)(x[1][:, 0])
         assert float(jnp.abs(g_cut).max()) == 0.0 and float(jnp.abs(g_full).max()) > 0.0
-        y_cut = fn(st, *x, grad_horizon=8, **kw)[0]
-        _close(y_cut, fn(st, *x, **kw)[0], tol=1e-6, what="grad_horizon values")
+        y_cut = fn(*x, initial_state=st, grad_horizon=8, **kw)[0]
+        _close(y_cut, fn(*x, initial_state=st, **kw)[0], tol=1e-6, what="grad_horizon values")
     with pytest.raises(ValueError, match="grad_horizon must be a multiple of chunk_size"):
-        titans_mlp_chunked(st, *x, chunk_size=4, grad_horizon=6)
+        titans_mlp_chunked(*x, initial_state=st, chunk_size=4, grad_horizon=6)
 
 
 def test_segment_ids_reset_to_initial_state():
@@ -555,7 +568,7 @@ def _temp_bytes(T):
     x = _inputs(0, B, T, H, D, D)
 
     def loss(st, *a):
-        y, s = titans_mlp_chunked(st, *a, chunk_size=b)
+        y, s = titans_mlp_chunked(*a, initial_state=st, chunk_size=b)
         return jnp.sum(y**2) + sum(jnp.sum(w) for w in s.weights)
 
     f = jax.jit(jax.grad(loss, argnums=tuple(range(7)))).lower(st, *x)
@@ -594,11 +607,18 @@ def test_bad_inputs_raise_value_error_naming_the_argument():
             jnp.zeros((2, 2, 4, 3)), q, k[:, 0], v[:, 0], th[:, 0], et[:, 0], al[:, 0]
         )
     st = _mlp_state(0, 2, 2, (4, 8, 3))
-    with pytest.raises(ValueError, match=r"state.weights\[1\] must have shape \[2, 2, 8, 3\]"):
+    with pytest.raises(
+        ValueError, match=r"initial_state.weights\[1\] must have shape \[2, 2, 8, 3\]"
+    ):
         bad = TitansMLPState((st.weights[0], st.weights[1][..., :2]), st.momentum)
-        titans_mlp_chunked(bad, q, k, v, th, et, al)
-    with pytest.raises(ValueError, match=r"state.momentum\[0\] must have shape"):
-        titans_mlp_recurrent(TitansMLPState(st.weights, (st.momentum[0][:1], st.momentum[1])),
-                             q, k, v, th, et, al)  # fmt: skip
+        titans_mlp_chunked(q, k, v, th, et, al, initial_state=bad)
+    with pytest.raises(ValueError, match=r"initial_state.momentum\[0\] must have shape"):
+        bad = TitansMLPState(st.weights, (st.momentum[0][:1], st.momentum[1]))
+        titans_mlp_recurrent(q, k, v, th, et, al, initial_state=bad)
     with pytest.raises(ValueError, match="residual=True needs K == V"):
-        titans_mlp_chunked(st, q, k, v, th, et, al, residual=True)
+        titans_mlp_chunked(q, k, v, th, et, al, initial_state=st, residual=True)
+    # the MLP memory has no zero state: a missing initial_state names the constructor
+    for fn in (titans_mlp_chunked, titans_mlp_recurrent, ref.chunk_rule, ref.per_token_rule):
+        kw = {"chunk_size": 2} if fn is ref.chunk_rule else {}
+        with pytest.raises(ValueError, match=r"initial_state: .*titans_mlp_state\(weights, B\)"):
+            fn(q, k, v, th, et, al, **kw)

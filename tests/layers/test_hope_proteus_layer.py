@@ -40,7 +40,7 @@ def _core_reference(m, x, t0, core, **kw):
     xm, q, _, _ = m._inputs(x, None, None)
     st = hope_init_state(m.initial_memories(), x.shape[0], momentum=m.opts.momentum)
     o, _ = core(
-        xm, q, st, m.readout(), context_len=m.proteus_rule.context_len,
+        xm, q, m.readout(), initial_state=st, context_len=m.proteus_rule.context_len,
         num_blocks=m.proteus_rule.blocks, t0=t0,
         **kw, **m._flags(),
     )  # fmt: skip

@@ -58,9 +58,11 @@ def test_memory_equals_core_proteus_and_keeps_locked_coordinates(opts):
     y, st = nnx.jit(lambda mem, xs: mem(*xs))(mem, xs)
     kw = dict(context_len=32, num_blocks=4, grad_clip=mem.grad_clip)
     if mem.impl == "recurrent":
-        y_ref, st_ref = proteus_titans_mlp_recurrent(st0, *xs, **kw)
+        y_ref, st_ref = proteus_titans_mlp_recurrent(*xs, initial_state=st0, **kw)
     else:
-        y_ref, st_ref = proteus_titans_mlp_chunked(st0, *xs, chunk_size=mem.chunk, **kw)
+        y_ref, st_ref = proteus_titans_mlp_chunked(
+            *xs, initial_state=st0, chunk_size=mem.chunk, **kw
+        )
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(st, st_ref, rtol=1e-5, atol=1e-5)
     # T = 21 < (E−1)Δ + 1 = 25: block 3 (the last) never opened, so its coordinates keep the
@@ -128,8 +130,8 @@ def test_packed_rows_with_proteus():
         xs = (q, k, v, *mem.gates(x))
         y_mem, _ = nnx.jit(lambda mem, xs, s: mem(*xs, state=carried, segment_ids=s))(mem, xs, s)
         y_ref, _ = proteus_titans_mlp_chunked(
-            mem.initial_state(B), *(a[:, cut:] for a in xs), context_len=32, num_blocks=4,
-            t0=cut, chunk_size=mem.chunk, grad_clip=mem.grad_clip,
+            *(a[:, cut:] for a in xs), initial_state=mem.initial_state(B), context_len=32,
+            num_blocks=4, t0=cut, chunk_size=mem.chunk, grad_clip=mem.grad_clip,
         )  # fmt: skip
         np.testing.assert_allclose(
             np.asarray(y_mem[:, cut:]), np.asarray(y_ref), rtol=1e-5, atol=1e-5, err_msg=str(cut)

@@ -81,7 +81,9 @@ def test_titans_memory_pins_weights_and_momenta(mesh, layers):
         ops.titans.titans_mlp_init_weights(jax.random.key(0), H, dims), B
     )
     with jax.set_mesh(mesh):
-        _, final = jax.jit(lambda: ops.titans_memory(state, q, k, v, *gates, spec=spec))()
+        _, final = jax.jit(
+            lambda: ops.titans_memory(q, k, v, *gates, initial_state=state, spec=spec)
+        )()
     _assert_head_sharded(final)
 
 
@@ -99,5 +101,7 @@ def test_hope_memories_pin_memories_and_momenta(mesh):
     x, q, _, _, _ = _inputs(4)
     rule = HopeRule(chunk_memory=4, chunk_other=2)
     with jax.set_mesh(mesh):
-        _, final = jax.jit(lambda: ops.hope_memories(x, q, state, readout, rule=rule))()
+        _, final = jax.jit(
+            lambda: ops.hope_memories(x, q, readout, initial_state=state, rule=rule)
+        )()
     _assert_head_sharded(final)  # five memories and their momenta, w1 and w2

@@ -172,8 +172,13 @@ def _check_reference_args(chunk_memory, chunk_other, step, momentum, state, dgd_
         raise ValueError(
             f"hope_reference: dgd_target must be 'gradient' or 'proximal', got {dgd_target!r}"
         )
+    if state is None:
+        raise ValueError(
+            "hope_reference: initial_state: required (Hope's memories have no zero state: they "
+            "are learned); pass initial_state=hope_init_state(memories, B)"
+        )
     if momentum and state.momentum is None:
-        raise ValueError("hope_reference: state.momentum must be set when momentum=True")
+        raise ValueError("hope_reference: initial_state.momentum must be set when momentum=True")
 
 
 def _start_state(state: HopeState, initial_memories, momentum, names):
@@ -223,9 +228,9 @@ def _before_token(t, start, run, snap, mom, init, chunks):
 def hope_reference(
     x,
     q,
-    state: HopeState,
     readout: HopeReadout,
     *,
+    initial_state: HopeState | None = None,
     chunk_memory: int = 1,
     chunk_other: int = 1,
     segment_ids=None,
@@ -257,15 +262,15 @@ def hope_reference(
     Args:
       x: memory inputs ``[B, T, H, D]``.
       q: ``W_q x`` ``[B, T, H, D]`` (ignored, may be None, when ``adaptive_q``).
-      state: ``HopeState`` with weights ``[B, H, ...]`` (``hope_init_state``); ``state.momentum``
-        is needed when ``momentum``.
       readout: ``HopeReadout`` of ``M_η``, ``M_α`` (``*_w [H, D]``, ``*_b [H]``).
+      initial_state: ``HopeState`` with weights ``[B, H, ...]`` (``hope_init_state``);
+        ``initial_state.momentum`` is needed when ``momentum``. Required (None raises).
       chunk_memory, chunk_other: snapshot periods (1: exact per-token Hope).
       segment_ids: optional int ``[B, T]``: where ``segment_ids[b, t] != segment_ids[b, t−1]``
         (``t ≥ 1``) a document starts: the running memories and every snapshot become
         ``initial_memories`` and the momenta zero, just before that token.
       initial_memories: ``HopeMemories`` ``[H, ...]`` or ``[B, H, ...]``; default
-        ``state.memories``.
+        ``initial_state.memories``.
       dgd, dgd_target, step, momentum, momentum_coef, decay, inner_k, inner_v, inner_q,
       adaptive_q, stop_gradient_targets, activation: the flags of ``hope_chunked`` (SPEC §3.2,
       Table 6).
@@ -275,6 +280,7 @@ def hope_reference(
     Returns:
       ``(o [B, T, H, D], final HopeState)`` (``momentum`` set iff ``momentum``).
     """
+    state = initial_state
     _check_reference_args(chunk_memory, chunk_other, step, momentum, state, dgd_target)
     dtype = jnp.promote_types(jnp.result_type(x), jnp.float32)
     x = jnp.asarray(x, dtype)

@@ -129,9 +129,18 @@ def chunk_rule_single(
     return jnp.concatenate(ys), carry[0], carry[1]
 
 
+def _initial(fn, initial_state):
+    """``(weights, momentum)`` of ``initial_state``; the MLP memory has no zero state."""
+    if initial_state is None:
+        raise ValueError(
+            f"{fn}: initial_state: required (the memory has no zero state: its weights are "
+            "learned); pass initial_state=titans_mlp_state(weights, B) or (weights, momentum)"
+        )
+    weights, momentum = initial_state
+    return weights, momentum
+
+
 def chunk_rule(
-    weights,
-    momentum,
     q,
     k,
     v,
@@ -139,6 +148,7 @@ def chunk_rule(
     eta,
     alpha,
     *,
+    initial_state=None,
     chunk_size,
     activation=jax.nn.silu,
     residual=False,
@@ -155,9 +165,10 @@ def chunk_rule(
     rest of that chunk takes its surprise at the initial weights.
 
     Args:
-      weights, momentum: tuples of ``[B, H, d_{ℓ−1}, d_ℓ]`` (initial weights and momenta).
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
       theta, eta, alpha: ``[B, T, H]`` inner lr, momentum and forget gates.
+      initial_state: ``(weights, momentum)`` (e.g. a ``TitansMLPState``), tuples of
+        ``[B, H, d_{ℓ−1}, d_ℓ]`` (initial weights and momenta); required.
       chunk_size: ``b``; the last chunk may be shorter (no padding).
       activation: elementwise ``σ``; residual: ``M(z) + z``.
       read_before_write: ``y_t = M_{t−1}(q_t)``.
@@ -165,8 +176,9 @@ def chunk_rule(
       segment_ids: optional int ``[B, T]`` document ids.
 
     Returns:
-      ``(y [B, T, H, V], weights, momentum)`` (final, same structure as the inputs).
+      ``(y [B, T, H, V], (weights, momentum))`` (final, tuples like the inputs).
     """
+    weights, momentum = _initial("chunk_rule", initial_state)
 
     def single(ws, ss, q, k, v, th, et, al, reset):
         return chunk_rule_single(
@@ -185,12 +197,10 @@ def chunk_rule(
     per_head = jax.vmap(single, in_axes=(0, 0, 1, 1, 1, 1, 1, 1, None), out_axes=(1, 0, 0))
     per_batch = jax.vmap(per_head, in_axes=0, out_axes=0)
     y, ws, ss = per_batch(list(weights), list(momentum), q, k, v, theta, eta, alpha, reset)
-    return y, tuple(ws), tuple(ss)
+    return y, (tuple(ws), tuple(ss))
 
 
 def per_token_rule(
-    weights,
-    momentum,
     q,
     k,
     v,
@@ -198,6 +208,7 @@ def per_token_rule(
     eta,
     alpha,
     *,
+    initial_state=None,
     activation=jax.nn.silu,
     residual=False,
     read_before_write=False,
@@ -209,6 +220,7 @@ def per_token_rule(
     ``chunk_rule(chunk_size=1)`` computes, compiled once instead of T times. Arguments and returns
     as :func:`chunk_rule` (no chunking, no ``segment_ids``).
     """
+    weights, momentum = _initial("per_token_rule", initial_state)
 
     def single(ws, ss, q, k, v, th, et, al):
         def token(carry, xs):
@@ -225,4 +237,4 @@ def per_token_rule(
 
     per_head = jax.vmap(single, in_axes=(0, 0, 1, 1, 1, 1, 1, 1), out_axes=(1, 0, 0))
     y, ws, ss = jax.vmap(per_head)(list(weights), list(momentum), q, k, v, theta, eta, alpha)
-    return y, tuple(ws), tuple(ss)
+    return y, (tuple(ws), tuple(ss))
