@@ -50,6 +50,7 @@ __all__ = [
     "init_params_from_checkpoint",
     "load_checkpoint_params",
     "main",
+    "step_zero_parser",
     "write_initial_checkpoint",
     "write_step_zero",
 ]
@@ -363,22 +364,33 @@ def write_step_zero(
     return ckpt_dir / "0"
 
 
+def step_zero_parser(prog: str, description: str, source_help: str) -> argparse.ArgumentParser:
+    """The command line of a command that writes step 0 of a new workdir from a source:
+    ``--from SRC --config FILE... --set k=v... --workdir NEW`` (``args.source``, ``args.config``,
+    ``args.overrides``, ``args.workdir``)."""
+    from nested_jax.train.config import add_override_argument
+
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--from", dest="source", required=True, help=source_help)
+    p.add_argument("--config", action="append", default=[], metavar="FILE", help="run preset")
+    add_override_argument(p, "override a field of the run config")
+    p.add_argument("--workdir", required=True, help="new run directory")
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m nested_jax.train.convert --from SRC --config X.yaml [--set k=v] --workdir NEW``.
 
     Exit codes: 0 done, 1 conversion error, 2 bad command line or config.
     """
-    from nested_jax.train.config import ConfigError, add_override_argument, load_config
+    from nested_jax.train.config import ConfigError, load_config
 
-    p = argparse.ArgumentParser(
-        prog="python -m nested_jax.train.convert",
-        description="Initialise a CMS model (hope_attention) from a trained transformer run "
-        "(SPEC §3.4): writes step 0 of a new workdir; then `nested-jax train --workdir NEW`.",
+    p = step_zero_parser(
+        "python -m nested_jax.train.convert",
+        "Initialise a CMS model (hope_attention) from a trained transformer run (SPEC §3.4): "
+        "writes step 0 of a new workdir; then `nested-jax train --workdir NEW`.",
+        "transformer workdir or step dir",
     )
-    p.add_argument("--from", dest="source", required=True, help="transformer workdir or step dir")
-    p.add_argument("--config", action="append", default=[], metavar="FILE", help="target preset")
-    add_override_argument(p, "override a field of the target config")
-    p.add_argument("--workdir", required=True, help="new run directory")
     args = p.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)

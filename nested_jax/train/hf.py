@@ -41,6 +41,7 @@ from nested_jax.train.convert import (
     FFN_TO_LEVEL,
     convert_ffn_to_cms,
     load_checkpoint_params,
+    step_zero_parser,
     write_step_zero,
 )
 
@@ -189,17 +190,14 @@ def main_import(argv: Sequence[str] | None = None) -> int:
 
     Exit codes: 0 written, 1 unreadable or incompatible checkpoint, 2 bad command line or config.
     """
-    from nested_jax.train.config import ConfigError, add_override_argument, load_config_values
+    from nested_jax.train.config import ConfigError, load_config_values
 
-    p = argparse.ArgumentParser(
-        prog="nested-jax import-hf",
-        description="Write a Hugging Face Llama / Qwen2 checkpoint as step 0 of a new workdir "
+    p = step_zero_parser(
+        "nested-jax import-hf",
+        "Write a Hugging Face Llama / Qwen2 checkpoint as step 0 of a new workdir "
         "(then `nested-jax train --workdir NEW`).",
+        "Hugging Face model directory",
     )
-    p.add_argument("--from", dest="source", required=True, help="Hugging Face model directory")
-    p.add_argument("--config", action="append", default=[], metavar="FILE", help="run preset")
-    add_override_argument(p, "override a field of the run config")
-    p.add_argument("--workdir", required=True, help="new run directory")
     p.add_argument("--to", default="transformer", choices=IMPORT_TARGETS, help="target model")
     args = p.parse_args(argv)
     hf_dir = Path(args.source)
