@@ -387,13 +387,27 @@ def config_to_dict(cfg: Any) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def _deep_merge(base: dict, over: Mapping) -> dict:
+def deep_merge(base: dict, over: Mapping) -> dict:
+    """``base`` with ``over`` merged in, section by section (``over`` wins; neither is changed)."""
     out = dict(base)
     for k, v in over.items():
         if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = _deep_merge(dict(out[k]), v)
+            out[k] = deep_merge(dict(out[k]), v)
         else:
             out[k] = v
+    return out
+
+
+def flatten_fields(d: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as ``{"section.field": value}`` (an empty section and
+    ``optimizer.extra``, one opaque value, stay whole)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        path = f"{prefix}{k}"
+        if isinstance(v, dict) and v and k != "extra":
+            out.update(flatten_fields(v, path + "."))
+        else:
+            out[path] = v
     return out
 
 
@@ -424,8 +438,8 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     for inc in includes:
         if not isinstance(inc, str):
             raise ConfigError(f"config file {path}: include: expected a path, got {_describe(inc)}")
-        merged = _deep_merge(merged, _read_yaml(path.parent / inc, seen + (path,)))
-    return _deep_merge(merged, data)
+        merged = deep_merge(merged, _read_yaml(path.parent / inc, seen + (path,)))
+    return deep_merge(merged, data)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -460,7 +474,7 @@ def add_override_argument(
 
 def apply_overrides(values: Mapping, overrides: Sequence[str]) -> dict:
     """Applies ``--set a.b=value`` strings to a nested dict (validation catches unknown keys)."""
-    out = _deep_merge({}, values)
+    out = deep_merge({}, values)
     for text in overrides:
         parts, value = parse_override(text)
         node = out
@@ -488,7 +502,7 @@ def load_config_values(paths: Sequence[str | Path] = (), overrides: Sequence[str
     :func:`config_from_dict`."""
     values: dict = {}
     for p in paths:
-        values = _deep_merge(values, _read_yaml(Path(p)))
+        values = deep_merge(values, _read_yaml(Path(p)))
     return apply_overrides(values, overrides)
 
 

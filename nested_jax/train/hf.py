@@ -29,7 +29,6 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
@@ -50,23 +49,6 @@ __all__ = ["export_checkpoint", "import_checkpoint", "import_config", "main_expo
 IMPORT_TARGETS = ("transformer", "hope_attention")
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = _merge(out.get(key) or {}, value) if isinstance(value, dict) else value
-    return out
-
-
 def import_config(values: dict, hf_config: dict, hf_dir: Path, *, to: str = "transformer"):
     """The run's ``Config``: the config values (YAML + ``--set``, not yet validated) with the
     model fields ``hf_config`` fixes.
@@ -75,7 +57,7 @@ def import_config(values: dict, hf_config: dict, hf_dir: Path, *, to: str = "tra
       ConfigError: one line naming a model field the config sets to another value than the
         checkpoint, or any other invalid field.
     """
-    from nested_jax.train.config import ConfigError, config_from_dict
+    from nested_jax.train.config import ConfigError, config_from_dict, deep_merge, flatten_fields
 
     if to not in IMPORT_TARGETS:
         raise ConfigError(f"--to: expected one of {IMPORT_TARGETS}, got {to!r}")
@@ -85,17 +67,17 @@ def import_config(values: dict, hf_config: dict, hf_dir: Path, *, to: str = "tra
         raise ConfigError(f"{hf_dir}/{err}") from None
     if to == "hope_attention":
         fields.update(name="hope_attention", ffn="cms")
-    said = _flatten(values.get("model") or {})
-    for key, value in _flatten(fields).items():
+    said = flatten_fields(values.get("model") or {})
+    for key, value in flatten_fields(fields).items():
         if key in said and said[key] != value:
             raise ConfigError(
                 f"model.{key}: the config says {said[key]!r}, but {hf_dir}/config.json gives "
                 f"{value!r} (leave it out: the checkpoint sets it)"
             )
-    values = _merge(values, {"model": fields})
+    values = deep_merge(values, {"model": fields})
     tokenizer_file = hf_dir / "tokenizer.json"
     if "tokenizer" not in (values.get("data") or {}) and tokenizer_file.is_file():
-        values = _merge(values, {"data": {"tokenizer": str(tokenizer_file)}})
+        values = deep_merge(values, {"data": {"tokenizer": str(tokenizer_file)}})
     return config_from_dict(values)
 
 

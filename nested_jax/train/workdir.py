@@ -50,6 +50,7 @@ from nested_jax.train.config import (
     apply_overrides,
     config_from_dict,
     config_to_dict,
+    flatten_fields,
     load_config,
     load_workdir_config,
 )
@@ -185,17 +186,6 @@ def _with_defaults(saved: Any, default: Any) -> Any:
     return out
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        path = f"{prefix}{k}"
-        if isinstance(v, dict) and v and k != "extra":  # optimizer.extra is one opaque value
-            out.update(_flatten(v, path + "."))
-        else:
-            out[path] = v
-    return out
-
-
 def _normalise(v: Any) -> Any:
     # JSON turns tuples into lists; compare values, not container types.
     return json.loads(strict_json(v))
@@ -208,9 +198,9 @@ def config_changes(saved: dict, config: Config) -> list[ConfigChange]:
     the value in :data:`BEFORE_THE_FIELD` where a new field's default changed the math.
     Option sections the model does not read (``model.hope`` of a GDN run) are not compared.
     """
-    new = _flatten(config_to_dict(config))
-    old = _flatten(_with_defaults(saved, config_to_dict(Config())))
-    had = _flatten(saved)
+    new = flatten_fields(config_to_dict(config))
+    old = flatten_fields(_with_defaults(saved, config_to_dict(Config())))
+    had = flatten_fields(saved)
     old.update({p: v for p, v in BEFORE_THE_FIELD.items() if p not in had})
     inert = set(OPTION_SECTIONS) - set(config.model.read_option_sections())
     changes = []
