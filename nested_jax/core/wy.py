@@ -57,6 +57,11 @@ def kkt(k, beta, gamma):
 
 
 _BASE = 16  # blocks of at most this size are inverted by forward substitution
+# ``solve_tril(A, rhs)`` runs ``lax.linalg.triangular_solve`` up to this C and ``T @ rhs`` with
+# the doubling inverse above it. Measured fwd+bwd on XLA:CPU, batch [4, 2], 64 right-hand sides:
+# C = 4: 35 vs 52 µs, C = 8: 43 vs 43 µs, C = 16: 821 vs 89 µs, C = 64: 41.4 ms vs 0.70 ms (the
+# solve's expansion walks rows and blocks one at a time); the doubling inverse is matmuls.
+_SUBSTITUTION_MAX = 8
 
 
 def _forward_substitution(A):
@@ -118,9 +123,10 @@ def solve_tril(A, rhs=None):
     ``(I + A)^{-1} R``.
 
     Without ``rhs``: the inverse ``T`` by blockwise doubling (README §1; stable in f32, never
-    powers of A), with the VJP ``dA = −strict_tril(Tᵀ dT Tᵀ)``. With ``rhs``: one forward
-    substitution (``lax.linalg.triangular_solve``) for all right-hand sides, differentiated by
-    autodiff.
+    powers of A), with the VJP ``dA = −strict_tril(Tᵀ dT Tᵀ)``. With ``rhs``: for ``C ≤ 8`` one
+    forward substitution (``lax.linalg.triangular_solve``) for all right-hand sides,
+    differentiated by autodiff; for larger ``C`` the product ``T R`` with the doubling inverse
+    (``_SUBSTITUTION_MAX``: 9× faster at C = 16 and 59× at C = 64 on XLA:CPU).
 
     Args:
       A: ``[..., C, C]`` strictly lower triangular (entries on and above the diagonal are ignored
@@ -132,6 +138,8 @@ def solve_tril(A, rhs=None):
     """
     if rhs is None:
         return _inverse(A)
+    if A.shape[-1] > _SUBSTITUTION_MAX:
+        return _inverse(A) @ rhs
     return _explicit_as_auto(_unit_lower_solve, rhs)(A, rhs)
 
 
