@@ -130,7 +130,7 @@ def test_impl_errors_name_the_op():
         "titans_memory_init_cache": lambda impl: T.titans_memory_init_cache(spec, B, H, impl=impl),
     }
     for op, call in calls.items():
-        with pytest.raises(ValueError, match=f"{op}: impl='pallas' is not implemented"):
+        with pytest.raises(ValueError, match=f"{op}: impl='pallas' covers only the matrix memory"):
             call("pallas")
         with pytest.raises(ValueError, match=f"{op}: impl must be one of"):
             call("bogus")

@@ -85,7 +85,7 @@ class TitansOptions:
     memory_layers: int = 2  # L_M ∈ {1, 2, 3, 4}; 1 = matrix memory
     memory_hidden: int = 0  # hidden width of an MLP memory (L_M ≥ 2); 0 -> 4 * head_dim
     memory_chunk: int = 16  # chunk size b of titans_mlp_chunked (gradients at chunk start)
-    memory_impl: str = "chunked"  # chunked | recurrent (exact per-token rule)
+    memory_impl: str = "chunked"  # chunked | recurrent (exact per-token rule) | pallas (L_M = 1)
     read_before_write: bool = False  # read y_t = M_{t-1}(q_t) instead of M_t(q_t)
     per_chunk_gates: bool = False  # θ, η, α mean-pooled per chunk (non-causal inside a chunk)
     grad_clip: float = 10.0  # softclamp of the inner gradient norm; 0 = off
@@ -117,10 +117,20 @@ class TitansOptions:
             value = getattr(self, name)
             if not is_int(value) or value < low:
                 raise ValueError(f"TitansOptions.{name}: must be an int >= {low}, got {value!r}")
-        if self.memory_impl not in ("chunked", "recurrent"):
+        if self.memory_impl not in ("chunked", "recurrent", "pallas"):
             raise ValueError(
                 f"TitansOptions.memory_impl: unknown {self.memory_impl!r}; "
-                "expected one of ('chunked', 'recurrent')"
+                "expected one of ('chunked', 'recurrent', 'pallas')"
+            )
+        if self.memory_impl == "pallas" and self.memory_layers != 1:
+            raise ValueError(
+                "TitansOptions.memory_impl: 'pallas' covers only the matrix memory "
+                f"(memory_layers=1), got memory_layers={self.memory_layers}"
+            )
+        if self.memory_impl == "pallas" and self.memory_chunk % 8:
+            raise ValueError(
+                "TitansOptions.memory_chunk: memory_impl='pallas' needs a multiple of 8 (the "
+                f"kernel's chunk is a whole number of TPU sublanes), got {self.memory_chunk}"
             )
         for name in ("read_before_write", "per_chunk_gates"):
             if not isinstance(getattr(self, name), bool):
@@ -141,14 +151,15 @@ class TitansOptions:
                 f"TitansOptions.theta_init: must be below theta_max={tm} "
                 f"(θ = theta_max·sigmoid(·)), got {self.theta_init}"
             )
-        if self.memory_impl == "chunked" and self.segment_len % self.memory_chunk:
+        chunked = self.memory_impl in ("chunked", "pallas")  # both run the chunk rule
+        if chunked and self.segment_len % self.memory_chunk:
             raise ValueError(
                 f"TitansOptions.segment_len: must be a multiple of memory_chunk="
                 f"{self.memory_chunk} (MAC segments hold whole memory chunks), "
                 f"got {self.segment_len}"
             )
 
-        if self.memory_impl == "chunked" and self.grad_horizon % self.memory_chunk:
+        if chunked and self.grad_horizon % self.memory_chunk:
             raise ValueError(
                 f"TitansOptions.grad_horizon: must be a multiple of memory_chunk="
                 f"{self.memory_chunk} (windows hold whole chunks), got {self.grad_horizon}"

@@ -108,10 +108,11 @@ __all__ = [
 
 def titans_seq_len_multiples(cfg) -> dict:
     """``data.seq_len`` must hold whole memory chunks (``model.titans.memory_chunk``) when the
-    memory is chunked (``models.registry.mixer_seq_len_multiples``); ``model.chunk_size`` is not
-    read by the Titans mixers."""
+    memory is chunked or pallas (``models.registry.mixer_seq_len_multiples``);
+    ``model.chunk_size`` is not read by the Titans mixers."""
     t = cfg.titans
-    return {"model.titans.memory_chunk": t.memory_chunk} if t.memory_impl == "chunked" else {}
+    chunked = t.memory_impl in ("chunked", "pallas")  # pallas runs the same chunk rule
+    return {"model.titans.memory_chunk": t.memory_chunk} if chunked else {}
 
 
 def _logit(p: float) -> float:

@@ -8,17 +8,26 @@ Layers call these functions, never a core form directly, so the implementation i
   at the chunk start, dual-form reads; the training default).
 - ``"recurrent"``: the per-token ground truth ``titans_mlp_recurrent`` (``spec.chunk`` is ignored;
   decoding is the chunk-1 rule).
-- ``"pallas"``: the seam for ``pallas_kernels/<op>``; no kernel yet, so it raises ``ValueError``.
+- ``"pallas"``: the matrix memory (``L_M = 1``) by ``pallas_kernels/titans_linear`` with chunks of
+  ``spec.chunk`` (a multiple of 8): the same rule as ``"chunked"`` (values and gradients), the
+  Mosaic kernel in a program lowered for TPU (an ahead-of-time compile on a CPU host included),
+  the Pallas interpreter on any other platform, and inside a mesh one kernel call per (batch,
+  heads) shard (``ops._pallas``). An MLP memory (``L_M ≥ 2``) or Proteus raises ``ValueError``
+  in every function here (the kernel covers only the plain matrix memory). Decoding
+  (``titans_memory_step``) with ``impl="pallas"`` is the chunked decode path: the same chunk rule
+  on the buffered chunk, so it equals rows of the pallas sequence form.
 
-Both run the Proteus schedule when ``spec.proteus.blocks > 1`` (SPEC §4) and packed rows with an
-exact reset (``segment_ids``). The composition lives in :mod:`nested_jax.core.titans_memory`;
-:class:`TitansMemorySpec` holds the static options (frozen, hashable). Re-exported for layers:
-the state types (``TitansMLPState``, ``MemoryCache``), ``titans_mlp_init_weights`` (the learned
-``M_0``), ``titans_mlp_state`` (``(M_0, 0)`` over the batch) and ``titans_mlp_apply`` (the read
-``M*(z)`` without update).
+Chunked and recurrent run the Proteus schedule when ``spec.proteus.blocks > 1`` (SPEC §4); all
+three run packed rows with an exact reset (``segment_ids``). The composition lives in
+:mod:`nested_jax.core.titans_memory`; :class:`TitansMemorySpec` holds the static options (frozen,
+hashable). Re-exported for layers: the state types (``TitansMLPState``, ``MemoryCache``),
+``titans_mlp_init_weights`` (the learned ``M_0``), ``titans_mlp_state`` (``(M_0, 0)`` over the
+batch) and ``titans_mlp_apply`` (the read ``M*(z)`` without update).
 """
 
 from __future__ import annotations
+
+import functools
 
 from nested_jax.core import titans_memory as _tm
 from nested_jax.core.checks import require_initial_state
@@ -30,7 +39,10 @@ from nested_jax.core.titans_mlp import (
     titans_mlp_state,
 )
 from nested_jax.ops._impl import check_impl as _check_impl
+from nested_jax.ops._pallas import pallas_per_shard
 from nested_jax.ops._state import pin_head_state
+from pallas_kernels.titans_linear import BlockSizes as _TitansBlocks
+from pallas_kernels.titans_linear import titans_linear_pallas as _titans_linear_pallas
 
 __all__ = [
     "TitansMemorySpec",
@@ -46,10 +58,73 @@ __all__ = [
 ]
 
 
-def _recurrent(op: str, impl: str) -> bool:
-    """Validates ``impl`` for ``op`` and says whether it is the per-token rule."""
-    _check_impl(op, impl)
+def _recurrent(op: str, impl: str, spec: TitansMemorySpec) -> bool:
+    """Validates ``impl`` for ``op`` (and ``spec`` for ``"pallas"``) and says whether it is the
+    per-token rule (``"pallas"`` decodes by the chunked path, the same chunk rule)."""
+    _check_impl(op, impl, ("chunked", "recurrent", "pallas"))
+    if impl == "pallas":
+        _check_pallas_spec(op, spec)
     return impl == "recurrent"
+
+
+def _check_pallas_spec(op: str, spec: TitansMemorySpec) -> None:
+    """``impl="pallas"`` has a kernel for the plain matrix memory only (every op refuses the
+    rest, so a config never runs one form in training and another in decoding)."""
+    if spec.n_layers != 1:
+        raise ValueError(
+            f"{op}: impl='pallas' covers only the matrix memory (L_M = 1, "
+            f"TitansOptions.memory_layers=1), got spec.dims={spec.dims} (L_M = {spec.n_layers})"
+        )
+    if spec.proteus.enabled:
+        raise ValueError(
+            f"{op}: impl='pallas' covers only the plain matrix memory, not Proteus "
+            f"(spec.proteus.blocks = {spec.proteus.blocks} > 1); use impl='chunked'"
+        )
+
+
+_SEQ = ("batch", None, "heads", None)  # q, k, v, y: [B, T, H, D]
+_GATE = ("batch", None, "heads")
+_HEAD_STATE = ("batch", "heads", None, None)
+_PALLAS_LOGICAL = {
+    **{n: _SEQ for n in ("q", "k", "v")},
+    **{n: _GATE for n in ("theta", "eta", "alpha")},
+    **{n: _HEAD_STATE for n in ("m0", "s0", "reset_m", "reset_s")},
+    "segment_ids": ("batch", None),
+}
+
+
+def _pallas_kernel(q, k, v, theta, eta, alpha, m0, s0, segment_ids=None, reset_m=None,
+                   reset_s=None, *, spec: TitansMemorySpec, interpret: bool):  # fmt: skip
+    """The kernel on one shard: ``(y, M, S)``."""
+    reset = None if reset_m is None else (reset_m, reset_s)
+    y, (M, S) = _titans_linear_pallas(
+        q, k, v, theta, eta, alpha, initial_state=(m0, s0), segment_ids=segment_ids,
+        reset_state=reset, block_sizes=_TitansBlocks(chunk=spec.chunk),
+        read_before_write=spec.read_before_write, grad_clip=spec.grad_clip,
+        grad_horizon=spec.grad_horizon, per_chunk_gates=spec.per_chunk_gates,
+        interpret=interpret,
+    )  # fmt: skip
+    return y, M, S
+
+
+def _pallas_memory(q, k, v, theta, eta, alpha, *, spec, state, segment_ids, reset_state):
+    """The matrix memory by ``pallas_kernels.titans_linear`` (``L_M = 1``, no Proteus: checked by
+    :func:`_recurrent`), one call per (batch, heads) shard of the mesh in context
+    (``ops._pallas.pallas_per_shard``)."""
+    B, T, H, _ = q.shape
+    K, V = spec.dims
+    reset = (None, None) if reset_state is None else (reset_state.weights[0],
+                                                      reset_state.momentum[0])  # fmt: skip
+    operands = dict(
+        q=q, k=k, v=v, theta=theta, eta=eta, alpha=alpha, m0=state.weights[0],
+        s0=state.momentum[0], segment_ids=segment_ids, reset_m=reset[0], reset_s=reset[1],
+    )  # fmt: skip
+    kernel = functools.partial(_pallas_kernel, spec=spec)
+    y, M, S = pallas_per_shard(
+        kernel, operands, _PALLAS_LOGICAL, (_SEQ, _HEAD_STATE, _HEAD_STATE),
+        ((B, T, H, V), (B, H, K, V), (B, H, K, V)),
+    )  # fmt: skip
+    return y, TitansMLPState((M,), (S,))
 
 
 def titans_memory(
@@ -72,14 +147,21 @@ def titans_memory(
         to ``reset_state`` (default ``initial_state``) and restarts the chunk grid; with Proteus the
         schedule follows the row position and the locked coordinates reset too.
       reset_state: the state of a document start.
-      impl: ``"chunked"`` | ``"recurrent"`` (``"pallas"``: ValueError).
+      impl: ``"chunked"`` | ``"recurrent"`` | ``"pallas"`` (``L_M = 1`` without Proteus, chunk
+        a multiple of 8; module docstring).
 
     Returns:
       ``(y [B, T, H, D], final TitansMLPState f32)``; the state's leaves pinned to ``("batch",
       "heads", …)`` (``ops._state``).
     """
-    recurrent = _recurrent("titans_memory", impl)
+    recurrent = _recurrent("titans_memory", impl, spec)
     state = require_initial_state("titans_memory", initial_state, "titans_mlp_state(weights, B)")
+    if impl == "pallas":
+        y, final = _pallas_memory(
+            q, k, v, theta, eta, alpha, spec=spec, state=state, segment_ids=segment_ids,
+            reset_state=reset_state,
+        )  # fmt: skip
+        return y, pin_head_state(final)
     y, final = _tm.titans_memory_sequence(
         q, k, v, theta, eta, alpha, spec=spec, initial_state=state, recurrent=recurrent,
         segment_ids=segment_ids, reset_state=reset_state,
@@ -105,12 +187,13 @@ def titans_memory_step(
         from it).
       commit: optional bool scalar: close the chunk after this token (the caller guarantees it is
         then full; MAC segment ends).
-      impl: ``"chunked"`` | ``"recurrent"`` (``"pallas"``: ValueError).
+      impl: ``"chunked"`` | ``"recurrent"`` | ``"pallas"`` (decodes by the chunked path: the
+        same chunk rule as the kernel).
 
     Returns:
       ``(y [B, H, D] f32, cache)``.
     """
-    recurrent = _recurrent("titans_memory_step", impl)
+    recurrent = _recurrent("titans_memory_step", impl, spec)
     return _tm.titans_memory_step(
         state, q, k, v, theta, eta, alpha, spec=spec, initial_weights=initial_weights,
         recurrent=recurrent, commit=commit,
@@ -128,5 +211,5 @@ def titans_memory_init_cache(
       ValueError: ``spec.per_chunk_gates`` (cannot decode), Proteus with ``b ∤ Δ`` (SPEC §4), or
         an ``impl`` that cannot run.
     """
-    recurrent = _recurrent("titans_memory_init_cache", impl)
+    recurrent = _recurrent("titans_memory_init_cache", impl, spec)
     return _tm.titans_memory_init_cache(spec, batch_size, num_heads, recurrent=recurrent)

@@ -13,7 +13,7 @@ Cross-field rules checked at load (DESIGN.md "Configs"):
 - **Decision:** a chunked mixer needs ``data.seq_len`` to be a multiple of the chunk size it
   really reads, and the registry asks the mixer which one (``mixer_seq_len_multiples``):
   ``model.chunk_size`` for DeltaNet / GDN / HOLA with ``model.impl = "chunked"``,
-  ``model.titans.memory_chunk`` for the Titans mixers with ``memory_impl = "chunked"``, both
+  ``model.titans.memory_chunk`` for the Titans mixers with ``memory_impl`` chunked or pallas, both
   ``model.hope.chunk_memory`` and ``chunk_other`` for Hope with ``model.impl = "chunked"``. The
   chunked kernels would pad the tail chunk, but that pads every training sequence and silently
   wastes compute, and Pallas kernels need whole chunks; a config that asks for it is almost always
