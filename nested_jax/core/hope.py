@@ -42,7 +42,9 @@ parallel; then the chunk's updates are applied in order (``W x xᵀ`` of DGD use
 ``M_t = M_{t-1}(α_t I − γ_t k kᵀ) − γ_t(M_0 k − v̂)kᵀ``). With the inputs and signals fixed by the
 snapshot, that in-order recurrence is linear in ``(W, S)``: ``chunk_updates="scan"`` (default)
 walks the chunk's tokens, ``chunk_updates="parallel"`` computes it as one unit-lower-triangular
-``c × c`` solve per memory layer and matmuls for the reads (:mod:`nested_jax.core.hope_parallel`).
+``c × c`` solve per memory layer and matmuls for the reads (:mod:`nested_jax.core.hope_parallel`);
+the parallel form carries the memories stacked on a leading axis (they share shapes, gates and
+chunk coefficients), so each op of a chunk runs once for all of them.
 Two chunk sizes: ``chunk_other`` for the projection memories (k, v, η, α, q) and
 ``chunk_memory`` for ``M_memory``; the larger must be a multiple of the smaller (the time axis is
 walked in chunks of the smaller one, and the larger group's chunk-start snapshot is refreshed
@@ -68,6 +70,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -264,55 +267,141 @@ def _snapshot(name: str, snap_proj: HopeMemories, snap_mem: MLPMemory) -> MLPMem
     return snap_mem if name == "memory" else getattr(snap_proj, name)
 
 
-def _parallel_updates(state: HopeState, sig, q, eta, alpha, valid_c, rule: HopeRule, act,
-                      init: HopeMemories | None = None, reset_c=None):  # fmt: skip
+class _Rows(NamedTuple):
+    """Static facts about the memories stacked on a leading axis (``_names`` order)."""
+
+    names: tuple[str, ...]
+    memory: int  # the row of ``M_memory``
+    adapting: tuple[bool, ...]  # the rows that adapt in the inner loop (:func:`_adapting`)
+    small: tuple[bool, ...]  # the rows of the smaller-chunk group (snapshot every chunk)
+
+
+def _rows(names, rule: HopeRule) -> _Rows:
+    adapt = set(_adapting(rule))
+    memory_is_big = rule.chunk_memory > rule.chunk_other
+    return _Rows(
+        tuple(names),
+        names.index("memory"),
+        tuple(n in adapt for n in names),
+        tuple((n == "memory") != memory_is_big for n in names),
+    )
+
+
+def _stack(mems: HopeMemories) -> MLPMemory:
+    """Every present memory (``_names`` order) in one ``MLPMemory``: ``w1 [M, B, H, D, h]``,
+    ``w2 [M, B, H, h, D]`` (the memories share shapes, gates and chunk coefficients)."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *(getattr(mems, n) for n in _names(mems)))
+
+
+def _unstack(stacked: MLPMemory, names) -> HopeMemories:
+    """The inverse of :func:`_stack` (one split per leaf, whose transpose is one concatenate)."""
+    parts = jax.tree.map(lambda a: [p[0] for p in jnp.split(a, a.shape[0])], stacked)
+    return HopeMemories(**{n: MLPMemory(parts.w1[i], parts.w2[i]) for i, n in enumerate(names)})
+
+
+def _row_mask(flags, ndim: int):
+    """A static per-row bool tuple as an array broadcasting over ``ndim``-dimensional stacks."""
+    return jnp.asarray(flags).reshape((-1,) + (1,) * (ndim - 1))
+
+
+def _project_rows(snap: MLPMemory, x_c, q_c, readout: HopeReadout, rule: HopeRule, act, rows):
+    """:func:`_project` from the stacked snapshots: every row applied to the chunk's tokens in
+    one batched call (the ``M_memory`` row's output is unused)."""
+    ys = jax.vmap(lambda m: mlp_memory_apply(m, x_c, act))(snap)
+    y = {n: ys[i] for i, n in enumerate(rows.names)}
+    eta = rule.eta_max * jax.nn.sigmoid(
+        jnp.einsum("bnhd,hd->bnh", y["eta"], readout.eta_w) + readout.eta_b
+    )
+    if rule.decay:
+        logit = jnp.einsum("bnhd,hd->bnh", y["alpha"], readout.alpha_w) + readout.alpha_b
+        alpha = jax.nn.sigmoid(logit)
+    else:
+        alpha = jnp.ones_like(eta)
+    q = _l2norm(y["q"] if rule.adaptive_q else q_c)
+    return _l2norm(y["k"]), y["v"], eta, alpha, q
+
+
+def _parallel_updates(w: MLPMemory, s: MLPMemory | None, sig, q, eta, alpha, valid_c,
+                      rule: HopeRule, act, rows: _Rows, init: MLPMemory | None = None,
+                      reset_c=None):  # fmt: skip
     """A chunk's in-order updates and reads in parallel form (:mod:`core.hope_parallel`): every
-    memory layer's per-token recurrence as one triangular solve, the reads of ``M_memory`` with
-    its running weights as matmuls (equal to the per-token rule up to rounding).
+    memory layer's per-token recurrence as one triangular solve, all memories of a layer in one
+    batched call, the reads of ``M_memory`` with its running weights as matmuls (equal to the
+    per-token rule up to rounding).
 
     Args:
-      sig: ``{name: (x1, g1, x2, g2)}`` per adapting memory, ``[B, c, H, ·]``; q: ``[B, c, H, D]``
+      w, s: the running memories and momenta (``s`` None without momentum), stacked
+        (:func:`_stack`, ``M`` rows).
+      sig: ``(x1, g1, x2, g2)`` of every row, ``[M, B, c, H, ·]``; q: ``[B, c, H, D]``
         normalised queries; eta, alpha: ``[B, c, H]``; valid_c: ``[B, c]`` bool (a prefix).
-      init, reset_c: packed rows: the memories a document start resets to and ``[B, c]`` bool
-        document starts (momenta restart at zero); None without resets.
+      rows: the rows' static facts; a row that does not adapt keeps its weights (its update is
+        computed and dropped).
+      init, reset_c: packed rows: the stacked memories a document start resets to and ``[B, c]``
+        bool document starts (momenta restart at zero); None without resets.
 
     Returns:
-      ``(o [B, c, H, D], new HopeState)``.
+      ``(o [B, c, H, D], w, s)`` after the chunk.
     """
-    heads_first = lambda a: jnp.moveaxis(a, 1, 2)  # noqa: E731  [B, c, H, ...] -> [B, H, c, ...]
+    heads_first = lambda a: jnp.moveaxis(a, -3, -2)  # noqa: E731  [.., c, H, ·] -> [.., H, c, ·]
     on = valid_c[:, None, :]  # [B, 1, c]
-    lr = jnp.where(on, heads_first(eta), 0.0)
-    co = chunk_coefficients(jnp.where(on, heads_first(alpha), 1.0), rule.mu, valid_c, reset_c)
-    mems, moms = state.memories, state.momentum
-    new_m = {n: getattr(mems, n) for n in _names(mems)}
-    new_s = None if moms is None else {n: getattr(moms, n) for n in _names(moms)}
-    if init is not None:  # a memory that does not adapt still restarts at a document start
-        restarted = jnp.any(co.end.astype(bool) & co.fresh, axis=1)
-        pick = lambda a, b: jnp.where(restarted.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
-        for n in sorted(set(new_m) - set(sig)):
-            new_m[n] = jax.tree.map(pick, getattr(init, n), new_m[n])
-            if new_s is not None:
-                new_s[n] = jax.tree.map(lambda b: pick(jnp.zeros_like(b), b), new_s[n])
+    lr = jnp.where(on, jnp.moveaxis(eta, 1, 2), 0.0)  # [B, H, c]
+    co = chunk_coefficients(
+        jnp.where(on, jnp.moveaxis(alpha, 1, 2), 1.0), rule.mu, valid_c, reset_c
+    )
+    x1, g1, x2, g2 = (heads_first(a) for a in sig)
+    g1, g2 = (jnp.where(on[..., None], g, 0.0) for g in (g1, g2))
     layer = functools.partial(
         layer_chunk, lr=lr, co=co, dgd=rule.dgd, step=rule.step, target=rule.dgd_target,
         grad_clip=rule.grad_clip,
     )  # fmt: skip
-    for n, signals in sig.items():
-        x1, g1, x2, g2 = (heads_first(a) for a in signals)
-        m, s = getattr(mems, n), (None if moms is None else getattr(moms, n))
-        m0 = MLPMemory(None, None) if init is None else getattr(init, n)
-        g1, g2 = (jnp.where(on[..., None], g, 0.0) for g in (g1, g2))
-        u1, w1, s1 = layer(m.w1, None if s is None else s.w1, x1, g1, W_init=m0.w1)
-        u2, w2, s2 = layer(m.w2, None if s is None else s.w2, x2, g2, W_init=m0.w2)
-        new_m[n] = MLPMemory(w1, w2)
-        if s is not None:
-            new_s[n] = MLPMemory(s1, s2)
-        if n == "memory":  # o_t = M_{memory,t−1}(q_t), read before write with running weights
-            qh = heads_first(q)
-            z = read_running(m.w2, None if s is None else s.w2, x2, u2, qh, co, m0.w2)
-            o = qh + read_running(m.w1, None if s is None else s.w1, x1, u1, act(z), co, m0.w1)
-    new_state = HopeState(HopeMemories(**new_m), None if new_s is None else HopeMemories(**new_s))
-    return jnp.moveaxis(o, 2, 1), new_state
+    per_row = jax.vmap(lambda W, S, x, g, Wi: layer(W, S, x, g, W_init=Wi))
+    s1_0, s2_0 = (None, None) if s is None else s
+    i1_0, i2_0 = (None, None) if init is None else init
+    u1, w1, s1 = per_row(w.w1, s1_0, x1, g1, i1_0)
+    u2, w2, s2 = per_row(w.w2, s2_0, x2, g2, i2_0)
+    new_w, new_s = MLPMemory(w1, w2), (None if s is None else MLPMemory(s1, s2))
+    if not all(rows.adapting):  # the others stay (a document start still restarts them)
+        keep = lambda new, old: jnp.where(_row_mask(rows.adapting, new.ndim), new, old)  # noqa: E731
+        old_w, old_s = w, s
+        if init is not None:
+            restarted = jnp.any(co.end.astype(bool) & co.fresh, axis=1)[:, None, None, None]
+            old_w = jax.tree.map(lambda a, b: jnp.where(restarted, a, b), init, w)
+            old_s = None if s is None else jax.tree.map(lambda b: jnp.where(restarted, 0.0, b), s)
+        new_w = jax.tree.map(keep, new_w, old_w)
+        new_s = None if s is None else jax.tree.map(keep, new_s, old_s)
+    # o_t = M_{memory,t−1}(q_t), read before write with the running weights
+    i = rows.memory
+    at = lambda a: None if a is None else a[i]  # noqa: E731
+    qh = heads_first(q)
+    z = read_running(w.w2[i], at(s2_0), x2[i], u2[i], qh, co, at(i2_0))
+    o = qh + read_running(w.w1[i], at(s1_0), x1[i], u1[i], act(z), co, at(i1_0))
+    return jnp.moveaxis(o, 2, 1), new_w, new_s
+
+
+def _parallel_chunk(w, s, snap, x_c, q_c, valid_c, readout, rule: HopeRule, act, rows: _Rows,
+                    init=None, flags=None):  # fmt: skip
+    """One chunk of the parallel form on stacked memories: projections, targets and signals from
+    the snapshots ``snap`` (stacked, each row its group's), then :func:`_parallel_updates`.
+    ``flags = (reset_c, fresh_proj_c, fresh_mem_c)`` ``[B, c]`` for packed rows (see
+    :func:`_chunk_body`). Returns ``(o, w, s)``."""
+    k, v, eta, alpha, q = _project_rows(snap, x_c, q_c, readout, rule, act, rows)
+    signals = jax.vmap(lambda m: _signals(m, k, v, act, rule.stop_gradient_targets))
+    reset_c = None
+    if flags is not None:
+        reset_c, fresh_proj, fresh_mem = flags
+        k, v, eta, alpha, q = _pick(
+            fresh_proj, _project_rows(init, x_c, q_c, readout, rule, act, rows),
+            (k, v, eta, alpha, q),
+        )  # fmt: skip
+        is_memory = tuple(j == rows.memory for j in range(len(rows.names)))
+        fresh = jnp.where(_row_mask(is_memory, 3), fresh_mem[None], fresh_proj[None])  # [M,B,c]
+        sig = jax.tree.map(
+            lambda a, b: jnp.where(fresh.reshape(fresh.shape + (1,) * (a.ndim - 3)), a, b),
+            signals(init), signals(snap),
+        )  # fmt: skip
+    else:
+        sig = signals(snap)
+    return _parallel_updates(w, s, sig, q, eta, alpha, valid_c, rule, act, rows, init, reset_c)
 
 
 def _chunk_body(
@@ -328,8 +417,8 @@ def _chunk_body(
     act: Callable,
     resets=None,
 ):
-    """One chunk: parallel projections/targets/signals from snapshots, then the in-order updates
-    in parallel form (:func:`_parallel_updates`).
+    """One chunk of the ``scan`` form: projections/targets/signals from snapshots, then the
+    in-order updates token by token (:func:`_scan_updates`).
 
     ``resets`` (packed rows) is ``(init HopeMemories [B, ...], reset_c, fresh_proj_c,
     fresh_mem_c)`` with the flags ``[B, c]``: ``reset`` restarts the running state (memories and
@@ -350,8 +439,7 @@ def _chunk_body(
             fresh = fresh_mem if n == "memory" else fresh_proj
             s_init = _signals(getattr(init, n), k, v, act, rule.stop_gradient_targets)
             sig[n] = _pick(fresh, s_init, sig[n])
-    updates = _parallel_updates if rule.chunk_updates == "parallel" else _scan_updates
-    return updates(state, sig, q, eta, alpha, valid_c, rule, act, init, reset_c)
+    return _scan_updates(state, sig, q, eta, alpha, valid_c, rule, act, init, reset_c)
 
 
 def _initial(initial_memories, state: HopeState, B: int):
@@ -386,19 +474,53 @@ def _time_chunks(a, c):
     return jnp.moveaxis(chunk(a, c), 1, 0)
 
 
-def _scan_chunks(state: HopeState, xs, readout: HopeReadout, rule: HopeRule, act, init):
-    """The scan over chunks of the smaller size ``c`` (SPEC §3.2 Decision).
+def _cut(n, horizon: int, tree):
+    """``tree`` with its gradient stopped after chunk ``n`` when ``horizon`` chunks end there."""
+    if not horizon:
+        return tree
+    cut = (n + 1) % horizon == 0
+    return jax.tree.map(lambda a: jnp.where(cut, lax.stop_gradient(a), a), tree)
 
-    Carries the state and the larger group's snapshot, refreshed from the running memories every
-    ``R = big / c`` chunks (the smaller group's snapshot is the chunk-start state); runs
-    :func:`_chunk_body`; cuts the state's gradient after every ``grad_horizon`` tokens.
-    ``xs = (chunk index [N], x, q, valid, packed-row flags or None)``, all ``[N, B, c, ...]``.
-    Returns ``(final HopeState, o [N, B, c, H, D])``.
+
+def _scan_body(state: HopeState, readout: HopeReadout, rule: HopeRule, act, init):
+    """``(carry, body, final)`` of the chunk scan for ``rule.chunk_updates``.
+
+    ``parallel``: the carry is the stacked memories, momenta and snapshots (:func:`_stack`: every
+    op of a chunk runs once for all memories, and nothing is restacked per chunk); ``scan``: the
+    ``HopeState`` and the larger group's snapshot. ``final(carry)`` is the ``HopeState``.
     """
     c = min(rule.chunk_memory, rule.chunk_other)
     R = max(rule.chunk_memory, rule.chunk_other) // c
-    memory_is_big = rule.chunk_memory > rule.chunk_other
     horizon = rule.grad_horizon // c
+    if rule.chunk_updates == "parallel":
+        rows = _rows(_names(state.memories), rule)
+        init_rows = None if init is None else _stack(init)
+
+        def body(carry, inp):
+            w, s, snap = carry
+            n, x_c, q_c, v_c, fl = inp
+            if R > 1:  # the smaller group's rows every chunk, the larger group's every R-th
+                fresh = jnp.asarray(rows.small) | ((n % R) == 0)
+                snap = jax.tree.map(lambda a, b: jnp.where(_row_mask(fresh, a.ndim), a, b), w, snap)
+            o, w, s = _parallel_chunk(
+                w, s, w if R == 1 else snap, x_c, q_c, v_c, readout, rule, act, rows,
+                init_rows, fl,
+            )  # fmt: skip
+            w, s = _cut(n, horizon, (w, s))
+            return (w, s, snap), o
+
+        momenta = None if state.momentum is None else _stack(state.momentum)
+        w0 = _stack(state.memories)
+
+        def final(carry):
+            w, s, _ = carry
+            return HopeState(
+                _unstack(w, rows.names), None if s is None else _unstack(s, rows.names)
+            )
+
+        return (w0, momenta, w0 if R > 1 else None), body, final
+
+    memory_is_big = rule.chunk_memory > rule.chunk_other
 
     def proj_of(mems):
         return mems._replace(memory=None)
@@ -421,15 +543,24 @@ def _scan_chunks(state: HopeState, xs, readout: HopeReadout, rule: HopeRule, act
         o, st = _chunk_body(
             st, snap_proj, snap_mem, x_c, q_c, v_c, readout, rule=rule, act=act, resets=resets
         )
-        if horizon:
-            cut = (n + 1) % horizon == 0
-            st = jax.tree.map(lambda a: jnp.where(cut, lax.stop_gradient(a), a), st)
-        return (st, snap_big), o
+        return (_cut(n, horizon, st), snap_big), o
 
-    carry = (state, big_of(state.memories))
+    return (state, big_of(state.memories)), body, lambda carry: carry[0]
+
+
+def _scan_chunks(state: HopeState, xs, readout: HopeReadout, rule: HopeRule, act, init):
+    """The scan over chunks of the smaller size ``c`` (SPEC §3.2 Decision).
+
+    Carries the state and the larger group's snapshot, refreshed from the running memories every
+    ``R = big / c`` chunks (the smaller group's snapshot is the chunk-start state); runs one
+    chunk (:func:`_scan_body`); cuts the state's gradient after every ``grad_horizon`` tokens.
+    ``xs = (chunk index [N], x, q, valid, packed-row flags or None)``, all ``[N, B, c, ...]``.
+    Returns ``(final HopeState, o [N, B, c, H, D])``.
+    """
+    carry, body, final = _scan_body(state, readout, rule, act, init)
     if not rule.remat:
-        (state, _), o = lax.scan(body, carry, xs)
-        return state, o
+        carry, o = lax.scan(body, carry, xs)
+        return final(carry), o
     # Two-level remat: each chunk is recomputed in the backward pass (jax.checkpoint) and only
     # every n-th carry of the N chunks is stored (scan_remat; n = ⌈√N⌉ by default, nested
     # blocks with remat_levels > 2), so the saved states grow like √N (L·N^(1/L)) instead of N
@@ -437,10 +568,10 @@ def _scan_chunks(state: HopeState, xs, readout: HopeReadout, rule: HopeRule, act
     # all and skips the block's extra forward.
     blocks = rule.remat_blocks(xs[0].shape[0])
     if blocks == (1,):
-        (state, _), o = lax.scan(jax.checkpoint(body), carry, xs)
-        return state, o
-    (state, _), o = scan_remat(jax.checkpoint(body), carry, xs, remat_every=blocks)
-    return state, o
+        carry, o = lax.scan(jax.checkpoint(body), carry, xs)
+        return final(carry), o
+    carry, o = scan_remat(jax.checkpoint(body), carry, xs, remat_every=blocks)
+    return final(carry), o
 
 
 def _chunked(x, q, state, readout, rule: HopeRule, act, segment_ids, initial_memories):

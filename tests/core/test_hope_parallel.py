@@ -269,3 +269,41 @@ def test_three_remat_levels_change_no_value_or_gradient():
     np.testing.assert_allclose(v3, v2, rtol=1e-6)
     for a, b in zip(g3, g2, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+SEG = [[0] * 5 + [1] * 6 + [2] * 2, [0] * 13]  # document starts at 5 and 11 (row 0), none (row 1)
+
+
+@pytest.mark.parametrize(
+    "flags, chunks",
+    [
+        ({"segment_ids": True}, (4, 2)),  # packed rows, the memory group larger
+        ({"segment_ids": True, "inner_k": False, "inner_v": False}, (2, 4)),  # fixed rows, resets
+        ({"adaptive_q": True, "inner_q": False, "segment_ids": True}, (4, 4)),  # M_q row, R = 1
+        ({"adaptive_q": True}, (2, 4)),  # the projection group larger, M_q adapts
+    ],
+    ids=["packed", "fixed-rows", "fixed-q", "adaptive-q"],
+)
+def test_stacked_memories_equal_the_twin(flags, chunks):
+    """The parallel form runs every memory as one row of a stacked batch (``core.hope._stack``):
+    packed rows restart every row, rows that do not adapt keep their weights (and still restart
+    at a document start), ``M_q`` joins the stack with ``adaptive_q``; both chunk groups refresh
+    their snapshots on their own schedule. Values and gradients against the per-token twin."""
+    mems, readout, x, q = _hope_inputs()
+    flags = dict(flags)
+    if flags.get("adaptive_q"):
+        rng = np.random.default_rng(7)
+        w = lambda *s: jnp.asarray(0.3 * rng.normal(size=s), jnp.float32)  # noqa: E731
+        mems = mems._replace(q=MLPMemory(w(H, D, HID), w(H, HID, D)))
+    if flags.pop("segment_ids", False):
+        flags["segment_ids"] = jnp.asarray(SEG)
+    state = hope_init_state(mems, B, momentum=True)
+    kw = dict(momentum=True, momentum_coef=0.7, chunk_memory=chunks[0], chunk_other=chunks[1],
+              **flags)  # fmt: skip
+    fast = jax.jit(
+        lambda x, q: hope_chunked(
+            x, q, readout, initial_state=state, chunk_updates="parallel", **kw
+        )
+    )
+    twin = jax.jit(lambda x, q: hope_reference(x, q, readout, initial_state=state, **kw))
+    _assert_matches_twin(fast, twin, x, q)
