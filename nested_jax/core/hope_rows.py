@@ -1,0 +1,199 @@
+"""Hope's parallel chunk form on stacked memories (SPEC §3.2; the driver is :mod:`core.hope`).
+
+Every memory ``M_□`` of a Hope layer is a 2-layer MLP of the same shapes, updated with the same
+gates ``η_t, α_t`` and hence the same chunk coefficients (:mod:`core.hope_parallel`). The parallel
+form therefore keeps them as rows of one stack (``w1 [M, B, H, D, h]``, ``w2 [M, B, H, h, D]``,
+``_names`` order) from the start of the scan to its end: a chunk's projections, targets,
+signals, triangular solves and updates run once for all rows (``jax.vmap`` over the row axis),
+and nothing is restacked per chunk. A row that does not adapt (``inner_k`` ... off) is computed
+and dropped. Also here: the per-chunk helpers both chunk forms share (signals, ``l2norm``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nested_jax.core.hope_parallel import chunk_coefficients, layer_chunk, read_running
+from nested_jax.core.hope_state import (
+    HopeMemories,
+    HopeReadout,
+    HopeRule,
+    MLPMemory,
+    _names,
+    mlp_memory_apply,
+)
+
+
+def _l2norm(x, eps=1e-6):
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _signals(mem0: MLPMemory, k, v, activation, stop_gradient_targets):
+    """Layer inputs and signals of ``L̃ = ½‖M_0(k) − M_0(v)‖²`` at snapshot ``M_0``, all tokens."""
+    target = mlp_memory_apply(mem0, v, activation)
+    if stop_gradient_targets:
+        target = lax.stop_gradient(target)
+    a = jnp.einsum("bhkd,bnhd->bnhk", mem0.w2, k)
+    s, ds = jax.jvp(activation, (a,), (jnp.ones_like(a),))  # σ(a), σ'(a) (elementwise σ)
+    e = k + jnp.einsum("bhdk,bnhk->bnhd", mem0.w1, s) - target
+    g2 = ds * jnp.einsum("bhdk,bnhd->bnhk", mem0.w1, e)
+    # (x1, g1) for W_1 [D, h], (x2, g2) for W_2 [h, D]
+    return (s, e, k, g2)
+
+
+def _pick(fresh, new, old):
+    """Per token ``[B, N]``: ``new`` where ``fresh`` else ``old`` (arrays ``[B, N, ...]``)."""
+    return jax.tree.map(
+        lambda a, b: jnp.where(fresh.reshape(fresh.shape + (1,) * (a.ndim - 2)), a, b), new, old
+    )
+
+
+def _adapting(rule: HopeRule) -> list[str]:
+    """The memories that adapt in the inner loop (``M_η``, ``M_α``, ``M_memory`` always)."""
+    adapt = ["eta", "alpha", "memory"]
+    adapt += [n for n in ("k", "v") if getattr(rule, "inner_" + n)]
+    if rule.adaptive_q and rule.inner_q:
+        adapt.append("q")
+    return adapt
+
+
+class _Rows(NamedTuple):
+    """Static facts about the memories stacked on a leading axis (``_names`` order)."""
+
+    names: tuple[str, ...]
+    memory: int  # the row of ``M_memory``
+    adapting: tuple[bool, ...]  # the rows that adapt in the inner loop (:func:`_adapting`)
+    small: tuple[bool, ...]  # the rows of the smaller-chunk group (snapshot every chunk)
+
+
+def _rows(names, rule: HopeRule) -> _Rows:
+    adapt = set(_adapting(rule))
+    memory_is_big = rule.chunk_memory > rule.chunk_other
+    return _Rows(
+        tuple(names),
+        names.index("memory"),
+        tuple(n in adapt for n in names),
+        tuple((n == "memory") != memory_is_big for n in names),
+    )
+
+
+def _stack(mems: HopeMemories) -> MLPMemory:
+    """Every present memory (``_names`` order) in one ``MLPMemory``: ``w1 [M, B, H, D, h]``,
+    ``w2 [M, B, H, h, D]`` (the memories share shapes, gates and chunk coefficients)."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *(getattr(mems, n) for n in _names(mems)))
+
+
+def _unstack(stacked: MLPMemory, names) -> HopeMemories:
+    """The inverse of :func:`_stack` (one split per leaf, whose transpose is one concatenate)."""
+    parts = jax.tree.map(lambda a: [p[0] for p in jnp.split(a, a.shape[0])], stacked)
+    return HopeMemories(**{n: MLPMemory(parts.w1[i], parts.w2[i]) for i, n in enumerate(names)})
+
+
+def _row_mask(flags, ndim: int):
+    """A static per-row bool tuple as an array broadcasting over ``ndim``-dimensional stacks."""
+    return jnp.asarray(flags).reshape((-1,) + (1,) * (ndim - 1))
+
+
+def _project_rows(snap: MLPMemory, x_c, q_c, readout: HopeReadout, rule: HopeRule, act, rows):
+    """:func:`_project` from the stacked snapshots: every row applied to the chunk's tokens in
+    one batched call (the ``M_memory`` row's output is unused)."""
+    ys = jax.vmap(lambda m: mlp_memory_apply(m, x_c, act))(snap)
+    y = {n: ys[i] for i, n in enumerate(rows.names)}
+    eta = rule.eta_max * jax.nn.sigmoid(
+        jnp.einsum("bnhd,hd->bnh", y["eta"], readout.eta_w) + readout.eta_b
+    )
+    if rule.decay:
+        logit = jnp.einsum("bnhd,hd->bnh", y["alpha"], readout.alpha_w) + readout.alpha_b
+        alpha = jax.nn.sigmoid(logit)
+    else:
+        alpha = jnp.ones_like(eta)
+    q = _l2norm(y["q"] if rule.adaptive_q else q_c)
+    return _l2norm(y["k"]), y["v"], eta, alpha, q
+
+
+def _parallel_updates(w: MLPMemory, s: MLPMemory | None, sig, q, eta, alpha, valid_c,
+                      rule: HopeRule, act, rows: _Rows, init: MLPMemory | None = None,
+                      reset_c=None):  # fmt: skip
+    """A chunk's in-order updates and reads in parallel form (:mod:`core.hope_parallel`): every
+    memory layer's per-token recurrence as one triangular solve, all memories of a layer in one
+    batched call, the reads of ``M_memory`` with its running weights as matmuls (equal to the
+    per-token rule up to rounding).
+
+    Args:
+      w, s: the running memories and momenta (``s`` None without momentum), stacked
+        (:func:`_stack`, ``M`` rows).
+      sig: ``(x1, g1, x2, g2)`` of every row, ``[M, B, c, H, ·]``; q: ``[B, c, H, D]``
+        normalised queries; eta, alpha: ``[B, c, H]``; valid_c: ``[B, c]`` bool (a prefix).
+      rows: the rows' static facts; a row that does not adapt keeps its weights (its update is
+        computed and dropped).
+      init, reset_c: packed rows: the stacked memories a document start resets to and ``[B, c]``
+        bool document starts (momenta restart at zero); None without resets.
+
+    Returns:
+      ``(o [B, c, H, D], w, s)`` after the chunk.
+    """
+    heads_first = lambda a: jnp.moveaxis(a, -3, -2)  # noqa: E731  [.., c, H, ·] -> [.., H, c, ·]
+    on = valid_c[:, None, :]  # [B, 1, c]
+    lr = jnp.where(on, jnp.moveaxis(eta, 1, 2), 0.0)  # [B, H, c]
+    co = chunk_coefficients(
+        jnp.where(on, jnp.moveaxis(alpha, 1, 2), 1.0), rule.mu, valid_c, reset_c
+    )
+    x1, g1, x2, g2 = (heads_first(a) for a in sig)
+    g1, g2 = (jnp.where(on[..., None], g, 0.0) for g in (g1, g2))
+    layer = functools.partial(
+        layer_chunk, lr=lr, co=co, dgd=rule.dgd, step=rule.step, target=rule.dgd_target,
+        grad_clip=rule.grad_clip,
+    )  # fmt: skip
+    per_row = jax.vmap(lambda W, S, x, g, Wi: layer(W, S, x, g, W_init=Wi))
+    s1_0, s2_0 = (None, None) if s is None else s
+    i1_0, i2_0 = (None, None) if init is None else init
+    u1, w1, s1 = per_row(w.w1, s1_0, x1, g1, i1_0)
+    u2, w2, s2 = per_row(w.w2, s2_0, x2, g2, i2_0)
+    new_w, new_s = MLPMemory(w1, w2), (None if s is None else MLPMemory(s1, s2))
+    if not all(rows.adapting):  # the others stay (a document start still restarts them)
+        keep = lambda new, old: jnp.where(_row_mask(rows.adapting, new.ndim), new, old)  # noqa: E731
+        old_w, old_s = w, s
+        if init is not None:
+            restarted = jnp.any(co.end.astype(bool) & co.fresh, axis=1)[:, None, None, None]
+            old_w = jax.tree.map(lambda a, b: jnp.where(restarted, a, b), init, w)
+            old_s = None if s is None else jax.tree.map(lambda b: jnp.where(restarted, 0.0, b), s)
+        new_w = jax.tree.map(keep, new_w, old_w)
+        new_s = None if s is None else jax.tree.map(keep, new_s, old_s)
+    # o_t = M_{memory,t−1}(q_t), read before write with the running weights
+    i = rows.memory
+    at = lambda a: None if a is None else a[i]  # noqa: E731
+    qh = heads_first(q)
+    z = read_running(w.w2[i], at(s2_0), x2[i], u2[i], qh, co, at(i2_0))
+    o = qh + read_running(w.w1[i], at(s1_0), x1[i], u1[i], act(z), co, at(i1_0))
+    return jnp.moveaxis(o, 2, 1), new_w, new_s
+
+
+def _parallel_chunk(w, s, snap, x_c, q_c, valid_c, readout, rule: HopeRule, act, rows: _Rows,
+                    init=None, flags=None):  # fmt: skip
+    """One chunk of the parallel form on stacked memories: projections, targets and signals from
+    the snapshots ``snap`` (stacked, each row its group's), then :func:`_parallel_updates`.
+    ``flags = (reset_c, fresh_proj_c, fresh_mem_c)`` ``[B, c]`` for packed rows (see
+    :func:`_chunk_body`). Returns ``(o, w, s)``."""
+    k, v, eta, alpha, q = _project_rows(snap, x_c, q_c, readout, rule, act, rows)
+    signals = jax.vmap(lambda m: _signals(m, k, v, act, rule.stop_gradient_targets))
+    reset_c = None
+    if flags is not None:
+        reset_c, fresh_proj, fresh_mem = flags
+        k, v, eta, alpha, q = _pick(
+            fresh_proj, _project_rows(init, x_c, q_c, readout, rule, act, rows),
+            (k, v, eta, alpha, q),
+        )  # fmt: skip
+        is_memory = tuple(j == rows.memory for j in range(len(rows.names)))
+        fresh = jnp.where(_row_mask(is_memory, 3), fresh_mem[None], fresh_proj[None])  # [M,B,c]
+        sig = jax.tree.map(
+            lambda a, b: jnp.where(fresh.reshape(fresh.shape + (1,) * (a.ndim - 3)), a, b),
+            signals(init), signals(snap),
+        )  # fmt: skip
+    else:
+        sig = signals(snap)
+    return _parallel_updates(w, s, sig, q, eta, alpha, valid_c, rule, act, rows, init, reset_c)
