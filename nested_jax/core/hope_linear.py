@@ -6,6 +6,8 @@ Split from :mod:`nested_jax.core.hope`: it needs none of the MLP-memory machiner
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax.numpy as jnp
 
 from nested_jax.core.associative import gated_delta_chunked
@@ -15,8 +17,9 @@ __all__ = ["hope_linear_chunk_update"]
 
 
 def hope_linear_chunk_update(
-    M0, k, v_hat, alpha, eta, *, step: str = "exact", chunk_size: int = 64
-):
+    M0, k, v_hat, alpha, eta, *, step: str = "exact", chunk_size: int = 64,
+    backbone: Callable = gated_delta_chunked,
+):  # fmt: skip
     """One Hope chunk of a linear memory ``y = M z`` through the gated delta kernel (SPEC §3.2).
 
     ``M_t = M_{t−1}(α_t I − γ_t k_t k_tᵀ) − γ_t (M_0 k_t − v̂_t) k_tᵀ`` for ``t = 1..T`` (all
@@ -32,6 +35,10 @@ def hope_linear_chunk_update(
       eta: ``[B, T, H]`` inner rate.
       step: ``"exact"`` or ``"paper"`` (SPEC §3.1).
       chunk_size: the kernel's WY chunk length (any value; not the Hope chunk).
+      backbone: the gated delta rule it runs, with ``gated_delta_chunked``'s contract
+        ``backbone(q, k, v, g, beta, scale=, initial_state=, chunk_size=) -> (o, state)``
+        (``ops.hope.hope_linear_chunk`` passes ``ops.linear.gated_delta`` with its ``impl``, so
+        the Pallas kernel runs it).
 
     Returns:
       ``M_T`` ``[B, H, V, K]`` (f32).
@@ -54,7 +61,7 @@ def hope_linear_chunk_update(
     gamma = dgd_step_size(eta, k, step=step)
     M0k = jnp.einsum("bhvk,bthk->bthv", M0, k)
     values = alpha[..., None] * (v_hat - M0k)
-    _, S = gated_delta_chunked(
+    _, S = backbone(
         k,
         k,
         values,

@@ -16,7 +16,9 @@ Layers call these functions, never a core form directly, so the implementation i
   (``rule.grad_horizon > 0`` raises) and ``rule.remat`` is ignored (it only trades memory for
   recomputation). The twin returns momenta iff ``rule.momentum``, so ``initial_state`` must hold
   momenta exactly then.
-- ``"pallas"``: the seam for ``pallas_kernels/<op>``; no kernel yet, so it raises ``ValueError``.
+- ``"pallas"``: the MLP-memory rule has no kernel, so it raises ``ValueError``; a chunk of a
+  *linear* Hope memory (:func:`hope_linear_chunk`, a gated delta rule, SPEC §3.2) runs on the
+  gated delta kernel ``pallas_kernels/gated_delta``.
 
 Decoding (:func:`hope_decode`) has one form for ``"chunked"`` and ``"recurrent"`` alike: the
 per-token ``hope_decode_step`` (one token of the chunked form, snapshots and position carried),
@@ -29,6 +31,8 @@ momenta), ``hope_decode_state`` (the decode state at position 0) and :func:`chec
 """
 
 from __future__ import annotations
+
+import functools
 
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.hope import (
@@ -46,11 +50,13 @@ from nested_jax.core.hope_decode import (
     hope_decode_state,
 )
 from nested_jax.core.hope_decode import hope_decode as _hope_decode
+from nested_jax.core.hope_linear import hope_linear_chunk_update
 from nested_jax.core.proteus import ProteusRule
 from nested_jax.core.proteus_hope import proteus_hope_chunked, proteus_hope_packed
 from nested_jax.core.reference.hope import hope_reference
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._state import pin_head_state
+from nested_jax.ops.linear import gated_delta
 
 __all__ = [
     "HopeRule",
@@ -64,6 +70,7 @@ __all__ = [
     "hope_memories",
     "hope_decode",
     "check_hope_decode",
+    "hope_linear_chunk",
 ]
 
 _NO_PROTEUS = ProteusRule()  # the default schedule: E = 1, the plain memories
@@ -191,3 +198,30 @@ def check_hope_decode(
     ``E = 1``)."""
     proteus = _check_proteus("check_hope_decode", proteus)
     check_proteus_decode_chunks(rule, proteus.context_len, proteus.blocks, owner=owner)
+
+
+def hope_linear_chunk(
+    M0, k, v_hat, alpha, eta, *, step: str = "exact", chunk_size: int = 64,
+    impl: str = "chunked",
+):  # fmt: skip
+    """One Hope chunk of a linear memory, SPEC §3.2:
+    ``M_t = M_{t−1}(α_t I − γ_t k_t k_tᵀ) − γ_t (M_0 k_t − v̂_t) k_tᵀ`` (signals at the
+    chunk-start ``M_0``), as §1's gated delta rule
+    (:func:`nested_jax.core.hope_linear.hope_linear_chunk_update`).
+
+    Args:
+      M0: ``[B, H, V, K]``; k: ``[B, T, H, K]``; v_hat: ``[B, T, H, V]``; alpha, eta:
+        ``[B, T, H]``.
+      step: ``"exact"`` | ``"paper"`` DGD step size (SPEC §3.1).
+      chunk_size: the gated delta rule's WY chunk (``"pallas"``: a multiple of 8).
+      impl: ``"chunked"`` | ``"recurrent"`` | ``"pallas"`` (the gated delta kernel), as
+        :func:`nested_jax.ops.linear.gated_delta`.
+
+    Returns:
+      ``M_T`` ``[B, H, V, K]`` f32.
+    """
+    _check_impl("hope_linear_chunk", impl, ("chunked", "recurrent", "pallas"))
+    backbone = functools.partial(gated_delta, impl=impl)
+    return hope_linear_chunk_update(
+        M0, k, v_hat, alpha, eta, step=step, chunk_size=chunk_size, backbone=backbone
+    )

@@ -381,3 +381,39 @@ def test_proteus_gdn_layer_pallas_equals_chunked():
     got = _layer_vg(make("pallas"), x, sid, w)
     want = _layer_vg(make("chunked"), x, sid, w)
     _assert_close(got, want, "proteus_gdn_layer")
+
+
+# Hope's linear-memory chunk: ops.hope.hope_linear_chunk(impl="pallas") — the gated delta kernel
+
+
+def test_hope_linear_chunk_pallas_equals_chunked():
+    """A chunk of a linear Hope memory (SPEC §3.2 as §1's gated delta rule, β = γ/α may exceed 1)
+    by the kernel equals the chunked rule: ``M_T`` and the gradients of ``M_0``, ``k``, ``v̂``,
+    ``α``, ``η`` at an awkward T; an unknown impl names the op."""
+    from nested_jax.ops.hope import hope_linear_chunk
+
+    B, T, V = 2, 37, 12
+    rng = np.random.default_rng(5)
+    k = jnp.asarray(rng.normal(size=(B, T, H, K)), jnp.float32)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    args = (
+        jnp.asarray(0.3 * rng.normal(size=(B, H, V, K)), jnp.float32),
+        k,
+        jnp.asarray(rng.normal(size=(B, T, H, V)), jnp.float32),
+        jnp.asarray(rng.uniform(0.8, 1.0, size=(B, T, H)), jnp.float32),
+        jnp.asarray(rng.uniform(0.1, 0.9, size=(B, T, H)), jnp.float32),
+    )
+    w = jnp.asarray(rng.normal(size=(B, H, V, K)), jnp.float32)
+
+    def value_and_grads(impl):
+        f = lambda *a: jnp.sum(w * hope_linear_chunk(*a, chunk_size=16, impl=impl))  # noqa: E731
+        return jax.jit(jax.value_and_grad(f, argnums=tuple(range(5))))(*args)
+
+    (v_p, g_p), (v_c, g_c) = value_and_grads("pallas"), value_and_grads("chunked")
+    jaxpr = lambda impl: str(jax.make_jaxpr(functools.partial(hope_linear_chunk, impl=impl))(*args))  # noqa: E731
+    assert "pallas_call" in jaxpr("pallas") and "pallas_call" not in jaxpr("chunked")
+    assert _rel(v_p, v_c) < TOL
+    for name, a, b in zip(("M0", "k", "v_hat", "alpha", "eta"), g_p, g_c, strict=True):
+        assert _rel(a, b) < TOL, name
+    with pytest.raises(ValueError, match="^hope_linear_chunk: impl must be one of"):
+        hope_linear_chunk(*args, impl="auto")
