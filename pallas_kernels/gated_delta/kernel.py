@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.common import chunked_pallas_call
 
 __all__ = ["SCALARS", "gated_delta_fwd_call", "gated_delta_bwd_call"]
 
@@ -248,22 +249,6 @@ def _specs(BH, N, chunk, K, V, reverse):
     }
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret, name, *args):
-    # under shard_map (check_vma) the outputs vary over the mesh axes the inputs vary over
-    mat = jax.typeof(args[0]).manual_axis_type
-    return pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct(s, t, manual_axis_type=mat) for s, t in out_shape],
-        scratch_shapes=scratch,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=interpret,
-        name=name,
-    )(*args)
-
-
 def gated_delta_fwd_call(
     q, k, v, scalars, s0, *, chunk, scale, restart, interpret, save_states=False
 ):
@@ -290,7 +275,7 @@ def gated_delta_fwd_call(
     out_shape += [((BH, N, K, V), _F32)] if save_states else []
     kernel = functools.partial(_fwd_kernel, scale=float(scale), restart=restart)
     in_specs = [sp["tok"](K), sp["tok"](K), sp["tok"](V), sp["scalars"]]
-    return _call(
+    return chunked_pallas_call(
         kernel, (BH, N), in_specs + [sp["state"]], out_specs, out_shape,
         [pltpu.VMEM((K, V), _F32)], interpret, "gated_delta_fwd", q, k, v, scalars, s0,
     )  # fmt: skip
@@ -328,7 +313,7 @@ def gated_delta_bwd_call(
     kernel = functools.partial(_bwd_kernel, scale=float(scale), restart=restart)
     scratch = [pltpu.VMEM((K, V), _F32), pltpu.VMEM((K, V), _F32)]
     args = (q, k, v, scalars, s0, states, do, dsfin)
-    return _call(
+    return chunked_pallas_call(
         kernel, (BH, N), in_specs, out_specs, out_shape, scratch, interpret, "gated_delta_bwd",
         *args,
     )  # fmt: skip

@@ -19,11 +19,10 @@ from jax import lax
 
 from nested_jax.core.associative import _validate_seq
 from nested_jax.core.scan import pad_to_multiple, segment_starts
+from pallas_kernels.common import check_chunk, from_heads_major, heads_major
 from pallas_kernels.gated_delta.kernel import SCALARS, gated_delta_bwd_call, gated_delta_fwd_call
 
 __all__ = ["BlockSizes", "gated_delta_pallas"]
-
-_SUBLANES = 8  # a chunk is a multiple of the TPU sublane count (second-minor tile dimension)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,20 +36,12 @@ class BlockSizes:
     chunk: int
 
     def __post_init__(self):
-        c = self.chunk
-        if not isinstance(c, int) or isinstance(c, bool) or c <= 0 or c % _SUBLANES:
-            raise ValueError(f"BlockSizes: chunk must be a positive multiple of 8, got {c!r}")
+        check_chunk(self.chunk)
 
     @classmethod
     def get_default(cls) -> BlockSizes:
         """``chunk=64`` (the core chunked rule's default)."""
         return cls(chunk=64)
-
-
-def _heads_major(x, C):
-    """``[B, T, H, ...] → [B·H, Tp, ...]``, zero padded to ``Tp = N·C``."""
-    x = jnp.moveaxis(pad_to_multiple(x, C), 2, 1)
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def _token_scalars(g, beta, segment_ids, C):
@@ -67,7 +58,7 @@ def _token_scalars(g, beta, segment_ids, C):
     """
     B, T, H = g.shape
     f32 = jnp.float32
-    gc = _heads_major(g.astype(f32), C).reshape(B, H, -1, C)  # [B, H, N, C]
+    gc = heads_major(g.astype(f32), C).reshape(B, H, -1, C)  # [B, H, N, C]
     bc = jnp.cumsum(gc, axis=-1)
     if segment_ids is None:
         z = jnp.zeros_like(bc)
@@ -84,7 +75,7 @@ def _token_scalars(g, beta, segment_ids, C):
     d0 = jnp.where(carried, 0.0, jnp.exp(logd))
     tail = z == z[..., -1:]
     kdec = jnp.where(tail, jnp.exp(jnp.where(tail, bc[..., -1:] - bc, 0.0)), 0.0)
-    beta_c = _heads_major(beta.astype(f32), C).reshape(bc.shape)
+    beta_c = heads_major(beta.astype(f32), C).reshape(bc.shape)
     named = {"b": bc, "z": z, "beta": beta_c, "d": d, "d0": d0, "kdec": kdec}
     N = bc.shape[2]
     return jnp.stack([named[n] for n in SCALARS], axis=-2).reshape(B * H, N, len(SCALARS), C)
@@ -96,13 +87,8 @@ def _kernel_inputs(q, k, v, g, beta, s0, segment_ids, chunk):
     scalars, scalars_vjp = jax.vjp(
         lambda g, beta: _token_scalars(g, beta, segment_ids, chunk), g, beta
     )
-    qkv = tuple(_heads_major(x, chunk) for x in (q, k, v))
+    qkv = tuple(heads_major(x, chunk) for x in (q, k, v))
     return (*qkv, scalars, s0.reshape(B * H, K, -1)), scalars_vjp
-
-
-def _from_heads_major(x, B, T):
-    """``[B·H, Tp, D] → [B, T, H, D]``."""
-    return jnp.moveaxis(x.reshape(B, -1, *x.shape[1:])[:, :, :T], 1, 2)
 
 
 def _run(q, k, v, g, beta, s0, segment_ids, scale, chunk, has_init, interpret, save_states):
@@ -116,7 +102,7 @@ def _run(q, k, v, g, beta, s0, segment_ids, scale, chunk, has_init, interpret, s
         interpret=interpret,
         save_states=save_states,
     )
-    return (_from_heads_major(o, B, T), s_fin.reshape(s0.shape)), states
+    return (from_heads_major(o, B, T), s_fin.reshape(s0.shape)), states
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
@@ -139,7 +125,7 @@ def _gated_delta_bwd(scale, chunk, has_init, interpret, res, cts):
     dq, dk, dv, dscalars, ds0 = gated_delta_bwd_call(
         *args,
         states,
-        _heads_major(do, chunk),
+        heads_major(do, chunk),
         ds_fin.reshape(B * H, K, -1),
         chunk=chunk,
         scale=scale,
@@ -147,9 +133,7 @@ def _gated_delta_bwd(scale, chunk, has_init, interpret, res, cts):
         interpret=interpret,
     )
     dg, dbeta = scalars_vjp(dscalars)
-    dq, dk, dv = (
-        _from_heads_major(d, B, T).astype(x.dtype) for d, x in ((dq, q), (dk, k), (dv, v))
-    )
+    dq, dk, dv = (from_heads_major(d, B, T).astype(x.dtype) for d, x in ((dq, q), (dk, k), (dv, v)))
     return dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), ds0.reshape(s0.shape), None
 
 

@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from nested_jax.core.dgd import softclamp_factor
+from pallas_kernels.common import chunked_pallas_call
 
 __all__ = ["scalar_names", "chunk_math", "titans_linear_fwd_call", "titans_linear_bwd_call"]
 
@@ -274,22 +275,6 @@ def _specs(N, chunk, K, V, ns, reverse):
     }
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret, name, *args):
-    # under shard_map (check_vma) the outputs vary over the mesh axes the inputs vary over
-    mat = jax.typeof(args[0]).manual_axis_type
-    return pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct(s, t, manual_axis_type=mat) for s, t in out_shape],
-        scratch_shapes=scratch,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=interpret,
-        name=name,
-    )(*args)
-
-
 def titans_linear_fwd_call(
     q, k, v, sc, dread, m0, s0, reset=None, *, chunk, grad_clip, interpret, save_states=False
 ):
@@ -321,7 +306,7 @@ def titans_linear_fwd_call(
     kernel = functools.partial(_fwd_kernel, packed=packed, grad_clip=grad_clip, save=save_states)
     scratch = [pltpu.VMEM((K, V), _F32)] * nc
     args = (q, k, v, sc, dread, m0, s0, *(reset or ()))
-    return _call(
+    return chunked_pallas_call(
         kernel, (BH, N), in_specs, out_specs, out_shape, scratch, interpret, "titans_linear_fwd",
         *args,
     )  # fmt: skip
@@ -368,7 +353,7 @@ def titans_linear_bwd_call(
     )
     scratch = [pltpu.VMEM((K, V), _F32)] * (nc + (2 if packed else 0))
     args = (q, k, v, sc, dread, *states, *(reset or ()), do, dm_fin, ds_fin)
-    return _call(
+    return chunked_pallas_call(
         kernel, (BH, N), in_specs, out_specs, out_shape, scratch, interpret, "titans_linear_bwd",
         *args,
     )  # fmt: skip

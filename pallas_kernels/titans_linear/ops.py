@@ -33,6 +33,7 @@ from nested_jax.core.titans_mlp_net import (
     _validate_horizon,
     _validate_segment_ids,
 )
+from pallas_kernels.common import check_chunk, from_heads_major, heads_major
 from pallas_kernels.titans_linear.kernel import (
     scalar_names,
     titans_linear_bwd_call,
@@ -40,8 +41,6 @@ from pallas_kernels.titans_linear.kernel import (
 )
 
 __all__ = ["BlockSizes", "titans_linear_pallas"]
-
-_SUBLANES = 8  # a chunk is a multiple of the TPU sublane count (second-minor tile dimension)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,25 +58,12 @@ class BlockSizes:
     chunk: int
 
     def __post_init__(self):
-        c = self.chunk
-        if not isinstance(c, int) or isinstance(c, bool) or c <= 0 or c % _SUBLANES:
-            raise ValueError(f"BlockSizes: chunk must be a positive multiple of 8, got {c!r}")
+        check_chunk(self.chunk)
 
     @classmethod
     def get_default(cls) -> BlockSizes:
         """``chunk=16`` (the core chunked rule's and the Titans layers' default)."""
         return cls(chunk=16)
-
-
-def _heads_major(x, C):
-    """``[B, T, H, ...] → [B·H, Tp, ...]``, zero padded to ``Tp = N·C``."""
-    x = jnp.moveaxis(pad_to_multiple(x, C), 2, 1)
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
-def _from_heads_major(x, B, T):
-    """``[B·H, Tp, D] → [B, T, H, D]``."""
-    return jnp.moveaxis(x.reshape(B, -1, *x.shape[1:])[:, :, :T], 1, 2)
 
 
 def _gate_chunks(x, C):
@@ -158,7 +144,7 @@ def _kernel_inputs(q, k, v, theta, eta, alpha, segment_ids, chunk, rbw):
         lambda th, et, al: _coefficient_tables(th, et, al, segment_ids, chunk, rbw),
         theta, eta, alpha,
     )  # fmt: skip
-    return (*(_heads_major(x, chunk) for x in (q, k, v)), *tables), tables_vjp
+    return (*(heads_major(x, chunk) for x in (q, k, v)), *tables), tables_vjp
 
 
 def _flat(x):
@@ -175,7 +161,7 @@ def _run(q, k, v, theta, eta, alpha, m0, s0, reset, segment_ids, static, save_st
         *args, _flat(m0), _flat(s0), reset_flat, chunk=chunk, grad_clip=grad_clip,
         interpret=interpret, save_states=save_states,
     )  # fmt: skip
-    out = (_from_heads_major(o, B, T), (m_fin.reshape(m0.shape), s_fin.reshape(s0.shape)))
+    out = (from_heads_major(o, B, T), (m_fin.reshape(m0.shape), s_fin.reshape(s0.shape)))
     return out, states
 
 
@@ -197,13 +183,11 @@ def _titans_bwd(static, res, cts):
     args, tables_vjp = _kernel_inputs(q, k, v, theta, eta, alpha, segment_ids, chunk, rbw)
     reset_flat = None if reset is None else tuple(_flat(x) for x in reset)
     dq, dk, dv, dsc, ddread, dm0, ds0, *dreset = titans_linear_bwd_call(
-        *args, states, reset_flat, _heads_major(do, chunk), _flat(dm_fin), _flat(ds_fin),
+        *args, states, reset_flat, heads_major(do, chunk), _flat(dm_fin), _flat(ds_fin),
         chunk=chunk, grad_clip=grad_clip, horizon=horizon, interpret=interpret,
     )  # fmt: skip
     dth, det, dal = tables_vjp((dsc, ddread))
-    dq, dk, dv = (
-        _from_heads_major(d, B, T).astype(x.dtype) for d, x in ((dq, q), (dk, k), (dv, v))
-    )
+    dq, dk, dv = (from_heads_major(d, B, T).astype(x.dtype) for d, x in ((dq, q), (dk, k), (dv, v)))
     gates = tuple(d.astype(x.dtype) for d, x in ((dth, theta), (det, eta), (dal, alpha)))
     dreset = None if reset is None else tuple(d.reshape(m0.shape) for d in dreset)
     return (dq, dk, dv, *gates, dm0.reshape(m0.shape), ds0.reshape(s0.shape), dreset, None)

@@ -1,0 +1,55 @@
+"""What the chunked Pallas kernels share: the token layout, the chunk check and the call.
+
+Both kernels (``gated_delta``, ``titans_linear``) walk a grid ``(B·H "parallel", N chunks
+"arbitrary")`` over heads-major tokens ``[B·H, Tp, D]`` (``Tp = N·C``, zero padded), with
+chunks a whole number of TPU sublanes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from nested_jax.core.scan import pad_to_multiple
+
+__all__ = ["SUBLANES", "check_chunk", "heads_major", "from_heads_major", "chunked_pallas_call"]
+
+SUBLANES = 8  # a chunk is a multiple of the TPU sublane count (second-minor tile dimension)
+
+
+def check_chunk(chunk) -> None:
+    """``BlockSizes.chunk`` must be a positive multiple of 8 (one line naming the field)."""
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0 or chunk % SUBLANES:
+        raise ValueError(f"BlockSizes: chunk must be a positive multiple of 8, got {chunk!r}")
+
+
+def heads_major(x, C):
+    """``[B, T, H, ...] → [B·H, Tp, ...]``, zero padded to ``Tp = N·C``."""
+    x = jnp.moveaxis(pad_to_multiple(x, C), 2, 1)
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def from_heads_major(x, B, T):
+    """``[B·H, Tp, D] → [B, T, H, D]`` (the padding dropped)."""
+    return jnp.moveaxis(x.reshape(B, -1, *x.shape[1:])[:, :, :T], 1, 2)
+
+
+def chunked_pallas_call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret, name,
+                        *args):  # fmt: skip
+    """``pl.pallas_call`` over ``grid = (B·H, N)`` with rows parallel and chunks sequential;
+    ``out_shape`` is a list of ``(shape, dtype)``."""
+    # under shard_map (check_vma) the outputs vary over the mesh axes the inputs vary over
+    mat = jax.typeof(args[0]).manual_axis_type
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct(s, t, manual_axis_type=mat) for s, t in out_shape],
+        scratch_shapes=scratch,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+        name=name,
+    )(*args)
