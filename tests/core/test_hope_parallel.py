@@ -285,10 +285,11 @@ SEG = [[0] * 5 + [1] * 6 + [2] * 2, [0] * 13]  # document starts at 5 and 11 (ro
     ids=["packed", "fixed-rows", "fixed-q", "adaptive-q"],
 )
 def test_stacked_memories_equal_the_twin(flags, chunks):
-    """The parallel form runs every memory as one row of a stacked batch (``core.hope_rows._stack``):
-    packed rows restart every row, rows that do not adapt keep their weights (and still restart
-    at a document start), ``M_q`` joins the stack with ``adaptive_q``; both chunk groups refresh
-    their snapshots on their own schedule. Values and gradients against the per-token twin."""
+    """The parallel form runs every memory as one row of a stacked batch
+    (``core.hope_rows._stack``): packed rows restart every row, rows that do not adapt keep their
+    weights (and still restart at a document start), ``M_q`` joins the stack with ``adaptive_q``;
+    both chunk groups refresh their snapshots on their own schedule. Values and gradients against
+    the per-token twin."""
     mems, readout, x, q = _hope_inputs()
     flags = dict(flags)
     if flags.get("adaptive_q"):
