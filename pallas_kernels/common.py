@@ -14,7 +14,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from nested_jax.core.scan import pad_to_multiple
 
-__all__ = ["SUBLANES", "check_chunk", "heads_major", "from_heads_major", "chunked_pallas_call"]
+__all__ = [
+    "SUBLANES",
+    "check_chunk",
+    "heads_major",
+    "from_heads_major",
+    "chunk_specs",
+    "chunked_pallas_call",
+]
 
 SUBLANES = 8  # a chunk is a multiple of the TPU sublane count (second-minor tile dimension)
 
@@ -53,3 +60,28 @@ def chunked_pallas_call(kernel, grid, in_specs, out_specs, out_shape, scratch, i
         interpret=interpret,
         name=name,
     )(*args)
+
+
+def chunk_specs(N, chunk, K, V, reverse, per_chunk):
+    """Block specs over the grid ``(B·H, N)``; ``reverse`` walks the chunks last to first.
+
+    ``tok(width)``: a chunk of heads-major tokens ``[C, width]``; ``state``: the row's ``[K, V]``
+    (one block for every chunk); ``states``: the row's chunk-``n`` slice of ``[B·H, N, K, V]``;
+    and for each ``name: shape`` of ``per_chunk`` the chunk-``n`` block ``shape`` of a
+    ``[B·H, N, *shape]`` array.
+    """
+    sq = pl.Squeezed()
+    at = (lambda n: N - 1 - n) if reverse else (lambda n: n)
+
+    def tok(width):
+        return pl.BlockSpec((sq, chunk, width), lambda h, n: (h, at(n), 0))
+
+    def chunk_block(shape):
+        return pl.BlockSpec((sq, sq, *shape), lambda h, n: (h, at(n)) + (0,) * len(shape))
+
+    specs = {
+        "tok": tok,
+        "state": pl.BlockSpec((sq, K, V), lambda h, n: (h, 0, 0)),
+        "states": chunk_block((K, V)),
+    }
+    return specs | {name: chunk_block(shape) for name, shape in per_chunk.items()}

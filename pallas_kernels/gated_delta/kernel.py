@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import chunked_pallas_call
+from pallas_kernels.common import chunk_specs, chunked_pallas_call
 
 __all__ = ["SCALARS", "gated_delta_fwd_call", "gated_delta_bwd_call"]
 
@@ -233,22 +233,6 @@ def _bwd_kernel(
         ds0_ref[...] = dS_prev[0] + acc0_scr[...]
 
 
-def _specs(BH, N, chunk, K, V, reverse):
-    """Block specs over the grid ``(B·H, N)``; ``reverse`` walks the chunks last to first."""
-    sq = pl.Squeezed()
-    at = (lambda n: N - 1 - n) if reverse else (lambda n: n)
-
-    def tok(width):
-        return pl.BlockSpec((sq, chunk, width), lambda h, n: (h, at(n), 0))
-
-    return {
-        "tok": tok,
-        "scalars": pl.BlockSpec((sq, sq, len(SCALARS), chunk), lambda h, n: (h, at(n), 0, 0)),
-        "state": pl.BlockSpec((sq, K, V), lambda h, n: (h, 0, 0)),
-        "states": pl.BlockSpec((sq, sq, K, V), lambda h, n: (h, at(n), 0, 0)),
-    }
-
-
 def gated_delta_fwd_call(
     q, k, v, scalars, s0, *, chunk, scale, restart, interpret, save_states=False
 ):
@@ -269,7 +253,7 @@ def gated_delta_fwd_call(
     BH, Tp, K = q.shape
     V = v.shape[-1]
     N = Tp // chunk
-    sp = _specs(BH, N, chunk, K, V, reverse=False)
+    sp = chunk_specs(N, chunk, K, V, False, {"scalars": (len(SCALARS), chunk)})
     out_specs = [sp["tok"](V), sp["state"]] + ([sp["states"]] if save_states else [])
     out_shape = [((BH, Tp, V), v.dtype), ((BH, K, V), _F32)]
     out_shape += [((BH, N, K, V), _F32)] if save_states else []
@@ -298,7 +282,7 @@ def gated_delta_bwd_call(
     BH, Tp, K = q.shape
     V = v.shape[-1]
     N = Tp // chunk
-    sp = _specs(BH, N, chunk, K, V, reverse=True)
+    sp = chunk_specs(N, chunk, K, V, True, {"scalars": (len(SCALARS), chunk)})
     tok = sp["tok"]
     in_specs = [tok(K), tok(K), tok(V), sp["scalars"], sp["state"], sp["states"]]
     in_specs += [tok(V), sp["state"]]

@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from nested_jax.core.dgd import softclamp_factor
-from pallas_kernels.common import chunked_pallas_call
+from pallas_kernels.common import chunk_specs, chunked_pallas_call
 
 __all__ = ["scalar_names", "chunk_math", "titans_linear_fwd_call", "titans_linear_bwd_call"]
 
@@ -258,21 +258,9 @@ def _bwd_kernel(*refs, packed, grad_clip, chunk, horizon):
             dsi_ref[...] = acc_scr[1][...]
 
 
-def _specs(N, chunk, K, V, ns, reverse):
-    """Block specs over the grid ``(B·H, N)``; ``reverse`` walks the chunks last to first."""
-    sq = pl.Squeezed()
-    at = (lambda n: N - 1 - n) if reverse else (lambda n: n)
-
-    def tok(width):
-        return pl.BlockSpec((sq, chunk, width), lambda h, n: (h, at(n), 0))
-
-    return {
-        "tok": tok,
-        "scalars": pl.BlockSpec((sq, sq, ns, chunk), lambda h, n: (h, at(n), 0, 0)),
-        "dread": pl.BlockSpec((sq, sq, chunk, chunk), lambda h, n: (h, at(n), 0, 0)),
-        "state": pl.BlockSpec((sq, K, V), lambda h, n: (h, 0, 0)),
-        "states": pl.BlockSpec((sq, sq, K, V), lambda h, n: (h, at(n), 0, 0)),
-    }
+def _per_chunk(ns, chunk):
+    """The per-chunk inputs: the ``ns`` scalar rows and the ``[C, C]`` read coefficients."""
+    return {"scalars": (ns, chunk), "dread": (chunk, chunk)}
 
 
 def titans_linear_fwd_call(
@@ -297,7 +285,7 @@ def titans_linear_fwd_call(
     V = v.shape[-1]
     N = Tp // chunk
     nc = _n_carried(packed)
-    sp = _specs(N, chunk, K, V, sc.shape[2], reverse=False)
+    sp = chunk_specs(N, chunk, K, V, False, _per_chunk(sc.shape[2], chunk))
     in_specs = [sp["tok"](K), sp["tok"](K), sp["tok"](V), sp["scalars"], sp["dread"]]
     in_specs += [sp["state"]] * (4 if packed else 2)
     out_specs = [sp["tok"](V), sp["state"], sp["state"]] + [sp["states"]] * (nc * save_states)
@@ -335,7 +323,7 @@ def titans_linear_bwd_call(
     N = Tp // chunk
     nc = _n_carried(packed)
     ns = sc.shape[2]
-    sp = _specs(N, chunk, K, V, ns, reverse=True)
+    sp = chunk_specs(N, chunk, K, V, True, _per_chunk(ns, chunk))
     tok = sp["tok"]
     in_specs = [tok(K), tok(K), tok(V), sp["scalars"], sp["dread"]] + [sp["states"]] * nc
     in_specs += [sp["state"]] * (2 if packed else 0) + [tok(V), sp["state"], sp["state"]]

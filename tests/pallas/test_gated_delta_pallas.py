@@ -18,6 +18,7 @@ import pytest
 from nested_jax import ops
 from nested_jax.core.associative import gated_delta_chunked, gated_delta_recurrent
 from pallas_kernels.gated_delta import BlockSizes, gated_delta_pallas
+from pallas_kernels.titans_linear import BlockSizes as TitansBlockSizes
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(
@@ -121,10 +122,12 @@ def test_bf16_operands():
     assert _rel(s, s_ref) < F32_TOL  # the state never leaves f32
 
 
+@pytest.mark.parametrize("blocks", [BlockSizes, TitansBlockSizes], ids=["gated_delta", "titans"])
 @pytest.mark.parametrize("chunk", [0, -8, 12, 8.0, True, None])
-def test_block_sizes_validation(chunk):
+def test_block_sizes_validation(blocks, chunk):
+    """Both kernels' ``BlockSizes`` refuse a chunk that is not a positive multiple of 8."""
     with pytest.raises(ValueError, match=r"^BlockSizes: chunk must be a positive multiple of 8"):
-        BlockSizes(chunk=chunk)
+        blocks(chunk=chunk)
 
 
 def test_block_sizes_default_and_frozen():
@@ -155,10 +158,10 @@ def test_ops_dispatch_routes_delta_rules_to_the_kernel():
 # --------------------------------------------------------------------------------------------------
 
 
-def _compile_on(topology, head_dim, resets):
-    """Compiles the kernels (interpret=False) under ``shard_map`` over the batch, forward and
-    forward+backward, bf16 q, k, v and an initial state (``resets``: segment_ids too, the restart
-    path); returns ``{"fwd" | "grad": compiled}``."""
+def tpu_batch_mesh(topology):
+    """``(mesh, sds)`` for an ahead-of-time TPU compile on this CPU: the abstract devices of
+    ``topology`` (libtpu) on one ``"batch"`` axis, and ``sds(shape, dtype)`` an abstract array
+    split over it along its first dimension."""
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -166,10 +169,21 @@ def _compile_on(topology, head_dim, resets):
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # see nested_jax.train.aot
     devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
     mesh = Mesh(np.asarray(devices), ("batch",))
-    B, T, H, D = 2 * len(devices), 256, 2, head_dim
 
     def sds(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("batch")))
+
+    return mesh, sds
+
+
+def _compile_on(topology, head_dim, resets):
+    """Compiles the kernels (interpret=False) under ``shard_map`` over the batch, forward and
+    forward+backward, bf16 q, k, v and an initial state (``resets``: segment_ids too, the restart
+    path); returns ``{"fwd" | "grad": compiled}``."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh, sds = tpu_batch_mesh(topology)
+    B, T, H, D = 2 * mesh.devices.size, 256, 2, head_dim
 
     bf, f32 = jnp.bfloat16, jnp.float32
     specs = (

@@ -13,7 +13,6 @@ option at once plus the door and the v5e lowering; the rest is ``slow``.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +30,7 @@ from nested_jax.models.lm import build_model
 from nested_jax.ops.linear import ProteusRule
 from nested_jax.ops.titans import TitansMemorySpec, titans_memory_init_cache, titans_mlp_state
 from pallas_kernels.titans_linear import BlockSizes, titans_linear_pallas
+from tests.pallas.test_gated_delta_pallas import tpu_batch_mesh
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(
@@ -245,12 +245,6 @@ def test_bf16_operands():
     assert _rel(M, M_ref) < F32_TOL and _rel(S, S_ref) < F32_TOL  # the states never leave f32
 
 
-@pytest.mark.parametrize("chunk", [0, -8, 12, 8.0, True, None])
-def test_block_sizes_validation(chunk):
-    with pytest.raises(ValueError, match=r"^BlockSizes: chunk must be a positive multiple of 8"):
-        BlockSizes(chunk=chunk)
-
-
 def test_block_sizes_default_and_frozen_and_argument_errors():
     bs = BlockSizes.get_default()
     assert bs == BlockSizes(chunk=16)
@@ -347,17 +341,10 @@ def _compile_on(topology, head_dim, resets, chunk, which):
     """Compiles the kernels (interpret=False) under ``shard_map`` over the batch, forward and
     forward+backward, bf16 q, k, v, an initial state, grad_clip and grad_horizon (``resets``:
     segment_ids too, the packed path); returns ``{"fwd" | "grad": (lowered text, compiled)}``."""
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # see nested_jax.train.aot
-    devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
-    mesh = Mesh(np.asarray(devices), ("batch",))
-    B, T, H, D = 2 * len(devices), 256, 2, head_dim
-
-    def sds(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("batch")))
+    mesh, sds = tpu_batch_mesh(topology)
+    B, T, H, D = 2 * mesh.devices.size, 256, 2, head_dim
 
     bf, f32 = jnp.bfloat16, jnp.float32
     specs = (
