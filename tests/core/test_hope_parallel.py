@@ -279,8 +279,13 @@ SEG = [[0] * 5 + [1] * 6 + [2] * 2, [0] * 13]  # document starts at 5 and 11 (ro
     [
         ({"segment_ids": True}, (4, 2)),  # packed rows, the memory group larger
         ({"segment_ids": True, "inner_k": False, "inner_v": False}, (2, 4)),  # fixed rows, resets
-        ({"adaptive_q": True, "inner_q": False, "segment_ids": True}, (4, 4)),  # M_q row, R = 1
-        ({"adaptive_q": True}, (2, 4)),  # the projection group larger, M_q adapts
+        # ~30 s each on 2 cores: the M_q cases run with -m slow
+        pytest.param(
+            {"adaptive_q": True, "inner_q": False, "segment_ids": True},
+            (4, 4),  # M_q row, R = 1
+            marks=pytest.mark.slow,
+        ),
+        pytest.param({"adaptive_q": True}, (2, 4), marks=pytest.mark.slow),  # M_q adapts
     ],
     ids=["packed", "fixed-rows", "fixed-q", "adaptive-q"],
 )
