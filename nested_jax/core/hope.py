@@ -78,9 +78,9 @@ from nested_jax.core.checks import require_initial_state
 from nested_jax.core.dgd import clamped_rate, dgd_step_size
 from nested_jax.core.hope_rows import (
     _adapting,
-    _l2norm,
     _parallel_chunk,
     _pick,
+    _projections,
     _row_mask,
     _rows,
     _signals,
@@ -219,22 +219,11 @@ def _scan_updates(state: HopeState, sig, q, eta, alpha, valid_c, rule: HopeRule,
 
 
 def _project(snap: HopeMemories, x_c, q_c, readout: HopeReadout, rule: HopeRule, act):
-    """``k, v, η, α, q`` of a chunk's tokens from the projection snapshots (SPEC §3.2)."""
-    k = _l2norm(mlp_memory_apply(snap.k, x_c, act))
-    v = mlp_memory_apply(snap.v, x_c, act)
-    ye = mlp_memory_apply(snap.eta, x_c, act)
-    eta_logit = jnp.einsum("bnhd,hd->bnh", ye, readout.eta_w) + readout.eta_b
-    eta = rule.eta_max * jax.nn.sigmoid(eta_logit)
-    if rule.decay:
-        ya = mlp_memory_apply(snap.alpha, x_c, act)
-        alpha = jax.nn.sigmoid(jnp.einsum("bnhd,hd->bnh", ya, readout.alpha_w) + readout.alpha_b)
-    else:
-        alpha = jnp.ones_like(eta)
-    if rule.adaptive_q:
-        q = _l2norm(mlp_memory_apply(snap.q, x_c, act))
-    else:
-        q = _l2norm(q_c)
-    return k, v, eta, alpha, q
+    """``k, v, η, α, q`` of a chunk's tokens from the projection snapshots (SPEC §3.2), each
+    memory applied on its own (:func:`core.hope_rows._projections`)."""
+    names = ["k", "v", "eta"] + ["alpha"] * rule.decay + ["q"] * rule.adaptive_q
+    y = {n: mlp_memory_apply(getattr(snap, n), x_c, act) for n in names}
+    return _projections(y, q_c, readout, rule)
 
 
 def _snapshot(name: str, snap_proj: HopeMemories, snap_mem: MLPMemory) -> MLPMemory:

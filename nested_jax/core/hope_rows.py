@@ -99,11 +99,10 @@ def _row_mask(flags, ndim: int):
     return jnp.asarray(flags).reshape((-1,) + (1,) * (ndim - 1))
 
 
-def _project_rows(snap: MLPMemory, x_c, q_c, readout: HopeReadout, rule: HopeRule, act, rows):
-    """:func:`_project` from the stacked snapshots: every row applied to the chunk's tokens in
-    one batched call (the ``M_memory`` row's output is unused)."""
-    ys = jax.vmap(lambda m: mlp_memory_apply(m, x_c, act))(snap)
-    y = {n: ys[i] for i, n in enumerate(rows.names)}
+def _projections(y, q_c, readout: HopeReadout, rule: HopeRule):
+    """``k, v, η, α, q`` (SPEC §3.2) from the projection memories' outputs ``y[name]``
+    ``[B, c, H, D]`` (``alpha`` read only with ``rule.decay``, ``q`` only with ``adaptive_q``):
+    ``k = norm(M_k(x))``, ``η = eta_max·σ(w_ηᵀ M_η(x) + b_η)``, ``α = σ(w_αᵀ M_α(x) + b_α)``."""
     eta = rule.eta_max * jax.nn.sigmoid(
         jnp.einsum("bnhd,hd->bnh", y["eta"], readout.eta_w) + readout.eta_b
     )
@@ -114,6 +113,13 @@ def _project_rows(snap: MLPMemory, x_c, q_c, readout: HopeReadout, rule: HopeRul
         alpha = jnp.ones_like(eta)
     q = _l2norm(y["q"] if rule.adaptive_q else q_c)
     return _l2norm(y["k"]), y["v"], eta, alpha, q
+
+
+def _project_rows(snap: MLPMemory, x_c, q_c, readout: HopeReadout, rule: HopeRule, act, rows):
+    """:func:`_projections` from the stacked snapshots: every row applied to the chunk's tokens
+    in one batched call (the ``M_memory`` row's output is unused)."""
+    ys = jax.vmap(lambda m: mlp_memory_apply(m, x_c, act))(snap)
+    return _projections({n: ys[i] for i, n in enumerate(rows.names)}, q_c, readout, rule)
 
 
 def _parallel_updates(w: MLPMemory, s: MLPMemory | None, sig, q, eta, alpha, valid_c,
