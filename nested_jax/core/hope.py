@@ -81,10 +81,10 @@ from nested_jax.core.hope_rows import (
     _parallel_chunk,
     _pick,
     _projections,
-    _row_mask,
     _rows,
     _signals,
     _stack,
+    _take_rows,
     _unstack,
 )
 from nested_jax.core.hope_state import (
@@ -261,10 +261,11 @@ def _chunk_body(
         )
     sig = {}
     for n in _adapting(rule):
-        sig[n] = _signals(_snapshot(n, snap_proj, snap_mem), k, v, act, rule.stop_gradient_targets)
+        snap = _snapshot(n, snap_proj, snap_mem)
+        sig[n] = _signals(snap, k, v, act, rule.stop_gradient_targets)[0]
         if resets is not None:
             fresh = fresh_mem if n == "memory" else fresh_proj
-            s_init = _signals(getattr(init, n), k, v, act, rule.stop_gradient_targets)
+            s_init = _signals(getattr(init, n), k, v, act, rule.stop_gradient_targets)[0]
             sig[n] = _pick(fresh, s_init, sig[n])
     return _scan_updates(state, sig, q, eta, alpha, valid_c, rule, act, init, reset_c)
 
@@ -326,13 +327,14 @@ def _scan_body(state: HopeState, readout: HopeReadout, rule: HopeRule, act, init
         def body(carry, inp):
             w, s, snap = carry
             n, x_c, q_c, v_c, fl = inp
-            if R > 1:  # the smaller group's rows every chunk, the larger group's every R-th
-                fresh = jnp.asarray(rows.small) | ((n % R) == 0)
-                snap = jax.tree.map(lambda a, b: jnp.where(_row_mask(fresh, a.ndim), a, b), w, snap)
+            if rows.big:  # the larger group's snapshot rows, refreshed every R-th chunk
+                start = (n % R) == 0
+                snap = jax.tree.map(
+                    lambda a, b: jnp.where(start, a, b), _take_rows(w, rows.big), snap
+                )
             o, w, s = _parallel_chunk(
-                w, s, w if R == 1 else snap, x_c, q_c, v_c, readout, rule, act, rows,
-                init_rows, fl,
-            )  # fmt: skip
+                w, s, snap, x_c, q_c, v_c, readout, rule, act, rows, init_rows, fl
+            )
             w, s = _cut(n, horizon, (w, s))
             return (w, s, snap), o
 
@@ -345,7 +347,7 @@ def _scan_body(state: HopeState, readout: HopeReadout, rule: HopeRule, act, init
                 _unstack(w, rows.names), None if s is None else _unstack(s, rows.names)
             )
 
-        return (w0, momenta, w0 if R > 1 else None), body, final
+        return (w0, momenta, _take_rows(w0, rows.big) if rows.big else None), body, final
 
     memory_is_big = rule.chunk_memory > rule.chunk_other
 

@@ -40,11 +40,19 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from nested_jax.core.dgd import clamped_rate, dgd_step_size
 from nested_jax.core.wy import solve_tril
 
-__all__ = ["ChunkCoefficients", "chunk_coefficients", "layer_chunk", "read_running"]
+__all__ = [
+    "ChunkCoefficients",
+    "chunk_coefficients",
+    "layer_chunk",
+    "layer_end",
+    "layer_updates",
+    "read_running",
+]
 
 _TINY_RETENTION = 1e-30
 
@@ -119,37 +127,42 @@ def chunk_coefficients(alpha, mu: float, valid, reset=None) -> ChunkCoefficients
     )
 
 
-def _base(W0, W_init, z, fresh):
-    """``W_0 z_j`` or, on rows after a document start, ``W_init z_j``: ``[B, H, C, o]``."""
-    out = jnp.einsum("bhoi,bhci->bhco", W0, z)
+def _base(W0, W_init, z, fresh, w0z=None):
+    """``W_0 z_j`` (``w0z`` when the caller has it) or, on rows after a document start,
+    ``W_init z_j``: ``[B, H, C, o]``."""
+    out = jnp.einsum("bhoi,bhci->bhco", W0, z) if w0z is None else w0z
     if W_init is None:
         return out
     restart = jnp.einsum("bhoi,bhci->bhco", W_init, z)
     return jnp.where(fresh[:, None, : z.shape[2], None], restart, out)
 
 
-def read_running(W0, S0, x, U, z, co: ChunkCoefficients, W_init=None):
+def read_running(W0, S0, x, U, z, co: ChunkCoefficients, W_init=None, w0z=None):
     """``W_{j−1} z_j`` for every token ``j`` of the chunk: ``[B, H, C, o]`` (module docstring).
 
     Args:
       W0, S0: ``[B, H, o, i]`` weights and momentum at the chunk start (``S0`` None: none).
-      x: ``[B, H, C, i]`` the layer's inputs; U: ``[B, H, C, o]`` its update vectors.
+      x: ``[B, H, C, i]`` the layer's inputs; U: ``[B, H, C, o]`` its update vectors (None: the
+        chunk-start part only, ``P̄_j W_0 z_j + Q̄_j S_0 z_j``).
       z: ``[B, H, C, i]`` the queries.
       W_init: ``[B, H, o, i]`` the weights a document start resets to (None: no resets).
+      w0z: optional ``W_0 z`` ``[B, H, C, o]`` already computed (saves one read of ``W_0``).
     """
     C = x.shape[2]
-    out = co.p_before[..., :C, None] * _base(W0, W_init, z, co.fresh)
+    out = co.p_before[..., :C, None] * _base(W0, W_init, z, co.fresh, w0z)
     if S0 is not None:
         out = out + co.q_before[..., :C, None] * jnp.einsum("bhoi,bhci->bhco", S0, z)
+    if U is None:
+        return out
     mix = co.e_before[..., :C, :] * jnp.einsum("bhci,bhsi->bhcs", z, x)
     return out + jnp.einsum("bhcs,bhso->bhco", mix, U)
 
 
-def layer_chunk(
+def layer_updates(
     W0, S0, x, g, lr, co: ChunkCoefficients, *, dgd: bool, step: str, target="gradient",
-    W_init=None, grad_clip: float = 0.0,
+    W_init=None, grad_clip: float = 0.0, w0x=None,
 ):  # fmt: skip
-    """One memory layer over one chunk: the update vectors and the chunk-end ``(W_n, S_n)``.
+    """One memory layer's update vectors ``U [B, H, C, o]`` over one chunk (``u_t = U_t x_tᵀ``).
 
     Args:
       W0, S0: ``[B, H, o, i]`` at the chunk start (``S0`` None without momentum).
@@ -164,32 +177,61 @@ def layer_chunk(
       W_init: ``[B, H, o, i]`` the weights a document start resets to (None: no resets).
       grad_clip: softclamp of each token's layer gradient ``g xᵀ`` in the rate
         (:func:`core.dgd.clamped_rate`; 0 = off).
-
-    Returns:
-      ``(U [B, H, C, o], W_n [B, H, o, i], S_n or None)``.
+      w0x: optional ``W_0 x`` ``[B, H, C, o]`` already computed (the signals' own product when
+        the snapshot is the running memory).
     """
     lr = clamped_rate(lr, g, x, grad_clip)
     if dgd and target == "proximal":
-        U = -dgd_step_size(lr, x, step=step)[..., None] * g
-    elif dgd:
-        gamma = dgd_step_size(lr, x, step=step)[..., None]  # [B, H, C, 1]
-        a = read_running(W0, S0, x, jnp.zeros_like(g), x, co, W_init)  # P̄ W_0 x + Q̄ S_0 x
-        k_mat = co.e_before[..., :-1, :] * jnp.einsum("bhci,bhsi->bhcs", x, x)
-        # (I + Γ K) U = −Γ(a + g), unit lower: the WY form's solve (runs on Explicit meshes too)
-        U = solve_tril(gamma * k_mat, -gamma * (a + g))
-    else:
-        U = -lr[..., None] * g
+        return -dgd_step_size(lr, x, step=step)[..., None] * g
+    if not dgd:
+        return -lr[..., None] * g
+    gamma = dgd_step_size(lr, x, step=step)[..., None]  # [B, H, C, 1]
+    a = read_running(W0, S0, x, None, x, co, W_init, w0x)  # P̄ W_0 x + Q̄ S_0 x
+    k_mat = co.e_before[..., :-1, :] * jnp.einsum("bhci,bhsi->bhcs", x, x)
+    # (I + Γ K) U = −Γ(a + g), unit lower: the WY form's solve (runs on Explicit meshes too)
+    return solve_tril(gamma * k_mat, -gamma * (a + g))
+
+
+def _after(x, dep):
+    """``x``, computed after ``dep`` (``x + 0·dep[0…]``, gradient stopped): a data dependency that
+    XLA cannot fold away. The chunk-end weights and momenta are written after every read of the
+    chunk-start ones, so XLA writes them in place instead of copying the carried stacks each chunk
+    (measured on the Hope scan, XLA:CPU: 4 stack copies per chunk without it, ~10% of the
+    fwd+bwd time). Exact for finite ``dep``."""
+    return x + 0.0 * lax.stop_gradient(dep[(0,) * dep.ndim]).astype(x.dtype)
+
+
+def layer_end(W0, S0, x, U, co: ChunkCoefficients, W_init=None, after=None):
+    """The chunk-end ``(W_n, S_n)`` of one memory layer from its update vectors (module
+    docstring): ``W_n = P̄_n base + Q̄_n S_0 + Σ_s Ē_{n,s} U_s x_sᵀ``, ``S_n = μ^n S_0 +
+    Σ_s μ^{n−1−s} U_s x_sᵀ`` (``base`` is ``W_init`` when a document started in the chunk; ``S0``
+    None: no momentum, returns ``S_n`` None). Shapes as :func:`layer_updates`. ``after``: an
+    array computed from other reads of ``W0`` or ``S0`` (the caller's read-before-write output),
+    which the writes are ordered after (:func:`_after`)."""
     end = lambda c: jnp.einsum("bj,bhj...->bh...", co.end, c)  # noqa: E731  (row n)
     base = W0
     if W_init is not None:
         restarted = jnp.sum(co.end * co.fresh, axis=1)[:, None, None, None] > 0
         base = jnp.where(restarted, W_init, W0)
     W = end(co.p_before)[..., None, None] * base
-    W = W + jnp.einsum("bhs,bhso,bhsi->bhoi", end(co.e_before), U, x)
+    # The coefficients scale U first, so the product is U'ᵀ x with both operands batched like
+    # the weights (under the caller's vmap over stacked memories the contraction keeps that
+    # axis as a batch axis instead of transposing the whole stack).
+    W = W + jnp.einsum("bhso,bhsi->bhoi", end(co.e_before)[..., None] * U, x)
+    if after is not None:
+        W = _after(W, after)
     if S0 is None:
-        return U, W, None
+        return W, None
     W = W + end(co.q_before)[..., None, None] * S0
     s_end = jnp.einsum("bj,bjs->bs", co.end, co.s_before)  # μ^{n−1−s}
     S = jnp.einsum("bj,bj->b", co.end, co.mu_pow)[:, None, None, None] * S0
-    S = S + jnp.einsum("bs,bhso,bhsi->bhoi", s_end, U, x)
-    return U, W, S
+    S = S + jnp.einsum("bhso,bhsi->bhoi", s_end[:, None, :, None] * U, x)
+    # S_0 is read by W_n too: S_n overwrites it after
+    return W, S if after is None else _after(S, W)
+
+
+def layer_chunk(W0, S0, x, g, lr, co: ChunkCoefficients, *, W_init=None, **rule):
+    """One memory layer over one chunk: ``(U, W_n, S_n)`` (:func:`layer_updates` then
+    :func:`layer_end`; ``rule``: their ``dgd``, ``step``, ``target``, ``grad_clip``)."""
+    U = layer_updates(W0, S0, x, g, lr, co, W_init=W_init, **rule)
+    return (U, *layer_end(W0, S0, x, U, co, W_init))
