@@ -259,6 +259,7 @@ def hola_forward(
     segment_ids=None,
     chunk_size=64,
     state_path: Callable = gated_delta_chunked,
+    cache_read: Callable | None = None,
 ):
     """HOLA layer math, block-parallel (SPEC §5): ``o_t = S_tᵀ (scale q_t) + σ(λ_h) o_cache,t``.
 
@@ -297,6 +298,11 @@ def hola_forward(
         returning ``(o [B, T, H, V], S_T [B, H, K, V] f32)`` with ``gated_delta_chunked``'s
         contract (``initial_state`` None = zero); ``ops.hola`` passes the Pallas kernel for
         ``impl="pallas"``. The residual pass of the scores and the cache path do not use it.
+      cache_read: optional; every block's cache read at once, with the contract of
+        ``hola_cache.read_blocks`` (``ops.hola`` passes the Pallas kernel for ``impl="pallas"``).
+        Given, the one-stream cache path runs in two phases (``hola_cache.cache_blocks``: the
+        merges first, then one read of all blocks); not used by ``cumulative_attention`` (its
+        merges need the reads) nor with ``segment_ids`` (the packed scan).
 
     Returns:
       ``(o [B, T, H, V] in v's dtype, HolaState)``. With ``segment_ids`` the state is that of each
@@ -312,13 +318,16 @@ def hola_forward(
     )  # fmt: skip
     if not callable(state_path):
         raise ValueError(f"{fn}: state_path must be a function, got {state_path!r}")
+    if cache_read is not None and not callable(cache_read):
+        raise ValueError(f"{fn}: cache_read must be a function or None, got {cache_read!r}")
     o_state, S_T = state_path(
         q, k, v, g, beta, scale=scale, initial_state=S0, segment_ids=segment_ids,
         chunk_size=chunk_size,
     )  # fmt: skip
     o_cache, cache, blk, pos = _cache_path(
-        q, k, v, g, beta, params, state0, S0, segment_ids, sizes, eviction, read_norm, cache_scale
-    )
+        q, k, v, g, beta, params, state0, S0, segment_ids, sizes, eviction, read_norm, cache_scale,
+        cache_read,
+    )  # fmt: skip
     o = o_state.astype(_F32) + _sigmoid_gate(gate_logit)[None, None, :, None] * o_cache
     return o.astype(v.dtype), HolaState(S_T, *cache, *blk, pos=pos)
 
@@ -346,7 +355,20 @@ def _check_forward(
 
 
 def _cache_path(
-    q, k, v, g, beta, params, state0, S0, segment_ids, sizes, eviction, read_norm, cache_scale
+    q,
+    k,
+    v,
+    g,
+    beta,
+    params,
+    state0,
+    S0,
+    segment_ids,
+    sizes,
+    eviction,
+    read_norm,
+    cache_scale,
+    cache_read=None,
 ):
     """The cache half of ``hola_forward`` (SPEC §5): insertion scores, then the block scan over one
     stream continuing ``state0`` (``S0`` is None for a fresh start) or over packed documents.
@@ -364,7 +386,7 @@ def _cache_path(
     if segment_ids is None:
         o_cache, cache, blk = cache_blocks(
             q, k, v, scores, *params, state0, S0 is not None,
-            window, block_size, eviction, read_norm, cs,
+            window, block_size, eviction, read_norm, cs, cache_read,
         )  # fmt: skip
         return o_cache, cache, blk, state0.pos + T
     return cache_blocks_packed(

@@ -26,6 +26,8 @@ __all__ = [
     "read_normalize",
     "attend",
     "merge_top_w",
+    "merge_order",
+    "read_blocks",
     "cache_blocks",
     "doc_starts",
     "cache_blocks_packed",
@@ -70,23 +72,46 @@ def attend(qn, ck_n, cv, c_mask, bk_n, bv, b_mask, sink, cache_scale):
     return o, pc, pb
 
 
+def _signless_zero(x):
+    """``x`` with −0.0 replaced by +0.0, so a float sort does not split ties by sign. ``lax.top_k``
+    compares in the total order (−0.0 < +0.0; ``lax.sort``'s comparator already equates them), and
+    ``x + 0.0`` is no fix under ``jit``: XLA's simplifier drops the addition (measured)."""
+    return jnp.where(x == 0, 0.0, x)
+
+
 def merge_top_w(cache, blk, window, eviction):
     """Top-``window`` of ``cache ∪ block`` (SPEC §5); each is ``(k, v, score, pos, valid)``, entries
-    on axis 2.
+    on axis 2 (``cache`` ``w`` entries, ``blk`` the block's ``C``).
 
     Order key: score descending (``recency``: position descending), then position ascending; invalid
-    entries last. Selection is not differentiated; the gathers pass gradients to the chosen k, v.
+    entries last. The ``window`` entries come out in that order (the *selection order*), invalid
+    ones zeroed (``pos = −1``). Selection is not differentiated; the gathers pass gradients to the
+    chosen k, v.
+
+    Without a full sort (every eviction but ``cumulative_attention``): one ``lax.top_k`` of the
+    ``w + C`` primary keys (score, or position for ``recency``; invalid → −∞). ``top_k`` breaks
+    ties by the lower index and returns keys descending, ties by index. This equals the 2-key order
+    because of an invariant of every caller (the forward, the packed forward, the decode step):
+
+    - the cache is stored in selection order (it is a previous output of this function): among its
+      valid entries, equal scores stand in position-ascending order;
+    - the block's entries stand in position order, and every block position follows every cache
+      position (the cache holds earlier blocks only);
+    - the scores are fixed at insertion, so the stored order of the cache is still its order now.
+
+    Hence, among equal keys, lower index ⇔ earlier position, SPEC §5's tie rule, and top_k's
+    output order is the selection order. −0.0 is mapped to +0.0 first (``top_k`` compares floats
+    in the total order, where −0.0 < +0.0; see :func:`_signless_zero`). Valid scores are never −∞
+    (magnitudes ≥ 0), so invalid entries (−∞) come last; among invalid entries the choice is
+    immaterial (they are zeroed). ``recency`` keys are the positions relative to the largest valid
+    one, ``p − max p`` in f32: distinct and exact while a merge's valid positions lie within
+    ``2²⁴`` of each other (they lie within ``w + C``); f32 ``top_k`` is also faster than int32 on
+    XLA:CPU. ``cumulative_attention`` breaks the invariant (cache scores grow after insertion, so
+    equal current masses need not stand in position order): it keeps the exact 2-key ``lax.sort``
+    of all ``w + C`` candidates.
     """
     k, v, s, p, val = (jnp.concatenate([a, b], axis=2) for a, b in zip(cache, blk, strict=True))
-    if eviction == "recency":
-        primary = jnp.where(val, -p, _INT_MAX)
-    else:
-        # + 0.0 maps −0.0 to +0.0 so the total-order float sort does not split ties by sign.
-        primary = jnp.where(val, -lax.stop_gradient(s) + 0.0, jnp.inf)
-    secondary = jnp.where(val, p, _INT_MAX)
-    idx = lax.broadcasted_iota(jnp.int32, val.shape, val.ndim - 1) + zeros_typed(p, dtype=jnp.int32)
-    _, _, order = lax.sort((primary, secondary, idx), dimension=-1, num_keys=2)
-    sel = order[..., :window]
+    sel = merge_order(s, p, val, window, eviction)
     take = lambda x: jnp.take_along_axis(x, sel, axis=2)  # noqa: E731
     take_d = lambda x: jnp.take_along_axis(x, sel[..., None], axis=2)  # noqa: E731
     nval = take(val)
@@ -99,13 +124,36 @@ def merge_top_w(cache, blk, window, eviction):
     )
 
 
+def merge_order(s, p, val, window, eviction):
+    """The indices ``[..., window]`` of the candidates :func:`merge_top_w` keeps, in selection
+    order.
+
+    ``s, p, val [..., w + C]``: scores, positions and validity of ``cache ‖ block`` (the cache
+    first, in selection order; the block in position order). ``lax.top_k`` except for
+    ``cumulative_attention`` (the 2-key sort); :func:`merge_top_w` states why this is exact.
+    """
+    if eviction == "cumulative_attention":
+        primary = jnp.where(val, -_signless_zero(lax.stop_gradient(s)), jnp.inf)
+        secondary = jnp.where(val, p, _INT_MAX)
+        idx = lax.broadcasted_iota(jnp.int32, val.shape, val.ndim - 1)
+        idx = idx + zeros_typed(p, dtype=jnp.int32)
+        _, _, order = lax.sort((primary, secondary, idx), dimension=-1, num_keys=2)
+        return order[..., :window]
+    if eviction == "recency":
+        top = jnp.max(jnp.where(val, p, 0), axis=-1, keepdims=True)
+        key = (p - top).astype(_F32)
+    else:
+        key = _signless_zero(lax.stop_gradient(s))
+    return lax.top_k(jnp.where(val, key, -jnp.inf), window)[1]
+
+
 # --------------------------------------------------------------------------------------------------
 # One stream: blocks on absolute positions, continuing a state
 # --------------------------------------------------------------------------------------------------
 
 
 def cache_blocks(
-    q, k, v, scores, gamma_q, gamma_k, sink, state0, lead, W, C, eviction, read_norm, cs
+    q, k, v, scores, gamma_q, gamma_k, sink, state0, lead, W, C, eviction, read_norm, cs, read=None
 ):
     """Cache path over blocks.
 
@@ -113,16 +161,23 @@ def cache_blocks(
     on "slots" aligned to absolute block boundaries: slot ``s`` is position ``pos0 − r + s`` with
     ``r = pos0 % C``. With an initial state (``lead``), slots ``[0, r)`` hold its block buffer (keys
     only; their queries were answered earlier) and the new tokens start at slot ``r``.
+
+    ``read`` (optional; not for ``cumulative_attention``, whose merges need the reads' masses):
+    the two-phase form. A scan of merges alone (indices, no reads; scores are fixed at insertion)
+    gives every block's cache ``A_{n−1}``; the caches are gathered from ``[initial cache ‖ slots]``
+    into one ``[B, H, n, w, ·]`` stack and ``read`` computes every block's read at once, with
+    :func:`read_blocks`'s contract (``ops.hola`` passes the Pallas kernel). The same selections,
+    the same values up to the read's rounding; gradients reach the chosen tokens through the gather.
     """
+    if read is not None and eviction != "cumulative_attention":
+        return _cache_blocks_two_phase(
+            q, k, v, scores, gamma_q, gamma_k, sink, state0, lead, W, C, eviction, read_norm, cs,
+            read,
+        )  # fmt: skip
     B, T, H, K = q.shape
     V = v.shape[-1]
     pos0 = state0.pos
-    if lead:
-        r = pos0 % C
-        n_blocks = -(-(C + T) // C)
-    else:
-        r = jnp.zeros((), jnp.int32)
-        n_blocks = -(-T // C)
+    r, n_blocks = _slot_grid(pos0, lead, T, C)
     L = n_blocks * C
 
     buf = (state0.block_k, state0.block_v, state0.block_score) if lead else (None, None, None)
@@ -130,20 +185,10 @@ def cache_blocks(
     ks = _to_blocks(k, buf[0], r, n_blocks, C)
     vs = _to_blocks(v, buf[1], r, n_blocks, C)
     ss = _to_blocks(lax.stop_gradient(scores), buf[2], r, n_blocks, C)
-    slot = jnp.arange(L, dtype=jnp.int32)
-    filled = (slot < r + T).reshape(n_blocks, C)
-    is_query = ((slot >= r) & (slot < r + T)).reshape(n_blocks, C)
-    abs_pos = (pos0 - r + slot).reshape(n_blocks, C)
+    filled, is_query, abs_pos = _slot_flags(pos0, r, T, n_blocks, C)
     body = _stream_block_fn(gamma_q, gamma_k, sink, W, C, eviction, read_norm, cs)
-    cache0 = (
-        state0.cache_k.astype(_F32),
-        state0.cache_v.astype(_F32),
-        state0.cache_score.astype(_F32),
-        state0.cache_pos,
-        state0.cache_valid,
-    )
     cache, (o_blocks, s_blocks) = lax.scan(
-        body, cache0, (qs, ks, vs, ss, filled, is_query, abs_pos)
+        body, _cache0(state0), (qs, ks, vs, ss, filled, is_query, abs_pos)
     )
     # [n, B, H, C, V] -> [B, L, H, V] -> the T query slots.
     o = jnp.moveaxis(o_blocks, 0, 1).transpose(0, 1, 3, 2, 4).reshape(B, L, H, V)
@@ -151,20 +196,165 @@ def cache_blocks(
     return o, cache, _unfinished_block(ks, vs, s_blocks, r + T, n_blocks, C)
 
 
-def _to_blocks(x, buf, r, n_blocks, C):
-    """``x [B, T, H, ...]`` on the slots ``[r, r + T)`` of ``n_blocks · C`` (slots ``[0, C)``
-    first filled from the buffer ``buf [B, H, C, ...]`` unless None; the rest zero), as f32
-    blocks ``[n, B, H, C, ...]``."""
-    B = x.shape[0]
+def _slot_grid(pos0, lead, T, C):
+    """``(r, n_blocks)``: the first new token's slot and the number of blocks of the slots."""
+    if lead:
+        return pos0 % C, -(-(C + T) // C)
+    return jnp.zeros((), jnp.int32), -(-T // C)
+
+
+def _slot_flags(pos0, r, T, n_blocks, C):
+    """``(filled, is_query, abs_pos)``, each ``[n, C]``: a slot holds a token (buffer or new), a
+    new token (a query of this call), and its absolute position."""
+    slot = jnp.arange(n_blocks * C, dtype=jnp.int32)
+    filled = (slot < r + T).reshape(n_blocks, C)
+    is_query = ((slot >= r) & (slot < r + T)).reshape(n_blocks, C)
+    abs_pos = (pos0 - r + slot).reshape(n_blocks, C)
+    return filled, is_query, abs_pos
+
+
+def _cache0(state0):
+    """The state's cache 5-tuple, k, v and scores in f32."""
+    return (
+        state0.cache_k.astype(_F32),
+        state0.cache_v.astype(_F32),
+        state0.cache_score.astype(_F32),
+        state0.cache_pos,
+        state0.cache_valid,
+    )
+
+
+def _cache_blocks_two_phase(
+    q, k, v, scores, gamma_q, gamma_k, sink, state0, lead, W, C, eviction, read_norm, cs, read
+):
+    """:func:`cache_blocks` with ``read``: merges first, then all reads at once (its docstring).
+
+    Candidates of block ``n``'s merge are indexed into the table ``[initial cache (w) ‖ slots
+    (n·C)]``: the cache's entry ``i`` by its table index, the block's slot ``j`` by ``w + nC + j``.
+    """
+    B, T, H, K = q.shape
+    pos0 = state0.pos
+    r, n_blocks = _slot_grid(pos0, lead, T, C)
     L = n_blocks * C
+    buf = (state0.block_k, state0.block_v, state0.block_score) if lead else (None, None, None)
+    qh = _to_slots(q, None, r, L, C)  # [B, H, L, ·]
+    kh = _to_slots(k, buf[0], r, L, C)
+    vh = _to_slots(v, buf[1], r, L, C)
+    ss = _to_blocks(lax.stop_gradient(scores), buf[2], r, n_blocks, C)  # [n, B, H, C]
+    filled, _, abs_pos = _slot_flags(pos0, r, T, n_blocks, C)
+    ck0, cv0, cs0, cp0, cval0 = _cache0(state0)
+    src0 = jnp.arange(W, dtype=jnp.int32) + zeros_typed(cp0, dtype=jnp.int32)
+
+    def body(carry, xs):
+        c_s, c_p, c_val, c_src = carry
+        sb, fb, pb, n = xs
+        blk_p = pb + zeros_typed(sb, dtype=jnp.int32)
+        blk_val = fb | zeros_typed(sb, dtype=bool)
+        blk_src = W + n * C + jnp.arange(C, dtype=jnp.int32) + zeros_typed(sb, dtype=jnp.int32)
+        cand = [jnp.concatenate(x, axis=2) for x in
+                ((c_s, sb), (c_p, blk_p), (c_val, blk_val), (c_src, blk_src))]  # fmt: skip
+        sel = merge_order(cand[0], cand[1], cand[2], W, eviction)
+        n_s, n_p, n_val, n_src = (jnp.take_along_axis(x, sel, axis=2) for x in cand)
+        merged = (jnp.where(n_val, n_s, 0.0), jnp.where(n_val, n_p, -1), n_val, n_src)
+        new = tuple(jnp.where(fb[-1], m, o_) for m, o_ in zip(merged, carry, strict=True))
+        return new, (c_src, c_val)
+
+    steps = jnp.arange(n_blocks, dtype=jnp.int32)
+    (c_s, c_p, c_val, c_src), (srcs, vals) = lax.scan(
+        body, (cs0, cp0, cval0, src0), (ss, filled, abs_pos, steps)
+    )
+    table_k = jnp.concatenate([ck0, kh], axis=2)  # [B, H, w + L, K]
+    table_v = jnp.concatenate([cv0, vh], axis=2)
+    srcs = jnp.moveaxis(srcs, 0, 2)  # [B, H, n, w]
+    vals = jnp.moveaxis(vals, 0, 2)
+    ck = _gather_entries(table_k, srcs, vals)  # [B, H, n, w, K]: A_{n−1} of every block
+    cv = _gather_entries(table_v, srcs, vals)
+    o = read(qh, kh, vh, ck, cv, vals, filled, gamma_q, gamma_k, sink, read_norm, cs)
+    o = lax.dynamic_slice_in_dim(jnp.swapaxes(o, 1, 2), r, T, axis=1)  # [B, T, H, V]
+    cache = (
+        _gather_entries(table_k, c_src, c_val),
+        _gather_entries(table_v, c_src, c_val),
+        c_s,
+        c_p,
+        c_val,
+    )
+    end = r + T  # the unfinished last block (empty when end is a multiple of C)
+    last = jnp.minimum(end // C, n_blocks - 1)
+    keep = jnp.arange(C) < end % C
+    bk = lax.dynamic_slice_in_dim(kh, last * C, C, axis=2)
+    bv = lax.dynamic_slice_in_dim(vh, last * C, C, axis=2)
+    blk = (
+        jnp.where(keep[None, None, :, None], bk, 0.0),
+        jnp.where(keep[None, None, :, None], bv, 0.0),
+        jnp.where(keep[None, None, :], ss[last], 0.0),
+    )
+    return o, cache, blk
+
+
+def _gather_entries(table, src, valid):
+    """``table [B, H, N, D]`` rows at ``src [B, H, ...]`` (zero where not ``valid``):
+    ``[B, H, ..., D]``."""
+    B, H = src.shape[:2]
+    flat = src.reshape(B, H, -1, 1)
+    x = jnp.take_along_axis(table, flat, axis=2).reshape(src.shape + table.shape[3:])
+    return jnp.where(valid[..., None], x, 0.0)
+
+
+def read_blocks(qh, kh, vh, ck, cv, cval, filled, gamma_q, gamma_k, sink, read_norm, cs):
+    """Every block's cache read at once (SPEC §5), the contract of ``cache_blocks(read=)``.
+
+    Block ``n`` holds the slots ``[nC, (n+1)C)``; its query at slot ``t`` reads
+    ``[A_{n−1} ‖ block slots ≤ t that are filled ‖ sink]`` (:func:`attend`).
+
+    Args:
+      qh, kh: ``[B, H, L, K]``; vh: ``[B, H, L, V]`` f32 slots (``L = n·C``).
+      ck: ``[B, H, n, w, K]``; cv: ``[B, H, n, w, V]``; cval: ``bool [B, H, n, w]`` (``A_{n−1}``).
+      filled: ``bool [n, C]``; gamma_q, gamma_k: ``[H, K]``; sink: ``[H]``.
+      read_norm, cs: the read normalisation and the logit scale.
+
+    Returns:
+      ``o [B, H, L, V]`` f32.
+    """
+    B, H, L, K = qh.shape
+    n, C = filled.shape
+    causal = jnp.tril(jnp.ones((C, C), bool))
+
+    def one(q, k, v, c_k, c_v, c_val, fb):
+        qn = read_normalize(q, gamma_q, read_norm)
+        b_mask = jnp.broadcast_to(causal & fb[None, :], (B, H, C, C))
+        o, _, _ = attend(
+            qn, read_normalize(c_k, gamma_k, read_norm), c_v, c_val,
+            read_normalize(k, gamma_k, read_norm), v, b_mask, sink, cs,
+        )  # fmt: skip
+        return o
+
+    blocks = lambda x: x.reshape(B, H, n, C, x.shape[-1])  # noqa: E731
+    o = jax.vmap(one, in_axes=(2, 2, 2, 2, 2, 2, 0), out_axes=2)(
+        blocks(qh), blocks(kh), blocks(vh), ck, cv, cval, filled
+    )
+    return o.reshape(B, H, L, -1)
+
+
+def _to_slots(x, buf, r, L, C):
+    """``x [B, T, H, ...]`` on the slots ``[r, r + T)`` of ``L`` (slots ``[0, C)`` first filled
+    from the buffer ``buf [B, H, C, ...]`` unless None; the rest zero), heads-major f32
+    ``[B, H, L, ...]``."""
+    B = x.shape[0]
     # typed like x (its batch / head shardings on an Explicit mesh) so the update below matches
     out = zeros_typed(x[:, :1], (B, L) + x.shape[2:], _F32)
     if buf is not None:
         out = out.at[:, :C].set(jnp.moveaxis(buf.astype(_F32), 2, 1))
     start = (jnp.zeros((), jnp.int32), r) + (jnp.zeros((), jnp.int32),) * (x.ndim - 2)
-    x = lax.dynamic_update_slice(out, x.astype(_F32), start)
-    x = x.reshape((B, n_blocks, C) + x.shape[2:])
-    return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+    return jnp.moveaxis(lax.dynamic_update_slice(out, x.astype(_F32), start), 1, 2)
+
+
+def _to_blocks(x, buf, r, n_blocks, C):
+    """``x [B, T, H, ...]`` on the slots ``[r, r + T)`` of ``n_blocks · C`` (slots ``[0, C)``
+    first filled from the buffer ``buf [B, H, C, ...]`` unless None; the rest zero), as f32
+    blocks ``[n, B, H, C, ...]``."""
+    x = _to_slots(x, buf, r, n_blocks * C, C)
+    x = x.reshape(x.shape[:2] + (n_blocks, C) + x.shape[3:])
+    return jnp.moveaxis(x, 2, 0)
 
 
 def _stream_block_fn(gamma_q, gamma_k, sink, W, C, eviction, read_norm, cs):

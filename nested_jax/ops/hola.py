@@ -20,10 +20,14 @@ decoded token), never a core form. ``impl`` picks the form and is never switched
   ``impl``: it is float64 numpy with no gradients and no state, a test oracle only.
 - ``"pallas"``: ``hola_forward`` with its state path ``(o_state, S_T)`` run by the Pallas gated
   delta kernel (``ops.linear.gated_delta(..., impl="pallas")``: ``pallas_kernels/gated_delta``,
-  interpreted off TPU, ``rule.chunk_size`` its chunk, a multiple of 8). The insertion-score
-  residual pass and the cache path (block scan, top-w merge, cache read) stay the XLA ones of
-  ``"chunked"``; values and gradients equal ``"chunked"`` to f32 rounding (tested). Packed rows
-  run here too.
+  interpreted off TPU, ``rule.chunk_size`` its chunk, a multiple of 8) and, for one stream
+  (no ``segment_ids``) with an eviction other than ``"cumulative_attention"``, its cache read by
+  the Pallas cache-read kernel (``pallas_kernels/hola_cache``): the cache path runs in two phases
+  (``core.hola_cache.cache_blocks(read=)``: a scan of the top-w merges alone gives every block's
+  ``A_{n−1}``, then one kernel reads all blocks). Packed rows and ``"cumulative_attention"``
+  (whose merges need the reads' masses) keep the XLA block scan of ``"chunked"`` for the cache
+  path, silently: that is the whole routing. The insertion-score residual pass stays XLA. Values
+  and gradients equal ``"chunked"`` to f32 rounding (tested).
 
 :func:`hola_step` has a single form (``core.hola.hola_decode_step``): it continues any sequence
 form token by token, so it takes every ``impl`` alike (a layer passes its own ``impl``); one token
@@ -50,8 +54,10 @@ from nested_jax.core.hola import (
 )
 from nested_jax.core.hola_decode import HolaRule
 from nested_jax.ops._impl import check_impl as _check_impl
+from nested_jax.ops._pallas import pallas_per_shard
 from nested_jax.ops._state import pin_head_state
 from nested_jax.ops.linear import pallas_gated_delta
+from pallas_kernels.hola_cache import hola_cache_read_pallas as _hola_cache_read_pallas
 
 __all__ = [
     "EVICTIONS",
@@ -94,7 +100,8 @@ def hola(
         ``w, C``).
       segment_ids: optional ``int [B, T]`` packed documents (``"chunked"`` and ``"pallas"``; not
         with ``initial_state``).
-      impl: ``"chunked"`` | ``"recurrent"`` | ``"pallas"`` (the state path by the Pallas kernel).
+      impl: ``"chunked"`` | ``"recurrent"`` | ``"pallas"`` (the state path by the Pallas kernel;
+        the cache read too for one stream and an eviction other than ``cumulative_attention``).
 
     Returns:
       ``(o [B, T, H, V] in v's dtype, HolaState)``.
@@ -113,10 +120,44 @@ def hola(
     else:
         if impl == "pallas":
             kw["state_path"] = pallas_gated_delta
+            kw["cache_read"] = _pallas_cache_read
         o, state = hola_forward(
             q, k, v, g, beta, *params, initial_state=initial_state, segment_ids=segment_ids, **kw
         )
     return o, pin_head_state(state)
+
+
+_BH = ("batch", "heads")
+_CACHE_READ_LOGICAL = {
+    "qh": (*_BH, None, None),
+    "kh": (*_BH, None, None),
+    "vh": (*_BH, None, None),
+    "ck": (*_BH, None, None, None),
+    "cv": (*_BH, None, None, None),
+    "cval": (*_BH, None, None),
+    "filled": (None, None),
+    "gamma_q": ("heads", None),
+    "gamma_k": ("heads", None),
+    "sink": ("heads",),
+}
+
+
+def _pallas_cache_read(qh, kh, vh, ck, cv, cval, filled, gamma_q, gamma_k, sink, read_norm, cs):
+    """``core.hola_cache.read_blocks``'s contract by the Pallas cache-read kernel: Mosaic in a
+    program lowered for TPU, the interpreter elsewhere, one call per (batch, heads) shard under a
+    mesh (the read is independent per batch row and head)."""
+
+    def kernel(interpret, **ops):
+        o = _hola_cache_read_pallas(**ops, read_norm=read_norm, cache_scale=cs, interpret=interpret)
+        return (o,)
+
+    operands = dict(qh=qh, kh=kh, vh=vh, ck=ck, cv=cv, cval=cval, filled=filled, gamma_q=gamma_q,
+                    gamma_k=gamma_k, sink=sink)  # fmt: skip
+    out_shape = qh.shape[:3] + vh.shape[3:]
+    (o,) = pallas_per_shard(
+        kernel, operands, _CACHE_READ_LOGICAL, ((*_BH, None, None),), (out_shape,)
+    )
+    return o
 
 
 def hola_step(

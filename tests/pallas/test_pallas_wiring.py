@@ -87,7 +87,8 @@ def _assert_close(got, want, what):
 
 
 # --------------------------------------------------------------------------------------------------
-# HOLA: ops.hola(impl="pallas") — the state path by the kernel, the cache path by XLA
+# HOLA: ops.hola(impl="pallas") — the state path by the gated delta kernel; the cache read by the
+# hola_cache kernel for one stream, by XLA for packed rows and cumulative_attention
 # --------------------------------------------------------------------------------------------------
 
 # The differentiable float leaves of a HolaState (scores, positions, flags are not differentiated).
