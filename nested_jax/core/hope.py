@@ -76,6 +76,7 @@ from jax import lax
 
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.dgd import clamped_rate, dgd_step_size
+from nested_jax.core.hope_parallel import CHUNK_RESIDUAL
 from nested_jax.core.hope_rows import (
     _adapting,
     _parallel_chunk,
@@ -395,11 +396,16 @@ def _scan_chunks(state: HopeState, xs, readout: HopeReadout, rule: HopeRule, act
     # blocks with remat_levels > 2), so the saved states grow like √N (L·N^(1/L)) instead of N
     # (a carry holds every memory, momentum and the larger group's snapshot); n = 1 stores them
     # all and skips the block's extra forward.
+    # The chunk's checkpoint keeps its token-sized products of the memories (CHUNK_RESIDUAL), so
+    # its backward recomputes elementwise work only, not a read of every weight per product.
+    body = jax.checkpoint(
+        body, policy=jax.checkpoint_policies.save_only_these_names(CHUNK_RESIDUAL)
+    )
     blocks = rule.remat_blocks(xs[0].shape[0])
     if blocks == (1,):
-        carry, o = lax.scan(jax.checkpoint(body), carry, xs)
+        carry, o = lax.scan(body, carry, xs)
         return final(carry), o
-    carry, o = scan_remat(jax.checkpoint(body), carry, xs, remat_every=blocks)
+    carry, o = scan_remat(body, carry, xs, remat_every=blocks)
     return final(carry), o
 
 

@@ -41,11 +41,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from nested_jax.core.dgd import clamped_rate, dgd_step_size
 from nested_jax.core.wy import solve_tril
 
 __all__ = [
+    "CHUNK_RESIDUAL",
+    "keep_for_backward",
     "ChunkCoefficients",
     "chunk_coefficients",
     "layer_chunk",
@@ -55,6 +58,16 @@ __all__ = [
 ]
 
 _TINY_RETENTION = 1e-30
+
+# The name of a chunk's token-sized intermediates that read the memories (products ``W z``, the
+# update vectors): the chunk scan's ``jax.checkpoint`` saves them, so the backward does not read
+# every weight again to recompute them (``core.hope._scan_chunks``).
+CHUNK_RESIDUAL = "hope_chunk_residual"
+
+
+def keep_for_backward(x):
+    """``x`` named :data:`CHUNK_RESIDUAL` (saved by the chunk's checkpoint, not recomputed)."""
+    return checkpoint_name(x, CHUNK_RESIDUAL)
 
 
 class ChunkCoefficients(NamedTuple):
@@ -186,10 +199,10 @@ def layer_updates(
     if not dgd:
         return -lr[..., None] * g
     gamma = dgd_step_size(lr, x, step=step)[..., None]  # [B, H, C, 1]
-    a = read_running(W0, S0, x, None, x, co, W_init, w0x)  # P̄ W_0 x + Q̄ S_0 x
+    a = keep_for_backward(read_running(W0, S0, x, None, x, co, W_init, w0x))  # P̄W_0x + Q̄S_0x
     k_mat = co.e_before[..., :-1, :] * jnp.einsum("bhci,bhsi->bhcs", x, x)
     # (I + Γ K) U = −Γ(a + g), unit lower: the WY form's solve (runs on Explicit meshes too)
-    return solve_tril(gamma * k_mat, -gamma * (a + g))
+    return keep_for_backward(solve_tril(gamma * k_mat, -gamma * (a + g)))
 
 
 def _after(x, dep):

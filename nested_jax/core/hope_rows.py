@@ -20,6 +20,7 @@ from jax import lax
 
 from nested_jax.core.hope_parallel import (
     chunk_coefficients,
+    keep_for_backward,
     layer_end,
     layer_updates,
     read_running,
@@ -30,7 +31,6 @@ from nested_jax.core.hope_state import (
     HopeRule,
     MLPMemory,
     _names,
-    mlp_memory_apply,
 )
 
 
@@ -48,13 +48,14 @@ def _signals(mem0: MLPMemory, k, v, activation, stop_gradient_targets):
     """
     c = k.shape[1]
     a = jnp.einsum("bhkd,bnhd->bnhk", mem0.w2, jnp.concatenate([k, v], axis=1))
+    a = keep_for_backward(a)
     s, ds = jax.jvp(activation, (a,), (jnp.ones_like(a),))  # σ(a), σ'(a) (elementwise σ)
-    y = jnp.einsum("bhdk,bnhk->bnhd", mem0.w1, s)  # W_1 σ(W_2 ·) of k and v
+    y = keep_for_backward(jnp.einsum("bhdk,bnhk->bnhd", mem0.w1, s))  # W_1 σ(W_2 ·) of k, v
     target = v + y[:, c:]  # M_0(v)
     if stop_gradient_targets:
         target = lax.stop_gradient(target)
     e = k + y[:, :c] - target
-    g2 = ds[:, :c] * jnp.einsum("bhdk,bnhd->bnhk", mem0.w1, e)
+    g2 = ds[:, :c] * keep_for_backward(jnp.einsum("bhdk,bnhd->bnhk", mem0.w1, e))
     return (s[:, :c], e, k, g2), (y[:, :c], a[:, :c])
 
 
@@ -142,7 +143,12 @@ def _project_rows(stack: MLPMemory, names, x_c, q_c, readout: HopeReadout, rule:
     # x_c broadcast over the rows: a batched product per row, not one product over all rows'
     # weights side by side (that needs the whole stack transposed, a copy per chunk)
     rows_x = jnp.broadcast_to(x_c, (stack.w1.shape[0], *x_c.shape))
-    ys = jax.vmap(lambda m, x: mlp_memory_apply(m, x, act))(stack, rows_x)
+
+    def apply(m, x):  # mlp_memory_apply, its products kept for the backward
+        a = keep_for_backward(jnp.einsum("bhkd,bnhd->bnhk", m.w2, x))
+        return x + keep_for_backward(jnp.einsum("bhdk,bnhk->bnhd", m.w1, act(a)))
+
+    ys = jax.vmap(apply)(stack, rows_x)
     return _projections({n: ys[i] for i, n in enumerate(names)}, q_c, readout, rule)
 
 
@@ -165,7 +171,7 @@ def _row_signals(signals, w: MLPMemory, snap_big: MLPMemory | None, rows: _Rows)
         sig = jax.tree.map(lambda a, b: a.at[i].set(b), sig, mem_sig)
         # x2 = k for every row, so W_2 x2 of the running memory is right for row i too; its
         # x1 = σ(W_2 k) is the snapshot's, so W_1 x1 of row i is computed here
-        w1x1 = w1x1.at[i].set(jnp.einsum("bhdk,bnhk->bnhd", w.w1[i], mem_sig[0]))
+        w1x1 = w1x1.at[i].set(keep_for_backward(jnp.einsum("bhdk,bnhk->bnhd", w.w1[i], mem_sig[0])))
         return sig, (w1x1, w2x2)
     mem = signals(_take_rows(w, (i,)))[0]
     others = signals(snap_big)[0]  # rows.big: every row but i
@@ -217,7 +223,7 @@ def _parallel_updates(w: MLPMemory, s: MLPMemory | None, sig, q, eta, alpha, val
     i = rows.memory
     at = lambda a: None if a is None else a[i]  # noqa: E731
     qh = heads_first(q)
-    z = read_running(w.w2[i], at(s2_0), x2[i], u2[i], qh, co, at(i2_0))
+    z = keep_for_backward(read_running(w.w2[i], at(s2_0), x2[i], u2[i], qh, co, at(i2_0)))
     o = qh + read_running(w.w1[i], at(s1_0), x1[i], u1[i], act(z), co, at(i1_0))
     # The chunk-end writes come after o's reads of the chunk-start weights (layer_end's
     # ``after``), so they can overwrite them in place.
