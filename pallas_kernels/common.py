@@ -44,9 +44,9 @@ def from_heads_major(x, B, T):
 
 
 def chunked_pallas_call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret, name,
-                        *args):  # fmt: skip
-    """``pl.pallas_call`` over ``grid = (B·H, N)`` with rows parallel and chunks sequential;
-    ``out_shape`` is a list of ``(shape, dtype)``."""
+                        *args, semantics=("parallel", "arbitrary")):  # fmt: skip
+    """``pl.pallas_call`` over ``grid = (B·H, N, …)`` with rows parallel and chunks sequential
+    (``semantics``, one per grid axis); ``out_shape`` is a list of ``(shape, dtype)``."""
     # under shard_map (check_vma) the outputs vary over the mesh axes the inputs vary over
     mat = jax.typeof(args[0]).manual_axis_type
     return pl.pallas_call(
@@ -56,7 +56,7 @@ def chunked_pallas_call(kernel, grid, in_specs, out_specs, out_shape, scratch, i
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct(s, t, manual_axis_type=mat) for s, t in out_shape],
         scratch_shapes=scratch,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
         interpret=interpret,
         name=name,
     )(*args)

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.common import chunked_pallas_call
 
 __all__ = ["tile_read", "hola_cache_fwd_call", "hola_cache_bwd_call"]
 
@@ -102,21 +103,6 @@ def _specs(n_q, bq, C, w, K):
     }
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, semantics, interpret, name, *args):
-    # under shard_map (check_vma) the outputs vary over the mesh axes the inputs vary over
-    mat = jax.typeof(args[0]).manual_axis_type
-    return pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct(s, t, manual_axis_type=mat) for s, t in out_shape],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
-        interpret=interpret,
-        name=name,
-    )(*args)
-
-
 def _fwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, cm_ref, fm_ref, par_ref, o_ref, *, bq, **kw):
     q0 = pl.program_id(2) * bq
     o = tile_read(
@@ -153,6 +139,19 @@ def _bwd_kernel(q_ref, k_ref, v_ref, ck_ref, cv_ref, cm_ref, fm_ref, par_ref, do
     dpar_ref[...] += dpar
 
 
+def _layout(q, v, cmask, block, bq):
+    """Sizes, block specs and the input specs both calls share: ``(BH, L, K, V, n, w, n_q, specs,
+    in_specs)`` for the inputs ``q, k, v, ck, cv, cmask, fmask, par``."""
+    BH, L, K = q.shape
+    V = v.shape[-1]
+    n, w = cmask.shape[1], cmask.shape[3]
+    n_q = block // bq
+    sp = _specs(n_q, bq, block, w, K)
+    in_specs = [sp["q_tile"](K), sp["block"](K), sp["block"](V), sp["cache"](K), sp["cache"](V),
+                sp["cmask"], sp["fmask"], sp["par"]]  # fmt: skip
+    return BH, L, K, V, n, w, n_q, sp, in_specs
+
+
 def hola_cache_fwd_call(
     q, k, v, ck, cv, cmask, fmask, par, *, block, bq, read_norm, cache_scale, interpret
 ):
@@ -167,18 +166,12 @@ def hola_cache_fwd_call(
     Returns:
       ``o [BH, n·C, V]`` f32.
     """
-    BH, L, K = q.shape
-    V = v.shape[-1]
-    n, w = cmask.shape[1], cmask.shape[3]
-    n_q = block // bq
-    sp = _specs(n_q, bq, block, w, K)
-    in_specs = [sp["q_tile"](K), sp["block"](K), sp["block"](V), sp["cache"](K), sp["cache"](V),
-                sp["cmask"], sp["fmask"], sp["par"]]  # fmt: skip
+    BH, L, K, V, n, w, n_q, sp, in_specs = _layout(q, v, cmask, block, bq)
     kernel = functools.partial(_fwd_kernel, bq=bq, read_norm=read_norm, cache_scale=cache_scale)
-    return _call(
-        kernel, (BH, n, n_q), in_specs, [sp["q_tile"](V)], [((BH, L, V), _F32)],
-        ("parallel", "parallel", "parallel"), interpret, "hola_cache_fwd",
-        q, k, v, ck, cv, cmask, fmask, par,
+    return chunked_pallas_call(
+        kernel, (BH, n, n_q), in_specs, [sp["q_tile"](V)], [((BH, L, V), _F32)], (), interpret,
+        "hola_cache_fwd", q, k, v, ck, cv, cmask, fmask, par,
+        semantics=("parallel", "parallel", "parallel"),
     )[0]  # fmt: skip
 
 
@@ -191,20 +184,14 @@ def hola_cache_bwd_call(
       ``(dq, dk [BH, n·C, K], dv [BH, n·C, V], dck [BH, n·w, K], dcv [BH, n·w, V],
       dpar [BH, n, 3, K])`` f32 (``dpar`` per block; the caller sums over ``n``).
     """
-    BH, L, K = q.shape
-    V = v.shape[-1]
-    n, w = cmask.shape[1], cmask.shape[3]
-    n_q = block // bq
-    sp = _specs(n_q, bq, block, w, K)
-    in_specs = [sp["q_tile"](K), sp["block"](K), sp["block"](V), sp["cache"](K), sp["cache"](V),
-                sp["cmask"], sp["fmask"], sp["par"], sp["q_tile"](V)]  # fmt: skip
+    BH, L, K, V, n, w, n_q, sp, in_specs = _layout(q, v, cmask, block, bq)
+    in_specs = [*in_specs, sp["q_tile"](V)]  # dO, tiled like the queries
     out_specs = [sp["q_tile"](K), sp["block"](K), sp["block"](V), sp["cache"](K), sp["cache"](V),
                  sp["dpar"]]  # fmt: skip
     out_shape = [((BH, L, K), _F32), ((BH, L, K), _F32), ((BH, L, V), _F32),
                  ((BH, n * w, K), _F32), ((BH, n * w, V), _F32), ((BH, n, 3, K), _F32)]  # fmt: skip
     kernel = functools.partial(_bwd_kernel, bq=bq, read_norm=read_norm, cache_scale=cache_scale)
-    return _call(
-        kernel, (BH, n, n_q), in_specs, out_specs, out_shape,
-        ("parallel", "parallel", "arbitrary"), interpret, "hola_cache_bwd",
-        q, k, v, ck, cv, cmask, fmask, par, do,
+    return chunked_pallas_call(
+        kernel, (BH, n, n_q), in_specs, out_specs, out_shape, (), interpret, "hola_cache_bwd",
+        q, k, v, ck, cv, cmask, fmask, par, do, semantics=("parallel", "parallel", "arbitrary"),
     )  # fmt: skip
