@@ -278,17 +278,8 @@ def _cache_blocks_two_phase(
         c_p,
         c_val,
     )
-    end = r + T  # the unfinished last block (empty when end is a multiple of C)
-    last = jnp.minimum(end // C, n_blocks - 1)
-    keep = jnp.arange(C) < end % C
-    bk = lax.dynamic_slice_in_dim(kh, last * C, C, axis=2)
-    bv = lax.dynamic_slice_in_dim(vh, last * C, C, axis=2)
-    blk = (
-        jnp.where(keep[None, None, :, None], bk, 0.0),
-        jnp.where(keep[None, None, :, None], bv, 0.0),
-        jnp.where(keep[None, None, :], ss[last], 0.0),
-    )
-    return o, cache, blk
+    blocks = lambda x: jnp.moveaxis(x.reshape(B, H, n_blocks, C, -1), 2, 0)  # noqa: E731
+    return o, cache, _unfinished_block(blocks(kh), blocks(vh), ss, r + T, n_blocks, C)
 
 
 def _gather_entries(table, src, valid):
@@ -298,6 +289,19 @@ def _gather_entries(table, src, valid):
     flat = src.reshape(B, H, -1, 1)
     x = jnp.take_along_axis(table, flat, axis=2).reshape(src.shape + table.shape[3:])
     return jnp.where(valid[..., None], x, 0.0)
+
+
+def _block_read(qb, kb, vb, ck, cv, cval, fb, gamma_q, gamma_k, sink, read_norm, cs):
+    """One block's read over ``[A_{n−1} ‖ block slots ≤ t that are filled ‖ sink]``
+    (:func:`attend` after :func:`read_normalize`): ``qb, kb [B, H, C, K]``, ``vb [B, H, C, V]``,
+    the cache ``ck [B, H, w, K]``, ``cv [B, H, w, V]``, ``cval [B, H, w]``, ``fb bool [C]``.
+    Returns :func:`attend`'s ``(o, p_cache, p_block)``."""
+    B, H, C = qb.shape[:3]
+    b_mask = jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)) & fb[None, :], (B, H, C, C))
+    return attend(
+        read_normalize(qb, gamma_q, read_norm), read_normalize(ck, gamma_k, read_norm), cv, cval,
+        read_normalize(kb, gamma_k, read_norm), vb, b_mask, sink, cs,
+    )  # fmt: skip
 
 
 def read_blocks(qh, kh, vh, ck, cv, cval, filled, gamma_q, gamma_k, sink, read_norm, cs):
@@ -317,16 +321,10 @@ def read_blocks(qh, kh, vh, ck, cv, cval, filled, gamma_q, gamma_k, sink, read_n
     """
     B, H, L, K = qh.shape
     n, C = filled.shape
-    causal = jnp.tril(jnp.ones((C, C), bool))
 
     def one(q, k, v, c_k, c_v, c_val, fb):
-        qn = read_normalize(q, gamma_q, read_norm)
-        b_mask = jnp.broadcast_to(causal & fb[None, :], (B, H, C, C))
-        o, _, _ = attend(
-            qn, read_normalize(c_k, gamma_k, read_norm), c_v, c_val,
-            read_normalize(k, gamma_k, read_norm), v, b_mask, sink, cs,
-        )  # fmt: skip
-        return o
+        read = _block_read(q, k, v, c_k, c_v, c_val, fb, gamma_q, gamma_k, sink, read_norm, cs)
+        return read[0]
 
     blocks = lambda x: x.reshape(B, H, n, C, x.shape[-1])  # noqa: E731
     o = jax.vmap(one, in_axes=(2, 2, 2, 2, 2, 2, 0), out_axes=2)(
@@ -360,18 +358,13 @@ def _to_blocks(x, buf, r, n_blocks, C):
 def _stream_block_fn(gamma_q, gamma_k, sink, W, C, eviction, read_norm, cs):
     """The scan body of :func:`cache_blocks`: one block ``n`` reads ``[A_{n-1} ‖ block (causal,
     filled slots) ‖ sink]``, then a complete block is merged, ``A_n = top-w(A_{n-1} ∪ block)``."""
-    causal = jnp.tril(jnp.ones((C, C), bool))
     cumulative = eviction == "cumulative_attention"
 
     def body(cache, xs):
         qb, kb, vb, sb, fb, iq, pb = xs
-        B, H = qb.shape[:2]
         ck, cv, cscore, cpos, cval = cache
-        qn = read_normalize(qb, gamma_q, read_norm)
-        b_mask = jnp.broadcast_to(causal & fb[None, :], (B, H, C, C))
-        o, pc, pb_ = attend(
-            qn, read_normalize(ck, gamma_k, read_norm), cv, cval,
-            read_normalize(kb, gamma_k, read_norm), vb, b_mask, sink, cs,
+        o, pc, pb_ = _block_read(
+            qb, kb, vb, ck, cv, cval, fb, gamma_q, gamma_k, sink, read_norm, cs
         )  # fmt: skip
         if cumulative:
             # Only this call's queries add mass; buffer tokens already hold earlier queries' mass.
