@@ -79,13 +79,13 @@ from nested_jax.core.dgd import clamped_rate, dgd_step_size
 from nested_jax.core.hope_parallel import CHUNK_RESIDUAL
 from nested_jax.core.hope_rows import (
     _adapting,
-    _parallel_chunk,
+    _groups,
+    _memory_chunk,
     _pick,
+    _projection_chunk,
     _projections,
-    _rows,
     _signals,
     _stack,
-    _take_rows,
     _unstack,
 )
 from nested_jax.core.hope_state import (
@@ -312,44 +312,11 @@ def _cut(n, horizon: int, tree):
 
 
 def _scan_body(state: HopeState, readout: HopeReadout, rule: HopeRule, act, init):
-    """``(carry, body, final)`` of the chunk scan for ``rule.chunk_updates``.
-
-    ``parallel``: the carry is the stacked memories, momenta and snapshots (:func:`_stack`: every
-    op of a chunk runs once for all memories, and nothing is restacked per chunk); ``scan``: the
-    ``HopeState`` and the larger group's snapshot. ``final(carry)`` is the ``HopeState``.
-    """
-    c = min(rule.chunk_memory, rule.chunk_other)
-    R = max(rule.chunk_memory, rule.chunk_other) // c
-    horizon = rule.grad_horizon // c
-    if rule.chunk_updates == "parallel":
-        rows = _rows(_names(state.memories), rule)
-        init_rows = None if init is None else _stack(init)
-
-        def body(carry, inp):
-            w, s, snap = carry
-            n, x_c, q_c, v_c, fl = inp
-            if rows.big:  # the larger group's snapshot rows, refreshed every R-th chunk
-                start = (n % R) == 0
-                snap = jax.tree.map(
-                    lambda a, b: jnp.where(start, a, b), _take_rows(w, rows.big), snap
-                )
-            o, w, s = _parallel_chunk(
-                w, s, snap, x_c, q_c, v_c, readout, rule, act, rows, init_rows, fl
-            )
-            w, s = _cut(n, horizon, (w, s))
-            return (w, s, snap), o
-
-        momenta = None if state.momentum is None else _stack(state.momentum)
-        w0 = _stack(state.memories)
-
-        def final(carry):
-            w, s, _ = carry
-            return HopeState(
-                _unstack(w, rows.names), None if s is None else _unstack(s, rows.names)
-            )
-
-        return (w0, momenta, _take_rows(w0, rows.big) if rows.big else None), body, final
-
+    """``(carry, body)`` of the token-by-token form's chunk scan (``chunk_updates="scan"``): the
+    carry is the ``HopeState`` and the larger group's snapshot, refreshed from the running
+    memories every ``R = big / small`` chunks (the smaller group's snapshot is the chunk-start
+    state). ``body`` takes ``(chunk index, x, q, valid, packed-row flags or None)``."""
+    R = rule.big_chunk // rule.small_chunk
     memory_is_big = rule.chunk_memory > rule.chunk_other
 
     def proj_of(mems):
@@ -373,60 +340,99 @@ def _scan_body(state: HopeState, readout: HopeReadout, rule: HopeRule, act, init
         o, st = _chunk_body(
             st, snap_proj, snap_mem, x_c, q_c, v_c, readout, rule=rule, act=act, resets=resets
         )
-        return (_cut(n, horizon, st), snap_big), o
+        return (st, snap_big), o
 
-    return (state, big_of(state.memories)), body, lambda carry: carry[0]
+    return (state, big_of(state.memories)), body
 
 
-def _scan_chunks(state: HopeState, xs, readout: HopeReadout, rule: HopeRule, act, init):
-    """The scan over chunks of the smaller size ``c`` (SPEC §3.2 Decision).
+def _scan(body, carry, xs, rule: HopeRule, c: int):
+    """``lax.scan(body, carry, xs)`` over chunks of ``c`` tokens with ``rule``'s backprop options.
 
-    Carries the state and the larger group's snapshot, refreshed from the running memories every
-    ``R = big / c`` chunks (the smaller group's snapshot is the chunk-start state); runs one
-    chunk (:func:`_scan_body`); cuts the state's gradient after every ``grad_horizon`` tokens.
-    ``xs = (chunk index [N], x, q, valid, packed-row flags or None)``, all ``[N, B, c, ...]``.
-    Returns ``(final HopeState, o [N, B, c, H, D])``.
+    ``xs[0]`` is the chunk index ``[N]``; the carry's gradient is stopped after every
+    ``grad_horizon`` tokens. With ``rule.remat``: each chunk is recomputed in the backward pass
+    (``jax.checkpoint``) and only every n-th carry of the N chunks is stored (``scan_remat``;
+    n = ⌈√N⌉ by default, nested blocks with ``remat_levels > 2``), so the saved states grow like
+    √N (``L·N^(1/L)``) instead of N; n = 1 stores them all and skips the block's extra forward.
+    The chunk's checkpoint keeps its token-sized products of the memories (``CHUNK_RESIDUAL``),
+    so its backward recomputes elementwise work only, not a read of every weight per product.
     """
-    carry, body, final = _scan_body(state, readout, rule, act, init)
+    horizon = rule.grad_horizon // c
+
+    def step(carry, inp):
+        carry, out = body(carry, inp)
+        return _cut(inp[0], horizon, carry), out
+
     if not rule.remat:
-        carry, o = lax.scan(body, carry, xs)
-        return final(carry), o
-    # Two-level remat: each chunk is recomputed in the backward pass (jax.checkpoint) and only
-    # every n-th carry of the N chunks is stored (scan_remat; n = ⌈√N⌉ by default, nested
-    # blocks with remat_levels > 2), so the saved states grow like √N (L·N^(1/L)) instead of N
-    # (a carry holds every memory, momentum and the larger group's snapshot); n = 1 stores them
-    # all and skips the block's extra forward.
-    # The chunk's checkpoint keeps its token-sized products of the memories (CHUNK_RESIDUAL), so
-    # its backward recomputes elementwise work only, not a read of every weight per product.
-    body = jax.checkpoint(
-        body, policy=jax.checkpoint_policies.save_only_these_names(CHUNK_RESIDUAL)
+        return lax.scan(step, carry, xs)
+    step = jax.checkpoint(
+        step, policy=jax.checkpoint_policies.save_only_these_names(CHUNK_RESIDUAL)
     )
     blocks = rule.remat_blocks(xs[0].shape[0])
     if blocks == (1,):
-        carry, o = lax.scan(body, carry, xs)
-        return final(carry), o
-    carry, o = scan_remat(body, carry, xs, remat_every=blocks)
-    return final(carry), o
+        return lax.scan(step, carry, xs)
+    return scan_remat(step, carry, xs, remat_every=blocks)
+
+
+def _scan_tokens(body, carry, tokens, rule: HopeRule, c: int):
+    """:func:`_scan` of ``body`` over ``tokens`` (a tuple of ``[B, T, ...]`` arrays, or None)
+    cut into chunks of ``c`` (zero padded; the body gets ``(chunk index, *chunks)``, each
+    ``[B, c, ...]``); returns the final carry and the outputs back as ``[B, T, ...]``."""
+    T = jax.tree.leaves(tokens)[0].shape[1]
+    chunks = jax.tree.map(lambda a: _time_chunks(a, c), tokens)
+    carry, out = _scan(body, carry, (jnp.arange(-(-T // c)), *chunks), rule, c)
+    return carry, jax.tree.map(lambda a: unchunk(jnp.moveaxis(a, 0, 1), T), out)
+
+
+def _parallel(x, q, state: HopeState, readout: HopeReadout, rule: HopeRule, act, init, flags):
+    """The parallel form (``chunk_updates="parallel"``, :mod:`core.hope_rows`): the projection
+    memories over chunks of ``chunk_other`` make ``k, v, η, α, q`` of every token, then
+    ``M_memory`` over chunks of ``chunk_memory`` makes ``o``. ``flags = (reset, fresh_proj,
+    fresh_mem)`` ``[B, T]`` for packed rows (:func:`_segment_flags`) or None.
+    Returns ``(o [B, T, H, D], final HopeState)``."""
+    proj, mem = _groups(_names(state.memories), rule)
+    valid = jnp.ones(x.shape[:2], bool)
+    resets = lambda i: None if flags is None else (flags[0], flags[i])  # noqa: E731
+
+    def start(group):  # the group's stacked memories, momenta and reset memories
+        return (_stack(m, group.names) for m in (state.memories, state.momentum, init))
+
+    w, s, init_p = start(proj)
+
+    def proj_step(carry, inp):
+        _, x_c, q_c, v_c, fl = inp
+        return _projection_chunk(*carry, x_c, q_c, v_c, readout, rule, act, proj, init_p, fl)
+
+    (w_p, s_p), kv_gates_q = _scan_tokens(proj_step, (w, s), (x, q, valid, resets(1)), rule,
+                                          rule.chunk_other)  # fmt: skip
+    w, s, init_m = start(mem)
+
+    def mem_step(carry, inp):
+        _, k, v, eta, alpha, q_c, v_c, fl = inp
+        return _memory_chunk(*carry, k, v, eta, alpha, q_c, v_c, rule, act, mem, init_m, fl)
+
+    (w_m, s_m), o = _scan_tokens(mem_step, (w, s), (*kv_gates_q, valid, resets(2)), rule,
+                                 rule.chunk_memory)  # fmt: skip
+    both = lambda p, m: HopeMemories(**_unstack(p, proj.names), **_unstack(m, mem.names))  # noqa: E731
+    return o, HopeState(both(w_p, w_m), None if s is None else both(s_p, s_m))
 
 
 def _chunked(x, q, state, readout, rule: HopeRule, act, segment_ids, initial_memories):
-    """:func:`hope_chunked` after its checks: inputs in f32 (or wider) cut into chunks of the
-    smaller size (``valid`` marks the real tokens of the padded last chunk), the packed-row flags
-    likewise, the scan, and the outputs back to ``[B, T, H, D]``."""
+    """:func:`hope_chunked` after its checks: inputs in f32 (or wider), the packed-row flags, and
+    the parallel form or the token-by-token form's scan over chunks of the smaller size (zero
+    padded; ``valid`` marks the real tokens of the last chunk)."""
     x = jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32))
     B, T = x.shape[:2]
-    c = min(rule.chunk_memory, rule.chunk_other)
     q = x if rule.adaptive_q else jnp.asarray(q, x.dtype)
-    flags = None
-    init = None
+    flags = init = None
     if segment_ids is not None:
         init = _initial(initial_memories, state, B)
-        fl = _segment_flags(segment_ids, B, T, rule.chunk_memory, rule.chunk_other)
-        flags = tuple(_time_chunks(f, c) for f in fl)
-    valid = jnp.ones((B, T), bool)
-    xs = (jnp.arange(-(-T // c)), *(_time_chunks(a, c) for a in (x, q, valid)), flags)
-    state, o = _scan_chunks(state, xs, readout, rule, act, init)
-    return unchunk(jnp.moveaxis(o, 0, 1), T), state
+        flags = _segment_flags(segment_ids, B, T, rule.chunk_memory, rule.chunk_other)
+    if rule.chunk_updates == "parallel":
+        return _parallel(x, q, state, readout, rule, act, init, flags)
+    carry, body = _scan_body(state, readout, rule, act, init)
+    (state, _), o = _scan_tokens(body, carry, (x, q, jnp.ones((B, T), bool), flags), rule,
+                                 rule.small_chunk)  # fmt: skip
+    return o, state
 
 
 def hope_chunked(

@@ -239,8 +239,7 @@ def layer_end(W0, S0, x, U, co: ChunkCoefficients, W_init=None, after=None):
     s_end = jnp.einsum("bj,bjs->bs", co.end, co.s_before)  # μ^{n−1−s}
     S = jnp.einsum("bj,bj->b", co.end, co.mu_pow)[:, None, None, None] * S0
     S = S + jnp.einsum("bhso,bhsi->bhoi", s_end[:, None, :, None] * U, x)
-    # S_0 is read by W_n too: S_n overwrites it after
-    return W, S if after is None else _after(S, W)
+    return W, _after(S, W)  # S_0 is read by W_n too: S_n overwrites it after
 
 
 def layer_chunk(W0, S0, x, g, lr, co: ChunkCoefficients, *, W_init=None, **rule):
