@@ -214,6 +214,13 @@ def _after(x, dep):
     return x + 0.0 * lax.stop_gradient(dep[(0,) * dep.ndim]).astype(x.dtype)
 
 
+def _outer_sum(U, x):
+    """``Σ_s U_s x_sᵀ`` ``[B, H, o, i]`` of ``U [B, H, C, o]``, ``x [B, H, C, i]``, with ``U``
+    transposed first (token-sized): the backward's products with the weight-sized cotangent then
+    need no transpose of it (measured: XLA:CPU transposed the whole stack per chunk otherwise)."""
+    return jnp.einsum("bhos,bhsi->bhoi", jnp.swapaxes(U, -1, -2), x)
+
+
 def layer_end(W0, S0, x, U, co: ChunkCoefficients, W_init=None, after=None):
     """The chunk-end ``(W_n, S_n)`` of one memory layer from its update vectors (module
     docstring): ``W_n = P̄_n base + Q̄_n S_0 + Σ_s Ē_{n,s} U_s x_sᵀ``, ``S_n = μ^n S_0 +
@@ -230,7 +237,7 @@ def layer_end(W0, S0, x, U, co: ChunkCoefficients, W_init=None, after=None):
     # The coefficients scale U first, so the product is U'ᵀ x with both operands batched like
     # the weights (under the caller's vmap over stacked memories the contraction keeps that
     # axis as a batch axis instead of transposing the whole stack).
-    W = W + jnp.einsum("bhso,bhsi->bhoi", end(co.e_before)[..., None] * U, x)
+    W = W + _outer_sum(end(co.e_before)[..., None] * U, x)
     if after is not None:
         W = _after(W, after)
     if S0 is None:
@@ -238,7 +245,7 @@ def layer_end(W0, S0, x, U, co: ChunkCoefficients, W_init=None, after=None):
     W = W + end(co.q_before)[..., None, None] * S0
     s_end = jnp.einsum("bj,bjs->bs", co.end, co.s_before)  # μ^{n−1−s}
     S = jnp.einsum("bj,bj->b", co.end, co.mu_pow)[:, None, None, None] * S0
-    S = S + jnp.einsum("bhso,bhsi->bhoi", s_end[:, None, :, None] * U, x)
+    S = S + _outer_sum(s_end[:, None, :, None] * U, x)
     return W, _after(S, W)  # S_0 is read by W_n too: S_n overwrites it after
 
 
