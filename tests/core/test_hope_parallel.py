@@ -271,6 +271,33 @@ def test_three_remat_levels_change_no_value_or_gradient():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunks", [(4, 2), (2, 4)], ids=["memory-larger", "memory-smaller"])
+def test_grad_horizon_cuts_both_chunk_groups_at_the_same_tokens(chunks):
+    """The parallel form scans the projection memories and ``M_memory`` separately, each over its
+    own chunks; ``grad_horizon = 4`` cuts both before tokens 4, 8 and 12. Values equal the uncut
+    run; the output at t = 11 has no gradient w.r.t. the inputs before the cut at 8 and some
+    after (T = 13: the last chunk of each group is padded)."""
+    mems, readout, x, q = _hope_inputs()
+    state = hope_init_state(mems, B, momentum=True)
+    kw = dict(momentum=True, chunk_memory=chunks[0], chunk_other=chunks[1],
+              chunk_updates="parallel")  # fmt: skip
+
+    def last(horizon):
+        def f(x, q):
+            o, _ = hope_chunked(x, q, readout, initial_state=state, grad_horizon=horizon, **kw)
+            return jnp.sum(jnp.sin(o[:, 11])), o
+
+        return jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))(x, q)
+
+    (_, o_cut), (gx, gq) = last(4)
+    (_, o_full), (gx_full, _) = last(0)
+    np.testing.assert_array_equal(o_cut, o_full)
+    for g in (gx, gq):
+        np.testing.assert_array_equal(g[:, :8], 0.0)
+        assert float(jnp.abs(g[:, 8:]).max()) > 1e-6
+    assert float(jnp.abs(gx_full[:, :8]).max()) > 1e-6  # without the cut the gradient reaches
+
+
 SEG = [[0] * 5 + [1] * 6 + [2] * 2, [0] * 13]  # document starts at 5 and 11 (row 0), none (row 1)
 
 
