@@ -137,9 +137,9 @@ class HopeRule:
       remat_every: with ``remat``, the backward stores the carry (memories, momenta, snapshot) of
         every ``remat_every``-th chunk and recomputes the chunks between (``core.scan.scan_remat``);
         0 = ``⌈√N⌉`` for ``N`` chunks (memory ∝ √N), 1 = every chunk (no extra forward).
-        Measured on the tiny Hope LM (``bench hope``, T=256, 2026-12-03): 0 and 1 run within 5%
-        (731 vs 705 tok/s: storing every carry costs about what the extra forward saves); at
-        T=2048 the default needs 1052 MiB of temporaries (5067 MiB storing every carry, measured
+        Measured on the tiny Hope LM (``bench hope``, T=256, 2026-12-03): 0 and 1 run within 6%
+        (726 vs 683 tok/s: storing every carry costs about what the extra forward saves); at
+        T=2048 the default needs 1066 MiB of temporaries (5067 MiB storing every carry, measured
         on an earlier build).
       remat_levels: with ``remat_every = 0``, the levels of nested checkpoints: ``L`` blocks of
         ``r^(L−1), …, r`` chunks with ``r = ⌈N^(1/L)⌉``, so the backward holds about ``L·r`` carries
@@ -147,8 +147,8 @@ class HopeRule:
         unchanged.
       chunk_updates: how a chunk's in-order updates run: ``parallel`` (one triangular solve per
         memory layer, ``core.hope_parallel``, the default) or ``scan`` (token by token). Values
-        equal up to rounding; ``parallel`` measured 1.9x the tiny LM's fwd+bwd tokens/s (731 vs
-        375, ``bench hope`` 2026-12-03). It was opt-in while a tiny MQAR run (T=32, lr 3e-3) went
+        equal up to rounding; ``parallel`` measured 2.2x the tiny LM's fwd+bwd tokens/s (726 vs
+        333, ``bench hope`` 2026-12-03). It was opt-in while a tiny MQAR run (T=32, lr 3e-3) went
         NaN with it; that NaN is the inner loop's divergence (``grad_clip`` above), which the
         ``scan`` form shows too at 300 steps (6 NaN steps of 300 without the softclamp, 0 with
         it, in both forms).

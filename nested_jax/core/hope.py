@@ -46,9 +46,14 @@ walks the chunk's tokens, ``chunk_updates="parallel"`` computes it as one unit-l
 the parallel form carries the memories stacked on a leading axis (they share shapes, gates and
 chunk coefficients), so each op of a chunk runs once for all of them.
 Two chunk sizes: ``chunk_other`` for the projection memories (k, v, η, α, q) and
-``chunk_memory`` for ``M_memory``; the larger must be a multiple of the smaller (the time axis is
-walked in chunks of the smaller one, and the larger group's chunk-start snapshot is refreshed
-every ``larger/smaller`` of them). **Decision (read):** ``o_t`` reads ``M_memory`` with its running
+``chunk_memory`` for ``M_memory``; the larger must be a multiple of the smaller. The ``scan`` form
+walks the time axis in chunks of the smaller one and refreshes the larger group's chunk-start
+snapshot every ``larger/smaller`` of them. The two groups never read each other's memories (the
+projection memories train on their own outputs; ``M_memory`` reads ``q`` and trains on
+``k, v, η, α``), so the ``parallel`` form runs them as two scans, each over its own chunks: the
+projection memories first (making ``k, v, η, α, q`` of every token), then ``M_memory``
+(:mod:`nested_jax.core.hope_rows`); a chunk's snapshot is then always its group's running state.
+**Decision (read):** ``o_t`` reads ``M_memory`` with its running
 weights ``M_{memory,t-1}`` (exact read-before-write at any chunk size; with chunk size 1 all of this
 is exactly per-token Hope). Everything is differentiable: gradients flow through the writes.
 
