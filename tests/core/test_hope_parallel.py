@@ -271,7 +271,11 @@ def test_three_remat_levels_change_no_value_or_gradient():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("chunks", [(4, 2), (2, 4)], ids=["memory-larger", "memory-smaller"])
+@pytest.mark.parametrize(
+    "chunks",
+    [(4, 2), pytest.param((2, 4), marks=pytest.mark.slow)],  # ~30 s each on 2 cores
+    ids=["memory-larger", "memory-smaller"],
+)
 def test_grad_horizon_cuts_both_chunk_groups_at_the_same_tokens(chunks):
     """The parallel form scans the projection memories and ``M_memory`` separately, each over its
     own chunks; ``grad_horizon = 4`` cuts both before tokens 4, 8 and 12. Values equal the uncut
