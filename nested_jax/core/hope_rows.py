@@ -163,14 +163,22 @@ def _project_rows(stack: MLPMemory, names, x_c, q_c, readout: HopeReadout, rule:
 
 def _stacked_signals(stack: MLPMemory, k, v, rule: HopeRule, act, read=None):
     """:func:`_signals` of every row of ``stack`` (``[M, B, c, H, ·]``)."""
-    args = [stack, _per_row(stack, k), _per_row(stack, v)]
-    if read is None:
-        return jax.vmap(lambda m, k_, v_: _signals(m, k_, v_, act, rule.stop_gradient_targets))(
-            *args
-        )
+    reads = None if read is None else _per_row(stack, read)
     return jax.vmap(
         lambda m, k_, v_, r: _signals(m, k_, v_, act, rule.stop_gradient_targets, read=r)
-    )(*args, _per_row(stack, read))
+    )(stack, _per_row(stack, k), _per_row(stack, v), reads)
+
+
+def _group_signals(w: MLPMemory, k, v, rule: HopeRule, act, init=None, fresh=None, read=None):
+    """A group's signals from its chunk-start (running) memories ``w``: :func:`_stacked_signals`
+    ``(sig, w0x, W_2 read)``. With packed rows (``fresh [B, c]``: a document started in this chunk
+    at or before the token) those tokens take their signals from ``init``, and ``w0x`` is None
+    (a document's first chunk reads the initial memories: not ``W_0 x``)."""
+    sig, w0x, w2_read = _stacked_signals(w, k, v, rule, act, read)
+    if fresh is None:
+        return sig, w0x, w2_read
+    sig = _pick(fresh, _stacked_signals(init, k, v, rule, act)[0], sig, rows=True)
+    return sig, None, w2_read
 
 
 def _heads_first(a):
@@ -255,17 +263,13 @@ def _projection_chunk(w, s, x_c, q_c, valid_c, readout: HopeReadout, rule: HopeR
     (``fresh``: a document started in this chunk at or before the token, so its snapshot is
     ``init``). Returns ``((w, s), (k, v, η, α, q))``.
     """
+    reset_c, fresh = (None, None) if flags is None else flags
     proj = _project_rows(w, group.names, x_c, q_c, readout, rule, act)
-    if flags is not None:
-        proj = _pick(flags[1], _project_rows(init, group.names, x_c, q_c, readout, rule, act), proj)
+    if fresh is not None:
+        proj = _pick(fresh, _project_rows(init, group.names, x_c, q_c, readout, rule, act), proj)
     k, v, eta, alpha, _ = proj
-    sig, w0x, _ = _stacked_signals(w, k, v, rule, act)
-    if flags is not None:
-        w0x = None  # a document's first chunk reads the initial memories: not W_0 x
-        sig = _pick(flags[1], _stacked_signals(init, k, v, rule, act)[0], sig, rows=True)
-    _, w, s = _group_updates(
-        w, s, sig, eta, alpha, valid_c, rule, group, init, None if flags is None else flags[0], w0x
-    )
+    sig, w0x, _ = _group_signals(w, k, v, rule, act, init, fresh)
+    _, w, s = _group_updates(w, s, sig, eta, alpha, valid_c, rule, group, init, reset_c, w0x)
     return (w, s), proj
 
 
@@ -275,12 +279,8 @@ def _memory_chunk(w, s, k, v, eta, alpha, q, valid_c, rule: HopeRule, act, group
     from the chunk-start (running) memory, :func:`_group_updates`, and the reads
     ``o_t = M_{memory,t−1}(q_t)``. ``k, v, q [B, c, H, D]``, ``eta, alpha [B, c, H]``; ``flags``
     as :func:`_projection_chunk`. Returns ``((w, s), o [B, c, H, D])``."""
-    sig, w0x, w2q = _stacked_signals(w, k, v, rule, act, read=q)
-    reset_c = None
-    if flags is not None:
-        reset_c, fresh = flags
-        w0x = None
-        sig = _pick(fresh, _stacked_signals(init, k, v, rule, act)[0], sig, rows=True)
+    reset_c, fresh = (None, None) if flags is None else flags
+    sig, w0x, w2q = _group_signals(w, k, v, rule, act, init, fresh, read=q)
     o, w, s = _group_updates(
         w, s, sig, eta, alpha, valid_c, rule, group, init, reset_c, w0x, (q, w2q[0]), act
     )
