@@ -4,6 +4,11 @@ import-hf | export-hf | lm-eval`.
 Each sub-command lives in its own module and exposes `main(argv: list[str]) -> int` (or the
 function named after a colon); this file only dispatches, so importing the CLI stays cheap and a
 broken sub-command cannot break the others.
+
+Failures: a sub-command that raises prints one line, ``error: <text> (traceback in <path>)``, and
+exits 1; the traceback is appended to ``<workdir>/errors.log`` (a ``--workdir`` that exists) or to
+the cache folder's ``errors.log`` (:mod:`nested_jax.train.errorlog`). A package of an optional
+extra that is not installed is named with the extra: ``pip install "nested-jax[hf]"``.
 """
 
 from __future__ import annotations
@@ -66,10 +71,55 @@ def main(argv: list[str] | None = None) -> int:
         return prepare_main(rest, lambda paths, sets: load_config(paths, sets).data)
     else:
         module_name = COMMANDS[command][0]
+    if command == "train":  # before the slow imports: a SIGTERM now exits as a preemption
+        from nested_jax.train.signals import install_startup_handler
+
+        install_startup_handler()
+    try:
+        return _run(command, module_name, rest)
+    except Exception as err:
+        return _report(command, rest, err)
+    except BaseException as err:  # SIGTERM while `train` still imports: exit as a preemption
+        from nested_jax.train.signals import StoppedEarly, report_stopped_early
+
+        if isinstance(err, StoppedEarly):
+            return report_stopped_early(err, _workdir_arg(rest))
+        raise
+
+
+def _run(command: str, module_name: str, rest: list[str]) -> int:
     if command in ("train", "eval", "generate"):  # the generated-task families of data.task
         import nested_jax.eval.task_families  # noqa: F401
     module_name, _, function = module_name.partition(":")
     return int(getattr(importlib.import_module(module_name), function or "main")(rest) or 0)
+
+
+def _workdir_arg(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--workdir" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--workdir="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _report(command: str, argv: list[str], err: Exception) -> int:
+    """One line on stderr for a sub-command's uncaught exception; the traceback to a log."""
+    from nested_jax.train import errorlog
+
+    extra = errorlog.missing_extra(err)
+    if extra is not None:
+        print(errorlog.missing_extra_line(command, extra), file=sys.stderr)
+        return 1
+    try:
+        path = errorlog.log_exception(
+            errorlog.log_path(_workdir_arg(argv)), err, f"nested-jax {command}"
+        )
+        where = f"traceback in {path}"
+    except OSError as log_err:  # nowhere to write: still one line
+        where = f"no traceback saved: {log_err.strerror or log_err}"
+    print(f"error: {errorlog.one_line(err)} ({where})", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

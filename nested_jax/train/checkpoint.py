@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import base64
 import datetime as _dt
+import errno
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +59,33 @@ def checkpoint_steps(workdir: str | os.PathLike) -> list[int]:
     if not directory.is_dir():
         return []
     return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def checkpoint_bytes(workdir: str | os.PathLike) -> int | None:
+    """Bytes on disk of the newest complete checkpoint in a local `workdir` (None: none, or a
+    URL: listing every object of a remote checkpoint costs more than the estimate it gives)."""
+    steps = checkpoint_steps(workdir) if "://" not in os.fspath(workdir) else []
+    if not steps:
+        return None
+    total = 0
+    for root, _, files in os.walk(os.path.join(os.fspath(workdir), CHECKPOINT_DIR, str(steps[-1]))):
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return total
+
+
+def free_bytes(workdir: str | os.PathLike) -> int | None:
+    """Free bytes on the file system of a local `workdir` (None for a URL)."""
+    if "://" in os.fspath(workdir):
+        return None
+    path = os.fspath(workdir)
+    while not os.path.exists(path):  # a new workdir: the folder it will be created in
+        path = os.path.dirname(os.path.abspath(path))
+    return shutil.disk_usage(path).free
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether `err` (an OSError, or tensorstore's error text) says the disk is full."""
+    return getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err)
 
 
 def _key_name(key: Any) -> str:

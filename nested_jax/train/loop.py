@@ -34,8 +34,16 @@ import jax
 import numpy as np
 
 from nested_jax.files import as_path, write_json
-from nested_jax.train.checkpoint import Checkpointer, abstract_like, checkpoint_steps
+from nested_jax.train.checkpoint import (
+    Checkpointer,
+    abstract_like,
+    checkpoint_bytes,
+    checkpoint_steps,
+    free_bytes,
+    is_disk_full,
+)
 from nested_jax.train.config import Config, config_to_dict, save_config
+from nested_jax.train.lock import acquire, stale_notice
 from nested_jax.train.metrics import MetricsWriter, read_metrics
 from nested_jax.train.optimizer import learning_rate_schedule
 from nested_jax.train.progress import Progress
@@ -268,6 +276,51 @@ def _apply_nan_policy(m: dict, step: int, tc: Any, ckpt_dir: Path) -> None:
         )
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def space_needed(workdir: Path, state: dict) -> int:
+    """Bytes a checkpoint needs: the newest complete one's size, else the state's array bytes."""
+    size = checkpoint_bytes(workdir)
+    if size is None:
+        size = sum(
+            int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state)
+        )
+    return size
+
+
+def check_free_space(workdir: Path, state: dict) -> None:
+    """Refuses to train when the disk cannot hold one more checkpoint (local workdirs only).
+
+    Raises:
+      TrainingError: one line with the bytes a checkpoint needs and the bytes free.
+    """
+    free = free_bytes(workdir)
+    needed = space_needed(workdir, state)
+    if free is not None and free < needed:
+        raise TrainingError(
+            f"not enough free space for a checkpoint in {workdir}: one needs about "
+            f"{_size(needed)}, {_size(free)} free; free some space and run the same command "
+            "again (nothing was trained, the checkpoints there are intact)"
+        )
+
+
+def disk_full_error(step: int, directory: Path, state: dict) -> TrainingError:
+    """The one-line error of a checkpoint that the full disk could not take."""
+    free = free_bytes(directory)
+    free_text = "" if free is None else f", {_size(free)} free"
+    return TrainingError(
+        f"checkpoint {step} could not be written: no space left on device (a checkpoint needs "
+        f"about {_size(space_needed(directory.parent, state))}{free_text}); the checkpoints saved "
+        f"before in {directory} are intact; free some space and run the same command to resume"
+    )
+
+
 # -- 4. the steps ----------------------------------------------------------------------------------
 
 
@@ -285,11 +338,24 @@ class RunContext:
     save_extras: dict  # config dict, data spec and tokenizer bytes saved with every checkpoint
     score_fn: Callable[[dict, list[dict]], dict] | None = None  # a generated task's scores
 
+    def wait(self, step: int, state: dict) -> None:
+        """Waits for the pending saves (up to `step`); a full disk stops training in one line."""
+        try:
+            self.ckpt.wait()
+        except Exception as err:
+            if is_disk_full(err):
+                raise disk_full_error(step, self.ckpt.directory, state) from err
+            raise
+
     def save(self, step: int, state: dict) -> None:
         """Starts saving checkpoint `step`; a write error (disk full) stops training in one line."""
         try:
             self.ckpt.save(step, state, self.iterator, **self.save_extras)
-        except OSError as err:  # orbax leaves only its temporary directory behind
+        except Exception as err:  # orbax leaves only its temporary directory behind
+            if is_disk_full(err):
+                raise disk_full_error(step, self.ckpt.directory, state) from err
+            if not isinstance(err, OSError):
+                raise
             raise TrainingError(
                 f"checkpoint {step} could not be written ({err.strerror or err}); the checkpoints "
                 f"saved before in {self.ckpt.directory} are intact"
@@ -366,6 +432,7 @@ def run_steps(run: RunContext, state: dict, start: int) -> tuple[dict, StepStats
     """
     tc = run.config.train
     stats = StepStats()
+    step = start
     with StopSignal() as stop:
         for step in range(start + 1, tc.steps + 1):
             state = _train_step(run, state, step, stats)
@@ -375,15 +442,17 @@ def run_steps(run: RunContext, state: dict, start: int) -> tuple[dict, StepStats
             if saved:
                 run.save(step, state)
             if stop.requested(run.ckpt.manager, step):
-                if not saved:
-                    run.save(step, state)
+                with stop.shielded():  # a second Ctrl-C now would only interrupt a good save
+                    if not saved:
+                        run.save(step, state)
+                    run.wait(step, state)
                 stats.stopped_by = stop.name
                 run.progress.write(
                     f"preempted at step {step}: checkpoint saved ({stop.name}); run the same "
                     "command again to resume"
                 )
                 break
-        run.ckpt.wait()
+        run.wait(step, state)
     return state, stats
 
 
@@ -563,17 +632,45 @@ def train_and_evaluate(
       summary has ``preempted: True`` (no final validation).
 
     Raises:
+      WorkdirBusy: another live run holds `workdir` (:mod:`nested_jax.train.lock`); nothing was
+        written.
       ConfigError (ResumeRefused, CheckpointMismatch): a refused resume; nothing was written.
       DataError: the corpus cannot be read; nothing was written.
-      TrainingError: NaN/Inf policy stop, too many consecutive skipped steps, or exhausted data.
+      TrainingError: NaN/Inf policy stop, too many consecutive skipped steps, exhausted data, or
+        a full disk (before training when it cannot hold one more checkpoint).
     """
     t_start = time.time()
     workdir = as_path(workdir)
+    # One run per workdir, held before anything is written (process 0 writes the run's files).
+    lock = acquire(workdir) if jax.process_index() == 0 else None
+    try:
+        notice = stale_notice(lock)
+        if notice:
+            _say(notice)
+        return _train_locked(config, workdir, devices, reset_optimizer, t_start)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_locked(
+    config: Config,
+    workdir: Path,
+    devices: Sequence[jax.Device] | None,
+    reset_optimizer: bool,
+    t_start: float,
+) -> dict:
     plan = plan_resume(config, workdir, reset_optimizer=reset_optimizer)
     prep = prepare_data(config, workdir, plan, devices)
     ckpt, start, state, iterator = restore_or_start(
         config, workdir, prep.setup, prep.make_iterator, plan
     )
+    if start < config.train.steps:
+        try:
+            check_free_space(workdir, state)
+        except TrainingError:
+            ckpt.manager.close()
+            raise
     record_run(config, workdir, plan, prep.spec, prep.bundle.tokenizer, start)
     run = open_run(config, workdir, prep, ckpt, iterator, state, start)
     state, stats = run_and_close(run, state, start)

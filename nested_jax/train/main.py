@@ -15,9 +15,14 @@ still applies); a workdir without a run is refused. A resumed run may change onl
 are safe to change (``nested_jax.train.workdir.SAFE_ON_RESUME``); ``--reset-optimizer`` also lets
 ``optimizer.*`` change, keeping the weights and the data position.
 
-Exit codes: 0 finished; 75 stopped by SIGTERM / Ctrl-C with a checkpoint saved (run the same
-command to resume); 2 bad command line or config, or a refused resume; 1 training or data error;
-130 aborted by a second Ctrl-C (no save; the last checkpoint is intact).
+One run per workdir: a second ``train`` on a workdir that a live run holds is refused (exit 2,
+naming its pid and host; :mod:`nested_jax.train.lock`).
+
+Exit codes: 0 finished; 75 stopped by SIGTERM / Ctrl-C with a checkpoint saved, or by SIGTERM
+before the steps began (nothing to save yet; run the same command to resume); 2 bad command line
+or config, a refused resume, or a workdir in use; 1 training or data error (one line on stderr, the
+traceback appended to ``<workdir>/errors.log``); 130 aborted by a second Ctrl-C (no save; the last
+checkpoint is intact).
 """
 
 from __future__ import annotations
@@ -27,12 +32,17 @@ import sys
 
 from nested_jax.files import PathError, as_path
 from nested_jax.train.config import ConfigError, add_override_argument
+from nested_jax.train.errorlog import BackgroundNoise, log_exception, log_path, one_line
 from nested_jax.train.signals import (
     EXIT_ABORTED,
     EXIT_CONFIG,
     EXIT_ERROR,
     EXIT_OK,
     EXIT_PREEMPTED,
+    StoppedEarly,
+    checkpoint_phrase,
+    install_startup_handler,
+    report_stopped_early,
 )
 
 
@@ -69,8 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _error(prefix: str, err: BaseException) -> None:
-    text = str(err).splitlines()[0] if str(err) else type(err).__name__
-    print(f"{prefix}: {text}", file=sys.stderr)
+    print(f"{prefix}: {one_line(err)}", file=sys.stderr)
+
+
+def _failed(prefix: str, err: BaseException, workdir: str) -> int:
+    """One line naming the log that keeps `err`'s traceback; returns :data:`EXIT_ERROR`."""
+    try:
+        path = log_exception(log_path(workdir), err, f"nested-jax train {prefix}")
+        where = f"traceback in {path}"
+    except OSError as log_err:  # a full disk: the line still comes
+        where = f"no traceback saved: {log_err.strerror or log_err}"
+    print(f"{prefix}: {one_line(err)} ({where})", file=sys.stderr)
+    return EXIT_ERROR
 
 
 def _check_task(config) -> None:
@@ -87,7 +107,16 @@ def _check_task(config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    install_startup_handler()  # `nested-jax` sets it before importing this module; callers too
     args = build_parser().parse_args(argv)
+    try:
+        with BackgroundNoise(args.workdir):
+            return _train(args)
+    except StoppedEarly as err:
+        return report_stopped_early(err, args.workdir)
+
+
+def _train(args: argparse.Namespace) -> int:
     from nested_jax.data.corpus import DataError
     from nested_jax.train.workdir import resolve_config
 
@@ -103,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
 
     from nested_jax.parallel.distributed import maybe_initialize
+    from nested_jax.train.lock import WorkdirBusy
     from nested_jax.train.loop import TrainingError, train_and_evaluate
 
     maybe_initialize()
@@ -110,22 +140,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config {source}", flush=True)
     try:
         summary = train_and_evaluate(config, workdir, reset_optimizer=args.reset_optimizer)
+    except WorkdirBusy as err:  # another live run trains here: nothing was written
+        _error("error", err)
+        return EXIT_CONFIG
     except ConfigError as err:  # refused resume, mesh / vocabulary mismatch: nothing was written
         _error("config error", err)
         return EXIT_CONFIG
     except DataError as err:
-        _error("data error", err)
-        return EXIT_ERROR
+        return _failed("data error", err, args.workdir)
     except TrainingError as err:
-        _error("training stopped", err)
-        return EXIT_ERROR
-    except ValueError as err:  # other bad values found at run time: one line, no traceback
-        _error("error", err)
-        return EXIT_ERROR
+        return _failed("training stopped", err, args.workdir)
+    except Exception as err:  # other errors at run time: one line, the traceback in the log
+        return _failed("error", err, args.workdir)
     except KeyboardInterrupt:
         print(
-            f"\ninterrupted: stopped without saving; the last complete checkpoint in {workdir} "
-            "is intact",
+            f"\ninterrupted: stopped without saving the step in progress; "
+            f"{checkpoint_phrase(args.workdir)}",
             file=sys.stderr,
         )
         return EXIT_ABORTED

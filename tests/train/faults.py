@@ -41,6 +41,10 @@ BASE_STEPS = 4
 #   FAULT=kill_state | kill_data   SIGKILL while writing that item of checkpoint FAULT_STEP
 #   FAULT=disk_full                 the state write of checkpoint FAULT_STEP fails with ENOSPC
 #   FAULT=SIGINT | SIGTERM | SIGINT2  that signal (SIGINT2: Ctrl-C twice) during step FAULT_STEP
+#   FAULT=SIGINT_SAVE               Ctrl-C during step FAULT_STEP, again while its checkpoint saves
+#   FAULT=SIGTERM_START             SIGTERM while starting up (before jax.distributed / the loop)
+#   FAULT=disk_low                  the disk reports 1 KiB free
+#   FAULT=disk_full_tensorstore     checkpoint FAULT_STEP fails as tensorstore does on a full disk
 RUNNER = r"""
 import errno, os, signal, sys
 from pathlib import Path
@@ -61,6 +65,39 @@ if fault in ("kill_state", "disk_full"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
         return await original_state(self, directory, *args, **kwargs)
     h.StandardCheckpointHandler.async_save = async_save
+if fault == "disk_full_tensorstore":
+    from orbax.checkpoint._src.handlers import standard_checkpoint_handler as h
+    original_ts = h.StandardCheckpointHandler.async_save
+    async def async_save(self, directory, *args, **kwargs):
+        if _step_of(directory) == at:
+            raise ValueError("RESOURCE_EXHAUSTED: Error writing local file: [OS error 28: "
+                             "No space left on device]")
+        return await original_ts(self, directory, *args, **kwargs)
+    h.StandardCheckpointHandler.async_save = async_save
+if fault == "disk_low":
+    import collections, shutil
+    usage = collections.namedtuple("usage", "total used free")
+    shutil.disk_usage = lambda path: usage(10**12, 10**12 - 1024, 1024)
+if fault == "SIGINT_SAVE":
+    from nested_jax.train.checkpoint import Checkpointer
+    from nested_jax.train.metrics import MetricsWriter
+    original_write, original_save = MetricsWriter.write, Checkpointer.save
+    def write(self, step, kind, scalars):
+        original_write(self, step, kind, scalars)
+        if kind == "train" and step == at:
+            os.kill(os.getpid(), signal.SIGINT)
+    def save(self, step, *args, **kwargs):
+        original_save(self, step, *args, **kwargs)
+        if step == at:
+            os.kill(os.getpid(), signal.SIGINT)
+    MetricsWriter.write, Checkpointer.save = write, save
+if fault == "SIGTERM_START":
+    import nested_jax.parallel.distributed as d
+    original_init = d.maybe_initialize
+    def maybe_initialize():
+        os.kill(os.getpid(), signal.SIGTERM)
+        return original_init()
+    d.maybe_initialize = maybe_initialize
 if fault == "kill_data":
     import grain._src.python.checkpoint.handler as g
     original_data = g.CheckpointHandler.save
@@ -110,6 +147,7 @@ class Env:
 class Run:
     code: int
     out: str  # stdout + stderr
+    err: str = ""  # stderr alone
 
     def has(self, text: str) -> bool:
         return text in self.out
@@ -133,7 +171,7 @@ def run_cli(env: Env, argv: list[str], fault: str = "", at: int = 0) -> Run:
     p = subprocess.run(
         [sys.executable, str(env.runner), *argv], env=e, capture_output=True, text=True, timeout=600
     )
-    return Run(p.returncode, p.stdout + p.stderr)
+    return Run(p.returncode, p.stdout + p.stderr, p.stderr)
 
 
 def train(
@@ -439,6 +477,157 @@ def case_double_ctrl_c(env: Env) -> Outcome:
     )
 
 
+def case_lock_held(env: Env) -> Outcome:
+    w = _copy_base(env, "lock_held")
+    before = healthy_steps(w)
+    listing = sorted(p.name for p in w.rglob("*"))
+    holder = subprocess.Popen(  # a live run's lock, held by another process
+        [sys.executable, "-c", HOLD_LOCK, str(w)], env=env.env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        r = train(env, w)
+    finally:
+        holder.kill()
+        holder.wait()
+    untouched = sorted(p.name for p in w.rglob("*")) == listing + ["train.lock"]
+    ok = (
+        r.code == 2
+        and r.has(f"is in use by another training run (pid {holder.pid} on host")
+        and len(r.err.strip().splitlines()) == 1
+        and untouched
+    )
+    return _result(
+        "a second `train` while a live run holds the workdir",
+        f"refused in one line naming pid and host (rc {r.code}); nothing written",
+        before,
+        w,
+        ok,
+        _line(r, "in use"),
+    )
+
+
+HOLD_LOCK = """
+import sys, time
+from nested_jax.train.lock import acquire
+lock = acquire(sys.argv[1])
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def case_stale_lock(env: Env) -> Outcome:
+    w = _copy_base(env, "stale_lock")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], **_TEXT)
+    pid = int(dead.stdout)  # a process that has exited
+    (w / "train.lock").write_text(json.dumps({"pid": pid, "host": os.uname().nodename}))
+    before = healthy_steps(w)
+    r = train(env, w)
+    ok = (
+        r.code == 0
+        and r.has(f"took over the stale lock {w / 'train.lock'} (pid {pid}")
+        and r.has("resuming from step 4")
+        and not (w / "train.lock").exists()
+    )
+    return _result(
+        "lock file of a killed run (pid gone)",
+        f"taken over with a notice, resumed at 4 (rc {r.code}); the lock is gone afterwards",
+        before,
+        w,
+        ok,
+        _line(r, "stale lock"),
+    )
+
+
+_TEXT = {"capture_output": True, "text": True, "check": True}
+
+
+def case_disk_full_tensorstore(env: Env) -> Outcome:
+    w = _copy_base(env, "disk_full_ts")
+    before = healthy_steps(w)
+    r = train(env, w, fault="disk_full_tensorstore", at=6)
+    lines = r.err.strip().splitlines()
+    ok = (
+        r.code == 1
+        and len(lines) <= 3
+        and "Traceback" not in r.out
+        and r.has("no space left on device (a checkpoint needs about")
+        and r.has(f"traceback in {w / 'errors.log'}")
+        and (w / "errors.log").is_file()
+    )
+    return _result(
+        "disk full (tensorstore's error) while writing checkpoint 6",
+        f"{len(lines)} line(s) on stderr naming the space a checkpoint needs, rc {r.code}; "
+        "traceback in errors.log",
+        before,
+        w,
+        ok,
+        _line(r, "no space left"),
+    )
+
+
+def case_disk_low(env: Env) -> Outcome:
+    w = _copy_base(env, "disk_low")
+    before = healthy_steps(w)
+    metrics = (w / "metrics.jsonl").read_text()
+    r = train(env, w, fault="disk_low")
+    ok = (
+        r.code == 1
+        and r.has("not enough free space for a checkpoint")
+        and r.has("1.0 KiB free")
+        and (w / "metrics.jsonl").read_text() == metrics
+    )
+    return _result(
+        "resume on a disk with 1 KiB free",
+        f"refused up front in one line (rc {r.code}), nothing trained",
+        before,
+        w,
+        ok,
+        _line(r, "not enough free space"),
+    )
+
+
+def case_ctrl_c_during_stop_save(env: Env) -> Outcome:
+    w = _copy_base(env, "ctrl_c_save")
+    before = healthy_steps(w)
+    r = train(env, w, fault="SIGINT_SAVE", at=5)
+    ok = (
+        r.code == 75
+        and r.has("preempted at step 5: checkpoint saved (SIGINT)")
+        and "Traceback" not in r.out
+        and not r.has("stopped without saving")
+        and 5 in healthy_steps(w)
+    )
+    return _result(
+        "Ctrl-C at step 5, again while its checkpoint is written",
+        f"the save completes and is reported saved (rc {r.code}), no traceback",
+        before,
+        w,
+        ok,
+        _line(r, "preempted at step"),
+    )
+
+
+def case_sigterm_at_startup(env: Env) -> Outcome:
+    w = _copy_base(env, "sigterm_start")
+    before = healthy_steps(w)
+    r = train(env, w, fault="SIGTERM_START")
+    ok = (
+        r.code == 75
+        and r.has("stopped by SIGTERM during start-up: nothing to save yet")
+        and len(r.err.strip().splitlines()) == 1
+        and not (w / "train.lock").exists()
+    )
+    return _result(
+        "SIGTERM while the run starts up",
+        f"one line, rc {r.code} (a preemption: run the same command again)",
+        before,
+        w,
+        ok,
+        _line(r, "stopped by SIGTERM"),
+    )
+
+
 def case_finished_rerun(env: Env) -> Outcome:
     w = _copy_base(env, "rerun")
     first = train(env, w)
@@ -476,6 +665,12 @@ CASES: list[Callable[[Env], Outcome]] = [
     case_sigterm,
     case_double_ctrl_c,
     case_finished_rerun,
+    case_lock_held,
+    case_stale_lock,
+    case_disk_full_tensorstore,
+    case_disk_low,
+    case_ctrl_c_during_stop_save,
+    case_sigterm_at_startup,
 ]
 
 

@@ -17,6 +17,13 @@ FAST = {
     "case_new_workdir_without_config",
     "case_changed_corpus",
     "case_sigint",
+    "case_lock_held",
+    "case_stale_lock",
+    "case_disk_full_tensorstore",
+    "case_disk_low",
+    "case_double_ctrl_c",
+    "case_ctrl_c_during_stop_save",
+    "case_sigterm_at_startup",
 }
 # One xdist worker builds the shared base run for every case (scripts/test: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("faults")
