@@ -137,7 +137,9 @@ class BackgroundNoise:
     def _thread_hook(self, args: threading.ExceptHookArgs) -> None:
         if is_teardown_noise(args.exc_value):
             return
-        text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_tb))
+        text = "".join(
+            traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)
+        )
         self.write(f"exception in thread {getattr(args.thread, 'name', '?')}", text)
 
     def _unraisable_hook(self, args) -> None:
