@@ -28,6 +28,7 @@ checkpoint is intact).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from nested_jax.files import PathError, as_path
@@ -107,13 +108,17 @@ def _check_task(config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    install_startup_handler()  # `nested-jax` sets it before importing this module; callers too
+    # `nested-jax` installs it before importing this module; a direct caller gets its own back
+    previous = install_startup_handler()
     args = build_parser().parse_args(argv)
     try:
         with BackgroundNoise(args.workdir):
             return _train(args)
     except StoppedEarly as err:
         return report_stopped_early(err, args.workdir)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -81,14 +81,16 @@ def report_stopped_early(err: StoppedEarly, workdir: str | None) -> int:
     return EXIT_PREEMPTED
 
 
-def install_startup_handler() -> None:
-    """Makes SIGTERM raise :class:`StoppedEarly` from now on (the main thread only).
+def install_startup_handler() -> Any:
+    """Makes SIGTERM raise :class:`StoppedEarly` from now on (the main thread only); returns the
+    handler it replaced (None off the main thread), for a caller that restores it.
 
     In a multi-process run ``jax.distributed.initialize`` later hands SIGTERM to JAX's preemption
     notifier, which replaces this handler; the loop then stops at the agreed step.
     """
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_stopped)
+        return signal.signal(signal.SIGTERM, _raise_stopped)
+    return None
 
 
 class StopSignal:
