@@ -269,7 +269,8 @@ class Checkpointer:
           quarantine: move unreadable checkpoints to ``corrupt_checkpoints/`` (training); False
             leaves them where they are (eval, generate).
           reset_optimizer: restore only :data:`KEPT_ON_OPTIMIZER_RESET` (the returned state lacks
-            ``opt_state``); the saved optimizer state may then have any structure.
+            ``opt_state``); the saved optimizer state may then have any structure. A checkpoint
+            saved without an optimizer state (``nested-jax import-hf``) restores so too.
         Returns:
           ``(step, state, iterator)`` or None when there is no usable checkpoint.
         Raises:
@@ -281,14 +282,15 @@ class Checkpointer:
                 f"checkpoint: ignoring incomplete save {tmp.name} in {self.directory} "
                 "(the process stopped while writing it)"
             )
-        if reset_optimizer:
-            abstract_state = {k: abstract_state[k] for k in KEPT_ON_OPTIMIZER_RESET}
-        wanted = leaf_table(abstract_state)
+        kept = {k: abstract_state[k] for k in KEPT_ON_OPTIMIZER_RESET}
         for step in reversed(self.all_steps()):
+            partial, target = reset_optimizer, kept if reset_optimizer else abstract_state
             try:
-                problem = describe_mismatch(
-                    self.saved_leaves(step), wanted, partial=reset_optimizer
-                )
+                saved = self.saved_leaves(step)
+                if not any(name.startswith("opt_state") for name in saved):
+                    # Saved without an optimizer state (an imported step 0): a fresh one.
+                    partial, target = True, kept
+                problem = describe_mismatch(saved, leaf_table(target), partial=partial)
             except Exception as err:
                 if _is_resource_error(err):
                     raise
@@ -301,7 +303,7 @@ class Checkpointer:
                 )
             iterator = make_iterator() if make_iterator is not None else None
             try:
-                state = self._restore_state(step, abstract_state, partial=reset_optimizer)
+                state = self._restore_state(step, target, partial=partial)
                 if iterator is not None:
                     data = grain.checkpoint.CheckpointRestore(iterator)
                     self.manager.restore(step, args=ocp.args.Composite(data=data))

@@ -4,12 +4,15 @@
 **Import.** ``nested-jax import-hf --from HF_DIR [--config X.yaml] [--set k=v] --workdir NEW
 [--to hope_attention]`` reads a Llama- or Qwen2-style checkpoint (``config.json`` and
 ``model.safetensors`` or a sharded index; :mod:`nested_jax.models.hf`) and writes it as step 0 of a
-new workdir; ``nested-jax train --workdir NEW`` then continues it (optimizer state fresh, data from
-its start). The checkpoint fixes the model's shape fields (sizes, tying, RoPE, norm epsilon,
-``model.attention``); the config gives everything else (data, optimizer, mesh, ``dtype``, the CMS
-section). A config that sets one of the fixed fields to another value is refused, naming it.
+new workdir, one tensor at a time (:mod:`nested_jax.train.hf_import`: the parameters are held
+once, step 0 has no optimizer state); ``nested-jax train --workdir NEW`` then continues it
+(optimizer state fresh, data from its start). The checkpoint fixes the model's shape fields (sizes,
+tying, RoPE, norm epsilon, ``model.attention``), a field ``config.json`` leaves out taking the
+value ``transformers`` gives it (:mod:`nested_jax.train.hf_defaults`); the config gives everything
+else (data, optimizer, mesh, ``dtype``, the CMS section). A config that sets one of the fixed
+fields to another value is refused, naming it.
 With ``--to hope_attention`` the transformer goes straight through the Transformer → Hope-Attention
-conversion (SPEC §3.4; :func:`nested_jax.train.convert.convert_ffn_to_cms`): its SwiGLU is copied
+conversion (SPEC §3.4, as :func:`nested_jax.train.convert.convert_ffn_to_cms`): its SwiGLU is copied
 into every CMS level. When ``HF_DIR`` holds a ``tokenizer.json`` and the config names no tokenizer,
 the run uses it (the checkpoint's token ids mean nothing under another vocabulary).
 
@@ -34,15 +37,10 @@ import jax
 import numpy as np
 
 from nested_jax.models import hf
-from nested_jax.models.config import ModelConfig
 from nested_jax.train.checkpoint import CHECKPOINT_DIR
-from nested_jax.train.convert import (
-    FFN_TO_LEVEL,
-    convert_ffn_to_cms,
-    load_checkpoint_params,
-    step_zero_parser,
-    write_step_zero,
-)
+from nested_jax.train.convert import FFN_TO_LEVEL, load_checkpoint_params, step_zero_parser
+from nested_jax.train.hf_defaults import with_transformers_defaults
+from nested_jax.train.hf_import import as_transformer, write_imported_step_zero
 
 __all__ = ["export_checkpoint", "import_checkpoint", "import_config", "main_export", "main_import"]
 
@@ -62,7 +60,7 @@ def import_config(values: dict, hf_config: dict, hf_dir: Path, *, to: str = "tra
     if to not in IMPORT_TARGETS:
         raise ConfigError(f"--to: expected one of {IMPORT_TARGETS}, got {to!r}")
     try:
-        fields = hf.hf_model_fields(hf_config)
+        fields = hf.hf_model_fields(with_transformers_defaults(hf_config))
     except ValueError as err:
         raise ConfigError(f"{hf_dir}/{err}") from None
     if to == "hope_attention":
@@ -83,31 +81,13 @@ def import_config(values: dict, hf_config: dict, hf_dir: Path, *, to: str = "tra
 
 def import_checkpoint(config, hf_dir: str | Path, workdir: str | Path) -> Path:
     """Writes the Hugging Face checkpoint in ``hf_dir`` as step 0 of ``workdir`` under ``config``
-    (from :func:`import_config`). Returns the step directory.
+    (from :func:`import_config`), streaming it tensor by tensor
+    (:func:`nested_jax.train.hf_import.write_imported_step_zero`). Returns the step directory.
 
     Raises:
       FileNotFoundError / ValueError: one line naming the file or the tensor and its shape.
     """
-    _, tensors = hf.read_hf_checkpoint(hf_dir)
-    source_cfg = _as_transformer(config.model)
-    source = hf.params_from_hf_tensors(tensors, source_cfg)
-
-    def fill(target: dict, mesh: jax.sharding.Mesh) -> dict:
-        del mesh  # the target leaves carry the run's shardings
-        return convert_ffn_to_cms(source, target)
-
-    return write_step_zero(config, workdir, fill)
-
-
-def _as_transformer(model: ModelConfig) -> ModelConfig:
-    """The Transformer++ with ``model``'s attention shell and a SwiGLU of its CMS level width."""
-    import dataclasses
-
-    if model.name == "transformer":
-        return model
-    return dataclasses.replace(
-        model, name="transformer", ffn="swiglu", mlp_hidden=model.resolved_cms_hidden()
-    )
+    return write_imported_step_zero(config, workdir, hf_dir)
 
 
 def _level_as_swiglu(params: dict, level: int) -> dict:
@@ -158,7 +138,7 @@ def export_checkpoint(
         exact = len(model_cfg.cms.periods) == 1 or _levels_equal(params)
         params = _level_as_swiglu(params, cms_level)
     config = hf.hf_config_from_model(model_cfg, arch)
-    tensors = hf.hf_tensors_from_params(jax.device_get(params), _as_transformer(model_cfg))
+    tensors = hf.hf_tensors_from_params(jax.device_get(params), as_transformer(model_cfg))
     files = hf.write_hf_checkpoint(out, config, tensors, max_shard_bytes=max_shard_bytes)
     data = saved_data(workdir)
     tokenizer_raw = getattr(getattr(data, "tokenizer", None), "raw", None)

@@ -215,9 +215,10 @@ def restore_or_start(
         _say(f"starting from scratch in {workdir} (no checkpoint found)")
         return ckpt, 0, setup.state, make_iterator()
     start, state, iterator = restored
-    if plan.reset_optimizer:
+    if plan.reset_optimizer or "opt_state" not in state:
+        why = "--reset-optimizer" if plan.reset_optimizer else "the checkpoint holds none"
         state = {**setup.state, **state}  # the restored weights, a fresh optimizer state
-        _say(f"resuming from step {start} with a fresh optimizer state (--reset-optimizer)")
+        _say(f"resuming from step {start} with a fresh optimizer state ({why})")
     else:
         _say(f"resuming from step {start} (checkpoint {ckpt.directory / str(start)})")
     return ckpt, start, state, iterator

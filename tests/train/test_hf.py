@@ -213,3 +213,130 @@ def test_import_names_the_bad_tensor(checkpoints, run_root, tmp_path, capsys):
     assert code == 1
     err = capsys.readouterr().err.strip()
     assert err == "tensor model.layers.1.mlp.up_proj.weight: shape [5, 64], expected [96, 64]"
+
+
+def _copy_checkpoint(source: Path, directory: Path, **changes) -> Path:
+    """``source`` rewritten into ``directory`` with ``changes`` (name -> array, None removes)."""
+    directory.mkdir()
+    (directory / "config.json").write_text((source / "config.json").read_text())
+    _, tensors = hf.read_hf_checkpoint(source)
+    tensors = {k: np.asarray(v) for k, v in tensors.items()}
+    for name, value in changes.items():
+        if value is None:
+            tensors.pop(name)
+        else:
+            tensors[name] = value
+    hf.write_safetensors(directory / hf.SINGLE_FILE, tensors)
+    return directory
+
+
+def _refusal(run_root, source: Path, workdir: Path, capsys) -> str:
+    _, argv = run_root
+    code = cli.main(["import-hf", "--from", str(source), *argv, "--workdir", str(workdir)])
+    assert code == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert not workdir.exists()
+    return err
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_defaults_are_the_transformers_config_class_defaults(arch):
+    # Every field of the table left out in turn: the model fields must be the ones read from the
+    # config that transformers builds from the same config.json.
+    from transformers import AutoConfig
+
+    from nested_jax.train.hf_defaults import TRANSFORMERS_DEFAULTS, with_transformers_defaults
+
+    given = {
+        **SIZES,
+        "head_dim": 32,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 5000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        **({"attention_bias": False, "mlp_bias": False} if arch == "llama" else {}),
+        **({"use_sliding_window": False} if arch == "qwen2" else {}),
+    }
+    given.pop("initializer_range")
+    assert set(TRANSFORMERS_DEFAULTS[arch]) == set(given)
+    for field in given:
+        config = {k: v for k, v in given.items() if k != field}
+        theirs = AutoConfig.for_model(arch, **config).to_dict()
+        ours = with_transformers_defaults({"model_type": arch, **config})
+        assert hf.hf_model_fields(ours) == hf.hf_model_fields(theirs), field
+
+
+def test_qwen2_untied_head_with_the_tying_left_out(run_root, tmp_path):
+    # Qwen2Config unties the head by default: config.json need not say so.
+    source = _save(
+        Qwen2ForCausalLM, Qwen2Config(**SIZES, tie_word_embeddings=False), tmp_path / "q"
+    )
+    config = json.loads((source / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    (source / "config.json").write_text(json.dumps(config))
+    _, tensors = hf.read_hf_checkpoint(source)
+    assert "lm_head.weight" in tensors
+    workdir = tmp_path / "w"
+    _import(run_root, source, workdir)
+    tokens = _tokens(SIZES["vocab_size"])
+    np.testing.assert_allclose(
+        _jax_logits(workdir, tokens), _torch_logits(source, tokens), atol=1e-4, rtol=0
+    )
+    assert json.loads((workdir / "config.json").read_text())["model"]["tie_embeddings"] is False
+
+
+def test_import_refuses_a_tensor_it_does_not_use(checkpoints, run_root, tmp_path, capsys):
+    extra = np.zeros(64, np.float32)
+    source = _copy_checkpoint(
+        checkpoints["llama"], tmp_path / "extra", **{"model.layers.0.self_attn.o_proj.bias": extra}
+    )
+    err = _refusal(run_root, source, tmp_path / "w", capsys)
+    assert err.startswith("tensor model.layers.0.self_attn.o_proj.bias has no place in the model")
+
+
+def test_a_tied_checkpoint_may_repeat_the_embedding_as_head_only_exactly(
+    checkpoints, run_root, tmp_path, capsys
+):
+    _, tensors = hf.read_hf_checkpoint(checkpoints["qwen2"])
+    embed = np.asarray(tensors["model.embed_tokens.weight"])
+    same = _copy_checkpoint(checkpoints["qwen2"], tmp_path / "same", **{"lm_head.weight": embed})
+    _import(run_root, same, tmp_path / "w_same")
+    other = _copy_checkpoint(
+        checkpoints["qwen2"], tmp_path / "other", **{"lm_head.weight": embed + 1}
+    )
+    err = _refusal(run_root, other, tmp_path / "w_other", capsys)
+    assert err.startswith("tensor lm_head.weight differs from model.embed_tokens.weight")
+
+
+def test_import_streams_one_tensor_at_a_time(checkpoints, run_root, tmp_path, monkeypatch):
+    # The import never initialises the full train state (random weights, optimizer moments) and
+    # holds at most one checkpoint tensor, read into memory it owns (not a memory map).
+    import weakref
+
+    from nested_jax.train import hf_import, setup
+
+    def no_init(plan):
+        raise AssertionError("the import initialised the full train state")
+
+    monkeypatch.setattr(setup, "initialise", no_init)
+    live, most = [0], [0]
+    read = hf_import.SafetensorsFiles.read
+
+    def counted(self, name):
+        a = read(self, name)
+        assert a.base is None  # owns its bytes
+        live[0] += 1
+        most[0] = max(most[0], live[0])
+        weakref.finalize(a, lambda: live.__setitem__(0, live[0] - 1))
+        return a
+
+    monkeypatch.setattr(hf_import.SafetensorsFiles, "read", counted)
+    workdir = tmp_path / "w"
+    _import(run_root, checkpoints["llama"], workdir)
+    assert most[0] == 1
+    from nested_jax.train.checkpoint import Checkpointer
+
+    leaves = Checkpointer(workdir, read_only=True).saved_leaves(0)
+    assert not [k for k in leaves if k.startswith("opt_state")]
+    assert any(k.startswith("params.") for k in leaves)
