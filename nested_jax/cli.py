@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from nested_jax.parallel.platform import quiet_cpu_platforms
+
 COMMANDS = {
     "train": ("nested_jax.train.main", "train a model: --config FILE --workdir DIR"),
     "eval": ("nested_jax.eval.main", "evaluate the latest checkpoint: --workdir DIR"),
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"nested-jax: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    quiet_cpu_platforms(command)  # before JAX starts: no libtpu start-up noise on a CPU machine
     if command == "bench":
         if not rest or rest[0] not in BENCHES:
             print(f"usage: nested-jax bench {{{','.join(BENCHES)}}} [--json]", file=sys.stderr)

@@ -1,6 +1,6 @@
 """``nested-jax bench hola [--json]``: HOLA vs GDN throughput, and bounded decode memory (SPEC §5).
 
-Measured in one process (DESIGN.md "Benchmarks"):
+Measured in one process (the rule of :mod:`nested_jax.bench.common`):
 
 1. **Mixer** fwd+bwd (gradients of ``sum(sin(y))`` w.r.t. all parameters) of
    :class:`~nested_jax.layers.hola.HolaMixer` vs :class:`~nested_jax.layers.gdn.GatedDeltaNet`

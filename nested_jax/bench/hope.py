@@ -1,7 +1,7 @@
 """``nested-jax bench hope [--json]``: the Hope mixer (SPEC §3.2) in the tiny LM, vs Titans and GDN.
 
-Two measurements, in one process (DESIGN.md "Benchmarks"), after an in-run normaliser (measured
-f32 matmul GFLOP/s):
+Two measurements, in one process (:mod:`nested_jax.bench.common`), after an in-run normaliser
+(measured f32 matmul GFLOP/s):
 
 1. **Tokens/s of the tiny LMs**: fwd+bwd of the next-token loss of the tiny ``hope``,
    ``titans_lmm`` and ``gdn`` language models of the same shell widths (``--d-model``,

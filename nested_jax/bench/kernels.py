@@ -60,8 +60,8 @@ from nested_jax.bench.core import chunked_gdn_flops
 from nested_jax.core.associative import gated_delta_chunked
 from pallas_kernels.gated_delta import BlockSizes, gated_delta_pallas
 
-# Peak dense bf16 FLOP/s and HBM bytes/s per chip. Source: ../shared/REFERENCES.md, "Performance
-# facts" (vendor figures: TPU v5e 197 TF/s, 819 GB/s; v5p 459, 2765; v6e 918, 1638; H100 / H200
+# Peak dense bf16 FLOP/s and HBM bytes/s per chip, the vendors' published figures (TPU v5e
+# 197 TF/s, 819 GB/s; v5p 459, 2765; v6e 918, 1638; H100 / H200
 # ≈ 989 TF/s, 3.35 / 4.8 TB/s). Keys are matched against ``device.device_kind`` (lower case).
 DEVICE_PEAKS = {
     "v5e": (197e12, 819e9),

@@ -1,6 +1,6 @@
 """``nested-jax bench optim [--json]``: AdamW vs Muon vs M3 (three settings), learning-rate sweeps.
 
-All in one process (DESIGN.md "Benchmarks"):
+All in one process (the rule of :mod:`nested_jax.bench.common`):
 
 1. **Optimizers, fair comparison** (SPEC §3.5). The tiny GDN language model (``--d-model`` 64,
    ``--layers`` 2, 2 heads, byte vocabulary) is trained from the same initialisation on the same

@@ -1,6 +1,6 @@
 """``nested-jax bench titans [--json]``: Titans (SPEC §2) chunked vs recurrent, vs GDN, memory.
 
-Three measurements, all in one process (DESIGN.md "Benchmarks"):
+Three measurements, all in one process (the rule of :mod:`nested_jax.bench.common`):
 
 1. **Chunked vs recurrent** fwd+bwd at ``T`` (default 2048; B=1, H=4, K=V=64, f32) for the matrix
    memory (L_M = 1: ``titans_linear_chunked`` vs ``titans_linear_recurrent``) and the 2-layer MLP

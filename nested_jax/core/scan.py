@@ -10,7 +10,7 @@
   affine maps, composed as ``(a₂, b₂) ∘ (a₁, b₁) = (a₂ a₁, a₂ b₁ + b₂)``); used by Titans
   momentum/decay (SPEC §2).
 - ``scan_remat``: ``lax.scan`` whose backward stores only every n-th carry (nested scan with
-  ``jax.checkpoint`` on the inner n steps), for long chunk recurrences (DESIGN.md "States").
+  ``jax.checkpoint`` on the inner n steps), for long chunk recurrences.
 - ``zeros_typed`` / ``state_zeros`` / ``cast_like``: scan carries and constants *typed like the
   inputs*, so the rules run inside a user's ``jax.shard_map`` (``check_vma=True``) and on meshes
   with Explicit axes (issue 18; ``tests/core/test_library_face.py``).

@@ -1,7 +1,7 @@
 """Data configuration: which corpus, which tokenizer, how sequences are packed and batched.
 
 A frozen dataclass validated on construction, so a bad value fails once, at load time, with one line
-naming the field (DESIGN.md "Configs").
+naming the field.
 """
 
 from __future__ import annotations

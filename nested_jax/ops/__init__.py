@@ -1,6 +1,6 @@
 """The one door from layers to the math: ``op(..., impl="chunked" | "recurrent" | "pallas")``.
 
-Every mixer reaches its memory rule through this package (DESIGN.md, SPEC §0); layers import no
+Every mixer reaches its memory rule through this package (README.md, SPEC §0); layers import no
 name from ``nested_jax.core`` (an import-linter ``forbidden`` contract in ``pyproject.toml``
 checks it), only the ops and the state types the ops modules re-export. Each op takes ``impl``;
 an ``impl`` that cannot run raises ``ValueError`` naming the op (never a silent switch), and

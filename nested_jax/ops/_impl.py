@@ -1,4 +1,4 @@
-"""The ``impl`` vocabulary every op shares and its one check (DESIGN.md, SPEC §0)."""
+"""The ``impl`` vocabulary every op shares and its one check (SPEC §0)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Logical axis names of the memory states the ops return (DESIGN.md; the mesh rules of
+"""Logical axis names of the memory states the ops return (the mesh rules of
 :mod:`nested_jax.parallel.mesh`).
 
 Every per-head memory state (the linear rules' ``S [B, H, K, V]``, Titans' ``(W_l, S_l)

@@ -22,8 +22,9 @@ per chip would grow with the number of chips.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -147,9 +148,10 @@ def batch_shards(mesh: Mesh) -> int:
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     """Pins activation `x` to the mesh axes its logical dimension names map to.
 
-    Inside ``jax.set_mesh(mesh)`` (how :mod:`nested_jax.train.setup` traces the steps) this is a
-    ``with_sharding_constraint`` through :data:`LOGICAL_AXIS_RULES` (dimensions that do not divide
-    the axes stay replicated); outside any mesh (a laptop, a unit test) it returns `x` unchanged.
+    With a mesh in context (``jax.set_mesh(mesh)``, or a function wrapped by :func:`traced_on`,
+    as the train and eval steps built with a mesh are) this is a ``with_sharding_constraint``
+    through :data:`LOGICAL_AXIS_RULES` (dimensions that do not divide the axes stay replicated);
+    outside any mesh (a laptop, a unit test) it returns `x` unchanged.
 
     Args:
       x: any array; logical: one name (or None) per dimension of `x`, e.g. ``("batch", None,
@@ -164,6 +166,24 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
         return x
     spec = logical_to_mesh_spec(logical, x.shape, mesh)
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def traced_on(mesh: Mesh | None, fn: Callable) -> Callable:
+    """`fn` whose body runs with `mesh` as the context mesh (``jax.sharding.use_abstract_mesh``).
+
+    Unlike ``jax.set_mesh`` around a call, this holds inside a trace, so the activation
+    constraints (:func:`constrain`) and the ``shard_map`` of the Pallas ops apply however `fn` is
+    jitted or lowered: under the caller's ``jax.set_mesh`` or not. None returns `fn` unchanged.
+    """
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def on_mesh(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return on_mesh
 
 
 def logical_to_mesh_spec(

@@ -6,7 +6,7 @@ accepted where a float is expected) or an impossible combination fails at load t
 naming the full field path, e.g. ``config error: train.steps: expected int, got str 'abc'`` (raised
 as :class:`ConfigError`).
 
-Cross-field rules checked at load (DESIGN.md "Configs"):
+Cross-field rules checked at load:
 - ``data.batch_size`` must be divisible by ``mesh.data × mesh.fsdp × mesh.slices`` when explicit;
   with ``mesh.fsdp = -1`` the product is only known once the devices are, so the same check runs
   again when the mesh is built.

@@ -84,8 +84,8 @@ class StepPlan:
     Built without allocating a parameter (:func:`plan_train_setup`), so it serves both
     :func:`init_train_setup` (which then materialises the state) and the ahead-of-time compile of
     ``nested-jax aot`` (which lowers the steps for a TPU topology from :meth:`abstract_state`).
-    Call or lower the steps inside ``jax.set_mesh(plan.mesh)`` so the activation constraints of
-    the model (``nested_jax.parallel.mesh.constrain``) apply.
+    The steps carry ``plan.mesh`` into their trace, so the activation constraints of the model
+    (``nested_jax.parallel.mesh.constrain``) apply wherever they are called or lowered.
     """
 
     mesh: jax.sharding.Mesh
@@ -167,6 +167,7 @@ def plan_train_setup(
         token_bytes=tb,
         debug_nan_at_steps=config.train.debug_nan_at_steps,
         loss_chunk=config.train.loss_chunk,
+        mesh=mesh,
     )
     train_step = jax.jit(
         step_fn,
@@ -175,7 +176,9 @@ def plan_train_setup(
         donate_argnums=(0,),
     )
     eval_step = jax.jit(
-        make_eval_step(graphdef, state_def, token_bytes=tb, loss_chunk=config.train.loss_chunk),
+        make_eval_step(
+            graphdef, state_def, token_bytes=tb, loss_chunk=config.train.loss_chunk, mesh=mesh
+        ),
         in_shardings=(param_sh, rest_sh, batch_sh),
         out_shardings=repl,
     )

@@ -25,6 +25,7 @@ import optax
 from flax import nnx
 
 from nested_jax.ops import chunked_cross_entropy
+from nested_jax.parallel.mesh import traced_on
 
 TrainState = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -100,6 +101,7 @@ def make_train_step(
     token_bytes: jax.Array | None = None,
     debug_nan_at_steps: Sequence[int] = (),
     loss_chunk: int = 0,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Callable[[TrainState, Any, Batch], tuple[TrainState, dict]]:
     """Builds the pure ``train_step(state, rest, batch) -> (state, metrics)``.
 
@@ -107,7 +109,10 @@ def make_train_step(
     scalars): loss (mean nats/token), loss_sum, tokens, bytes, grad_norm, lr (of this step), finite
     (1/0), consecutive_skips. ``debug_nan_at_steps`` (tests only) multiplies the loss by NaN at
     those 1-based steps, so loss and gradients are NaN exactly as in a real blow-up.
-    ``loss_chunk``: see :func:`make_loss_fn`.
+    ``loss_chunk``: see :func:`make_loss_fn`. ``mesh``: the mesh the parameters and batches are
+    sharded on; the step traces its body on it (``nested_jax.parallel.mesh.traced_on``), so the
+    model's activation constraints hold in any ``jax.jit`` of the step, inside ``jax.set_mesh`` or
+    not (None: only inside the caller's mesh).
     """
     loss_fn = make_loss_fn(graphdef, state_def, loss_chunk=loss_chunk)
     nan_steps = jnp.asarray(tuple(debug_nan_at_steps) or (-1,), jnp.int32)
@@ -154,13 +159,19 @@ def make_train_step(
         }
         return new_state, metrics
 
-    return train_step
+    return traced_on(mesh, train_step)
 
 
 def make_eval_step(
-    graphdef: Any, state_def: Any, *, token_bytes: jax.Array | None = None, loss_chunk: int = 0
+    graphdef: Any,
+    state_def: Any,
+    *,
+    token_bytes: jax.Array | None = None,
+    loss_chunk: int = 0,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Callable[[dict, Any, Batch], dict]:
-    """Builds ``eval_step(params, rest, batch) -> {"loss_sum", "tokens", "bytes"}`` (sums)."""
+    """Builds ``eval_step(params, rest, batch) -> {"loss_sum", "tokens", "bytes"}`` (sums);
+    ``mesh`` as in :func:`make_train_step`."""
     loss_fn = make_loss_fn(graphdef, state_def, loss_chunk=loss_chunk)
 
     def eval_step(params, rest, batch):
@@ -171,7 +182,7 @@ def make_eval_step(
             "bytes": target_bytes(batch["targets"], batch["loss_mask"], token_bytes),
         }
 
-    return eval_step
+    return traced_on(mesh, eval_step)
 
 
 def bits_per_byte(loss_sum_nats: float, n_bytes: float) -> float:
