@@ -37,7 +37,7 @@ from nested_jax.files import as_path, write_json
 from nested_jax.train.checkpoint import Checkpointer, abstract_like, checkpoint_steps
 from nested_jax.train.config import Config, config_to_dict, save_config
 from nested_jax.train.metrics import MetricsWriter, read_metrics
-from nested_jax.train.optimizer import learning_rate_schedule
+from nested_jax.train.optimizer import with_fresh_hyperparams
 from nested_jax.train.progress import Progress
 from nested_jax.train.setup import (  # noqa: F401  (re-exported: the loop's public names)
     BATCH_KEYS,
@@ -56,6 +56,7 @@ from nested_jax.train.workdir import (
     SavedData,
     check_resume,
     corpus_change_message,
+    describe_change,
     record_config_changes,
     saved_config_dict,
     saved_data,
@@ -211,25 +212,15 @@ def restore_or_start(
         state = {**setup.state, **state}  # the restored weights, a fresh optimizer state
         _say(f"resuming from step {start} with a fresh optimizer state (--reset-optimizer)")
     else:
+        if any(c.field.startswith("optimizer.") for c in plan.changes):  # a new schedule
+            fresh = setup.state["opt_state"]
+            state = {**state, "opt_state": with_fresh_hyperparams(state["opt_state"], fresh)}
         _say(f"resuming from step {start} (checkpoint {ckpt.directory / str(start)})")
     return ckpt, start, state, iterator
 
 
 def _notice_lines(config: Config, plan: ResumePlan, start: int) -> list[str]:
-    lines = []
-    for change in plan.changes:
-        line = f"notice: {change} applied on resume"
-        if change.field == "train.steps":
-            old = learning_rate_schedule(config.optimizer, int(change.old))(start)
-            new = learning_rate_schedule(config.optimizer, int(change.new))(start)
-            line += (
-                f"; the learning-rate schedule now ends at step {change.new} (lr at step "
-                f"{start}: {float(old):.3g} -> {float(new):.3g})"
-            )
-        elif change.field.startswith("optimizer."):
-            line += " with a fresh optimizer state"
-        lines.append(line)
-    return lines
+    return [describe_change(c, config, start, plan.reset_optimizer) for c in plan.changes]
 
 
 def record_run(
