@@ -536,6 +536,7 @@ def train_and_evaluate(
     *,
     devices: Sequence[jax.Device] | None = None,
     reset_optimizer: bool = False,
+    config_source: str | None = None,
 ) -> dict:
     """Trains `config` in `workdir` (resuming the newest good checkpoint there); returns a summary.
 
@@ -544,7 +545,8 @@ def train_and_evaluate(
     only once the config, the resume and the data are known to be good. `devices` restricts the
     mesh to those devices (default: all of ``jax.devices()``; notebooks and tests use a subset).
     `reset_optimizer` resumes the weights and data position with a fresh optimizer state (and
-    lets ``optimizer.*`` settings change).
+    lets ``optimizer.*`` settings change). `config_source` (e.g. "saved in W/config.json") is
+    printed as the config the run uses once the resume and the data are accepted.
 
     Returns:
       summary dict: final_train_loss, val_loss, val_bits_per_byte, val_perplexity,
@@ -565,6 +567,8 @@ def train_and_evaluate(
     ckpt, start, state, iterator = restore_or_start(
         config, workdir, prep.setup, prep.make_iterator, plan
     )
+    if config_source:
+        _say(f"this run uses the config {config_source}")
     record_run(config, workdir, plan, prep.spec, prep.bundle.tokenizer, start)
     run = open_run(config, workdir, prep, ckpt, iterator, state, start)
     state, stats = run_and_close(run, state, start)

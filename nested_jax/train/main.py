@@ -106,10 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     from nested_jax.train.loop import TrainingError, train_and_evaluate
 
     maybe_initialize()
-    if not args.config:
-        print(f"config {source}", flush=True)
     try:
-        summary = train_and_evaluate(config, workdir, reset_optimizer=args.reset_optimizer)
+        summary = train_and_evaluate(
+            config,
+            workdir,
+            reset_optimizer=args.reset_optimizer,
+            config_source=None if args.config else source,  # printed once the resume is accepted
+        )
     except ConfigError as err:  # refused resume, mesh / vocabulary mismatch: nothing was written
         _error("config error", err)
         return EXIT_CONFIG
