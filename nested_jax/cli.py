@@ -47,15 +47,30 @@ BENCHES = ("core", "titans", "optim", "hola", "hope", "kernels", "context", "dat
 
 
 def _usage() -> str:
-    lines = ["usage: nested-jax <command> [args]", "", "commands:"]
+    lines = ["usage: nested-jax [--version] <command> [args]", "", "commands:"]
     lines += [f"  {name:<13} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
+
+
+def version() -> str:
+    """The installed distribution's version, else the package's ``__version__`` (a source tree)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("nested-jax")
+    except metadata.PackageNotFoundError:
+        from nested_jax import __version__
+
+        return __version__
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"nested-jax {version()}")
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:

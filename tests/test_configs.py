@@ -78,6 +78,41 @@ def test_defaults_yaml_and_overrides_compose(tmp_path):
     assert cfg.eval.niah_depths == (0.5,)
 
 
+# YAML 1.2 floats that PyYAML (YAML 1.1) loads as strings: an exponent without a dot or sign.
+EXPONENT_FLOATS = {"1e-3": 1e-3, "1E-3": 1e-3, "-2e5": -2e5, "+1.5e-4": 1.5e-4, "1.5e4": 1.5e4}
+
+
+@pytest.mark.parametrize("text", EXPONENT_FLOATS)
+def test_exponent_numbers_are_floats_in_yaml_files_and_set(tmp_path, text):
+    value = EXPONENT_FLOATS[text]
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(
+        f"model:\n  hola:\n    gate_init: {text}\neval:\n  niah_depths: [0.5, {text}]\n"
+    )
+    # (gate_init takes any sign; niah_depths only [0, 1], so the others are checked on gate_init)
+    if 0 <= value <= 1:
+        assert load_config([preset]).eval.niah_depths == (0.5, value)
+    preset.write_text(f"model:\n  hola:\n    gate_init: {text}\n")
+    gate = load_config([preset]).model.hola.gate_init
+    assert gate == value and type(gate) is float
+    assert load_config([], [f"model.hola.gate_init={text}"]).model.hola.gate_init == value
+
+
+def test_an_exponent_learning_rate_loads_from_yaml_and_set(tmp_path):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("optimizer:\n  lr: 1e-3\n  min_lr_ratio: 5E-2\n")
+    assert load_config([preset]).optimizer.lr == 1e-3
+    assert load_config([preset]).optimizer.min_lr_ratio == 5e-2
+    assert load_config([], ["optimizer.lr=1e-3"]).optimizer.lr == 1e-3
+
+
+def test_a_str_field_keeps_an_exponent_number_as_text(tmp_path):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("mesh:\n  topology: 1e-3\n")
+    assert load_config([preset]).mesh.topology == "1e-3"
+    assert load_config([], ["mesh.topology=1E-3"]).mesh.topology == "1E-3"
+
+
 def test_save_and_reload_from_workdir(tmp_path):
     cfg = load_config([], ["train.steps=7", "model.d_model=64"])
     save_config(cfg, tmp_path)
@@ -95,6 +130,9 @@ def test_save_and_reload_from_workdir(tmp_path):
         (["train.steps=1.5"], r"^train\.steps: expected int, got float"),
         (["train.steps=true"], r"^train\.steps: expected int, got bool"),
         (["optimizer.lr=fast"], r"^optimizer\.lr: expected float, got str"),
+        (["optimizer.lr=1e-3x"], r"^optimizer\.lr: expected float, got str '1e-3x'"),
+        (["optimizer.lr='0.5'"], r"^optimizer\.lr: expected float, got str '0\.5'"),
+        (["train.steps=1e3"], r"^train\.steps: expected int, got str '1e3'"),
         (["train.async_checkpointing=1"], r"^train\.async_checkpointing: expected bool"),
         (["train.nan_policy=ignore"], r"^train\.nan_policy: expected one of \['skip', 'stop'\]"),
         (["eval.niah_lengths=[128, x]"], r"^eval\.niah_lengths\[1\]: expected int"),

@@ -6,7 +6,7 @@ plus an in-run normaliser (the measured f32 matmul GFLOP/s), never a bare absolu
 Pattern for a benchmark module ``nested_jax/bench/<name>.py``::
 
     def main(argv):
-        args = make_parser("what it measures").parse_args(argv)
+        args = make_parser("<name>", "what it measures").parse_args(argv)
         gf = matmul_gflops()
         t = time_interleaved({"a": fa, "b": fb}, repeats=args.repeats)
         results = {"matmul_gflops": gf, "a_over_b": t["b"] / t["a"]}
@@ -38,9 +38,10 @@ __all__ = [
 ]
 
 
-def make_parser(description: str) -> argparse.ArgumentParser:
-    """An ``argparse`` parser with the shared ``--json`` and ``--repeats`` options."""
-    p = argparse.ArgumentParser(description=description)
+def make_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """An ``argparse`` parser for ``nested-jax bench <name>`` with the shared ``--json`` and
+    ``--repeats`` options (its usage line names the command a user types)."""
+    p = argparse.ArgumentParser(prog=f"nested-jax bench {name}", description=description)
     p.add_argument(
         "--json", action="store_true", help="print one JSON object as the last line of stdout"
     )

@@ -153,7 +153,9 @@ def markdown(results: dict, args) -> str:
 
 
 def build_parser():
-    p = make_parser("context parallelism: equality on 8 CPU devices and memory per device")
+    p = make_parser(
+        "context", "context parallelism: equality on 8 CPU devices and memory per device"
+    )
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--check-devices", type=int, default=8)

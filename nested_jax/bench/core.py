@@ -153,7 +153,9 @@ def run(seq_lens, B=1, H=4, D=64, chunk_size=32, repeats=5, attention=True) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = make_parser("chunked vs recurrent gated delta rule, and vs causal softmax attention")
+    p = make_parser(
+        "core", "chunked vs recurrent gated delta rule, and vs causal softmax attention"
+    )
     p.add_argument(
         "--seq-lens",
         default=",".join(map(str, DEFAULT_SEQ_LENS)),

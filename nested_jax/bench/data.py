@@ -74,7 +74,7 @@ def prefetch_rates(data_cfg, *, prefetch=4, batches=50, repeats=5, step_ms=0.0) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = make_parser("input pipeline batches/s with and without prefetch")
+    p = make_parser("data", "input pipeline batches/s with and without prefetch")
     p.add_argument("--config", action="append", default=None, help="YAML config (repeatable)")
     p.add_argument("--set", action="append", default=[], help="override key=value (repeatable)")
     p.add_argument("--prefetch", type=int, default=4)

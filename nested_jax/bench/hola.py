@@ -191,7 +191,9 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = make_parser("HOLA vs GDN: tokens/s (mixer and model, same run) and bounded decode memory")
+    p = make_parser(
+        "hola", "HOLA vs GDN: tokens/s (mixer and model, same run) and bounded decode memory"
+    )
     p.add_argument("--seq-len", type=int, default=2048, help="mixer benchmark length T")
     p.add_argument("--model-seq-len", type=int, default=1024, help="model benchmark length")
     p.add_argument("--window", type=int, default=64)

@@ -143,7 +143,7 @@ def _parse_sweep(text: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = make_parser("Hope tiny LM: tokens/s vs titans_lmm and gdn, chunk-size sweep")
+    p = make_parser("hope", "Hope tiny LM: tokens/s vs titans_lmm and gdn, chunk-size sweep")
     p.add_argument("--seq-len", type=int, default=256, help="T of the timed batches")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)

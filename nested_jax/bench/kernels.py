@@ -394,7 +394,9 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def build_parser():
-    p = make_parser("Pallas gated delta kernel vs the XLA chunked rule (time / memory / errors)")
+    p = make_parser(
+        "kernels", "Pallas gated delta kernel vs the XLA chunked rule (time / memory / errors)"
+    )
     p.add_argument(
         "--mode",
         choices=("auto", "device", "cpu"),

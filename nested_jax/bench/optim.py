@@ -151,8 +151,9 @@ def proteus_overhead(T: int = 2048, B: int = 1, H: int = 4, D: int = 64, repeats
 
 def main(argv: list[str] | None = None) -> int:
     p = make_parser(
+        "optim",
         "AdamW vs Muon vs M3 (Algorithm 1) vs M3 normalize='rms': learning-rate sweeps on the tiny "
-        "GDN LM and a toy regression; Proteus GDN overhead"
+        "GDN LM and a toy regression; Proteus GDN overhead",
     )
     p.add_argument("--steps", type=int, default=150, help="training steps of every LM run")
     p.add_argument("--batch-size", type=int, default=8)

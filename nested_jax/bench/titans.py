@@ -257,7 +257,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = make_parser("Titans memory: chunked vs recurrent, vs GDN, temp memory vs T")
+    p = make_parser("titans", "Titans memory: chunked vs recurrent, vs GDN, temp memory vs T")
     p.add_argument("--seq-len", type=int, default=2048, help="T of the speed measurements")
     p.add_argument(
         "--mem-seq-lens",

@@ -2,9 +2,10 @@
 
 Every section is a frozen dataclass with one comment per field. Loading is strict: an unknown key, a
 value of the wrong type (int / float / str / bool are not interchangeable, except that an int is
-accepted where a float is expected) or an impossible combination fails at load time with ONE line
-naming the full field path, e.g. ``config error: train.steps: expected int, got str 'abc'`` (raised
-as :class:`ConfigError`).
+accepted where a float is expected, and so is a number written with an exponent such as ``1e-3``,
+which YAML 1.2 reads as a float but PyYAML's YAML 1.1 as a string) or an impossible combination
+fails at load time with ONE line naming the full field path, e.g. ``config error: train.steps:
+expected int, got str 'abc'`` (raised as :class:`ConfigError`).
 
 Cross-field rules checked at load:
 - ``data.batch_size`` must be divisible by ``mesh.data × mesh.fsdp × mesh.slices`` when explicit;
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -144,6 +146,13 @@ class Config:
 # ------------------------------------------------------------------------------------------------
 
 
+# A number with an exponent, as YAML 1.2 writes floats (`1e-3`, `-2e5`, `1.5E4`). PyYAML follows
+# YAML 1.1, whose float needs a dot and a signed exponent, so it loads these as strings; a float
+# field reads them as the number they are. Parsing here, where the field's type is known, keeps a
+# str field's `1e-3` the string it is (a YAML float resolver would turn it into 0.001 first).
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+")
+
+
 def _type_name(t: Any) -> str:
     if isinstance(t, type):
         return t.__name__
@@ -208,6 +217,8 @@ def _convert(value: Any, t: Any, path: str, base: Any = None) -> Any:
             raise ConfigError(f"{path}: expected int, got {_describe(value)}")
         return value
     if t is float:
+        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value):
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{path}: expected float, got {_describe(value)}")
         return float(value)

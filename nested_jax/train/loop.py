@@ -45,7 +45,7 @@ from nested_jax.train.checkpoint import (
 from nested_jax.train.config import Config, config_to_dict, save_config
 from nested_jax.train.lock import acquire, stale_notice
 from nested_jax.train.metrics import MetricsWriter, read_metrics
-from nested_jax.train.optimizer import learning_rate_schedule
+from nested_jax.train.optimizer import with_fresh_hyperparams
 from nested_jax.train.progress import Progress
 from nested_jax.train.setup import (  # noqa: F401  (re-exported: the loop's public names)
     BATCH_KEYS,
@@ -64,6 +64,7 @@ from nested_jax.train.workdir import (
     SavedData,
     check_resume,
     corpus_change_message,
+    describe_change,
     record_config_changes,
     saved_config_dict,
     saved_data,
@@ -220,25 +221,15 @@ def restore_or_start(
         state = {**setup.state, **state}  # the restored weights, a fresh optimizer state
         _say(f"resuming from step {start} with a fresh optimizer state ({why})")
     else:
+        if any(c.field.startswith("optimizer.") for c in plan.changes):  # a new schedule
+            fresh = setup.state["opt_state"]
+            state = {**state, "opt_state": with_fresh_hyperparams(state["opt_state"], fresh)}
         _say(f"resuming from step {start} (checkpoint {ckpt.directory / str(start)})")
     return ckpt, start, state, iterator
 
 
 def _notice_lines(config: Config, plan: ResumePlan, start: int) -> list[str]:
-    lines = []
-    for change in plan.changes:
-        line = f"notice: {change} applied on resume"
-        if change.field == "train.steps":
-            old = learning_rate_schedule(config.optimizer, int(change.old))(start)
-            new = learning_rate_schedule(config.optimizer, int(change.new))(start)
-            line += (
-                f"; the learning-rate schedule now ends at step {change.new} (lr at step "
-                f"{start}: {float(old):.3g} -> {float(new):.3g})"
-            )
-        elif change.field.startswith("optimizer."):
-            line += " with a fresh optimizer state"
-        lines.append(line)
-    return lines
+    return [describe_change(c, config, start, plan.reset_optimizer) for c in plan.changes]
 
 
 def record_run(
@@ -615,6 +606,7 @@ def train_and_evaluate(
     *,
     devices: Sequence[jax.Device] | None = None,
     reset_optimizer: bool = False,
+    config_source: str | None = None,
 ) -> dict:
     """Trains `config` in `workdir` (resuming the newest good checkpoint there); returns a summary.
 
@@ -623,7 +615,8 @@ def train_and_evaluate(
     only once the config, the resume and the data are known to be good. `devices` restricts the
     mesh to those devices (default: all of ``jax.devices()``; notebooks and tests use a subset).
     `reset_optimizer` resumes the weights and data position with a fresh optimizer state (and
-    lets ``optimizer.*`` settings change).
+    lets ``optimizer.*`` settings change). `config_source` (e.g. "saved in W/config.json") is
+    printed as the config the run uses once the resume and the data are accepted.
 
     Returns:
       summary dict: final_train_loss, val_loss, val_bits_per_byte, val_perplexity,
@@ -648,7 +641,7 @@ def train_and_evaluate(
         notice = stale_notice(lock)
         if notice:
             _say(notice)
-        return _train_locked(config, workdir, devices, reset_optimizer, t_start)
+        return _train_locked(config, workdir, devices, reset_optimizer, config_source, t_start)
     finally:
         if lock is not None:
             lock.release()
@@ -659,6 +652,7 @@ def _train_locked(
     workdir: Path,
     devices: Sequence[jax.Device] | None,
     reset_optimizer: bool,
+    config_source: str | None,
     t_start: float,
 ) -> dict:
     plan = plan_resume(config, workdir, reset_optimizer=reset_optimizer)
@@ -672,6 +666,8 @@ def _train_locked(
         except TrainingError:
             ckpt.manager.close()
             raise
+    if config_source:
+        _say(f"this run uses the config {config_source}")
     record_run(config, workdir, plan, prep.spec, prep.bundle.tokenizer, start)
     run = open_run(config, workdir, prep, ckpt, iterator, state, start)
     state, stats = run_and_close(run, state, start)

@@ -141,10 +141,13 @@ def _train(args: argparse.Namespace) -> int:
     from nested_jax.train.loop import TrainingError, train_and_evaluate
 
     maybe_initialize()
-    if not args.config:
-        print(f"config {source}", flush=True)
     try:
-        summary = train_and_evaluate(config, workdir, reset_optimizer=args.reset_optimizer)
+        summary = train_and_evaluate(
+            config,
+            workdir,
+            reset_optimizer=args.reset_optimizer,
+            config_source=None if args.config else source,  # printed once the resume is accepted
+        )
     except WorkdirBusy as err:  # another live run trains here: nothing was written
         _error("error", err)
         return EXIT_CONFIG

@@ -82,6 +82,23 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
 
 
+def with_fresh_hyperparams(restored: Any, fresh: Any) -> Any:
+    """`restored` optimizer state with the hyper-parameters of each ``optax.inject_hyperparams``
+    state in it taken from `fresh` (the same optimizer initialised from the current config).
+
+    ``inject_hyperparams`` keeps a numeric hyper-parameter (a constant learning rate, say) in its
+    state and reads it from there at every update, so a state restored from a checkpoint would go
+    on with the saved value after the config changed it. Counts, moments and every other array
+    stay as restored. Both states must have the same tree structure.
+    """
+    kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+    def pick(old, new):
+        return old._replace(hyperparams=new.hyperparams) if isinstance(old, kinds) else old
+
+    return jax.tree.map(pick, restored, fresh, is_leaf=lambda x: isinstance(x, kinds))
+
+
 def _decay_mask(params):
     # Decay matrices only: norms' scales and biases (ndim < 2) are not regularised towards 0.
     return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)

@@ -13,9 +13,10 @@ Rules (enforced before anything is written):
   (missing, empty, a typo) is refused with a hint instead of starting a default run. When
   ``config.json`` is gone, the config saved in the newest checkpoint is used.
 - Resuming with a changed setting: settings that are safe to change on resume
-  (:data:`SAFE_ON_RESUME`: the learning-rate schedule length ``train.steps``, eval / checkpoint /
-  log cadence, evaluation settings, the device mesh, cache paths) are applied and printed as a
-  notice. Optimizer settings need ``--reset-optimizer`` (weights and data position kept, optimizer
+  (:data:`SAFE_ON_RESUME`: the learning-rate schedule (``train.steps``, ``optimizer.lr``, warmup
+  and decay, :data:`SCHEDULE_FIELDS`), eval / checkpoint / log cadence, evaluation settings, the
+  device mesh, cache paths) are applied and printed as a notice; the optimizer state is kept.
+  Other optimizer settings need ``--reset-optimizer`` (weights and data position kept, optimizer
   state fresh). Anything else (model, tokenizer, sequence length, batch, seeds) is refused with one
   line naming each field, and nothing in W is touched.
 - The tokenizer used for training is the one saved in W; eval, generate and a resumed run read
@@ -54,11 +55,22 @@ from nested_jax.train.config import (
     load_config,
     load_workdir_config,
 )
+from nested_jax.train.optimizer import learning_rate_schedule
 
 CONFIG_JSON = "config.json"
 DATA_SPEC_JSON = "data_spec.json"
 CONFIG_HISTORY = "config_history.jsonl"
 
+# Optimizer settings that only shape the learning-rate schedule. Every registered optimizer takes
+# the schedule as a function of its step count, so its state (count, moments) holds the same arrays
+# whatever these are: a resume keeps the saved moments and the new schedule applies from the next
+# step (a rate held in the state by optax.inject_hyperparams is refreshed on restore).
+SCHEDULE_FIELDS = (
+    "optimizer.lr",
+    "optimizer.warmup_steps",
+    "optimizer.decay",
+    "optimizer.min_lr_ratio",
+)
 # Settings a resumed run may change (fnmatch patterns over dotted field paths): they change neither
 # the arrays in a checkpoint nor the data the model sees. `data.corpus` names where the text is;
 # whether the text itself changed is judged by its fingerprint (check_corpus).
@@ -88,6 +100,8 @@ SAFE_ON_RESUME = (
     # Hope compute knobs: how the same math is scheduled (values equal up to rounding)
     "model.hope.chunk_updates",
     "model.hope.remat*",
+    # the learning-rate schedule: the optimizer state is kept as saved
+    *SCHEDULE_FIELDS,
 )
 # Fields added with a default that changes the math: a saved config without the field ran with
 # the value here (the behaviour before the field existed), not with today's default.
@@ -245,6 +259,29 @@ def check_resume(
         + ": its checkpoints were trained with the old value; nothing was changed. To proceed, "
         + how
     )
+
+
+def describe_change(change: ConfigChange, config: Config, start: int, reset_optimizer: bool) -> str:
+    """The notice printed for a change applied on resume at step `start` (one line).
+
+    A schedule change (``train.steps`` or :data:`SCHEDULE_FIELDS`) shows the learning rate of step
+    `start` before and after it.
+    """
+    line = f"notice: {change} applied on resume"
+    opt = config.optimizer
+    if change.field == "train.steps":
+        old = learning_rate_schedule(opt, int(change.old))(start)
+        line += f"; the learning-rate schedule now ends at step {change.new}"
+    elif change.field in SCHEDULE_FIELDS and not reset_optimizer:
+        before = dataclasses.replace(opt, **{change.field.split(".", 1)[1]: change.old})
+        old = learning_rate_schedule(before, config.train.steps)(start)
+        line += "; the optimizer state is kept"
+    elif change.field.startswith("optimizer."):
+        return line + " with a fresh optimizer state"
+    else:
+        return line
+    new = learning_rate_schedule(opt, config.train.steps)(start)
+    return line + f" (lr at step {start}: {float(old):.3g} -> {float(new):.3g})"
 
 
 def record_config_changes(

@@ -9,15 +9,22 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 from nested_jax.train.checkpoint import describe_mismatch, leaf_table
 from nested_jax.train.config import Config, ConfigError, config_to_dict
+from nested_jax.train.optimizer import OPTIMIZERS, build_optimizer, with_fresh_hyperparams
 from nested_jax.train.workdir import (
+    SCHEDULE_FIELDS,
+    ConfigChange,
     ResumeRefused,
     check_resume,
     config_changes,
+    describe_change,
     record_config_changes,
     resolve_config,
 )
@@ -89,7 +96,9 @@ SECTION_CHANGES = [
     ("data", "seq_len", 64, (True, True)),
     ("data", "tokenizer", "sentencepiece", (True, True)),
     ("optimizer", "grad_clip", 0.0, (True, False)),
-    ("optimizer", "lr", 1e-4, (True, False)),
+    ("optimizer", "lr", 1e-4, (False, False)),  # the schedule: the saved moments are kept
+    ("optimizer", "warmup_steps", 7, (False, False)),
+    ("optimizer", "b1", 0.8, (True, False)),  # the saved moments were averaged with the old b1
     ("mesh", "data", 2, (False, False)),
     ("train", "steps", 5000, (False, False)),
     ("train", "eval_every", 7, (False, False)),
@@ -113,6 +122,63 @@ def test_a_changed_setting_of_every_section(tmp_path, section, field, value, ref
         else:
             changes = check_resume(saved, new, tmp_path, reset_optimizer=reset)
             assert f"{section}.{field}" in [c.field for c in changes]
+
+
+SCHEDULE_VALUES = {"lr": 1e-4, "warmup_steps": 7, "decay": "linear", "min_lr_ratio": 0.5}
+
+
+@pytest.mark.parametrize("cms", [False, True], ids=["plain", "cms_pretrain"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_schedule_fields_leave_every_optimizer_state_unchanged(name, cms):
+    # Why SCHEDULE_FIELDS may change on resume: the restored state is the one the new config
+    # builds, array for array (the CMS pretrain wrapper included).
+    assert {f"optimizer.{k}" for k in SCHEDULE_VALUES} == set(SCHEDULE_FIELDS)
+    model = _with(
+        Config(), "model", name="hope", cms=dataclasses.replace(Config().model.cms, mode="pretrain")
+    )
+    model = model.model if cms else None
+    params = {"blocks": {"mlp": {"levels": [{"w": jnp.ones((4, 6))}]}}, "norm": jnp.ones(4)}
+    base = dataclasses.replace(Config().optimizer, name=name)
+    tx, _ = build_optimizer(base, 100, model=model)
+    want = tx.init(params)
+    for field, value in SCHEDULE_VALUES.items():
+        tx, _ = build_optimizer(dataclasses.replace(base, **{field: value}), 100, model=model)
+        got = tx.init(params)
+        assert jax.tree.structure(got) == jax.tree.structure(want), field
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_with_fresh_hyperparams_replaces_only_the_injected_values():
+    params = {"w": jnp.ones(3)}
+    tx = optax.chain(optax.clip(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=0.1))
+    saved = tx.update({"w": jnp.full(3, 0.5)}, tx.init(params), params)[1]
+    fresh = optax.chain(
+        optax.clip(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=0.02)
+    ).init(params)
+    out = with_fresh_hyperparams(saved, fresh)
+    assert float(out[1].hyperparams["learning_rate"]) == pytest.approx(0.02)
+    assert int(out[1].count) == 1
+    np.testing.assert_array_equal(out[1].inner_state[0].mu["w"], saved[1].inner_state[0].mu["w"])
+    assert float(out[1].inner_state[0].mu["w"][0]) != 0.0  # a real moment, kept
+    plain = optax.adam(0.1)  # no hyper-parameters in the state: returned as restored
+    state = plain.update(params, plain.init(params), params)[1]
+    kept = with_fresh_hyperparams(state, plain.init(params))
+    assert all(a is b for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(state), strict=True))
+
+
+def test_a_schedule_change_notice_shows_the_rate_before_and_after():
+    cfg = _with(_with(Config(), "optimizer", lr=1e-3, decay="constant"), "train", steps=500)
+    change = ConfigChange("optimizer.lr", 3e-3, 1e-3)
+    text = describe_change(change, cfg, 200, reset_optimizer=False)
+    assert text == (
+        "notice: optimizer.lr (0.003 -> 0.001) applied on resume; the optimizer state is kept "
+        "(lr at step 200: 0.003 -> 0.001)"
+    )
+    reset = describe_change(change, cfg, 200, reset_optimizer=True)
+    assert reset.endswith("applied on resume with a fresh optimizer state")
+    steps = describe_change(ConfigChange("train.steps", 1000, 500), cfg, 200, False)
+    assert steps.endswith("schedule now ends at step 500 (lr at step 200: 0.001 -> 0.001)")
 
 
 def test_config_changes_compare_values_not_container_types():
