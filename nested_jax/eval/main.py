@@ -72,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--chunk", type=int, default=256, help="tokens per model call (memories only)")
     s.add_argument(
-        "--capacity", type=int, default=0, help="cache positions (default: stream + 4096)"
+        "--capacity",
+        type=int,
+        default=0,
+        help="positions the stream's KV caches hold in all (default: the positions read, plus "
+        "4096 free ones with --state-out; a continued stream is enlarged as needed)",
     )
     s.add_argument("--state-in", help="continue from a saved stream state directory")
     s.add_argument("--state-out", help="save the stream state to this new directory")

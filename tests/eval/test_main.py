@@ -108,6 +108,30 @@ def test_eval_stream_then_generate_continues_the_saved_state(trained, tmp_path, 
     assert "no stream state" in capsys.readouterr().err
 
 
+def test_generate_chains_continue_with_the_default_capacity(trained, tmp_path, capsys):
+    from nested_jax.eval.continual import HEADROOM
+
+    first, second = tmp_path / "g1", tmp_path / "g2"
+    gen = ["generate", "--workdir", str(trained), "--prompt", "The", "--temperature", "0"]
+    gen += ["--max-new-tokens", "40"]
+    assert cli.main(gen + ["--state-out", str(first)]) == 0
+    meta = json.loads((first / "stream.json").read_text())
+    assert meta["capacity"] == meta["pos"] + HEADROOM  # room for the next call
+    assert cli.main(gen + ["--state-in", str(first), "--state-out", str(second)]) == 0
+    pos = json.loads((second / "stream.json").read_text())["pos"]
+    assert pos == meta["pos"] + 3 + 40
+    stream = ["eval", "--workdir", str(trained), "--stream", "val", "--max-tokens", "30"]
+    assert cli.main(stream + ["--state-in", str(second)]) == 0
+    report = json.loads((trained / "stream_report.json").read_text())
+    assert (report["start_pos"], report["end_pos"]) == (pos, pos + 30)
+    capsys.readouterr()
+    assert cli.main(gen + ["--state-in", str(second), "--capacity", "100"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --capacity: 100 positions, but this call reads up to position {pos + 43}; "
+        f"raise --capacity to at least {pos + 43}"
+    )
+
+
 def test_reports_are_written_and_printed_by_process_zero_only(tmp_path, monkeypatch, capsys):
     import jax
 
