@@ -133,9 +133,11 @@ def run_eval(trained, suites: Sequence[str] = DEFAULT_SUITES) -> dict:
         predict = sharded_argmax_fn(trained)
         for name in generated:
             bar = _progress(suite_examples(name, cfg.eval), f"eval {name}", "ex")
-            counted = _counting(predict, bar)
-            report[name] = RUNNERS[name](counted, trained.tokenizer, haystack, cfg.eval)
-            bar.close()
+            try:
+                counted = _counting(predict, bar)
+                report[name] = RUNNERS[name](counted, trained.tokenizer, haystack, cfg.eval)
+            finally:  # an error line then starts on a line of its own
+                bar.close()
     return report
 
 
@@ -222,15 +224,19 @@ def validation_report(trained) -> dict:
         max_batches=cfg.eval.eval_batches or None,
     )
     bar = _progress(len(batches), "eval validation", "batch")
-    val = evaluate(trained.setup, trained.params, _ticking(batches, bar))
-    bar.close()
+    try:
+        val = evaluate(trained.setup, trained.params, _ticking(batches, bar))
+    finally:
+        bar.close()
     if trained.bundle.task is not None:  # a generated task: its accuracy, no text statistics
         from nested_jax.train.setup import make_score_fn
 
         bar = _progress(len(batches), "eval task scores", "batch")
         score = make_score_fn(trained.setup, trained.bundle.task.score)
-        scores = score(trained.params, _ticking(batches, bar))
-        bar.close()
+        try:
+            scores = score(trained.params, _ticking(batches, bar))
+        finally:
+            bar.close()
         return {
             "validation": {
                 "loss": val["val_loss"],
