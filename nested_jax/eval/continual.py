@@ -30,7 +30,9 @@ result does not depend on how the stream is split.
 :func:`save_stream_state` / :func:`load_stream_state` write and read the state as an orbax
 checkpoint (``nested-jax eval --stream FILE --state-out DIR``, ``nested-jax generate --state-in
 DIR``). The KV caches of attention mixers hold ``capacity`` positions in all (no ring buffer); a
-stream that would exceed it raises ``ValueError`` before running.
+stream that would exceed it raises ``ValueError`` before running. The commands size it with
+:func:`stream_capacity` (a saved stream keeps :data:`HEADROOM` free positions, and a continued
+stream is enlarged by :func:`resize_stream` when a call needs more).
 """
 
 from __future__ import annotations
@@ -60,7 +62,14 @@ __all__ = [
     "model_with_fast",
     "save_stream_state",
     "load_stream_state",
+    "HEADROOM",
+    "stream_capacity",
+    "resize_stream",
 ]
+
+# Free positions a command leaves in the decode cache of a stream it saves, so that the next
+# `generate --state-in` / `eval --stream --state-in` has room without asking for it.
+HEADROOM = 4096
 
 
 class StreamState(NamedTuple):
@@ -160,6 +169,71 @@ def init_stream(
         fast=fast,
         accum=jax.tree.map(jnp.zeros_like, fast),
     )
+
+
+def stream_capacity(requested: int, *, needed: int, saved: int = 0, save: bool = False) -> int:
+    """Positions the decode cache of a call holds (``--capacity`` of the commands).
+
+    Args:
+      requested: ``--capacity`` (0: the default).
+      needed: the position the call ends at (tokens already in the stream + this call's).
+      saved: capacity of the continued stream (0: a fresh stream).
+      save: whether the call saves the stream (``--state-out``).
+
+    Returns:
+      ``requested``, or by default ``max(saved, needed + HEADROOM)`` when saving and
+      ``max(saved, needed)`` otherwise.
+
+    Raises:
+      ValueError: one line naming ``--capacity`` and the value it needs when ``requested`` is
+        below ``needed`` or below ``saved`` (a cache is never shrunk).
+    """
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
+        raise ValueError(f"--capacity: expected an int >= 0 (0: default), got {requested!r}")
+    if not requested:
+        return max(saved, needed + HEADROOM if save else needed)
+    if requested < needed:
+        raise ValueError(
+            f"--capacity: {requested} positions, but this call reads up to position {needed}; "
+            f"raise --capacity to at least {needed}"
+        )
+    if requested < saved:
+        raise ValueError(
+            f"--capacity: {requested} positions, but the saved stream already holds {saved}; "
+            f"give at least {saved} (or leave --capacity out)"
+        )
+    return requested
+
+
+def resize_stream(
+    state: StreamState, model_init_cache: Callable[[int, int], Any], capacity: int
+) -> StreamState:
+    """``state`` with a decode cache of ``capacity`` positions (at least its own): the slots
+    past the old capacity are appended empty, as ``model.init_cache`` makes them (zeros), so the
+    stream continues exactly as in a cache built that large. Caches whose size does not depend
+    on the capacity (recurrent memories) are unchanged."""
+    check_positive_int("capacity", capacity)
+    if capacity < int(state.capacity):
+        raise ValueError(
+            f"capacity: {capacity} is below the stream's {int(state.capacity)} positions"
+        )
+    if capacity == int(state.capacity):
+        return state
+    like = model_init_cache(_rows(state), capacity)
+
+    def grow(old, new):
+        if old.shape == new.shape:
+            return old
+        return jnp.pad(old, [(0, b - a) for a, b in zip(old.shape, new.shape, strict=True)])
+
+    cache = jax.tree.map(grow, state.cache, like)
+    return state._replace(capacity=jnp.asarray(capacity, jnp.int32), cache=cache)
+
+
+def _rows(state: StreamState) -> int:
+    """Independent sequences of a stream (the batch axis of its stacked per-layer caches)."""
+    leaves = jax.tree.leaves(state.cache.layers)
+    return int(leaves[0].shape[1]) if leaves else 1
 
 
 def _token_loss(logits, targets):
@@ -398,7 +472,7 @@ def save_stream_state(
     path = Path(path).absolute()
     if path.exists():
         raise ValueError(f"path: {path} exists; choose a new directory (nothing is overwritten)")
-    rows = int(jax.tree.leaves(state.cache.layers)[0].shape[1]) if state.cache.layers else 1
+    rows = _rows(state)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(path / "state", _as_tree(state))
         ckpt.wait_until_finished()
@@ -508,13 +582,18 @@ def run_stream(trained, args) -> dict:
         raise ValueError(
             f"model.cms.online_inner: streaming updates the levels by SGD, got {cms.online_inner!r}"
         )
+    save = bool(args.state_out)
     if args.state_in:
         state, saved_periods = load_stream_state(args.state_in, model.init_cache, params)
         if args.cms_periods and saved_periods != periods:
             raise ValueError(f"cms_periods: the saved stream uses {saved_periods}, got {periods}")
         periods = saved_periods
+        saved = int(state.capacity)
+        needed = int(state.pos) + inputs.shape[1]
+        capacity = stream_capacity(args.capacity, needed=needed, saved=saved, save=save)
+        state = resize_stream(state, model.init_cache, capacity)
     else:
-        capacity = args.capacity or inputs.shape[1] + 4096  # room to continue (generate)
+        capacity = stream_capacity(args.capacity, needed=inputs.shape[1], save=save)
         state = init_stream(model.init_cache, params, capacity=capacity, periods=periods)
     start = int(state.pos)
     bar = Progress(inputs.shape[1], desc="stream", unit="tok", enabled=jax.process_index() == 0)
@@ -545,6 +624,7 @@ def run_stream(trained, args) -> dict:
         "stream": args.stream,
         "start_pos": start,
         "end_pos": int(state.pos),
+        "capacity": int(state.capacity),
         "online_cms": {"periods": list(periods), "lr": lr} if periods else None,
         "segments": segment_report(ce, targets, trained.tokenizer.token_bytes, args.segments),
         "state_out": saved,

@@ -2,12 +2,16 @@
 
     nested-jax generate --workdir runs/tiny_gdn --prompt "It is a truth universally" \\
                         [--max-new-tokens 200] [--temperature 0.8] [--top-k 40] [--seed 0]
-                        [--state-in DIR] [--state-out DIR]
+                        [--state-in DIR] [--state-out DIR] [--capacity N]
 
-``--state-in`` continues a saved stream (``nested-jax eval --stream ... --state-out DIR``): the
-prompt is read by the memories (and online CMS levels) the stream left behind. ``--state-out``
-saves the state after the prompt and the sampled tokens (generated tokens update the memories;
-CMS levels only learn from a stream with targets, so they are carried unchanged).
+``--state-in`` continues a saved stream (``nested-jax eval --stream ... --state-out DIR`` or an
+earlier ``generate --state-out``): the prompt is read by the memories (and online CMS levels) the
+stream left behind. ``--state-out`` saves the state after the prompt and the sampled tokens
+(generated tokens update the memories; CMS levels only learn from a stream with targets, so they
+are carried unchanged). ``--capacity`` is the number of positions the stream's KV caches hold in
+all (attention mixers); by default a saved stream keeps
+:data:`~nested_jax.eval.continual.HEADROOM` free positions and a continued one is enlarged as
+needed, so ``generate`` → ``generate`` → ``eval --stream`` chains need no flag.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_override_argument(p, "override a field of the saved config")
     p.add_argument("--state-in", help="continue from a saved stream state directory")
     p.add_argument("--state-out", help="save the stream state to this new directory")
+    p.add_argument(
+        "--capacity",
+        type=int,
+        default=0,
+        help="positions the stream's KV caches hold in all (default: the positions read, plus "
+        "4096 free ones with --state-out; a continued stream is enlarged as needed)",
+    )
     return p
 
 
@@ -46,9 +57,11 @@ def generate_text(
     seed: int,
     state_in: str | None = None,
     state_out: str | None = None,
+    capacity: int = 0,
 ) -> str:
     """The sampled continuation (text after the prompt) of `prompt` for a :class:`TrainedModel`,
-    optionally continuing / saving a stream state (:mod:`nested_jax.eval.continual`)."""
+    optionally continuing / saving a stream state (:mod:`nested_jax.eval.continual`) whose caches
+    hold `capacity` positions (:func:`~nested_jax.eval.continual.stream_capacity`; 0: default)."""
     import jax
 
     from nested_jax.eval import continual
@@ -63,16 +76,19 @@ def generate_text(
         ids = [bos] + ids
     if not ids:
         raise ValueError("prompt: encodes to no tokens; give some text")
-    model, cache, stream, periods = trained.model(), None, None, None
+    model, stream, periods = trained.model(), None, None
+    save = state_out is not None
     if state_in is not None:
         stream, periods = continual.load_stream_state(state_in, model.init_cache, trained.params)
         needed = int(stream.pos) + len(ids) + max_new_tokens
-        if needed > int(stream.capacity):
-            raise ValueError(
-                f"state_in: the stream holds {int(stream.capacity)} positions; {needed} needed"
-            )
+        size = continual.stream_capacity(
+            capacity, needed=needed, saved=int(stream.capacity), save=save
+        )
+        stream = continual.resize_stream(stream, model.init_cache, size)
         model = continual.model_with_fast(model, stream.fast)
-        cache = stream.cache
+    elif save or capacity:
+        size = continual.stream_capacity(capacity, needed=len(ids) + max_new_tokens, save=save)
+        stream = continual.init_stream(model.init_cache, trained.params, capacity=size)
     out, cache = generate(
         model,
         np.asarray([ids], np.int32),
@@ -80,14 +96,10 @@ def generate_text(
         rng=jax.random.key(seed),
         temperature=temperature,
         top_k=top_k,
-        cache=cache,
+        cache=None if stream is None else stream.cache,
         return_cache=True,
     )
-    if state_out is not None:
-        if stream is None:
-            stream = continual.StreamState(
-                pos=cache.pos, capacity=cache.pos, cache=cache, fast={}, accum={}
-            )
+    if save:
         stream = stream._replace(pos=cache.pos, cache=cache)
         continual.save_stream_state(state_out, stream, periods=periods)
     return tok.decode(np.asarray(out)[0, len(ids) :].tolist())
@@ -114,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             state_in=args.state_in,
             state_out=args.state_out,
+            capacity=args.capacity,
         )
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)

@@ -26,6 +26,7 @@ A plot is drawn only when some run has its suite. The input (``eval_report.json`
 :func:`nested_jax.eval.main.run_eval`; lengths and depths are JSON string keys)::
 
     {"workdir": str, "step": int, "model": str, "suites": [str, ...],
+     "computed": {suite: {"step": int, "settings": {...}}},
      "validation": {"loss", "perplexity", "bits_per_byte", "tokens", "bytes", "batches"},
      "niah": {"accuracy": {length: {depth: acc}}, "overall", "num_examples"} | null,
      "ruler": {"haystack": "text" | "noise",
@@ -34,9 +35,13 @@ A plot is drawn only when some run has its suite. The input (``eval_report.json`
      "babilong": {"by_task": {task: {length: acc}}, "chance": {task: p}, "overall",
                   "num_examples"}}
 
-Every section may be missing (older reports have no ``suites``, ``ruler`` or ``babilong``) or
-``null``, and a number may be ``null`` (strict JSON's NaN); the tables show ``—`` there. The
-per-length numbers are plain means of the report's cells:
+Every section may be missing (older reports have no ``suites``, ``computed``, ``ruler`` or
+``babilong``) or ``null``, and a number may be ``null`` (strict JSON's NaN); the tables show ``—``
+there. ``nested-jax eval`` accumulates suites over calls: a suite whose ``computed`` step is not
+the report's ``step`` (an older checkpoint) has that step after each of its numbers, ``0.450
+(step 200)``, so results of different checkpoints are never mixed silently (a report without
+``computed`` has every suite at its ``step``). The per-length numbers are plain means of the
+report's cells:
 
     NIAH(n) = mean_d accuracy[n][d]        BABILong(n) = mean_t by_task[t][n]
     BABILong chance = mean_t chance[t]
@@ -232,7 +237,8 @@ def report_row(report: dict, name: str) -> dict:
     """One run's row: what the tables and plots show.
 
     Returns:
-      ``{"name", "workdir", "model", "step", "bits_per_byte", "val_bytes",
+      ``{"name", "workdir", "model", "step", "steps": {suite: step computed at}, "bits_per_byte",
+      "val_bytes",
       "niah": {"overall", "num_examples", "by_length": {length: mean over depths}} | None,
       "ruler": {"haystack", "kinds": {kind: {"exact", "recall", "num_examples"}}} | None,
       "babilong": {"overall", "num_examples", "chance": mean over tasks,
@@ -247,6 +253,7 @@ def report_row(report: dict, name: str) -> dict:
         "model": str(report.get("model")),
         "step": None if step is None else _count(step),
     }
+    row["steps"] = _suite_steps(report, row["step"])
     v = report.get("validation") or {}
     if not isinstance(v, dict):
         raise ValueError("validation: expected an object")
@@ -261,6 +268,21 @@ def report_row(report: dict, name: str) -> dict:
         except (TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"{key}: unexpected layout ({err})") from None
     return row
+
+
+def _suite_steps(report: dict, step: int | None) -> dict[str, int | None]:
+    """``{suite: the step it was computed at}`` for each section (``step`` without ``computed``).
+
+    Raises:
+      ValueError: naming ``computed`` when it is not ``{suite: {"step": int, ...}}``.
+    """
+    computed = report.get("computed")
+    if computed is None:
+        return {key: step for key in SECTIONS if report.get(key) is not None}
+    try:
+        return {str(k): _count(meta.get("step")) for k, meta in computed.items()}
+    except (AttributeError, TypeError, ValueError) as err:
+        raise ValueError(f"computed: expected {{suite: {{step, settings}}}} ({err})") from None
 
 
 def comparison_rows(reports: Sequence[dict], names: Sequence[str]) -> list[dict]:
@@ -281,6 +303,13 @@ def comparison_rows(reports: Sequence[dict], names: Sequence[str]) -> list[dict]
 
 def _fmt(x: float | None) -> str:
     return MISSING if x is None else f"{x:.3f}"
+
+
+def _at(row: dict, suite: str, cell: str) -> str:
+    """``cell`` followed by ``(step N)`` when ``suite`` was computed at another step than the
+    run's (and the cell holds a result)."""
+    step = row["steps"].get(suite, row["step"])
+    return cell if cell == MISSING or step == row["step"] else f"{cell} (step {_int(step)})"
 
 
 def _int(x: int | None) -> str:
@@ -323,7 +352,8 @@ def _by_length_table(rows: Sequence[dict], suite: str, chance: bool) -> list[str
         if s is None:
             continue
         cells = [_fmt(s["by_length"].get(n)) for n in lengths]
-        body.append([_text(row["name"]), *cells] + ([_fmt(s["chance"])] if chance else []))
+        name = _at(row, suite, _text(row["name"]))
+        body.append([name, *cells] + ([_fmt(s["chance"])] if chance else []))
     return _table(header, "l" + "r" * (len(header) - 1), body)
 
 
@@ -349,13 +379,17 @@ def comparison_markdown(
                 _text(row["name"]),
                 _text(row["model"]),
                 _int(row["step"]),
-                _fmt(row["bits_per_byte"]),
-                _fmt(niah and niah["overall"]),
+                _at(row, "validation", _fmt(row["bits_per_byte"])),
+                _at(row, "niah", _fmt(niah and niah["overall"])),
                 *(
-                    kind_cell(row, k, lambda r: f"{_fmt(r['exact'])} / {_fmt(r['recall'])}")
+                    _at(
+                        row,
+                        "ruler",
+                        kind_cell(row, k, lambda r: f"{_fmt(r['exact'])} / {_fmt(r['recall'])}"),
+                    )
                     for k in kinds
                 ),
-                _fmt(bab and bab["overall"]),
+                _at(row, "babilong", _fmt(bab and bab["overall"])),
             ]
         )
     ruler_head = [f"RULER {k}" for k in kinds]
@@ -367,7 +401,8 @@ def comparison_markdown(
         "",
         "NIAH: passkey exact match over all lengths and depths. RULER: exact match / recall over "
         "all lengths and depths of the kind. BABILong: exact match over all tasks and lengths. "
-        f"{MISSING}: not evaluated (or no number in the report).",
+        f"{MISSING}: not evaluated (or no number in the report). (step N): computed at an "
+        "older checkpoint step N than the run's step.",
     ]
 
     has_ruler = any(row["ruler"] for row in rows)

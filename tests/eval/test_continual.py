@@ -8,10 +8,13 @@ import pytest
 from flax import nnx
 
 from nested_jax.eval.continual import (
+    HEADROOM,
     _pieces,
     init_stream,
     load_stream_state,
+    resize_stream,
     save_stream_state,
+    stream_capacity,
     stream_model,
     stream_tokens,
 )
@@ -80,6 +83,41 @@ def test_capacity_and_shape_errors_name_the_argument():
         init_stream(model.init_cache, params, capacity=0)
     with pytest.raises(ValueError, match="no CMS levels"):
         init_stream(model.init_cache, params, capacity=8, periods=(1, 4))
+
+
+def test_a_kv_cache_stream_enlarged_mid_way_equals_one_forward():
+    model = build_model(ModelConfig(name="transformer", **SMALL), rngs=nnx.Rngs(0))
+    apply_fn, params = stream_model(model)
+    toks = _tokens(50, seed=5)
+    ref = _full_forward_ce(model, toks)
+    state = init_stream(model.init_cache, params, capacity=20)
+    ce_a, state = stream_tokens(apply_fn, params, state, toks[:, :20], toks[:, 1:21], chunk=8)
+    with pytest.raises(ValueError, match="holds 20 positions"):
+        stream_tokens(apply_fn, params, state, toks[:, 20:-1], toks[:, 21:], chunk=8)
+    big = resize_stream(state, model.init_cache, 56)
+    assert int(big.capacity) == 56 and big.cache.layers.k.shape[2] == 56
+    np.testing.assert_array_equal(big.cache.layers.k[:, :, :20], state.cache.layers.k)
+    ce_b, big = stream_tokens(apply_fn, params, big, toks[:, 20:-1], toks[:, 21:], chunk=8)
+    assert int(big.pos) == 50
+    np.testing.assert_allclose(jnp.concatenate([ce_a, ce_b], 1), ref, rtol=1e-5, atol=1e-5)
+    assert resize_stream(big, model.init_cache, 56) is big
+    with pytest.raises(ValueError, match="capacity: 40 is below the stream's 56 positions"):
+        resize_stream(big, model.init_cache, 40)
+
+
+def test_stream_capacity_defaults_leave_headroom_and_errors_name_the_flag():
+    assert stream_capacity(0, needed=65) == 65
+    assert stream_capacity(0, needed=65, save=True) == 65 + HEADROOM
+    assert stream_capacity(0, needed=109, saved=65) == 109  # a continued stream grows
+    # a saved stream keeps HEADROOM free positions after every call
+    assert stream_capacity(0, needed=109, saved=65 + HEADROOM, save=True) == 109 + HEADROOM
+    assert stream_capacity(200, needed=109, saved=150) == 200
+    with pytest.raises(ValueError, match="raise --capacity to at least 109$"):
+        stream_capacity(100, needed=109)
+    with pytest.raises(ValueError, match="already holds 150; give at least 150"):
+        stream_capacity(120, needed=109, saved=150)
+    with pytest.raises(ValueError, match="--capacity: expected an int >= 0"):
+        stream_capacity(-1, needed=10)
 
 
 def test_pieces_cover_the_stream_on_the_absolute_grid():

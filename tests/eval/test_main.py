@@ -108,6 +108,30 @@ def test_eval_stream_then_generate_continues_the_saved_state(trained, tmp_path, 
     assert "no stream state" in capsys.readouterr().err
 
 
+def test_generate_chains_continue_with_the_default_capacity(trained, tmp_path, capsys):
+    from nested_jax.eval.continual import HEADROOM
+
+    first, second = tmp_path / "g1", tmp_path / "g2"
+    gen = ["generate", "--workdir", str(trained), "--prompt", "The", "--temperature", "0"]
+    gen += ["--max-new-tokens", "40"]
+    assert cli.main(gen + ["--state-out", str(first)]) == 0
+    meta = json.loads((first / "stream.json").read_text())
+    assert meta["capacity"] == meta["pos"] + HEADROOM  # room for the next call
+    assert cli.main(gen + ["--state-in", str(first), "--state-out", str(second)]) == 0
+    pos = json.loads((second / "stream.json").read_text())["pos"]
+    assert pos == meta["pos"] + 3 + 40
+    stream = ["eval", "--workdir", str(trained), "--stream", "val", "--max-tokens", "30"]
+    assert cli.main(stream + ["--state-in", str(second)]) == 0
+    report = json.loads((trained / "stream_report.json").read_text())
+    assert (report["start_pos"], report["end_pos"]) == (pos, pos + 30)
+    capsys.readouterr()
+    assert cli.main(gen + ["--state-in", str(second), "--capacity", "100"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --capacity: 100 positions, but this call reads up to position {pos + 43}; "
+        f"raise --capacity to at least {pos + 43}"
+    )
+
+
 def test_reports_are_written_and_printed_by_process_zero_only(tmp_path, monkeypatch, capsys):
     import jax
 
@@ -135,7 +159,25 @@ def test_eval_suites_ruler_and_babilong_write_sections_and_plots(trained, capsys
     argv = ["eval", "--workdir", str(trained), "--suite", "ruler,babilong,niah"]
     assert cli.main(argv + _set_args(sizes)) == 0
     report = json.loads((trained / "eval_report.json").read_text())
-    assert report["suites"] == ["niah", "ruler", "babilong"] and "validation" not in report
+    # The default eval's validation is kept, with the step and settings it was computed at.
+    assert report["suites"] == ["validation", "niah", "ruler", "babilong"]
+    assert report["validation"]["bytes"] > 0 and report["computed"]["validation"]["step"] == 4
+    assert report["computed"]["validation"]["settings"] == {
+        "eval_batches": 1,
+        "seq_len": 32,
+        "batch_size": 8,
+    }
+    assert report["computed"]["ruler"] == {
+        "step": 4,
+        "settings": {
+            "ruler_kinds": ["single", "variable_tracking"],
+            "ruler_lengths": [600],
+            "niah_depths": [0.0, 1.0],
+            "ruler_per_cell": 1,
+            "ruler_haystack": "noise",
+            "niah_seed": 0,
+        },
+    }
     ruler = report["ruler"]
     assert ruler["haystack"] == "noise" and list(ruler["kinds"]) == ["single", "variable_tracking"]
     for r in ruler["kinds"].values():
@@ -151,8 +193,68 @@ def test_eval_suites_ruler_and_babilong_write_sections_and_plots(trained, capsys
         assert (trained / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (trained / "eval_report.md").read_text()
     assert "## RULER-style retrieval (noise haystack" in md and "### variable_tracking" in md
-    assert "## BABILong-style" in md and "| qa4 |" in md and "validation bits/byte" not in md
-    assert md.strip() in capsys.readouterr().out
+    assert "## BABILong-style" in md and "| qa4 |" in md and "| validation bits/byte |" in md
+    assert "| ruler | 4 | ruler_kinds=[single,variable_tracking], ruler_lengths=[600]" in md
+    captured = capsys.readouterr()
+    assert md.strip() in captured.out
+    # Progress on stderr: what runs (compiling), then examples done of the suite's total.
+    assert (
+        "[eval ruler] 0/4 compiling…" in captured.err and "[eval ruler] 4/4 (100%)" in captured.err
+    )
+    assert "[eval babilong] 8/8 (100%)" in captured.err
+
+    assert cli.main(["eval", "--workdir", str(trained), "--suite", "niah", "--replace"]) == 0
+    report = json.loads((trained / "eval_report.json").read_text())
+    assert report["suites"] == ["niah"] and list(report["computed"]) == ["niah"]
+    assert "validation" not in report and "ruler" not in report
+    assert [Path(p).name for p in report["plots"]] == ["eval_niah.png"]
+
+
+NIAH = {"accuracy": {"160": {"0": 1.0, "1": 0.5}}, "overall": 0.75, "num_examples": 4}
+
+
+def test_an_older_report_keeps_its_suites_marked_with_their_step():
+    from nested_jax.eval.main import merge_reports, report_markdown
+
+    old = {  # written before suites carried their step; perplexity was inf (null in strict JSON)
+        "workdir": "w",
+        "step": 2,
+        "model": "transformer",
+        "suites": ["validation", "niah"],
+        "validation": {"loss": 1.0, "perplexity": None, "bits_per_byte": 2.0, "tokens": 9},
+        "unigram_entropy_bits_per_byte": 4.0,
+        "niah": {**NIAH, "overall": 0.5},
+        "plots": ["w/eval_niah.png", "w/eval_ruler.png"],
+    }
+    old["validation"]["bytes"] = 10
+    settings = {"niah_lengths": [160], "niah_depths": [0.0, 1.0]}
+    new = {
+        "workdir": "w",
+        "step": 6,
+        "model": "transformer",
+        "suites": ["niah"],
+        "computed": {"niah": {"step": 6, "settings": settings}},
+        "niah": NIAH,
+        "plots": ["w/eval_niah.png"],
+    }
+    merged = merge_reports(old, new)
+    assert merged["step"] == 6 and merged["suites"] == ["validation", "niah"]
+    assert merged["computed"] == {
+        "validation": {"step": 2, "settings": None},
+        "niah": {"step": 6, "settings": settings},
+    }
+    assert merged["niah"] == NIAH and merged["validation"] == old["validation"]
+    assert merged["unigram_entropy_bits_per_byte"] == 4.0
+    assert merged["plots"] == ["w/eval_niah.png"]  # the old NIAH plot was redrawn, no RULER kept
+    md = report_markdown(merged)
+    assert "| validation | **2** (older than 6) | — |" in md
+    assert "| niah | 6 | niah_lengths=[160], niah_depths=[0.0,1.0] |" in md
+    assert "> computed at step 2, not at this checkpoint's step 6" in md
+    assert "| validation perplexity | nan |" in md and "overall 0.750 over 4" in md
+    assert md.count("not at this checkpoint") == 1  # NIAH is current
+
+    assert merge_reports({**old, "model": "gdn"}, new) is new  # another model: nothing kept
+    assert merge_reports(None, new) is new
 
 
 def test_eval_suite_errors_are_one_line(trained, capsys):

@@ -272,6 +272,42 @@ def test_duplicate_basenames_get_unique_names(tmp_path, capsys):
         report.comparison_markdown([FULL, GDN], ["x", "x"])
 
 
+def test_suites_from_an_older_step_carry_that_step_in_every_table(tmp_path, capsys):
+    settings = {"niah_lengths": [256, 512]}
+    accumulated = {  # validation from step 200, NIAH and BABILong recomputed at 400
+        **{k: v for k, v in FULL.items() if k != "ruler"},
+        "suites": ["validation", "niah", "babilong"],
+        "computed": {
+            "validation": {"step": 200, "settings": {"eval_batches": 8}},
+            "niah": {"step": 400, "settings": settings},
+            "babilong": {"step": 200, "settings": None},
+        },
+    }
+    run = _write(tmp_path / "tf", accumulated)
+    assert report.main([str(run), str(_write(tmp_path / "old", OLD)), "--out", str(tmp_path)]) == 0
+    md = capsys.readouterr().out
+    summary, _, niah, bab = _tables(md)
+    assert summary[1] == [
+        "tf",
+        "transformer",
+        "400",
+        "1.234 (step 200)",
+        "0.450",
+        "0.600 (step 200)",
+    ]
+    assert summary[2] == ["old", "hope", "50", "2.500", "0.875", "—"]  # no `computed`: its step
+    assert niah[1][0] == "tf" and bab[1][0] == "tf (step 200)"
+    rows = json.loads((tmp_path / "report.json").read_text())["runs"]
+    assert rows[0]["steps"] == {"validation": 200, "niah": 400, "babilong": 200}
+    assert rows[1]["steps"] == {"validation": 50, "niah": 50}
+
+    bad = _write(tmp_path / "bad", {**accumulated, "computed": {"niah": 3}})
+    assert report.main([str(bad), "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith(
+        f"error: run {bad}: eval_report.json is not an eval report (computed: expected"
+    )
+
+
 def test_cli_help_lists_report(capsys):
     assert cli.main(["--help"]) == 0
     assert "report" in capsys.readouterr().out

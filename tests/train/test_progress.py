@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from nested_jax.train.progress import Progress
+from nested_jax.train.progress import FALLBACK_COLUMNS, Progress
 
 
 class _Terminal(io.StringIO):
@@ -50,3 +50,63 @@ def test_disabled_progress_prints_nothing_but_write_still_echoes(capsys):
     quiet = Progress(5, stream=log, enabled=False, echo=False)
     quiet.write("not shown")
     assert capsys.readouterr().out == ""
+
+
+def test_time_left_leaves_out_the_first_update_that_compiles(monkeypatch):
+    clock = iter([0.0, 100.0, 101.0, 102.0, 103.0])  # start; compile ends; then 1 s per step
+    monkeypatch.setattr("nested_jax.train.progress.time.monotonic", lambda: next(clock))
+    log = io.StringIO()
+    p = Progress(10, desc="train", stream=log, interval_s=0.0)
+    p.update(1)
+    assert p.rate() is None  # nothing timed after compilation yet
+    p.update(1)
+    p.update(1)
+    lines = log.getvalue().splitlines()
+    assert lines[0] == "[train] 1/10 (10%)  | 100 s elapsed"  # no time left while compiling
+    # 2 steps in 2 s after the first: 1 step/s, 7 left; the 100 s compile would say ~233 s.
+    assert p.rate() == 1.0 and lines[2].endswith("| 102 s elapsed, ~7 s left")
+
+
+def test_the_bar_shows_no_time_left_until_a_step_after_compilation(monkeypatch):
+    clock = iter([0.0, 100.0, 101.0, 102.0])
+    monkeypatch.setattr("nested_jax.train.progress.time.monotonic", lambda: next(clock))
+    term = _Terminal()
+    p = Progress(10, desc="train", stream=term)
+    p.update(1)
+    assert p._bar.format_dict["rate"] == 0.0  # tqdm shows "?" for a zero rate
+    assert "<?," in str(p._bar)
+    p.update(1)
+    p.update(1)
+    assert p._bar.format_dict["rate"] == 1.0 and "<00:07," in str(p._bar)
+    p.close()
+
+
+def test_a_terminal_of_zero_columns_gets_a_fixed_width_bar(monkeypatch):
+    import os
+
+    class _Pty(_Terminal):
+        def fileno(self):
+            return 2
+
+    # tqdm asks os.get_terminal_size; some pseudo-terminals answer 0 columns.
+    monkeypatch.setattr(os, "get_terminal_size", lambda fd=None: os.terminal_size((0, 0)))
+    term = _Pty()
+    p = Progress(5, desc="eval", stream=term)
+    p.update(5, loss=1.0)
+    p.close()
+    frames = [f for f in term.getvalue().replace("\n", "\r").split("\r") if f.strip()]
+    assert frames and "5/5" in frames[-1] and "loss=1.000" in frames[-1]
+    assert max(len(f) for f in frames) <= FALLBACK_COLUMNS
+
+
+def test_status_says_what_runs_before_the_first_update():
+    log = io.StringIO()
+    p = Progress(4, desc="eval niah", stream=log)
+    p.status("compiling…")
+    p.update(4)
+    assert log.getvalue().splitlines()[0] == "[eval niah] 0/4 compiling…"
+    term = _Terminal()
+    bar = Progress(4, desc="eval niah", stream=term)
+    bar.status("compiling…")
+    assert "compiling…" in term.getvalue()
+    bar.close()
