@@ -19,7 +19,7 @@ from nested_jax.core._proteus_common import (
     run_proteus_spans,
     run_proteus_spans_packed,
 )
-from nested_jax.core.associative import (
+from nested_jax.core.associative.forms import (
     delta_rule_chunked,
     delta_rule_recurrent,
     delta_rule_step,
@@ -29,6 +29,11 @@ from nested_jax.core.associative import (
     linear_attention_chunked,
     linear_attention_recurrent,
     linear_attention_step,
+)
+from nested_jax.core.associative.proteus import (
+    proteus_gated_delta_chunked,
+    proteus_gated_delta_recurrent,
+    proteus_gated_delta_step,
 )
 from nested_jax.core.cms import (
     CMSLevel,
@@ -80,11 +85,6 @@ from nested_jax.core.proteus import (
     proteus_hidden_mask,
     proteus_key_mask,
     proteus_mlp_masks,
-)
-from nested_jax.core.proteus_gdn import (
-    proteus_gated_delta_chunked,
-    proteus_gated_delta_recurrent,
-    proteus_gated_delta_step,
 )
 from nested_jax.core.proteus_hope import (
     proteus_hope_chunked,

@@ -1,6 +1,6 @@
 """Shared machinery of the Proteus-wrapped memories (SPEC §4): validation, static spans.
 
-Private to ``core/proteus_gdn.py``, ``core/proteus_titans.py`` and ``core/proteus_hope.py``;
+Private to ``core/associative/proteus.py``, ``core/proteus_titans.py`` and ``core/proteus_hope.py``;
 the public :func:`proteus_spans` is re-exported by ``core/proteus_memory.py``.
 """
 

@@ -1,6 +1,6 @@
 """Proteus-wrapped memories (SPEC §4): one import point for every wrapper.
 
-The wrappers live in ``core/proteus_gdn.py`` (gated delta rule, key-row blocks),
+The wrappers live in ``core/associative/proteus.py`` (gated delta rule, key-row blocks),
 ``core/proteus_titans.py`` (Titans matrix and MLP memories) and ``core/proteus_hope.py`` (Hope's
 MLP memories, hidden-unit blocks); the static span split :func:`proteus_spans` and the span
 runner :func:`run_proteus_spans` are shared. This
@@ -14,7 +14,7 @@ from nested_jax.core._proteus_common import (
     run_proteus_spans,
     run_proteus_spans_packed,
 )
-from nested_jax.core.proteus_gdn import (
+from nested_jax.core.associative.proteus import (
     proteus_gated_delta_chunked,
     proteus_gated_delta_recurrent,
     proteus_gated_delta_step,

@@ -28,7 +28,8 @@ changes there); with ``chunk_size = 1`` it equals the recurrent form, and when `
 divides ``Δ`` and ``t0`` the grid is the global one. Spans of one length run as one ``lax.scan``
 (``run_proteus_spans``); a Titans padding token is not a no-op (``M ← M + S``), so spans are
 grouped by length, never padded. Static
-dispatch as in ``core/proteus_gdn.py``: ``E = 1`` or fully open calls are the backbone bit for bit.
+dispatch as in ``core/associative/proteus.py``: ``E = 1`` or fully open calls are the backbone bit
+for bit.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.associative import (
+from nested_jax.core.associative.forms import (
     gated_delta_chunked,
     gated_delta_recurrent,
     gated_delta_step,
