@@ -92,15 +92,6 @@ from nested_jax.core.proteus_hope import (
     proteus_hope_recurrent,
     proteus_hope_step,
 )
-from nested_jax.core.proteus_titans import (
-    proteus_titans_linear_chunked,
-    proteus_titans_linear_recurrent,
-    proteus_titans_linear_step,
-    proteus_titans_mlp_chunked,
-    proteus_titans_mlp_masks,
-    proteus_titans_mlp_recurrent,
-    proteus_titans_mlp_step,
-)
 from nested_jax.core.scan import (
     affine_scan,
     chunk,
@@ -108,13 +99,13 @@ from nested_jax.core.scan import (
     scan_remat,
     unchunk,
 )
-from nested_jax.core.titans import (
+from nested_jax.core.titans.linear import (
     TitansLinearState,
     titans_linear_chunked,
     titans_linear_recurrent,
     titans_linear_step,
 )
-from nested_jax.core.titans_mlp import (
+from nested_jax.core.titans.mlp import (
     TitansMLPState,
     titans_mlp_apply,
     titans_mlp_chunked,
@@ -123,6 +114,15 @@ from nested_jax.core.titans_mlp import (
     titans_mlp_state,
     titans_mlp_step,
     titans_pool_gates,
+)
+from nested_jax.core.titans.proteus import (
+    proteus_titans_linear_chunked,
+    proteus_titans_linear_recurrent,
+    proteus_titans_linear_step,
+    proteus_titans_mlp_chunked,
+    proteus_titans_mlp_masks,
+    proteus_titans_mlp_recurrent,
+    proteus_titans_mlp_step,
 )
 
 __all__ = [

@@ -62,7 +62,7 @@ from nested_jax.core.proteus import (
     proteus_gated_update,
 )
 from nested_jax.core.scan import state_zeros
-from nested_jax.core.titans import (
+from nested_jax.core.titans.linear import (
     DEFAULT_MLP_GRAD_CLIP,
     TitansLinearState,
     TitansMLPState,
@@ -73,7 +73,7 @@ from nested_jax.core.titans import (
     titans_mlp_recurrent,
     titans_mlp_step,
 )
-from nested_jax.core.titans_mlp_net import MLP_STATE_CONSTRUCTOR
+from nested_jax.core.titans.net import MLP_STATE_CONSTRUCTOR
 
 __all__ = [
     "proteus_titans_linear_step",
