@@ -10,7 +10,7 @@ import pytest
 from nested_jax import ops
 from nested_jax.bench import common
 from nested_jax.bench import core as bench_core
-from nested_jax.core import associative as A
+from nested_jax.core.associative import forms as A
 
 
 def _inputs(B=1, T=20, H=1, K=4, V=4):

@@ -36,9 +36,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nested_jax.bench.common import emit, make_parser, progress
-from nested_jax.core.associative import gated_delta_chunked
+from nested_jax.core.associative.forms import gated_delta_chunked
 from nested_jax.core.context import gated_delta_context_parallel, titans_linear_context_parallel
-from nested_jax.core.titans import titans_linear_chunked
+from nested_jax.core.titans.linear import titans_linear_chunked
 
 RULES = ("gdn", "titans")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"

@@ -12,7 +12,7 @@ memory-heavy attention runs do not disturb the chunked-vs-recurrent pair), the p
 of both compiled GDN fwd+bwd programs (``memory_analysis().temp_size_in_bytes``), the achieved
 GFLOP/s of the chunked GDN and the in-run f32 matmul GFLOP/s.
 
-FLOPs of the chunked GDN (counted from the algorithm in ``core/associative.py``; per chunk and
+FLOPs of the chunked GDN (counted from the algorithm in ``core/associative/forms.py``; per chunk and
 head, C chunk size, K = V = D; multiply-add = 2 FLOPs; elementwise work not counted)::
 
     forward   [Q;K]Kᵀ 4C²K + inverse (2/3)C³ + T[βK|βV] 2C²(K+V) + scan 4CKV + O 2CKV + 2C²V
@@ -42,7 +42,7 @@ from nested_jax.bench.common import (
     temp_bytes,
     time_interleaved,
 )
-from nested_jax.core.associative import gated_delta_chunked, gated_delta_recurrent
+from nested_jax.core.associative.forms import gated_delta_chunked, gated_delta_recurrent
 
 DEFAULT_SEQ_LENS = (512, 2048, 8192)
 

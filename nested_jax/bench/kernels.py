@@ -4,7 +4,7 @@ The two implementations of the same op (SPEC §1; GitHub issue 16):
 
 - ``pallas``: ``pallas_kernels.gated_delta.gated_delta_pallas`` (Mosaic TPU kernels, forward and
   reverse-chunk backward, the ``[K, V]`` state kept in VMEM across chunks),
-- ``xla``: ``nested_jax.core.associative.gated_delta_chunked`` (WY/UT chunk form in XLA ops).
+- ``xla``: ``nested_jax.core.associative.forms.gated_delta_chunked`` (WY/UT chunk form in XLA ops).
 
 What runs depends on the backend (``--mode auto`` picks it):
 
@@ -57,7 +57,7 @@ import numpy as np
 
 from nested_jax.bench.common import emit, make_parser, progress, time_interleaved
 from nested_jax.bench.core import chunked_gdn_flops
-from nested_jax.core.associative import gated_delta_chunked
+from nested_jax.core.associative.forms import gated_delta_chunked
 from pallas_kernels.gated_delta import BlockSizes, gated_delta_pallas
 
 # Peak dense bf16 FLOP/s and HBM bytes/s per chip, the vendors' published figures (TPU v5e

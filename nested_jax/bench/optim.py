@@ -100,8 +100,8 @@ from nested_jax.bench.optim_toy import (  # noqa: F401  (re-exported)
     toy_problem,
     toy_regression,
 )
-from nested_jax.core.associative import gated_delta_chunked
-from nested_jax.core.proteus_memory import proteus_gated_delta_chunked
+from nested_jax.core.associative.forms import gated_delta_chunked
+from nested_jax.core.associative.proteus import proteus_gated_delta_chunked
 
 # --------------------------------------------------------------------------------------------------
 # Proteus overhead

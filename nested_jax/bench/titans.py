@@ -45,9 +45,9 @@ from nested_jax.bench.common import (
     temp_bytes,
     time_interleaved,
 )
-from nested_jax.core.associative import gated_delta_chunked
-from nested_jax.core.titans import titans_linear_chunked, titans_linear_recurrent
-from nested_jax.core.titans_mlp import (
+from nested_jax.core.associative.forms import gated_delta_chunked
+from nested_jax.core.titans.linear import titans_linear_chunked, titans_linear_recurrent
+from nested_jax.core.titans.mlp import (
     TitansMLPState,
     titans_mlp_chunked,
     titans_mlp_init_weights,

@@ -19,7 +19,7 @@ from nested_jax.core._proteus_common import (
     run_proteus_spans,
     run_proteus_spans_packed,
 )
-from nested_jax.core.associative import (
+from nested_jax.core.associative.forms import (
     delta_rule_chunked,
     delta_rule_recurrent,
     delta_rule_step,
@@ -29,6 +29,11 @@ from nested_jax.core.associative import (
     linear_attention_chunked,
     linear_attention_recurrent,
     linear_attention_step,
+)
+from nested_jax.core.associative.proteus import (
+    proteus_gated_delta_chunked,
+    proteus_gated_delta_recurrent,
+    proteus_gated_delta_step,
 )
 from nested_jax.core.cms import (
     CMSLevel,
@@ -81,25 +86,11 @@ from nested_jax.core.proteus import (
     proteus_key_mask,
     proteus_mlp_masks,
 )
-from nested_jax.core.proteus_gdn import (
-    proteus_gated_delta_chunked,
-    proteus_gated_delta_recurrent,
-    proteus_gated_delta_step,
-)
 from nested_jax.core.proteus_hope import (
     proteus_hope_chunked,
     proteus_hope_masks,
     proteus_hope_recurrent,
     proteus_hope_step,
-)
-from nested_jax.core.proteus_titans import (
-    proteus_titans_linear_chunked,
-    proteus_titans_linear_recurrent,
-    proteus_titans_linear_step,
-    proteus_titans_mlp_chunked,
-    proteus_titans_mlp_masks,
-    proteus_titans_mlp_recurrent,
-    proteus_titans_mlp_step,
 )
 from nested_jax.core.scan import (
     affine_scan,
@@ -108,13 +99,13 @@ from nested_jax.core.scan import (
     scan_remat,
     unchunk,
 )
-from nested_jax.core.titans import (
+from nested_jax.core.titans.linear import (
     TitansLinearState,
     titans_linear_chunked,
     titans_linear_recurrent,
     titans_linear_step,
 )
-from nested_jax.core.titans_mlp import (
+from nested_jax.core.titans.mlp import (
     TitansMLPState,
     titans_mlp_apply,
     titans_mlp_chunked,
@@ -123,6 +114,15 @@ from nested_jax.core.titans_mlp import (
     titans_mlp_state,
     titans_mlp_step,
     titans_pool_gates,
+)
+from nested_jax.core.titans.proteus import (
+    proteus_titans_linear_chunked,
+    proteus_titans_linear_recurrent,
+    proteus_titans_linear_step,
+    proteus_titans_mlp_chunked,
+    proteus_titans_mlp_masks,
+    proteus_titans_mlp_recurrent,
+    proteus_titans_mlp_step,
 )
 
 __all__ = [

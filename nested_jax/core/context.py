@@ -49,10 +49,10 @@ from collections.abc import Callable, Sequence
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.associative import _validate_seq, gated_delta_chunked
+from nested_jax.core.associative.forms import _validate_seq, gated_delta_chunked
 from nested_jax.core.scan import segment_starts, zeros_typed
-from nested_jax.core.titans import TitansLinearState, _state_of, titans_linear_chunked
-from nested_jax.core.titans_mlp_net import _validate_chunk_size, _validate_common
+from nested_jax.core.titans.linear import TitansLinearState, _state_of, titans_linear_chunked
+from nested_jax.core.titans.net import _validate_chunk_size, _validate_common
 
 __all__ = [
     "affine_state_context",

@@ -1,7 +1,7 @@
 """A Hope chunk of a *linear* memory through the gated delta kernel (SPEC §3.2, §1).
 
 Split from :mod:`nested_jax.core.hope`: it needs none of the MLP-memory machinery, only
-``core.dgd.dgd_step_size`` and ``core.associative.gated_delta_chunked``.
+``core.dgd.dgd_step_size`` and ``core.associative.forms.gated_delta_chunked``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
-from nested_jax.core.associative import gated_delta_chunked
+from nested_jax.core.associative.forms import gated_delta_chunked
 from nested_jax.core.dgd import dgd_step_size
 
 __all__ = ["hope_linear_chunk_update"]

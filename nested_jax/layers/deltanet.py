@@ -8,7 +8,7 @@ position ``t`` only the first ``k(t) = min(E, 1 + ⌊(t−1)/Δ⌋)`` are open (
 beyond ``N``). The layer implements it by masking the L2-normalised query and key with the key-row
 mask ``g_t`` and running the plain backbone kernel (chunked, recurrent or the decode step):
 
-- **Why this equals** ``core.proteus_memory.proteus_gated_delta_*``: the memory starts at zero
+- **Why this equals** ``core.associative.proteus.proteus_gated_delta_*``: the memory starts at zero
   (``init_cache``, and every segment reset) and ``k(t)`` never decreases, so a row locked at ``t``
   was locked at every earlier position and is still exactly zero. Then ``g_t ⊙ S_{t-1} = S_{t-1}``,
   ``(g_t ⊙ S)ᵀ k = Sᵀ(g_t ⊙ k)``, a masked key writes no locked row (the decay scales zeros) and

@@ -32,7 +32,7 @@ class GatedDeltaNet(DeltaNet):
     Decay ``g_t = log α_t = −softplus(x W_a + dt_bias) · exp(A_log)`` per head; everything else as
     :class:`DeltaNet`, including Proteus key-row blocks (SPEC §4; ``proteus_blocks``,
     ``proteus_context_len``, from ``model.proteus`` in ``from_config``): the layer then equals
-    ``core.proteus_memory.proteus_gated_delta_*`` (see ``nested_jax.layers.deltanet``).
+    ``core.associative.proteus.proteus_gated_delta_*`` (see ``nested_jax.layers.deltanet``).
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, *, rngs: nnx.Rngs, **kwargs):

@@ -1,7 +1,7 @@
 """Titans sequence layers (SPEC §2): the neural memory branch, LMM, MAG and MAL mixers.
 
 The memory math is reached through :mod:`nested_jax.ops.titans` only (``titans_memory``,
-``titans_memory_step``, ...; the rule is ``core.titans_mlp``, ``L_M = 1`` the matrix memory); this
+``titans_memory_step``, ...; the rule is ``core.titans.mlp``, ``L_M = 1`` the matrix memory); this
 module holds the parameters, gates and projections and wires them into NNX layers:
 
 - :class:`NeuralMemory`: learned initial memory ``M_0`` (per head, broadcast over the batch), the
@@ -40,7 +40,7 @@ rows for ``L_M = 1``, hidden units for ``L_M ≥ 2``) open block by block over t
 already consumed + 1). The sequence form (``ops.titans.titans_memory``) runs one memory call
 per span of constant mask (``proteus_spans``; spans of one length as one ``lax.scan``) from the
 gated state and puts the locked coordinates back (``proteus_gated_update``), as
-``core.proteus_memory.proteus_titans_mlp_*`` do; decoding uses the per-token
+``core.titans.proteus.proteus_titans_mlp_*`` do; decoding uses the per-token
 ``proteus_titans_mlp_step`` (recurrent) or gates each chunk's buffer (chunked; needs
 ``memory_chunk`` to divide ``Δ = N // E``, since the forward's chunk grid restarts at every span).
 **Decision (packed rows):** the schedule follows the row position (the row is the training

@@ -4,7 +4,8 @@ Layers call these functions, never a core form directly, so switching implementa
 value. The implementation is never switched silently (not on sequence length, not on mode): an
 ``impl`` value that cannot run raises ``ValueError``.
 
-- ``"chunked"``: the WY/UT chunk form of ``nested_jax.core.associative`` (the training default).
+- ``"chunked"``: the WY/UT chunk form of ``nested_jax.core.associative.forms`` (the training
+  default).
   Inside a mesh whose ``seq`` axis has more than one device, ``gated_delta`` and ``delta_rule``
   run context-parallel (``nested_jax.core.context``: each device takes ``T / P`` tokens and the
   devices fold their state maps; the same values and gradients); the other rules see the whole
@@ -21,7 +22,7 @@ value. The implementation is never switched silently (not on sequence length, no
 The single-token steps (``*_step``) are the decode forms; ``proteus_key_rows`` is the Proteus
 key-row gate of the linear rules (SPEC §4), which turns each rule into its Proteus form from a zero
 state (the layers' path); ``proteus_gated_delta`` is the Proteus GDN that continues any state at a
-static ``t0`` (``core.proteus_gdn``); the schedule is a :class:`ProteusRule`
+static ``t0`` (``core.associative.proteus``); the schedule is a :class:`ProteusRule`
 (``ProteusOptions.rule()``), re-exported here for layers.
 """
 
@@ -31,11 +32,18 @@ import functools
 
 import jax.numpy as jnp
 
-from nested_jax.core import associative as _assoc
-from nested_jax.core.associative import delta_rule_step, gated_delta_step, linear_attention_step
+from nested_jax.core.associative import forms as _assoc
+from nested_jax.core.associative.forms import (
+    delta_rule_step,
+    gated_delta_step,
+    linear_attention_step,
+)
+from nested_jax.core.associative.proteus import (
+    proteus_gated_delta_chunked,
+    proteus_gated_delta_recurrent,
+)
 from nested_jax.core.context import gated_delta_context_parallel as _gated_delta_context
 from nested_jax.core.proteus import ProteusRule, proteus_active_blocks, proteus_block_ids
-from nested_jax.core.proteus_gdn import proteus_gated_delta_chunked, proteus_gated_delta_recurrent
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._pallas import pallas_per_shard
 from nested_jax.ops._shard import mesh_axis_size, per_shard
@@ -57,8 +65,8 @@ __all__ = [
 
 
 def _dispatch(op: str, impl: str, args: tuple, chunk_size: int, **kw):
-    """Routes ``op`` to ``core.associative.<op>_recurrent`` or ``<op>_chunked`` by ``impl``; the
-    final state ``[B, H, K, V]`` comes back pinned to ``("batch", "heads", None, None)``.
+    """Routes ``op`` to ``core.associative.forms.<op>_recurrent`` or ``<op>_chunked`` by ``impl``;
+    the final state ``[B, H, K, V]`` comes back pinned to ``("batch", "heads", None, None)``.
     ``impl="pallas"`` routes the delta rules to ``pallas_kernels.gated_delta``."""
     if impl == "pallas" and op in ("gated_delta", "delta_rule"):
         o, state = _pallas_delta(op, args, chunk_size, **kw)
@@ -298,7 +306,8 @@ def proteus_gated_delta(
     chunk_size: int = 64,
     impl: str = "chunked",
 ):
-    """GDN with Proteus key-row blocks continuing any state (SPEC §1, §4; ``core.proteus_gdn``).
+    """GDN with Proteus key-row blocks continuing any state (SPEC §1, §4;
+    ``core.associative.proteus``).
 
     At the 1-based position ``t = t0 + i + 1`` the mask ``g_t`` opens the first
     ``k(t) = min(E, 1 + ⌊(t−1)/Δ⌋)`` of ``E = rule.blocks`` key-row blocks of ``S``::

@@ -4,7 +4,7 @@ Layers call these functions, never a core form directly, so the implementation i
 (``TitansOptions.memory_impl``). It is never switched silently: an ``impl`` that cannot run raises
 ``ValueError``.
 
-- ``"chunked"``: ``core.titans_mlp.titans_mlp_chunked`` with chunks of ``spec.chunk`` (surprises
+- ``"chunked"``: ``core.titans.mlp.titans_mlp_chunked`` with chunks of ``spec.chunk`` (surprises
   at the chunk start, dual-form reads; the training default).
 - ``"recurrent"``: the per-token ground truth ``titans_mlp_recurrent`` (``spec.chunk`` is ignored;
   decoding is the chunk-1 rule).
@@ -19,7 +19,7 @@ Layers call these functions, never a core form directly, so the implementation i
 
 Chunked and recurrent run the Proteus schedule when ``spec.proteus.blocks > 1`` (SPEC §4); all
 three run packed rows with an exact reset (``segment_ids``). The composition lives in
-:mod:`nested_jax.core.titans_memory`; :class:`TitansMemorySpec` holds the static options (frozen,
+:mod:`nested_jax.core.titans.memory`; :class:`TitansMemorySpec` holds the static options (frozen,
 hashable). Re-exported for layers: the state types (``TitansMLPState``, ``MemoryCache``),
 ``titans_mlp_init_weights`` (the learned ``M_0``), ``titans_mlp_state`` (``(M_0, 0)`` over the
 batch) and ``titans_mlp_apply`` (the read ``M*(z)`` without update).
@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import functools
 
-from nested_jax.core import titans_memory as _tm
 from nested_jax.core.checks import require_initial_state
-from nested_jax.core.titans_memory import MemoryCache, TitansMemorySpec, titans_memory_start
-from nested_jax.core.titans_mlp import (
+from nested_jax.core.titans import memory as _tm
+from nested_jax.core.titans.memory import MemoryCache, TitansMemorySpec, titans_memory_start
+from nested_jax.core.titans.mlp import (
     TitansMLPState,
     titans_mlp_apply,
     titans_mlp_init_weights,

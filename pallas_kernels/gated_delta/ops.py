@@ -1,7 +1,7 @@
 """Jitted entry of the Pallas gated delta rule (SPEC §1): layout, padding, per-token scalars,
 ``custom_vjp``.
 
-``gated_delta_pallas`` has the contract of ``nested_jax.core.associative.gated_delta_chunked``
+``gated_delta_pallas`` has the contract of ``nested_jax.core.associative.forms.gated_delta_chunked``
 (shapes, ``scale``, ``initial_state``, ``segment_ids``; returns ``(o [B, T, H, V] in v's dtype,
 final_state [B, H, K, V] f32)``). The forward is the kernel of ``kernel.py``; the backward is
 the reverse-chunk kernel of ``kernel.py`` from the chunk-start states the forward saves; the
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.associative import _validate_seq
+from nested_jax.core.associative.forms import _validate_seq
 from nested_jax.core.scan import pad_to_multiple, segment_starts
 from pallas_kernels.common import check_chunk, from_heads_major, heads_major
 from pallas_kernels.gated_delta.kernel import SCALARS, gated_delta_bwd_call, gated_delta_fwd_call

@@ -1,5 +1,5 @@
 """Pallas TPU kernels of the chunked Titans matrix memory, forward and backward (SPEC §2 with
-``L_M = 1``; the chunk rule of ``nested_jax.core.titans_mlp_chunk``).
+``L_M = 1``; the chunk rule of ``nested_jax.core.titans.chunk``).
 
 One grid step is one chunk of ``C`` tokens of one (batch, head) row; the grid is
 ``(B·H "parallel", N "arbitrary")`` so the chunks of a row run in order on one core and the

@@ -1,7 +1,7 @@
 """Jitted entry of the Pallas Titans matrix memory (SPEC §2 with ``L_M = 1``): layout, padding,
 gate coefficients, ``custom_vjp``.
 
-``titans_linear_pallas`` has the contract of ``nested_jax.core.titans.titans_linear_chunked``
+``titans_linear_pallas`` has the contract of ``nested_jax.core.titans.linear.titans_linear_chunked``
 with ``chunk_size = block_sizes.chunk`` (returns ``(o [B, T, H, V] in v's dtype, (M, S) f32
 [B, H, K, V])``). The gate coefficients of every chunk (cumulative products of ``η`` and
 ``1 − α``, resets folded into the gates, the rows of the last real token and of a
@@ -20,14 +20,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from nested_jax.core.scan import pad_to_multiple
-from nested_jax.core.titans import TitansLinearState, _state_of
-from nested_jax.core.titans_mlp_chunk import (
+from nested_jax.core.titans.chunk import (
     _chunk_pool,
     _coefficients,
     _local_chunk_starts,
     _reset_coefficients,
 )
-from nested_jax.core.titans_mlp_net import (
+from nested_jax.core.titans.linear import TitansLinearState, _state_of
+from nested_jax.core.titans.net import (
     _segment_resets,
     _validate_common,
     _validate_horizon,

@@ -26,10 +26,11 @@ import pytest
 
 import nested_jax.core as core
 import nested_jax.ops as ops
-from nested_jax.core import proteus_hope, titans_memory
+from nested_jax.core import proteus_hope
 from nested_jax.core.reference import hola as ref_hola
 from nested_jax.core.reference import hope as ref_hope
-from nested_jax.core.reference import titans as ref_titans
+from nested_jax.core.titans import memory as titans_memory
+from nested_jax.core.titans import reference as ref_titans
 
 # Where the public names live: (label, module, names).
 SOURCES = [
@@ -40,9 +41,9 @@ SOURCES = [
         for m in ops.__all__
         if inspect.ismodule(getattr(ops, m))
     ),  # fmt: skip
-    ("core.titans_memory", titans_memory, titans_memory.__all__),
+    ("core.titans.memory", titans_memory, titans_memory.__all__),
     ("core.proteus_hope", proteus_hope, proteus_hope.__all__),
-    ("core.reference.titans", ref_titans, ("chunk_rule", "per_token_rule")),
+    ("core.titans.reference", ref_titans, ("chunk_rule", "per_token_rule")),
     ("core.reference.hope", ref_hope, ref_hope.__all__),
     ("core.reference.hola", ref_hola, ("hola_reference",)),
 ]

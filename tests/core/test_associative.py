@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core import associative as A
+from nested_jax.core.associative import forms as A
 from nested_jax.core.wy import solve_tril
 
 TOL = 1e-4

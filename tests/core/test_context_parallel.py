@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from nested_jax.core import gated_delta_chunked, titans_linear_chunked
 from nested_jax.core.context import gated_delta_context_parallel, titans_linear_context_parallel
-from nested_jax.core.titans import TitansLinearState
+from nested_jax.core.titans.linear import TitansLinearState
 
 SEQ = P(None, "seq")  # [B, T, ...] with T split over "seq"
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.associative import gated_delta_chunked
+from nested_jax.core.associative.forms import gated_delta_chunked
 from nested_jax.core.hola import (
     HolaState,
     gdn_residuals,

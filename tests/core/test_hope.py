@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.associative import gated_delta_recurrent
+from nested_jax.core.associative.forms import gated_delta_recurrent
 from nested_jax.core.dgd import dgd_update
 from nested_jax.core.hope import (
     HopeMemories,

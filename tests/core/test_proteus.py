@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.associative import gated_delta_step
+from nested_jax.core.associative.forms import gated_delta_step
 from nested_jax.core.proteus import (
     proteus_active_blocks,
     proteus_block_ids,

@@ -14,25 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.associative import (
+from nested_jax.core._proteus_common import proteus_spans
+from nested_jax.core.associative.forms import (
     gated_delta_chunked,
     gated_delta_recurrent,
     gated_delta_step,
 )
-from nested_jax.core.proteus import proteus_active_blocks
-from nested_jax.core.proteus_memory import (
+from nested_jax.core.associative.proteus import (
     proteus_gated_delta_chunked,
     proteus_gated_delta_recurrent,
     proteus_gated_delta_step,
-    proteus_spans,
-    proteus_titans_linear_chunked,
-    proteus_titans_linear_recurrent,
-    proteus_titans_linear_step,
-    proteus_titans_mlp_chunked,
-    proteus_titans_mlp_recurrent,
-    proteus_titans_mlp_step,
 )
-from nested_jax.core.titans import (
+from nested_jax.core.proteus import proteus_active_blocks
+from nested_jax.core.titans.linear import (
     TitansLinearState,
     TitansMLPState,
     titans_linear_chunked,
@@ -41,6 +35,14 @@ from nested_jax.core.titans import (
     titans_mlp_chunked,
     titans_mlp_recurrent,
     titans_mlp_step,
+)
+from nested_jax.core.titans.proteus import (
+    proteus_titans_linear_chunked,
+    proteus_titans_linear_recurrent,
+    proteus_titans_linear_step,
+    proteus_titans_mlp_chunked,
+    proteus_titans_mlp_recurrent,
+    proteus_titans_mlp_step,
 )
 
 # --------------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.reference import titans as ref
-from nested_jax.core.titans import (
+from nested_jax.core.titans import reference as ref
+from nested_jax.core.titans.linear import (
     TitansLinearState,
     TitansMLPState,
     titans_linear_chunked,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nested_jax.core.proteus_memory import (
+from nested_jax.core.associative.proteus import (
     proteus_gated_delta_chunked,
     proteus_gated_delta_recurrent,
 )

@@ -10,10 +10,7 @@ import pytest
 from flax import nnx
 
 from nested_jax.core.proteus import proteus_block_ids
-from nested_jax.core.proteus_memory import (
-    proteus_titans_mlp_chunked,
-    proteus_titans_mlp_recurrent,
-)
+from nested_jax.core.titans.proteus import proteus_titans_mlp_chunked, proteus_titans_mlp_recurrent
 from nested_jax.layers.options import ProteusOptions, TitansOptions
 from nested_jax.models.config import ModelConfig
 from nested_jax.models.registry import get_mixer

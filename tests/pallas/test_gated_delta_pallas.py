@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from nested_jax import ops
-from nested_jax.core.associative import gated_delta_chunked, gated_delta_recurrent
+from nested_jax.core.associative.forms import gated_delta_chunked, gated_delta_recurrent
 from pallas_kernels.gated_delta import BlockSizes, gated_delta_pallas
 from pallas_kernels.titans_linear import BlockSizes as TitansBlockSizes
 

@@ -339,9 +339,9 @@ def test_proteus_gdn_pallas_equals_chunked_grid(T, t0, chunk, init):
 
 
 def test_proteus_gated_delta_dispatch():
-    """``"chunked"`` is ``core.proteus_gdn.proteus_gated_delta_chunked`` (same program),
+    """``"chunked"`` is ``core.associative.proteus.proteus_gated_delta_chunked`` (same program),
     ``"recurrent"`` agrees with it, ``E = 1`` is ``ops.gated_delta`` and bad arguments raise."""
-    from nested_jax.core.proteus_gdn import proteus_gated_delta_chunked
+    from nested_jax.core.associative.proteus import proteus_gated_delta_chunked
 
     x, s0 = _seq(40), _readout((2, H, K, V), 4)
     rule = ops.ProteusRule(4, 32)

@@ -7,7 +7,7 @@ explicit visible sets and softmaxes. Each fast path is tested against its twin, 
 flash-linear-attention keeps ``naive.py`` beside ``chunk.py``. Twins favour clarity over speed; use
 them at small sizes.
 
-- :mod:`nested_jax.core.reference.titans` (SPEC §2): ``chunk_rule`` / ``per_token_rule``, the twins
+- :mod:`nested_jax.core.titans.reference` (SPEC §2): ``chunk_rule`` / ``per_token_rule``, the twins
   of ``titans_linear_*`` and ``titans_mlp_*`` (``jax``, differentiable).
 - :mod:`nested_jax.core.reference.hope` (SPEC §3.2): ``hope_reference``, the twin of
   ``hope_chunked`` at any chunk sizes, with packed rows (``jax``, differentiable).

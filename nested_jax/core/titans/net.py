@@ -1,7 +1,7 @@
 """The Titans MLP memory ``M_θ`` (SPEC §2): its state, checks, forward pass, inner-gradient factors.
 
-Shared by the per-token forms (:mod:`nested_jax.core.titans_mlp`) and the chunked form
-(:mod:`nested_jax.core.titans_mlp_chunk`); the math is in ``titans_mlp``'s docstring. Here:
+Shared by the per-token forms (:mod:`nested_jax.core.titans.mlp`) and the chunked form
+(:mod:`nested_jax.core.titans.chunk`); the math is in ``titans_mlp``'s docstring. Here:
 
 - :class:`TitansMLPState` (weights and momenta ``[B, H, d_l, d_{l+1}]``) and the argument checks
   every form runs at trace time (messages name the calling function).

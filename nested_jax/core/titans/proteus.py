@@ -28,7 +28,8 @@ changes there); with ``chunk_size = 1`` it equals the recurrent form, and when `
 divides ``Δ`` and ``t0`` the grid is the global one. Spans of one length run as one ``lax.scan``
 (``run_proteus_spans``); a Titans padding token is not a no-op (``M ← M + S``), so spans are
 grouped by length, never padded. Static
-dispatch as in ``core/proteus_gdn.py``: ``E = 1`` or fully open calls are the backbone bit for bit.
+dispatch as in ``core/associative/proteus.py``: ``E = 1`` or fully open calls are the backbone bit
+for bit.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from nested_jax.core.proteus import (
     proteus_gated_update,
 )
 from nested_jax.core.scan import state_zeros
-from nested_jax.core.titans import (
+from nested_jax.core.titans.linear import (
     DEFAULT_MLP_GRAD_CLIP,
     TitansLinearState,
     TitansMLPState,
@@ -72,7 +73,7 @@ from nested_jax.core.titans import (
     titans_mlp_recurrent,
     titans_mlp_step,
 )
-from nested_jax.core.titans_mlp_net import MLP_STATE_CONSTRUCTOR
+from nested_jax.core.titans.net import MLP_STATE_CONSTRUCTOR
 
 __all__ = [
     "proteus_titans_linear_step",

@@ -1,6 +1,6 @@
 """The Titans memory of one mixer (SPEC §2, §4): sequence form with Proteus and exact decoding.
 
-The rule itself lives in :mod:`nested_jax.core.titans_mlp` (``L_M = 1`` is the matrix memory);
+The rule itself lives in :mod:`nested_jax.core.titans.mlp` (``L_M = 1`` is the matrix memory);
 this module composes it the way a layer runs it, as pure functions of arrays and a
 :class:`TitansMemorySpec` (static options, hashable):
 
@@ -37,6 +37,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from nested_jax.core._proteus_common import (
+    proteus_spans,
+    run_proteus_spans,
+    run_proteus_spans_packed,
+)
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.proteus import (
     ProteusRule,
@@ -46,13 +51,7 @@ from nested_jax.core.proteus import (
     proteus_gate,
     proteus_gated_update,
 )
-from nested_jax.core.proteus_memory import (
-    proteus_spans,
-    run_proteus_spans,
-    run_proteus_spans_packed,
-)
-from nested_jax.core.proteus_titans import proteus_titans_mlp_masks, proteus_titans_mlp_step
-from nested_jax.core.titans_mlp import (
+from nested_jax.core.titans.mlp import (
     DEFAULT_MLP_GRAD_CLIP,
     TitansMLPState,
     titans_mlp_chunked,
@@ -60,7 +59,8 @@ from nested_jax.core.titans_mlp import (
     titans_mlp_state,
     titans_mlp_step,
 )
-from nested_jax.core.titans_mlp_net import MLP_STATE_CONSTRUCTOR
+from nested_jax.core.titans.net import MLP_STATE_CONSTRUCTOR
+from nested_jax.core.titans.proteus import proteus_titans_mlp_masks, proteus_titans_mlp_step
 
 __all__ = [
     "TitansMemorySpec",

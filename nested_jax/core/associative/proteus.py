@@ -37,7 +37,7 @@ from nested_jax.core._proteus_common import (
     _zero_where,
     proteus_spans,
 )
-from nested_jax.core.associative import (
+from nested_jax.core.associative.forms import (
     gated_delta_chunked,
     gated_delta_recurrent,
     gated_delta_step,

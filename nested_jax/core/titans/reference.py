@@ -1,7 +1,7 @@
 """Reference twin of the Titans memory rules (SPEC §2): the slow, obviously-correct form.
 
-The fast paths ``titans_linear_{step,recurrent,chunked}`` (``nested_jax.core.titans``) and
-``titans_mlp_{step,recurrent,chunked}`` (``nested_jax.core.titans_mlp``) are tested against these
+The fast paths ``titans_linear_{step,recurrent,chunked}`` (``nested_jax.core.titans.linear``) and
+``titans_mlp_{step,recurrent,chunked}`` (``nested_jax.core.titans.mlp``) are tested against these
 functions. They are written per (batch, head) as a Python loop over chunks and a token-by-token
 ``lax.scan`` that materialises the weights after every token; the inner gradient always comes from
 ``jax.grad`` of ``½‖M(k) − v‖²`` (never from the manual backprop or the dual form of the fast

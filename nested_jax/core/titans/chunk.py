@@ -1,6 +1,6 @@
 """Titans MLP memory in chunks (SPEC §2 parallel form): dual-form reads, scan across chunks.
 
-The memory, its per-token rule and the softclamp are in :mod:`nested_jax.core.titans_mlp`
+The memory, its per-token rule and the softclamp are in :mod:`nested_jax.core.titans.mlp`
 (``titans_mlp_chunked`` is re-exported there); this module is the chunked form.
 
 Chunked form (chunk size b; this paragraph is the derivation): all gradients of a chunk are taken
@@ -36,7 +36,7 @@ from jax import lax
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.dgd import softclamp_factor
 from nested_jax.core.scan import chunk, from_head_chunks, to_head_chunks
-from nested_jax.core.titans_mlp_net import (
+from nested_jax.core.titans.net import (
     DEFAULT_MLP_GRAD_CLIP,
     MLP_STATE_CONSTRUCTOR,
     Activation,

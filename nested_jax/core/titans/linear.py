@@ -29,7 +29,8 @@ from jax import lax
 
 from nested_jax.core.dgd import clamped_rate
 from nested_jax.core.scan import state_zeros
-from nested_jax.core.titans_mlp import (
+from nested_jax.core.titans.chunk import _chunked_core
+from nested_jax.core.titans.mlp import (
     DEFAULT_MLP_GRAD_CLIP,
     TitansMLPState,
     titans_mlp_apply,
@@ -40,8 +41,7 @@ from nested_jax.core.titans_mlp import (
     titans_mlp_step,
     titans_pool_gates,
 )
-from nested_jax.core.titans_mlp_chunk import _chunked_core
-from nested_jax.core.titans_mlp_net import (
+from nested_jax.core.titans.net import (
     _segment_resets,
     _validate_chunk_size,
     _validate_common,

@@ -20,9 +20,9 @@ Per token (SPEC §2)::
     y_t = M_t(q_t)      (read_before_write=True: y_t = M_{t-1}(q_t))
 
 Chunked form (SPEC §2 parallel form, dual-form reads): ``titans_mlp_chunked`` and
-``titans_pool_gates`` live in :mod:`nested_jax.core.titans_mlp_chunk` (the derivation is there)
+``titans_pool_gates`` live in :mod:`nested_jax.core.titans.chunk` (the derivation is there)
 and are re-exported here; the state type, argument checks and the forward / manual backward of
-``M`` live in :mod:`nested_jax.core.titans_mlp_net`.
+``M`` live in :mod:`nested_jax.core.titans.net`.
 
 Gradient softclamp (``grad_clip=c``): ``u_t ← u_t · c·tanh(‖u_t‖/c)/‖u_t‖`` with
 ``‖u_t‖² = Σ_l ‖a_l‖²‖δ_l‖²`` (Frobenius norm over all layers). It bounds every write by ``c``
@@ -45,8 +45,8 @@ from jax import lax
 
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.dgd import softclamp_factor
-from nested_jax.core.titans_mlp_chunk import titans_mlp_chunked, titans_pool_gates
-from nested_jax.core.titans_mlp_net import (
+from nested_jax.core.titans.chunk import titans_mlp_chunked, titans_pool_gates
+from nested_jax.core.titans.net import (
     DEFAULT_MLP_GRAD_CLIP,
     MLP_STATE_CONSTRUCTOR,
     Activation,

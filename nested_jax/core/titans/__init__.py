@@ -1,0 +1,14 @@
+"""Titans neural long-term memory (SPEC §2): every form of the rule and its twin.
+
+- :mod:`~nested_jax.core.titans.net`: the MLP memory ``M_θ``, its state, checks, forward pass and
+  inner-gradient factors.
+- :mod:`~nested_jax.core.titans.mlp`: the per-token forms (step, recurrent).
+- :mod:`~nested_jax.core.titans.chunk`: the chunked dual form (scan across chunks).
+- :mod:`~nested_jax.core.titans.linear`: the matrix memory (``L_M = 1``) API of SPEC §0.1.
+- :mod:`~nested_jax.core.titans.memory`: the memory of one mixer (Proteus spans, packed rows,
+  decode buffering), what ``ops.titans`` calls.
+- :mod:`~nested_jax.core.titans.proteus`: the Proteus-wrapped forms (SPEC §4).
+- :mod:`~nested_jax.core.titans.reference`: the independent twin the fast forms are tested against.
+
+The public names are exported by :mod:`nested_jax.core`; import the modules for the rest.
+"""
