@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import errno
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -160,6 +161,18 @@ def _tmp_dirs(directory: epath.Path) -> list[epath.Path]:
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.iterdir() if p.is_dir() and "tmp" in p.name)
+
+
+# Orbax warns whenever a manager is opened read-only, which eval, generate and every resume check do
+# on purpose; the two warnings say only what was asked for, so they are dropped (nothing else is).
+_READ_ONLY_NOTES = ("CheckpointManagerOptions.read_only=True", "Given directory is read only")
+
+
+def _not_a_read_only_note(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_READ_ONLY_NOTES)
+
+
+logging.getLogger("absl").addFilter(_not_a_read_only_note)
 
 
 def _say(msg: str) -> None:

@@ -89,3 +89,15 @@ def test_running_out_of_memory_is_not_blamed_on_the_checkpoint(saved, monkeypatc
         ckpt.restore_latest(abstract_like(_state(0.0)), _iterator)
     ckpt.close()
     assert checkpoint_steps(saved) == [1, 2] and not (saved / CORRUPT_DIR).exists()
+
+
+def test_opening_read_only_logs_no_read_only_warnings(saved, caplog):
+    """eval, generate and the resume checks open the checkpoints read-only on purpose: orbax's two
+    warnings about it would be terminal noise, while other absl warnings still get through."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        Checkpointer(saved, read_only=True).close()
+        logging.getLogger("absl").warning("an unrelated orbax warning")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["an unrelated orbax warning"], warnings
