@@ -109,7 +109,10 @@ def _run(command: str, module_name: str, rest: list[str]) -> int:
     if command in ("train", "eval", "generate"):  # the generated-task families of data.task
         import nested_jax.eval.task_families  # noqa: F401
     module_name, _, function = module_name.partition(":")
-    return int(getattr(importlib.import_module(module_name), function or "main")(rest) or 0)
+    run = getattr(importlib.import_module(module_name), function or "main")
+    if command == "train":  # this process ends with the command: an abort may skip unwinding
+        return int(run(rest, hard_abort=True) or 0)
+    return int(run(rest) or 0)
 
 
 def _workdir_arg(argv: list[str]) -> str | None:

@@ -28,6 +28,7 @@ checkpoint is intact).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -107,13 +108,18 @@ def _check_task(config) -> None:
         raise ConfigError(str(err)) from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, hard_abort: bool = False) -> int:
+    """Runs ``nested-jax train``; returns the exit code.
+
+    `hard_abort` (the ``nested-jax`` command sets it; the process ends anyway): on a second Ctrl-C
+    end the process with :data:`EXIT_ABORTED` right after the message, without unwinding further.
+    """
     # `nested-jax` installs it before importing this module; a direct caller gets its own back
     previous = install_startup_handler()
     args = build_parser().parse_args(argv)
     try:
         with BackgroundNoise(args.workdir):
-            return _train(args)
+            return _train(args, hard_abort)
     except StoppedEarly as err:
         return report_stopped_early(err, args.workdir)
     finally:
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, hard_abort: bool) -> int:
     from nested_jax.data.corpus import DataError
     from nested_jax.train.workdir import resolve_config
 
@@ -166,6 +172,12 @@ def _train(args: argparse.Namespace) -> int:
             f"{checkpoint_phrase(args.workdir)}",
             file=sys.stderr,
         )
+        if hard_abort:
+            # The interrupt unwound out of a running XLA call; freeing the frames it left can
+            # crash the interpreter (a segfault instead of this exit code), so stop here.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_ABORTED)
         return EXIT_ABORTED
     return EXIT_PREEMPTED if summary["preempted"] else EXIT_OK
 
