@@ -28,6 +28,13 @@ shell stacks the layers on a leading ``L`` axis.) Config fields: ``hidden_size â
 What the shell cannot compute (Llama's ``attention_bias`` also biases ``o_proj``; ``mlp_bias``;
 an activation other than SiLU; Qwen2's sliding-window layers; YaRN / dynamic RoPE) is refused with
 one line naming the field.
+
+Defaults: a ``config.json`` lists only what differs from its architecture's ``transformers``
+config class (``LlamaConfig``, ``Qwen2Config``), and the two classes disagree (Qwen2 unties the
+head and has 32 KV heads unless told otherwise; Llama unties the head and gives every query head
+its own KV head). :func:`hf_model_fields` fills a field left out from
+:data:`TRANSFORMERS_DEFAULTS`, the table of those class defaults (the test suite compares it with
+the installed ``transformers``), so a checkpoint loads as ``from_pretrained`` loads it.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ __all__ = [
     "SINGLE_FILE",
     "hf_config_from_model",
     "hf_model_fields",
+    "TRANSFORMERS_DEFAULTS",
+    "with_transformers_defaults",
     "hf_tensors_from_params",
     "model_config_from_hf",
     "params_from_hf_tensors",
@@ -257,12 +266,68 @@ def write_hf_checkpoint(
 
 # ---------------------------------------------------------------- configs
 
+# Fields every supported architecture shares the default of. ``head_dim`` absent or None means
+# hidden_size // num_attention_heads in both classes (``hf_model_fields`` derives it).
+_COMMON = {
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "head_dim": None,
+}
+
+# model_type -> {config.json field: the value its transformers config class gives it}.
+# num_key_value_heads None: the class copies num_attention_heads.
+TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        **_COMMON,
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "qwen2": {
+        **_COMMON,
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "use_sliding_window": False,
+    },
+}
+
+_ROPE_KEYS = ("rope_parameters", "rope_scaling")
+
+
+def with_transformers_defaults(hf_config: Mapping[str, Any]) -> dict:
+    """``hf_config`` (a parsed ``config.json``) with every field of
+    :data:`TRANSFORMERS_DEFAULTS` that it leaves out set as ``transformers`` sets it.
+
+    A ``rope_theta`` inside ``rope_parameters`` / ``rope_scaling`` counts as given. An unknown
+    ``model_type`` is returned unchanged (``hf_model_fields`` refuses it, naming the field).
+    """
+    out = dict(hf_config)
+    defaults = TRANSFORMERS_DEFAULTS.get(out.get("model_type"), {})
+    for key, value in defaults.items():
+        if key == "rope_theta" and any("rope_theta" in (out.get(k) or {}) for k in _ROPE_KEYS):
+            continue
+        out.setdefault(key, value)
+    if out.get("num_key_value_heads") is None and "num_attention_heads" in out:
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    return out
+
 
 def _rope_fields(hf: Mapping[str, Any]) -> tuple[float, dict]:
     """``(rope_theta, AttentionOptions rope fields)`` from ``rope_parameters`` (transformers â‰¥ 5)
     or the older top-level ``rope_theta`` + ``rope_scaling``."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = float(params["rope_theta"] if "rope_theta" in params else hf["rope_theta"])
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, {"rope_scaling": "none"}
@@ -289,18 +354,20 @@ def _refuse(condition: bool, field: str, why: str) -> None:
 def hf_model_fields(hf: Mapping[str, Any]) -> dict:
     """The ``model`` config fields a Llama / Qwen2 ``config.json`` determines, as a plain nested
     dict (``attention`` a dict of :class:`AttentionOptions` fields): name, sizes, FFN, tying,
-    RoPE, norm epsilon.
+    RoPE, norm epsilon. A field the file leaves out takes its ``transformers`` default
+    (:func:`with_transformers_defaults`).
 
     Raises:
       ValueError: one line naming the ``config.json`` field the shell cannot compute.
     """
+    hf = with_transformers_defaults(hf)
     model_type = hf.get("model_type")
     _refuse(
         model_type not in ARCHITECTURES,
         "model_type",
         f"{model_type!r} is not supported (Llama- and Qwen2-style: {sorted(ARCHITECTURES)})",
     )
-    _refuse(hf.get("hidden_act", "silu") != "silu", "hidden_act", "only silu (SwiGLU) is supported")
+    _refuse(hf["hidden_act"] != "silu", "hidden_act", "only silu (SwiGLU) is supported")
     _refuse(bool(hf.get("mlp_bias")), "mlp_bias", "the SwiGLU has no bias")
     if model_type == "llama":
         _refuse(
@@ -323,12 +390,12 @@ def hf_model_fields(hf: Mapping[str, Any]) -> dict:
             "n_layers": int(hf["num_hidden_layers"]),
             "n_heads": n_heads,
             "head_dim": int(hf.get("head_dim") or d_model // n_heads),
-            "n_kv_heads": int(hf.get("num_key_value_heads") or n_heads),
+            "n_kv_heads": int(hf["num_key_value_heads"]),
             "mlp_hidden": int(hf["intermediate_size"]),
             "ffn": "swiglu",
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", model_type != "llama")),
+            "tie_embeddings": bool(hf["tie_word_embeddings"]),
             "rope_theta": theta,
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+            "norm_eps": float(hf["rms_norm_eps"]),
             "window": 0,
             "attention": {"qkv_bias": model_type == "qwen2", **rope},
         }

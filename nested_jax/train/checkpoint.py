@@ -30,6 +30,7 @@ import base64
 import datetime as _dt
 import errno
 import logging
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -180,6 +181,19 @@ def _say(msg: str) -> None:
         print(msg, flush=True)
 
 
+def save_limit_gb(state: Any) -> int:
+    """The smallest ``save_concurrent_gb`` that writes `state` (arrays or ``ShapeDtypeStruct``):
+    whole GB above its largest array shard (orbax refuses a write as large as the limit)."""
+    largest = 0
+    for x in jax.tree.leaves(state):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):  # a Python scalar
+            x = np.asarray(x)
+        sharding = getattr(x, "sharding", None)
+        shape = x.shape if sharding is None else sharding.shard_shape(x.shape)
+        largest = max(largest, math.prod(shape) * np.dtype(x.dtype).itemsize)
+    return largest // 10**9 + 1
+
+
 class Checkpointer:
     """Saves and restores ``{"state", "data", "config"}`` checkpoints under ``workdir/checkpoints``.
 
@@ -188,6 +202,10 @@ class Checkpointer:
       keep: how many newest checkpoints to keep (train.keep_checkpoints).
       async_save: write in a background thread (train.async_checkpointing).
       read_only: never write, move or delete anything (eval / generate).
+      save_concurrent_gb: at most this many GB (10**9 bytes) of the train state in tensorstore
+        writes at once (each array is encoded into a buffer of its size before it reaches the
+        disk, so without a limit a save holds a second copy of the state); None: orbax's default.
+        Must exceed the largest array shard: :func:`save_limit_gb`.
     """
 
     def __init__(
@@ -197,6 +215,7 @@ class Checkpointer:
         keep: int = 3,
         async_save: bool = True,
         read_only: bool = False,
+        save_concurrent_gb: int | None = None,
     ):
         self.workdir = as_path(workdir)
         self.directory = self.workdir / CHECKPOINT_DIR
@@ -213,7 +232,15 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only,
             read_only=read_only,
         )
-        self.manager = ocp.CheckpointManager(resolve_path(self.directory), options=options)
+        registry = None
+        if save_concurrent_gb is not None:
+            registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+            standard = ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb)
+            registry.add("state", ocp.args.StandardSave, standard)
+            registry.add("state", ocp.args.StandardRestore, standard)
+        self.manager = ocp.CheckpointManager(
+            resolve_path(self.directory), options=options, handler_registry=registry
+        )
 
     # -- saving --------------------------------------------------------------------------------
     def save(

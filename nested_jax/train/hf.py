@@ -8,9 +8,9 @@ new workdir, one tensor at a time (:mod:`nested_jax.train.hf_import`: the parame
 once, step 0 has no optimizer state); ``nested-jax train --workdir NEW`` then continues it
 (optimizer state fresh, data from its start). The checkpoint fixes the model's shape fields (sizes,
 tying, RoPE, norm epsilon, ``model.attention``), a field ``config.json`` leaves out taking the
-value ``transformers`` gives it (:mod:`nested_jax.train.hf_defaults`); the config gives everything
-else (data, optimizer, mesh, ``dtype``, the CMS section). A config that sets one of the fixed
-fields to another value is refused, naming it.
+value ``transformers`` gives it (:data:`nested_jax.models.hf.TRANSFORMERS_DEFAULTS`); the config
+gives everything else (data, optimizer, mesh, ``dtype``, the CMS section). A config that sets one
+of the fixed fields to another value is refused, naming it.
 With ``--to hope_attention`` the transformer goes straight through the Transformer → Hope-Attention
 conversion (SPEC §3.4, as :func:`nested_jax.train.convert.convert_ffn_to_cms`): its SwiGLU is copied
 into every CMS level. When ``HF_DIR`` holds a ``tokenizer.json`` and the config names no tokenizer,
@@ -39,7 +39,6 @@ import numpy as np
 from nested_jax.models import hf
 from nested_jax.train.checkpoint import CHECKPOINT_DIR
 from nested_jax.train.convert import FFN_TO_LEVEL, load_checkpoint_params, step_zero_parser
-from nested_jax.train.hf_defaults import with_transformers_defaults
 from nested_jax.train.hf_import import as_transformer, write_imported_step_zero
 
 __all__ = ["export_checkpoint", "import_checkpoint", "import_config", "main_export", "main_import"]
@@ -60,7 +59,7 @@ def import_config(values: dict, hf_config: dict, hf_dir: Path, *, to: str = "tra
     if to not in IMPORT_TARGETS:
         raise ConfigError(f"--to: expected one of {IMPORT_TARGETS}, got {to!r}")
     try:
-        fields = hf.hf_model_fields(with_transformers_defaults(hf_config))
+        fields = hf.hf_model_fields(hf_config)
     except ValueError as err:
         raise ConfigError(f"{hf_dir}/{err}") from None
     if to == "hope_attention":

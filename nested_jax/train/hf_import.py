@@ -245,7 +245,9 @@ def stream_params(
             raise ValueError(f"--to: the checkpoint has no tensor for {'/'.join(map(str, path))}")
         used.add(spath)
         host = _fill(files, sources[spath], target, spath[0] == "blocks")
-        values.append(jax.device_put(host, target.sharding))
+        # Waits for the copy: a pending transfer keeps ``host`` alive, and the save would then
+        # hold every parameter twice (the host buffers and the arrays it writes from).
+        values.append(jax.block_until_ready(jax.device_put(host, target.sharding)))
         del host
     unused = sorted(set(sources) - used)
     if unused:
@@ -284,7 +286,7 @@ def write_imported_step_zero(config: Any, workdir: str | Path, hf_dir: str | Pat
     from nested_jax.data import pipeline
     from nested_jax.data.identity import data_spec, tokenizer_payload
     from nested_jax.parallel.mesh import replicated
-    from nested_jax.train.checkpoint import Checkpointer
+    from nested_jax.train.checkpoint import Checkpointer, save_limit_gb
     from nested_jax.train.config import config_to_dict, save_config
     from nested_jax.train.setup import prepare_plan
     from nested_jax.train.workdir import write_data_spec
@@ -308,7 +310,14 @@ def write_imported_step_zero(config: Any, workdir: str | Path, hf_dir: str | Pat
     )
     spec = data_spec(config.data, bundle.tokenizer, bundle.corpus)
     workdir.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(workdir, keep=config.train.keep_checkpoints, async_save=False)
+    # Writes a few parameters at a time: unbounded, the save's encode buffers would add a second
+    # copy of the parameters to the footprint.
+    ckpt = Checkpointer(
+        workdir,
+        keep=config.train.keep_checkpoints,
+        async_save=False,
+        save_concurrent_gb=save_limit_gb(state),
+    )
     try:
         tokenizer_file = tokenizer_payload(bundle.tokenizer)[1]
         ckpt.save(0, state, iterator, config_to_dict(config), spec, tokenizer_file)

@@ -90,6 +90,18 @@ def test_config_maps_both_ways():
     assert hf.hf_config_from_model(qwen)["model_type"] == "qwen2"
 
 
+def test_fields_left_out_take_the_transformers_defaults_of_their_architecture():
+    bare = {
+        k: v for k, v in LLAMA.items() if k not in ("tie_word_embeddings", "num_key_value_heads")
+    }
+    llama = hf.hf_model_fields(bare)
+    assert not llama["tie_embeddings"] and llama["n_kv_heads"] == 4
+    qwen = hf.hf_model_fields({**bare, "model_type": "qwen2"})
+    assert not qwen["tie_embeddings"] and qwen["n_kv_heads"] == 32
+    layers = {k: v for k, v in LLAMA.items() if k != "num_hidden_layers"}
+    assert hf.model_config_from_hf(layers).n_layers == 32
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
@@ -98,7 +110,6 @@ def test_config_maps_both_ways():
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
-        ({"num_hidden_layers": None}, "num_hidden_layers"),
     ],
 )
 def test_what_the_shell_cannot_compute_is_refused_by_name(change, field):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import grain
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from nested_jax.train.checkpoint import (
     CheckpointMismatch,
     abstract_like,
     checkpoint_steps,
+    save_limit_gb,
 )
 
 
@@ -39,6 +41,27 @@ def saved(tmp_path):
         ckpt.save(step, _state(float(step)), it, {"step": step}, {"corpus": {}}, b"tok")
     ckpt.close()
     return tmp_path
+
+
+def test_the_save_limit_lies_above_the_largest_array():
+    def tree(n):
+        return {"a": jax.ShapeDtypeStruct((n,), jnp.float32), "b": np.zeros(3, np.int8), "c": 1.0}
+
+    # orbax refuses a write as large as the limit: 10**9 bytes need 2 GB.
+    assert save_limit_gb(tree(250_000_000)) == 2
+    assert save_limit_gb(tree(249_999_999)) == 1
+    assert save_limit_gb(tree(1)) == 1
+
+
+def test_a_save_with_a_byte_limit_restores_like_any_other(tmp_path):
+    ckpt = Checkpointer(tmp_path, async_save=False, save_concurrent_gb=1)
+    ckpt.save(3, _state(3.0), _iterator(), {"step": 3})
+    ckpt.close()
+    ckpt = Checkpointer(tmp_path)
+    step, state, _ = ckpt.restore_latest(abstract_like(_state(0.0)), _iterator)
+    ckpt.close()
+    assert step == 3
+    np.testing.assert_array_equal(np.asarray(state["params"]["w"]), np.full((3, 4), 3.0))
 
 
 def test_a_structure_mismatch_is_refused_and_nothing_moves(saved):

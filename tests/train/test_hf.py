@@ -246,8 +246,6 @@ def test_defaults_are_the_transformers_config_class_defaults(arch):
     # config that transformers builds from the same config.json.
     from transformers import AutoConfig
 
-    from nested_jax.train.hf_defaults import TRANSFORMERS_DEFAULTS, with_transformers_defaults
-
     given = {
         **SIZES,
         "head_dim": 32,
@@ -259,12 +257,13 @@ def test_defaults_are_the_transformers_config_class_defaults(arch):
         **({"use_sliding_window": False} if arch == "qwen2" else {}),
     }
     given.pop("initializer_range")
-    assert set(TRANSFORMERS_DEFAULTS[arch]) == set(given)
+    assert set(hf.TRANSFORMERS_DEFAULTS[arch]) == set(given)
     for field in given:
         config = {k: v for k, v in given.items() if k != field}
         theirs = AutoConfig.for_model(arch, **config).to_dict()
-        ours = with_transformers_defaults({"model_type": arch, **config})
-        assert hf.hf_model_fields(ours) == hf.hf_model_fields(theirs), field
+        assert hf.hf_model_fields({"model_type": arch, **config}) == hf.hf_model_fields(theirs), (
+            field
+        )
 
 
 def test_qwen2_untied_head_with_the_tying_left_out(run_root, tmp_path):
