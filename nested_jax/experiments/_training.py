@@ -120,11 +120,14 @@ def model_config(name: str, s: ShellSettings, d_model: int):
     """The :class:`ModelConfig` of model ``name`` (maybe ``<mixer>+proteus<E>``, see
     :func:`parse_model`) at width ``d_model`` for these settings."""
     from nested_jax.layers.options import ProteusOptions
-    from nested_jax.models import ModelConfig
+    from nested_jax.models import ModelConfig, get_mixer
 
     mixer, blocks = parse_model(name)
     proteus = ProteusOptions(blocks=blocks, context_len=s.seq_len if blocks > 1 else 0)
     chunk = min(64, s.seq_len)
+    # a mixer with fewer forms than the default (the LSTM: recurrent only) states them in IMPLS
+    impls = getattr(get_mixer(mixer), "IMPLS", None)
+    impl = "chunked" if impls is None or "chunked" in impls else impls[0]
     return ModelConfig(
         name=mixer,
         vocab_size=s.vocab,
@@ -132,6 +135,7 @@ def model_config(name: str, s: ShellSettings, d_model: int):
         n_layers=s.n_layers,
         n_heads=s.n_heads,
         chunk_size=chunk,
+        impl=impl,
         proteus=proteus,
     )
 
