@@ -16,6 +16,13 @@ Tasks (``--task FAMILY:NAME``):
   ``(HI, 2 HI]``, ``(2 HI, 4 HI]``, ``(4 HI, 8 HI]``: lengths never seen in training), padded to
   ``m · T``. Chance: 1 / (number of classes)
   (:func:`~nested_jax.eval.formal_languages.formal_chance`).
+* ``protocol:<name>``, a key of :data:`nested_jax.eval.formal_languages.PROTOCOL_TASKS` (parity,
+  aa_star, abab_star, anbn, anbncn, shuffle2): the next-character protocol of Nested Learning's
+  Table 5 (Irie et al. 2023 after Bhattamishra et al. 2020; docs/RESULTS.md "Formal-language
+  protocol"). Fixed string sets (:func:`protocol_data`): ``--train-size`` training strings in the
+  Bin0 window, ``--val-size`` validation strings (Bin0 window, disjoint from the test strings) and
+  ``--test-size`` test strings per bin; ``--bins LO0 HI0 LO1 HI1`` overrides the task's windows.
+  Scored by string accuracy (every prediction of a string right, per bin); chance is ~0.
 * ``mad:<name>``, a key of :data:`nested_jax.eval.mad.MAD_TASKS` (in-context recall, selective
   copying, ...) at MAD's baseline sizes unless ``--mad-sizes KEY=INT ...`` overrides them (e.g.
   ``seq_len=64``); scored by the accuracy at the masked positions
@@ -28,6 +35,12 @@ the first model's), model specs (``<name>+proteus<E>``) and the per-model cache 
 MQAR driver (:mod:`nested_jax.experiments._training`). Each model trains once per seed of
 ``--seeds`` (the seed sets the initialisation and the training batches; held-out batches use
 ``seed + 10_000``); the table reports the mean ± the sample standard deviation over seeds.
+
+Per-model options: ``--set-model MODEL:model.KEY=VALUE`` (repeatable) overrides one model's
+``ModelConfig`` through the strict config machinery (an unknown key fails in one line before any
+training). ``--lrs A B ...`` sweeps the learning rate per model (first seed; the best validation
+accuracy wins, :func:`run_synthetic`) and runs the seeds at the chosen rate. Tables give mean ±
+std over seeds and, for protocol tasks, the best seed.
 
 Writes ``<out>/<family>_<name>.json`` (settings, one run per model and seed, one aggregated row per
 model), ``<out>/<family>_<name>.md`` (the table) and ``<out>/<family>_<name>.png`` (accuracy vs
