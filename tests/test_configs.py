@@ -30,6 +30,7 @@ def test_configs_directory_has_the_presets():
         "experiments/tiny_transformer.yaml",
         "experiments/tiny_gdn.yaml",
         "experiments/tiny_deltanet.yaml",
+        "experiments/tiny_lstm.yaml",
         "experiments/pod_gdn_125m.yaml",
         "experiments/pod_gdn_1.3b.yaml",
         "mesh/cpu.yaml",

@@ -73,6 +73,7 @@ from nested_jax.core.hope import (
 from nested_jax.core.hope_decode import HopeDecodeState, hope_decode, hope_decode_state
 from nested_jax.core.hope_linear import hope_linear_chunk_update
 from nested_jax.core.hope_token import hope_decode_step, hope_recurrent, hope_step
+from nested_jax.core.lstm import LSTMState, lstm_recurrent, lstm_reference, lstm_step  # noqa: F401
 from nested_jax.core.proteus import (
     proteus_active_blocks,
     proteus_block_ids,

@@ -120,20 +120,47 @@ def model_config(name: str, s: ShellSettings, d_model: int):
     """The :class:`ModelConfig` of model ``name`` (maybe ``<mixer>+proteus<E>``, see
     :func:`parse_model`) at width ``d_model`` for these settings."""
     from nested_jax.layers.options import ProteusOptions
-    from nested_jax.models import ModelConfig
+    from nested_jax.models import ModelConfig, get_mixer
 
     mixer, blocks = parse_model(name)
     proteus = ProteusOptions(blocks=blocks, context_len=s.seq_len if blocks > 1 else 0)
     chunk = min(64, s.seq_len)
-    return ModelConfig(
+    # a mixer with fewer forms than the default (the LSTM: recurrent only) states them in IMPLS
+    impls = getattr(get_mixer(mixer), "IMPLS", None)
+    impl = "chunked" if impls is None or "chunked" in impls else impls[0]
+    cfg = ModelConfig(
         name=mixer,
         vocab_size=s.vocab,
         d_model=d_model,
         n_layers=s.n_layers,
         n_heads=s.n_heads,
         chunk_size=chunk,
+        impl=impl,
         proteus=proteus,
     )
+    overrides = [text for model, text in getattr(s, "model_overrides", ()) if model == name]
+    return apply_model_overrides(cfg, overrides) if overrides else cfg
+
+
+def apply_model_overrides(cfg, overrides: Sequence[str]):
+    """``cfg`` (a ``ModelConfig``) with ``model.KEY=VALUE`` overrides applied by the strict config
+    machinery (``train.config``: an unknown key or a bad value raises ``ValueError`` in one line
+    naming ``model.<key>``).
+
+    Raises:
+      ValueError: naming ``model_overrides`` when an override does not start with ``model.``.
+    """
+    from nested_jax.models import ModelConfig
+    from nested_jax.train.config import apply_overrides, config_to_dict, section_from_dict
+
+    for text in overrides:
+        if not str(text).startswith("model."):
+            raise ValueError(
+                f"model_overrides: expected model.KEY=VALUE (e.g. model.hope.chunk_memory=1), "
+                f"got {text!r}"
+            )
+    values = apply_overrides({"model": config_to_dict(cfg)}, overrides)
+    return section_from_dict(ModelConfig, values["model"], "model")
 
 
 def count_params(name: str, s: ShellSettings, d_model: int) -> int:
@@ -283,8 +310,9 @@ def make_scorer(trained: Trained) -> Callable[[Sequence[Batch], Callable], dict]
 
     ``accuracy_fn(logits, batch)`` is the accuracy over the batch's scored positions
     (``loss_mask``); it is weighted by their number, so the result is the accuracy over all scored
-    positions of ``batches``. ``eval_loss`` is the mean loss (nats) there; ``eval_queries`` their
-    number. The jitted forward passes are compiled once per batch shape.
+    positions of ``batches`` (``per_row=True``: weighted by rows, for a string-level accuracy;
+    ``eval_queries`` then counts rows, else scored positions). ``eval_loss`` is the mean loss
+    (nats) at the scored positions. The jitted forward passes are compiled once per batch shape.
     """
     from nested_jax.train.step import make_eval_step
 
@@ -296,10 +324,10 @@ def make_scorer(trained: Trained) -> Callable[[Sequence[Batch], Callable], dict]
         )(tokens)[0]
     )
 
-    def score(batches: Sequence[Batch], accuracy_fn: Callable) -> dict:
+    def score(batches: Sequence[Batch], accuracy_fn: Callable, per_row: bool = False) -> dict:
         correct, total, loss_sum, tokens = 0.0, 0, 0.0, 0.0
         for b in batches:
-            n = int(b["loss_mask"].sum())
+            n = len(b["inputs"]) if per_row else int(b["loss_mask"].sum())
             correct += accuracy_fn(logits_fn(params, b["inputs"]), b) * n
             total += n
             sums = eval_step(params, rest, b)

@@ -116,3 +116,7 @@ register_mixer("hope_attention", Attention, options=("attention",))
 from nested_jax.layers.hope import HopeMixer  # noqa: E402  (Hope, SPEC §3.2)
 
 register_mixer("hope", HopeMixer, options=("hope", "proteus"))
+
+from nested_jax.layers.lstm import LSTMMixer  # noqa: E402  (the formal-language protocol's control)
+
+register_mixer("lstm", LSTMMixer)

@@ -16,6 +16,7 @@ One module per mechanism:
 - ``hola``: gated delta state + exact top-w KV cache (SPEC §5); ``ops.hola.hola`` is its sequence
   form (the module keeps the name ``hola``, so the function is not re-exported here)
 - ``cms``: the Continuum Memory System at fixed weights and online (SPEC §3.3)
+- ``rnn``: the LSTM (``ops.lstm``, ``ops.lstm_step``), the formal-language protocol's control
 - ``cross_entropy``: the LM loss over the vocabulary in sequence chunks, without the batch's
   ``[B, T, V]`` f32 logits (SPEC §6)
 """
@@ -38,6 +39,7 @@ from nested_jax.ops.linear import (
     proteus_gated_delta,
     proteus_key_rows,
 )
+from nested_jax.ops.rnn import LSTMState, lstm, lstm_step
 from nested_jax.ops.titans import titans_memory, titans_memory_step
 from nested_jax.rules import CMSRule, HolaRule, HopeRule, ProteusRule
 
@@ -65,6 +67,9 @@ __all__ = [
     "cms_forward",
     "cms_online",
     "chunked_cross_entropy",
+    "lstm",
+    "lstm_step",
+    "LSTMState",
     "HopeRule",
     "ProteusRule",
     "HolaRule",

@@ -378,6 +378,19 @@ def config_from_dict(values: Mapping[str, Any]) -> Config:
     return cfg
 
 
+def section_from_dict(cls: type, values: Mapping[str, Any], path: str) -> Any:
+    """One config section (e.g. ``ModelConfig`` at ``"model"``) from a nested mapping, with the
+    checks of :func:`config_from_dict` for that section (unknown keys, types) but not the
+    cross-section combinations.
+
+    Raises:
+      ConfigError: one line naming the field path (``path.key``).
+    """
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {_describe(values)}")
+    return _build_dataclass(cls, values, path)
+
+
 def config_to_dict(cfg: Any) -> dict:
     """Plain nested dict of a config (tuples become lists); inverse of :func:`config_from_dict`."""
 

@@ -58,6 +58,7 @@ EXTRA_SEQUENCE = {
     "linear_attention",
     "delta_rule",
     "gated_delta",
+    "lstm",
     "proteus_gated_delta",
     "titans_memory",
     "hope_memories",

@@ -127,6 +127,9 @@ OPS_NAMES = (
     "ProteusRule",
     "HolaRule",
     "CMSRule",
+    "lstm",
+    "lstm_step",
+    "LSTMState",
 )
 
 

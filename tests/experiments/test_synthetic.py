@@ -14,7 +14,7 @@ from nested_jax.experiments.synthetic import SyntheticSettings
 TINY = ["--d-model", "16", "--n-layers", "1", "--batch-size", "4", "--eval-batches", "2"]
 TINY += ["--steps", "2", "--warmup-steps", "1"]
 RUN_KEYS = {"model", "seed", "d_model", "params", "steps", "final_train_loss", "accuracy"}
-RUN_KEYS |= {"scores", "train_seconds", "tokens_per_s"}
+RUN_KEYS |= {"scores", "val", "lr", "train_seconds", "tokens_per_s"}
 
 
 def test_formal_task_end_to_end_writes_json_md_png(tmp_path, capsys):
@@ -125,3 +125,68 @@ def test_aggregate_over_seeds():
     s = SyntheticSettings(train_lengths=(1, 4), eval_multipliers=(1,))
     md = synthetic.markdown_table([row], s, [0, 1])
     assert "| m | 8 | 10 | 1.000 | 0.600 ± 0.141 |" in md and "seeds 0, 1" in md
+
+
+PROTO = ["--task", "protocol:parity", "--bins", "2", "6", "7", "10", "--train-size", "40"]
+PROTO += ["--test-size", "12", "--val-size", "8", *TINY]
+
+
+def test_protocol_task_end_to_end_with_lr_sweep_and_resume(tmp_path, capsys):
+    out = tmp_path / "proto"
+    argv = [*PROTO, "--models", "lstm", "--lrs", "1e-3", "3e-3", "--seeds", "0", "1"]
+    assert synthetic.main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((out / "protocol_parity.json").read_text())
+    assert (out / "protocol_parity.png").read_bytes().startswith(b"\x89PNG")
+    sweep = result["lr_sweep"]["lstm"]
+    assert sweep["chosen"] in (1e-3, 3e-3) and set(sweep["val"]) == {"0.001", "0.003"}
+    runs = result["runs"]
+    assert [r["seed"] for r in runs] == [0, 1] and {r["lr"] for r in runs} == {sweep["chosen"]}
+    for r in runs:
+        assert set(r) == RUN_KEYS and list(r["scores"]) == ["bin0", "bin1"]
+        assert r["scores"]["bin0"]["eval_queries"] == 12  # strings, not positions
+        assert r["val"]["eval_queries"] == 8
+        assert r["scores"]["bin1"]["min_len"] >= 7 and r["scores"]["bin1"]["max_len"] <= 10
+    md = (out / "protocol_parity.md").read_text()
+    assert "| model | lr | d_model | params | Bin0 | Bin1 |" in md and "(best " in md
+    assert md in printed
+    # deterministic under seeds: a fresh directory gives the same scores; the same one reuses
+    assert synthetic.main([*argv, "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "protocol_parity.json").read_text())
+    assert [r["scores"] for r in again["runs"]] == [r["scores"] for r in runs]
+    capsys.readouterr()
+    assert synthetic.main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("reusing") == 4 and ": d_model" not in printed
+    assert json.loads((out / "protocol_parity.json").read_text())["runs"] == runs
+
+
+def test_protocol_splits_are_fixed_and_disjoint():
+    s = SyntheticSettings(task="protocol:parity", train_size=300, test_size=200, val_size=100)
+    data = synthetic.protocol_data(s)
+    assert s.protocol_bins == ((2, 50), (51, 100)) and s.seq_len == 51
+    assert not set(data["val"]) & set(data["bin0"])
+    assert not set(data["train"]) & (set(data["bin0"]) | set(data["val"]))
+    assert all(51 <= len(x) <= 100 for x in data["bin1"])
+    b = synthetic.train_batch(s, np.random.default_rng(0))
+    assert b["inputs"].shape == (32, 51) and b["loss_mask"].sum() > 32
+    with pytest.raises(ValueError, match="^bins:"):
+        SyntheticSettings(task="protocol:parity", bins=((2, 3), (4, 2)))
+    with pytest.raises(ValueError, match="^bins:"):
+        SyntheticSettings(task="formal:parity", bins=((2, 3), (4, 5)))
+
+
+def test_per_model_overrides_are_strict_and_apply_to_one_model(capsys):
+    base = ["--task", "formal:parity", "--models", "transformer", "gdn", *TINY]
+    assert synthetic.main([*base, "--set-model", "gdn:model.gdn.nope=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model.gdn") and err.count("\n") == 1
+    assert synthetic.main([*base, "--set-model", "gdn.conv_size=2"]) == 2
+    assert capsys.readouterr().err.startswith("error: set_model:")
+    assert synthetic.main([*base, "--set-model", "hope:model.conv_size=2"]) == 2
+    assert capsys.readouterr().err.startswith("error: model_overrides:")
+    s = SyntheticSettings(model_overrides=(("gdn", "model.conv_size=2"),))
+    from nested_jax.experiments._training import model_config
+
+    assert model_config("gdn", s, 16).conv_size == 2
+    assert model_config("transformer", s, 16).conv_size != 2
