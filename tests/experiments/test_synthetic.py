@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from nested_jax.experiments import synthetic
-from nested_jax.experiments.synthetic import SyntheticSettings
+from nested_jax.experiments import synthetic, synthetic_data, synthetic_report
+from nested_jax.experiments.synthetic_data import SyntheticSettings
 
 TINY = ["--d-model", "16", "--n-layers", "1", "--batch-size", "4", "--eval-batches", "2"]
 TINY += ["--steps", "2", "--warmup-steps", "1"]
@@ -97,7 +97,7 @@ def test_settings_name_the_bad_argument(capsys):
 def test_length_bins_and_held_out_batches():
     s = SyntheticSettings(task="formal:parity", train_lengths=(1, 16), eval_batches=2)
     assert [s.eval_lengths(m) for m in (1, 2, 4, 8)] == [(1, 16), (17, 32), (33, 64), (65, 128)]
-    sets = synthetic.eval_sets(s)
+    sets = synthetic_data.eval_sets(s)
     assert [k for k, _, _ in sets] == ["1", "2", "4", "8"]
     for _, info, batches in sets:
         for b in batches:
@@ -105,7 +105,7 @@ def test_length_bins_and_held_out_batches():
             assert b["inputs"].shape == (32, info["seq_len"])
             assert n.min() >= info["min_len"] and n.max() <= info["max_len"]
     # held-out batches come from seed + 10_000, training batches from the seed
-    train = synthetic.train_batch(s, np.random.default_rng(s.seed))
+    train = synthetic_data.train_batch(s, np.random.default_rng(s.seed))
     assert not np.array_equal(train["inputs"], sets[0][2][0]["inputs"])
 
 
@@ -115,7 +115,7 @@ def test_aggregate_over_seeds():
         return {"model": "m", "seed": seed, "d_model": 8, "params": 10, "scores": sc,
                 "final_train_loss": 2.0, "train_seconds": 1.0}  # fmt: skip
 
-    (row,) = synthetic.aggregate([run(0, 0.5), run(1, 0.7)])
+    (row,) = synthetic_report.aggregate([run(0, 0.5), run(1, 0.7)])
     acc = row["scores"]["1"]["accuracy"]
     assert row["seeds"] == [0, 1] and row["scores"]["1"]["max_len"] == 4
     assert acc["mean"] == pytest.approx(0.6) and acc["std"] == pytest.approx(
@@ -123,7 +123,7 @@ def test_aggregate_over_seeds():
     )
     assert (acc["min"], acc["max"]) == (0.5, 0.7)
     s = SyntheticSettings(train_lengths=(1, 4), eval_multipliers=(1,))
-    md = synthetic.markdown_table([row], s, [0, 1])
+    md = synthetic_report.markdown_table([row], s, [0, 1])
     assert "| m | 8 | 10 | 1.000 | 0.600 ± 0.141 |" in md and "seeds 0, 1" in md
 
 
@@ -163,12 +163,12 @@ def test_protocol_task_end_to_end_with_lr_sweep_and_resume(tmp_path, capsys):
 
 def test_protocol_splits_are_fixed_and_disjoint():
     s = SyntheticSettings(task="protocol:parity", train_size=300, test_size=200, val_size=100)
-    data = synthetic.protocol_data(s)
+    data = synthetic_data.protocol_data(s)
     assert s.protocol_bins == ((2, 50), (51, 100)) and s.seq_len == 51
     assert not set(data["val"]) & set(data["bin0"])
     assert not set(data["train"]) & (set(data["bin0"]) | set(data["val"]))
     assert all(51 <= len(x) <= 100 for x in data["bin1"])
-    b = synthetic.train_batch(s, np.random.default_rng(0))
+    b = synthetic_data.train_batch(s, np.random.default_rng(0))
     assert b["inputs"].shape == (32, 51) and b["loss_mask"].sum() > 32
     with pytest.raises(ValueError, match="^bins:"):
         SyntheticSettings(task="protocol:parity", bins=((2, 3), (4, 2)))

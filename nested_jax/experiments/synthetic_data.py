@@ -1,0 +1,269 @@
+"""The generated tasks of :mod:`nested_jax.experiments.synthetic`: the task names, the settings of
+one comparison (:class:`SyntheticSettings`) and its batches (training, held-out, validation; the
+fixed string sets of the next-character protocol)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+import numpy as np
+
+from nested_jax.eval.formal_languages import (
+    FORMAL_TASKS,
+    PROTOCOL_TASKS,
+    FormalVocab,
+    formal_chance,
+    make_formal_batch,
+    make_protocol_batch,
+    protocol_strings,
+)
+from nested_jax.eval.mad import MAD_TASKS, mad_chance, make_mad_batch
+from nested_jax.experiments._training import check_multipliers, check_positive
+
+FAMILIES = {"formal": FORMAL_TASKS, "mad": MAD_TASKS, "protocol": PROTOCOL_TASKS}
+EVAL_SEED_OFFSET = 10_000  # held-out batches: seed + this (training batches use the seed itself)
+VAL_SEED_OFFSET = 20_000  # validation batches (learning-rate choice) of formal / MAD tasks
+PROTOCOL_DATA_SEED = 30_000  # protocol: the fixed test, validation and training strings
+EVAL_ROWS = 250  # protocol: strings per scoring batch
+
+
+def parse_task(task: str) -> tuple[str, str]:
+    """``"formal:parity"`` -> ``("formal", "parity")``.
+
+    Raises:
+      ValueError: naming ``task`` when the family or the name is unknown.
+    """
+    family, sep, name = str(task).partition(":")
+    if not sep or family not in FAMILIES or name not in FAMILIES[family]:
+        raise ValueError(
+            f"task: expected formal:<name>, protocol:<name> or mad:<name>, got {task!r}; "
+            f"formal: {sorted(FORMAL_TASKS)}; protocol: {sorted(PROTOCOL_TASKS)}; "
+            f"mad: {sorted(MAD_TASKS)}"
+        )
+    return family, name
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticSettings:
+    """One comparison on one generated task (the same for every model)."""
+
+    task: str = "formal:parity"  # formal:<name> or mad:<name>
+    steps: int = 300  # optimizer steps per model and seed
+    batch_size: int = 32  # sequences per step (and per held-out batch)
+    d_model: int = 64  # width of the first model (the parameter budget)
+    n_layers: int = 2  # blocks per model
+    n_heads: int = 2  # heads per mixer
+    lr: float = 2e-3  # AdamW peak learning rate
+    warmup_steps: int = 20  # linear warmup steps
+    weight_decay: float = 0.1  # decoupled AdamW weight decay on matrices
+    eval_batches: int = 8  # held-out batches per length bin (formal) or in all (MAD)
+    seed: int = 0  # init and training batches of one run (run_synthetic sets it per seed)
+    match_params: bool = True  # adjust d_model of models 2.. to the first model's parameter count
+    train_lengths: tuple[int, int] = (1, 16)  # formal: training string lengths [lo, hi]
+    eval_multipliers: tuple[int, ...] = (1, 2, 4, 8)  # formal: score at lengths up to m × hi
+    mad_sizes: tuple[tuple[str, int], ...] = ()  # MAD: overrides of the task's baseline sizes
+    train_size: int = 10_000  # protocol: training strings (batches drawn from them)
+    test_size: int = 2_000  # protocol: scored strings per bin
+    val_size: int = 500  # protocol: validation strings (Bin0 window, disjoint from the test)
+    bins: tuple[tuple[int, int], ...] = ()  # protocol: (Bin0, Bin1) windows; () = the task's
+    model_overrides: tuple[tuple[str, str], ...] = ()  # (model, "model.KEY=VALUE") pairs
+
+    def __post_init__(self) -> None:
+        family, name = parse_task(self.task)
+        check_positive(self, ("steps", "batch_size", "d_model", "n_layers", "n_heads"))
+        check_positive(self, ("eval_batches", "train_size", "test_size", "val_size"))
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model: {self.d_model} is not divisible by n_heads={self.n_heads}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: expected > 0, got {self.lr}")
+        for pair in self.model_overrides:
+            if not (isinstance(pair, tuple | list) and len(pair) == 2):
+                raise ValueError(
+                    f"model_overrides: expected (model, KEY=VALUE) pairs, got {pair!r}"
+                )
+        if family == "protocol":
+            if self.mad_sizes:
+                raise ValueError(f"mad_sizes: only for mad:<name> tasks, not {self.task!r}")
+            bins = self.protocol_bins
+            if len(bins) != 2:
+                raise ValueError(f"bins: expected (Bin0, Bin1) windows, got {self.bins!r}")
+            for window in bins:
+                try:
+                    protocol_strings(name, 1, window, 0)
+                except ValueError as err:
+                    raise ValueError(f"bins: {err}") from None
+            return
+        if self.bins:
+            raise ValueError(f"bins: only for protocol:<name> tasks, not {self.task!r}")
+        # the generators validate the sizes; fail before any training, naming our own field
+        if family == "mad":
+            sizes = self.sizes
+            try:
+                make_mad_batch(name, 1, 0, **sizes)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"mad_sizes: {err}") from None
+            return
+        if self.mad_sizes:
+            raise ValueError(f"mad_sizes: only for mad:<name> tasks, not {self.task!r}")
+        try:
+            make_formal_batch(name, 1, self.train_lengths, 0)
+        except ValueError as err:
+            raise ValueError(f"train_lengths: {err}") from None
+        check_multipliers(self.eval_multipliers)
+        for m in self.eval_multipliers:
+            try:
+                make_formal_batch(name, 1, self.eval_lengths(m), 0)
+            except ValueError as err:
+                raise ValueError(f"eval_multipliers: {m}×: {err}") from None
+
+    @property
+    def family(self) -> str:
+        return parse_task(self.task)[0]
+
+    @property
+    def name(self) -> str:
+        return parse_task(self.task)[1]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The MAD size overrides as keyword arguments."""
+        try:
+            return dict(self.mad_sizes)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"mad_sizes: expected (key, int) pairs, got {self.mad_sizes!r}"
+            ) from None
+
+    @property
+    def protocol_bins(self) -> tuple[tuple[int, int], ...]:
+        """Protocol: the (Bin0, Bin1) windows (``bins``, else the task's own)."""
+        if self.bins:
+            return tuple(tuple(w) for w in self.bins)
+        return PROTOCOL_TASKS[self.name].bins
+
+    def protocol_seq_len(self, window: tuple[int, int]) -> int:
+        """Protocol: T of a row of the window (BOS + the longest string)."""
+        return PROTOCOL_TASKS[self.name].max_length(window) + 1
+
+    @property
+    def vocab(self) -> int:
+        """Model vocabulary: the 17 formal-language ids, or the MAD task's ``vocab_size``."""
+        if self.family in ("formal", "protocol"):
+            return FormalVocab().size
+        make = MAD_TASKS[self.name].make
+        return self.sizes.get(
+            "vocab_size", inspect.signature(make).parameters["vocab_size"].default
+        )
+
+    @property
+    def seq_len(self) -> int:
+        """T of a training batch."""
+        if self.family == "formal":
+            return self.train_lengths[1] + 2  # BOS, string, QUERY
+        if self.family == "protocol":
+            return self.protocol_seq_len(self.protocol_bins[0])
+        return make_mad_batch(self.name, 1, 0, **self.sizes)["inputs"].shape[1]
+
+    @property
+    def chance(self) -> float:
+        if self.family == "protocol":
+            return 0.0  # every prediction of a string must be right: guessing scores ~0
+        if self.family == "formal":
+            return formal_chance(self.name)
+        return mad_chance(self.name, **self.sizes)
+
+    def eval_lengths(self, m: int) -> tuple[int, int]:
+        """String lengths of the ``m×`` bin: the training range at 1, else ``(m·hi/2, m·hi]``."""
+        lo, hi = self.train_lengths
+        return (lo, hi) if m == 1 else (m * hi // 2 + 1, m * hi)
+
+
+@functools.lru_cache(maxsize=8)
+def _protocol_data(name: str, bins, train_size: int, test_size: int, val_size: int) -> dict:
+    rng = np.random.default_rng(PROTOCOL_DATA_SEED)
+    bin0, bin1 = bins
+    test0 = protocol_strings(name, test_size, bin0, rng)
+    test1 = protocol_strings(name, test_size, bin1, rng)
+    val = protocol_strings(name, val_size, bin0, rng, exclude=set(test0))
+    train = protocol_strings(name, train_size, bin0, rng, exclude=set(test0) | set(val))
+    return {"train": tuple(train), "val": tuple(val), "bin0": tuple(test0), "bin1": tuple(test1)}
+
+
+def protocol_data(s: SyntheticSettings) -> dict:
+    """Protocol: the fixed string sets ``{train, val, bin0, bin1}`` (the same for every model and
+    seed; drawn from ``PROTOCOL_DATA_SEED``). ``val`` and ``train`` avoid the Bin0 test strings
+    and each other, unless the language has one string per length (``enumerable``)."""
+    return _protocol_data(s.name, s.protocol_bins, s.train_size, s.test_size, s.val_size)
+
+
+def _protocol_batches(s: SyntheticSettings, strings, window) -> list[dict]:
+    t = s.protocol_seq_len(window)
+    return [
+        make_protocol_batch(s.name, list(strings[i : i + EVAL_ROWS]), t)
+        for i in range(0, len(strings), EVAL_ROWS)
+    ]
+
+
+def train_batch(s: SyntheticSettings, rng: np.random.Generator) -> dict:
+    """One training batch of ``s.task`` drawn from ``rng`` (protocol: ``batch_size`` of the fixed
+    training strings, drawn with replacement)."""
+    if s.family == "protocol":
+        pool = protocol_data(s)["train"]
+        rows = [pool[i] for i in rng.integers(0, len(pool), size=s.batch_size)]
+        return make_protocol_batch(s.name, rows, s.seq_len)
+    if s.family == "formal":
+        return make_formal_batch(s.name, s.batch_size, s.train_lengths, rng)
+    return make_mad_batch(s.name, s.batch_size, rng, **s.sizes)
+
+
+def eval_sets(s: SyntheticSettings) -> list[tuple[str, dict, list[dict]]]:
+    """``(key, info, batches)`` per held-out set: one per multiplier for a formal task (``key =
+    str(m)``, ``info``: ``multiplier, min_len, max_len, seq_len``), one (``"heldout"``) for MAD."""
+    if s.family == "protocol":
+        data, sets = protocol_data(s), []
+        for key, window in zip(("bin0", "bin1"), s.protocol_bins, strict=True):
+            lengths = [len(x) for x in data[key]]
+            info = {
+                "bin": key,
+                "window": list(window),
+                "min_len": min(lengths),
+                "max_len": max(lengths),
+                "seq_len": s.protocol_seq_len(window),
+            }
+            sets.append((key, info, _protocol_batches(s, data[key], window)))
+        return sets
+    seed = s.seed + EVAL_SEED_OFFSET
+    if s.family == "mad":
+        rng = np.random.default_rng(seed)
+        batches = [
+            make_mad_batch(s.name, s.batch_size, rng, **s.sizes) for _ in range(s.eval_batches)
+        ]
+        return [("heldout", {"seq_len": s.seq_len}, batches)]
+    sets = []
+    for m in s.eval_multipliers:
+        lo, hi = s.eval_lengths(m)
+        rng = np.random.default_rng(seed)  # the same source at every length
+        batches = [
+            make_formal_batch(s.name, s.batch_size, (lo, hi), rng, seq_len=m * s.seq_len)
+            for _ in range(s.eval_batches)
+        ]
+        info = {"multiplier": m, "min_len": lo, "max_len": hi, "seq_len": m * s.seq_len}
+        sets.append((str(m), info, batches))
+    return sets
+
+
+def val_batches(s: SyntheticSettings) -> list[dict]:
+    """The validation set of the learning-rate choice: protocol: the ``val`` strings (Bin0 window,
+    disjoint from the scored test strings); formal: ``eval_batches`` batches of the training range
+    from ``seed + VAL_SEED_OFFSET`` (a stream apart from the scored one); MAD: likewise."""
+    if s.family == "protocol":
+        return _protocol_batches(s, protocol_data(s)["val"], s.protocol_bins[0])
+    rng = np.random.default_rng(s.seed + VAL_SEED_OFFSET)
+    if s.family == "mad":
+        return [make_mad_batch(s.name, s.batch_size, rng, **s.sizes) for _ in range(s.eval_batches)]
+    return [
+        make_formal_batch(s.name, s.batch_size, s.train_lengths, rng, seq_len=s.seq_len)
+        for _ in range(s.eval_batches)
+    ]

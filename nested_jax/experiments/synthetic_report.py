@@ -1,0 +1,204 @@
+"""Results of :mod:`nested_jax.experiments.synthetic`: runs aggregated over seeds, the Markdown
+table and the plot."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from nested_jax.eval.formal_languages import PROTOCOL_TASKS
+from nested_jax.experiments.synthetic_data import SyntheticSettings
+
+
+def spread(values: Sequence[float]) -> dict:
+    """``{mean, std, min, max, values}`` over seeds (``std``: sample, ddof 1; 0 for one value)."""
+    x = np.asarray(values, np.float64)
+    std = float(x.std(ddof=1)) if x.size > 1 else 0.0
+    return {
+        "mean": float(x.mean()),
+        "std": std,
+        "min": float(x.min()),
+        "max": float(x.max()),
+        "values": x.tolist(),
+    }
+
+
+def aggregate(runs: Sequence[dict]) -> list[dict]:
+    """One row per model (in first-seen order): each score's accuracy and eval loss, the final
+    train loss and the train seconds as :func:`spread` over the model's seeds."""
+    rows = []
+    for model in dict.fromkeys(r["model"] for r in runs):
+        mine = [r for r in runs if r["model"] == model]
+        scores = {}
+        for key, first in mine[0]["scores"].items():
+            info = {k: v for k, v in first.items() if k not in ("accuracy", "eval_loss")}
+            scores[key] = {
+                **info,
+                "accuracy": spread([r["scores"][key]["accuracy"] for r in mine]),
+                "eval_loss": spread([r["scores"][key]["eval_loss"] for r in mine]),
+            }
+        rows.append(
+            {
+                "model": model,
+                "lr": mine[0].get("lr"),
+                "d_model": mine[0]["d_model"],
+                "params": mine[0]["params"],
+                "seeds": [r["seed"] for r in mine],
+                "scores": scores,
+                "val": (
+                    spread([r["val"]["accuracy"] for r in mine])
+                    if all("val" in r for r in mine)
+                    else None
+                ),
+                "final_train_loss": spread([r["final_train_loss"] for r in mine]),
+                "train_seconds": spread([r["train_seconds"] for r in mine]),
+            }
+        )
+    return rows
+
+
+def _cell(x: dict) -> str:
+    return f"{x['mean']:.3f}" if len(x["values"]) == 1 else f"{x['mean']:.3f} ± {x['std']:.3f}"
+
+
+def _cell_best(x: dict) -> str:
+    """Mean ± std and the best seed (``max``), e.g. ``0.912 ± 0.030 (best 0.950)``."""
+    if len(x["values"]) == 1:
+        return f"{x['mean']:.3f}"
+    return f"{_cell(x)} (best {x['max']:.3f})"
+
+
+def _protocol_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[int]) -> str:
+    (b0, b1) = s.protocol_bins
+    unit = "n" if PROTOCOL_TASKS[s.name].window == "n" else "length"
+    head = (
+        f"`{s.task}` (next-character protocol): {s.steps} AdamW steps (batch {s.batch_size}) per "
+        f"model and seed from scratch on {s.train_size} training strings ({unit} {b0[0]}–{b0[1]}), "
+        f"{s.n_layers} layers × {s.n_heads} heads"
+        + (", width matched to the first model's parameters" if s.match_params else "")
+        + f"; string accuracy (every prediction right) on {s.test_size} test strings per bin "
+        f"(Bin0: {unit} {b0[0]}–{b0[1]}, Bin1: {unit} {b1[0]}–{b1[1]}); "
+        + (
+            f"mean ± sample std (best) over seeds {', '.join(map(str, seeds))}"
+            if len(seeds) > 1
+            else f"seed {seeds[0]}"
+        )
+        + ".\n\n"
+    )
+    lines = [
+        "| model | lr | d_model | params | Bin0 | Bin1 | val | train loss | train s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        sc = r["scores"]
+        lines.append(
+            f"| {r['model']} | {r['lr']:g} | {r['d_model']} | {r['params']:,} "
+            f"| {_cell_best(sc['bin0']['accuracy'])} | {_cell_best(sc['bin1']['accuracy'])} "
+            f"| {_cell(r['val']) if r['val'] else '–'} | {_cell(r['final_train_loss'])} "
+            f"| {r['train_seconds']['mean']:.0f} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def markdown_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[int]) -> str:
+    """The results table with a one-paragraph header of the settings."""
+    if s.family == "protocol":
+        return _protocol_table(rows, s, seeds)
+    first = rows[0]["params"] if rows else 1
+    head = (
+        f"`{s.task}`: {s.steps} AdamW steps (lr {s.lr:g}, batch {s.batch_size}) per model and "
+        f"seed from scratch, {s.n_layers} layers × {s.n_heads} heads"
+        + (", width matched to the first model's parameters" if s.match_params else "")
+    )
+    if s.family == "formal":
+        lo, hi = s.train_lengths
+        head += (
+            f"; trained on string lengths {lo}–{hi}; sequence accuracy on {s.eval_batches} × "
+            f"{s.batch_size} held-out strings per length bin"
+        )
+    else:
+        sizes = ", ".join(f"{k}={v}" for k, v in s.sizes.items()) or "MAD baseline sizes"
+        head += f" ({sizes}, T={s.seq_len}); accuracy at the scored positions of "
+        head += f"{s.eval_batches} held-out batches"
+    seed_note = (
+        f"mean ± sample std over seeds {', '.join(map(str, seeds))}"
+        if len(seeds) > 1
+        else f"seed {seeds[0]}"
+    )
+    head += f"; chance {s.chance:.3f}; {seed_note}.\n\n"
+    if s.family == "formal":
+        keys = list(rows[0]["scores"]) if rows else []
+        bins = [rows[0]["scores"][k] for k in keys] if rows else []
+        cols = "".join(f" {b['multiplier']}× ({b['min_len']}–{b['max_len']}) |" for b in bins)
+        lines = ["| model | d_model | params | params / first |" + cols + " train loss | train s |"]
+        lines.append("|---|---:|---:|---:|" + "---:|" * len(bins) + "---:|---:|")
+        for r in rows:
+            accs = "".join(f" {_cell(r['scores'][k]['accuracy'])} |" for k in keys)
+            lines.append(
+                f"| {r['model']} | {r['d_model']} | {r['params']:,} | {r['params'] / first:.3f} |"
+                + accs
+                + f" {_cell(r['final_train_loss'])} | {r['train_seconds']['mean']:.0f} |"
+            )
+        return head + "\n".join(lines) + "\n"
+    lines = [
+        "| model | d_model | params | params / first | accuracy | × chance | eval loss "
+        "| train loss | train s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        sc = r["scores"]["heldout"]
+        lines.append(
+            f"| {r['model']} | {r['d_model']} | {r['params']:,} | {r['params'] / first:.3f} "
+            f"| {_cell(sc['accuracy'])} | {sc['accuracy']['mean'] / s.chance:.1f} "
+            f"| {_cell(sc['eval_loss'])} | {_cell(r['final_train_loss'])} "
+            f"| {r['train_seconds']['mean']:.0f} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict], s: SyntheticSettings, path: Path) -> Path:
+    """Accuracy vs string length (formal; error bars = std over seeds) or a bar per model (MAD),
+    chance dashed; written to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    if s.family == "protocol":
+        width = 0.8 / max(len(rows), 1)
+        for i, r in enumerate(rows):
+            acc = [r["scores"][k]["accuracy"] for k in ("bin0", "bin1")]
+            x = np.arange(2) + (i - (len(rows) - 1) / 2) * width
+            ax.bar(x, [a["mean"] for a in acc], width, yerr=[a["std"] for a in acc], capsize=3,
+                   label=r["model"])  # fmt: skip
+            ax.scatter(x, [a["max"] for a in acc], marker="_", color="k", zorder=3)
+        ax.set_xticks(range(2), [f"Bin{i} ({b[0]}–{b[1]})" for i, b in enumerate(s.protocol_bins)])
+        ax.set_ylabel("string accuracy (bars: mean, ticks: best seed)")
+    elif s.family == "formal":
+        for r in rows:
+            bins = list(r["scores"].values())
+            x = [b["max_len"] for b in bins]
+            y = [b["accuracy"]["mean"] for b in bins]
+            err = [b["accuracy"]["std"] for b in bins]
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=r["model"])
+        ax.set_xscale("log", base=2)
+        ax.axvline(s.train_lengths[1], color="grey", lw=0.8, ls=":", label="longest training")
+        ax.set_xlabel("longest string length of the evaluation bin")
+        ax.set_ylabel("sequence accuracy")
+    else:
+        names = [r["model"] for r in rows]
+        acc = [r["scores"]["heldout"]["accuracy"] for r in rows]
+        ax.bar(names, [a["mean"] for a in acc], yerr=[a["std"] for a in acc], capsize=4)
+        ax.set_ylabel("accuracy at the scored positions")
+    if s.family != "protocol":
+        ax.axhline(s.chance, color="k", lw=0.8, ls="--", label="chance")
+    ax.set_ylim(0.0, 1.02)
+    ax.set_title(f"{s.task} ({s.steps} steps)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
