@@ -16,7 +16,7 @@ Tasks (``--task FAMILY:NAME``):
   ``(HI, 2 HI]``, ``(2 HI, 4 HI]``, ``(4 HI, 8 HI]``: lengths never seen in training), padded to
   ``m · T``. Chance: 1 / (number of classes)
   (:func:`~nested_jax.eval.formal_languages.formal_chance`).
-* ``protocol:<name>``, a key of :data:`nested_jax.eval.formal_languages.PROTOCOL_TASKS` (parity,
+* ``protocol:<name>``, a key of :data:`nested_jax.eval.formal_protocol.PROTOCOL_TASKS` (parity,
   aa_star, abab_star, anbn, anbncn, shuffle2): the next-character protocol of Nested Learning's
   Table 5 (Irie et al. 2023 after Bhattamishra et al. 2020; docs/RESULTS.md "Formal-language
   protocol"). Fixed string sets
@@ -59,7 +59,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from nested_jax.eval.formal_languages import formal_accuracy, protocol_accuracy
+from nested_jax.eval.formal_languages import formal_accuracy
+from nested_jax.eval.formal_protocol import protocol_accuracy
 from nested_jax.eval.mad import mad_accuracy
 from nested_jax.experiments._training import (
     add_scalar_flags,

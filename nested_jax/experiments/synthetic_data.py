@@ -12,13 +12,11 @@ import numpy as np
 
 from nested_jax.eval.formal_languages import (
     FORMAL_TASKS,
-    PROTOCOL_TASKS,
     FormalVocab,
     formal_chance,
     make_formal_batch,
-    make_protocol_batch,
-    protocol_strings,
 )
+from nested_jax.eval.formal_protocol import PROTOCOL_TASKS, make_protocol_batch, protocol_strings
 from nested_jax.eval.mad import MAD_TASKS, mad_chance, make_mad_batch
 from nested_jax.experiments._training import check_multipliers, check_positive
 

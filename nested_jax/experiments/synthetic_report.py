@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nested_jax.eval.formal_languages import PROTOCOL_TASKS
+from nested_jax.eval.formal_protocol import PROTOCOL_TASKS
 from nested_jax.experiments.synthetic_data import SyntheticSettings
 
 

@@ -6,9 +6,9 @@ wrong prediction rejects the string, splits are disjoint and seeded."""
 import numpy as np
 import pytest
 
-from nested_jax.eval.formal_languages import (
+from nested_jax.eval.formal_languages import FormalVocab
+from nested_jax.eval.formal_protocol import (
     PROTOCOL_TASKS,
-    FormalVocab,
     make_protocol_batch,
     protocol_accuracy,
     protocol_correct,
