@@ -566,6 +566,7 @@ def training() -> None:
 
     from nested_jax.train import config as tc
     from nested_jax.train import loop
+    from nested_jax.train.workdir import plan_resume, record_run
 
     root = Path(__file__).resolve().parents[1]
     for name in TRAIN_CONFIGS:
@@ -583,12 +584,12 @@ def training() -> None:
         )
         with tempfile.TemporaryDirectory(prefix="invariants-") as wd:
             workdir = Path(wd)
-            plan = loop.plan_resume(cfg, workdir)
+            plan = plan_resume(cfg, workdir)
             prep = loop.prepare_data(cfg, workdir, plan, None)
             ckpt, start, state, iterator = loop.restore_or_start(
                 cfg, workdir, prep.setup, prep.make_iterator, plan
             )
-            loop.record_run(cfg, workdir, plan, prep.spec, prep.bundle.tokenizer, start)
+            record_run(cfg, workdir, plan, prep.spec, prep.bundle.tokenizer, start)
             run = loop.open_run(cfg, workdir, prep, ckpt, iterator, state, start)
             state, _ = loop.run_and_close(run, state, start)
             rows = [

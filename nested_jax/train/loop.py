@@ -2,8 +2,8 @@
 
 One run, as named steps (each a function below):
 
-1. :func:`plan_resume` reads what `workdir` already holds (the saved config and data record) and
-   decides which changed settings a resume may apply (:mod:`nested_jax.train.workdir`). Nothing is
+1. :func:`~nested_jax.train.workdir.plan_resume` reads what `workdir` already holds (the saved
+   config and data record) and decides which changed settings a resume may apply. Nothing is
    written yet, so a refused resume, a bad mesh or an unreadable corpus leaves no trace.
 2. :func:`prepare_data` builds the mesh, loads the data with the workdir's own tokenizer,
    initialises the sharded state and jits the steps
@@ -12,19 +12,19 @@ One run, as named steps (each a function below):
    (:mod:`nested_jax.data.task_source`) and every validation also reports its score
    (``val_accuracy``).
 3. :func:`restore_or_start` restores the newest good checkpoint (params, optimizer, data
-   iterator, step) or starts from scratch; :func:`record_run` writes the config, the data record
-   and the config history.
+   iterator, step) or starts from scratch; :func:`~nested_jax.train.workdir.record_run` writes the
+   config, the data record and the config history.
 4. :func:`open_run` opens the metrics and the progress bar; :func:`run_and_close` runs
    :func:`run_steps` (jitted steps, NaN policy, validation, checkpoints, and a clean stop on
    SIGTERM / Ctrl-C: checkpoint saved, ``preempted: True``) and closes them all.
-5. :func:`build_summary`, then :func:`write_summary` writes ``summary.json`` (strict JSON) and
-   prints the summary.
+5. :func:`~nested_jax.train.summary.build_summary`, then
+   :func:`~nested_jax.train.summary.write_summary` writes ``summary.json`` (strict JSON) and prints
+   the summary.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,18 +33,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from nested_jax.files import as_path, write_json
+from nested_jax.files import as_path
 from nested_jax.train.checkpoint import (
     Checkpointer,
     abstract_like,
     checkpoint_bytes,
-    checkpoint_steps,
     free_bytes,
     is_disk_full,
 )
-from nested_jax.train.config import Config, config_to_dict, save_config
+from nested_jax.train.config import Config, config_to_dict
 from nested_jax.train.lock import acquire, stale_notice
-from nested_jax.train.metrics import MetricsWriter, read_metrics
+from nested_jax.train.metrics import MetricsWriter
 from nested_jax.train.optimizer import with_fresh_hyperparams
 from nested_jax.train.progress import Progress
 from nested_jax.train.setup import (  # noqa: F401  (re-exported: the loop's public names)
@@ -57,18 +56,12 @@ from nested_jax.train.setup import (  # noqa: F401  (re-exported: the loop's pub
 )
 from nested_jax.train.signals import StopSignal
 from nested_jax.train.step import bits_per_byte
+from nested_jax.train.summary import StepStats, build_summary, write_summary
 from nested_jax.train.workdir import (
-    DATA_SPEC_JSON,
-    ConfigChange,
-    ResumeRefused,
-    SavedData,
-    check_resume,
-    corpus_change_message,
-    describe_change,
-    record_config_changes,
-    saved_config_dict,
-    saved_data,
-    write_data_spec,
+    ResumePlan,
+    check_corpus,
+    plan_resume,
+    record_run,
 )
 
 
@@ -79,47 +72,6 @@ class TrainingError(RuntimeError):
 def _say(msg: str) -> None:
     if jax.process_index() == 0:
         print(msg, flush=True)
-
-
-# -- 1. what the workdir holds ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ResumePlan:
-    """What a run continues from (``saved_config is None``: a new run)."""
-
-    saved_config: dict | None  # the config the newest checkpoint was trained with
-    changes: list[ConfigChange]  # settings that differ and may change (printed as notices)
-    data: SavedData | None  # the saved tokenizer and corpus record (None: new or older run)
-    reset_optimizer: bool  # restore weights and data position, start a fresh optimizer state
-
-
-def plan_resume(config: Config, workdir: Path, *, reset_optimizer: bool = False) -> ResumePlan:
-    """Reads `workdir` (never writes) and checks that `config` may continue it.
-
-    Raises:
-      ResumeRefused: a setting changed that the checkpoints depend on (one line, with the fix).
-    """
-    saved = saved_config_dict(workdir) if checkpoint_steps(workdir) else None
-    if saved is None:
-        if reset_optimizer:
-            _say(f"notice: --reset-optimizer ignored: {workdir} has no checkpoint to resume")
-        return ResumePlan(None, [], None, False)
-    changes = check_resume(saved[0], config, workdir, reset_optimizer=reset_optimizer)
-    return ResumePlan(saved[0], changes, saved_data(workdir), reset_optimizer)
-
-
-def check_corpus(plan: ResumePlan, bundle: Any, workdir: Path) -> None:
-    """Refuses to resume on a corpus whose fingerprint differs from the saved one."""
-    if plan.data is None:
-        return
-    change = corpus_change_message(plan.data.spec, bundle.corpus)
-    if change is not None:
-        raise ResumeRefused(
-            f"cannot resume {workdir}: {change}; the checkpoints' data position and validation "
-            "split refer to the old text. Restore the corpus, or train on the new one in a new "
-            "workdir; nothing was changed"
-        )
 
 
 # -- 2. mesh, data and steps ----------------------------------------------------------------------
@@ -187,7 +139,7 @@ def prepare_data(
     return PreparedRun(config.data, mesh, setup, bundle, spec, entropy, eval_batches, score_fn)
 
 
-# -- 3. restore and record -------------------------------------------------------------------------
+# -- 3. restore -----------------------------------------------------------------------------------
 
 
 def restore_or_start(
@@ -226,26 +178,6 @@ def restore_or_start(
             state = {**state, "opt_state": with_fresh_hyperparams(state["opt_state"], fresh)}
         _say(f"resuming from step {start} (checkpoint {ckpt.directory / str(start)})")
     return ckpt, start, state, iterator
-
-
-def _notice_lines(config: Config, plan: ResumePlan, start: int) -> list[str]:
-    return [describe_change(c, config, start, plan.reset_optimizer) for c in plan.changes]
-
-
-def record_run(
-    config: Config, workdir: Path, plan: ResumePlan, spec: dict, tokenizer: Any, start: int
-) -> None:
-    """Process 0 writes the config, the data record (when new or missing) and the changes."""
-    for line in _notice_lines(config, plan, start):
-        _say(line)
-    if jax.process_index() != 0:
-        return
-    save_config(config, workdir)
-    if plan.data is None and plan.saved_config is not None:
-        _say(f"notice: {workdir} predates saved tokenizers; recording the one in use now")
-    if plan.data is None or not (workdir / DATA_SPEC_JSON).is_file():
-        write_data_spec(workdir, spec, tokenizer)  # a new run, or files restored from a checkpoint
-    record_config_changes(workdir, start, plan.changes)
 
 
 def _apply_nan_policy(m: dict, step: int, tc: Any, ckpt_dir: Path) -> None:
@@ -352,23 +284,6 @@ class RunContext:
                 f"checkpoint {step} could not be written ({err.strerror or err}); the checkpoints "
                 f"saved before in {self.ckpt.directory} are intact"
             ) from err
-
-
-@dataclasses.dataclass
-class StepStats:
-    """What one invocation of :func:`run_steps` did."""
-
-    steps_run: int = 0
-    last_loss: float = float("nan")  # loss of the last finite step
-    val: dict = dataclasses.field(default_factory=dict)  # the last validation
-    skipped: int = 0  # non-finite steps skipped
-    stopped_by: str | None = None  # "SIGTERM" / "SIGINT" / "preemption" when stopped early
-    timed_tokens: float = 0.0  # tokens of the steps after the first (which compiles)
-    timed_s: float = 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.timed_tokens / self.timed_s if self.timed_s else float("nan")
 
 
 def _train_step(run: RunContext, state: dict, step: int, stats: StepStats) -> dict:
@@ -515,86 +430,6 @@ def run_and_close(run: RunContext, state: dict, start: int) -> tuple[dict, StepS
             # steps failed; the flag can. Without an earlier error the failed save is the error.
             if not steps_failed:
                 raise
-
-
-# -- 5. the summary --------------------------------------------------------------------------------
-
-
-def _earlier_training_numbers(workdir: Path) -> dict:
-    """Train loss and throughput of the run that trained `workdir` before (for a re-run)."""
-    import json
-
-    out: dict = {"final_train_loss": None, "tokens_per_s": None}
-    path = workdir / "summary.json"
-    if path.is_file():
-        try:
-            earlier = json.loads(path.read_text())
-            out.update({k: earlier.get(k) for k in out})
-        except json.JSONDecodeError:
-            pass
-    if out["final_train_loss"] is None:
-        losses = [r["loss"] for r in read_metrics(workdir, "train") if r.get("loss") is not None]
-        out["final_train_loss"] = losses[-1] if losses else None
-    return out
-
-
-def build_summary(
-    workdir: Path, stats: StepStats, state: dict, start: int, entropy: float, t_start: float
-) -> dict:
-    """The run's summary; a re-run that trained nothing keeps the earlier train numbers."""
-    summary = {
-        "final_train_loss": stats.last_loss,
-        **stats.val,
-        "unigram_entropy_bits_per_byte": entropy,
-        "tokens_per_s": stats.tokens_per_s,
-        "steps": int(jax.device_get(state["step"])),
-        "start_step": start,
-        "steps_this_run": stats.steps_run,
-        "skipped_steps": stats.skipped,
-        "preempted": stats.stopped_by is not None,
-        "stopped_by": stats.stopped_by,
-        "wall_time_s": time.time() - t_start,
-        "workdir": str(workdir),
-    }
-    if stats.steps_run == 0:
-        summary.update(_earlier_training_numbers(workdir))
-    return summary
-
-
-def _num(v: Any, spec: str) -> str:
-    return format(v, spec) if isinstance(v, int | float) and math.isfinite(v) else "n/a"
-
-
-def format_summary(summary: dict) -> str:
-    """Human-readable multi-line summary of a run (missing numbers print as ``n/a``)."""
-    bpb, entropy = summary.get("val_bits_per_byte"), summary["unigram_entropy_bits_per_byte"]
-    gap = entropy - bpb if isinstance(bpb, int | float) else None
-    data = (  # a generated task (nested_jax.data.task_source) has a score, not a byte entropy
-        f"validation accuracy        {_num(summary['val_accuracy'], '.4f')}"
-        if "val_accuracy" in summary
-        else f"corpus unigram entropy     {_num(entropy, '.4f')} bits/byte "
-        f"(model is {_num(gap, '.3f')} below)"
-    )
-    return "\n".join(
-        [
-            "== summary ==",
-            f"steps                      {summary['steps']} "
-            f"(this run started at {summary['start_step']})",
-            f"final train loss           {_num(summary['final_train_loss'], '.4f')} nats/token",
-            f"validation loss            {_num(summary.get('val_loss'), '.4f')} nats/token",
-            f"validation bits/byte       {_num(bpb, '.4f')}",
-            data,
-            f"throughput                 {_num(summary['tokens_per_s'], '.0f')} tokens/s",
-            f"wall time                  {summary['wall_time_s']:.1f} s",
-        ]
-    )
-
-
-def write_summary(workdir: Path, summary: dict) -> None:
-    """Process 0 writes ``summary.json`` (strict JSON); every process prints the summary."""
-    if jax.process_index() == 0:
-        write_json(workdir / "summary.json", summary)
-    _say(format_summary(summary))
 
 
 # -- the whole run ---------------------------------------------------------------------------------

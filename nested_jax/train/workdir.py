@@ -22,6 +22,9 @@ Rules (enforced before anything is written):
 - The tokenizer used for training is the one saved in W; eval, generate and a resumed run read
   that copy. A corpus whose fingerprint differs from the saved one is refused for training (the
   data order would silently change) and reported by eval / generate.
+
+A training run (:mod:`nested_jax.train.loop`) starts with :func:`plan_resume` (reads W, writes
+nothing) and, once the data and the checkpoint are accepted, :func:`record_run` writes the files.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import dataclasses
 import fnmatch
 import json
 import os
+from pathlib import Path
 from typing import Any
 
+import jax
 from etils import epath
 
 from nested_jax.data.corpus import DataError
@@ -54,6 +59,7 @@ from nested_jax.train.config import (
     flatten_fields,
     load_config,
     load_workdir_config,
+    save_config,
 )
 from nested_jax.train.optimizer import learning_rate_schedule
 
@@ -371,3 +377,69 @@ def corpus_change_message(saved_spec: dict, current: dict) -> str | None:
         f"the corpus changed since this workdir was trained: {describe_corpus(old)} then, "
         f"{describe_corpus(current)} now"
     )
+
+
+# -- the run's plan and records (steps 1 and 3 of nested_jax.train.loop) --------------------------
+
+
+def _say(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(msg, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePlan:
+    """What a run continues from (``saved_config is None``: a new run)."""
+
+    saved_config: dict | None  # the config the newest checkpoint was trained with
+    changes: list[ConfigChange]  # settings that differ and may change (printed as notices)
+    data: SavedData | None  # the saved tokenizer and corpus record (None: new or older run)
+    reset_optimizer: bool  # restore weights and data position, start a fresh optimizer state
+
+
+def plan_resume(config: Config, workdir: Path, *, reset_optimizer: bool = False) -> ResumePlan:
+    """Reads `workdir` (never writes) and checks that `config` may continue it.
+
+    Raises:
+      ResumeRefused: a setting changed that the checkpoints depend on (one line, with the fix).
+    """
+    saved = saved_config_dict(workdir) if checkpoint_steps(workdir) else None
+    if saved is None:
+        if reset_optimizer:
+            _say(f"notice: --reset-optimizer ignored: {workdir} has no checkpoint to resume")
+        return ResumePlan(None, [], None, False)
+    changes = check_resume(saved[0], config, workdir, reset_optimizer=reset_optimizer)
+    return ResumePlan(saved[0], changes, saved_data(workdir), reset_optimizer)
+
+
+def check_corpus(plan: ResumePlan, bundle: Any, workdir: Path) -> None:
+    """Refuses to resume on a corpus whose fingerprint differs from the saved one."""
+    if plan.data is None:
+        return
+    change = corpus_change_message(plan.data.spec, bundle.corpus)
+    if change is not None:
+        raise ResumeRefused(
+            f"cannot resume {workdir}: {change}; the checkpoints' data position and validation "
+            "split refer to the old text. Restore the corpus, or train on the new one in a new "
+            "workdir; nothing was changed"
+        )
+
+
+def _notice_lines(config: Config, plan: ResumePlan, start: int) -> list[str]:
+    return [describe_change(c, config, start, plan.reset_optimizer) for c in plan.changes]
+
+
+def record_run(
+    config: Config, workdir: Path, plan: ResumePlan, spec: dict, tokenizer: Any, start: int
+) -> None:
+    """Process 0 writes the config, the data record (when new or missing) and the changes."""
+    for line in _notice_lines(config, plan, start):
+        _say(line)
+    if jax.process_index() != 0:
+        return
+    save_config(config, workdir)
+    if plan.data is None and plan.saved_config is not None:
+        _say(f"notice: {workdir} predates saved tokenizers; recording the one in use now")
+    if plan.data is None or not (workdir / DATA_SPEC_JSON).is_file():
+        write_data_spec(workdir, spec, tokenizer)  # a new run, or files restored from a checkpoint
+    record_config_changes(workdir, start, plan.changes)

@@ -18,13 +18,12 @@ from nested_jax.train.config import load_config
 from nested_jax.train.loop import (
     BATCH_KEYS,
     init_train_setup,
-    plan_resume,
     prepare_data,
-    record_run,
     restore_or_start,
     train_and_evaluate,
 )
 from nested_jax.train.optimizer import with_fresh_hyperparams
+from nested_jax.train.workdir import plan_resume, record_run
 
 ONE = jax.devices()[:1]
 LR, LOWER = 0.01, 0.0025
