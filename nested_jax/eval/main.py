@@ -19,9 +19,10 @@ computed at (``computed``: ``{suite: {"step", "settings"}}``); the Markdown list
 suite and marks the ones older than the checkpoint. ``--replace`` writes only this call's suites.
 Progress (what is running, batches or examples done) goes to stderr.
 
-Continual mode (``nested_jax.eval.continual``): ``--stream val|FILE`` runs a long text through the
-model once, carrying every memory across the whole stream (and, with ``--cms-periods``, updating
-the CMS levels online at those periods), and reports the loss per consecutive segment;
+Continual mode (``nested_jax.eval.stream_report``, on ``nested_jax.eval.continual``): ``--stream
+val|FILE`` runs a long text through the model once, carrying every memory across the whole stream
+(and, with ``--cms-periods``, updating the CMS levels online at those periods), and reports the
+loss per consecutive segment;
 ``--state-in`` / ``--state-out`` resume and save the stream state (an orbax checkpoint), so a
 stream can be continued across calls (and by ``nested-jax generate --state-in``). Writes
 ``workdir/stream_report.{json,md}``.
@@ -437,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = as_path(args.workdir, "--workdir")
         trained = load_trained(workdir, args.overrides)
         if args.stream:
-            from nested_jax.eval.continual import run_stream, stream_markdown
+            from nested_jax.eval.stream_report import run_stream, stream_markdown
 
             report = run_stream(trained, args)
             name, md = "stream_report", stream_markdown(report)
