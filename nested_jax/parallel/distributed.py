@@ -49,3 +49,9 @@ def maybe_initialize() -> bool:
         return False
     _initialized = True
     return True
+
+
+def say(msg: str) -> None:
+    """Prints `msg` (flushed) on process 0 only: one copy of each status line per run."""
+    if jax.process_index() == 0:
+        print(msg, flush=True)

@@ -43,6 +43,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from nested_jax.files import as_path, move, resolve_path
+from nested_jax.parallel.distributed import say
 from nested_jax.train.config import ConfigError
 
 CHECKPOINT_DIR = "checkpoints"
@@ -174,11 +175,6 @@ def _not_a_read_only_note(record: logging.LogRecord) -> bool:
 
 
 logging.getLogger("absl").addFilter(_not_a_read_only_note)
-
-
-def _say(msg: str) -> None:
-    if jax.process_index() == 0:
-        print(msg, flush=True)
 
 
 def save_limit_gb(state: Any) -> int:
@@ -318,7 +314,7 @@ class Checkpointer:
             `abstract_state` (nothing is moved).
         """
         for tmp in self.incomplete:
-            _say(
+            say(
                 f"checkpoint: ignoring incomplete save {tmp.name} in {self.directory} "
                 "(the process stopped while writing it)"
             )
@@ -375,7 +371,7 @@ class Checkpointer:
 
     def _skip_unreadable(self, step: int, err: BaseException, quarantine: bool) -> None:
         where = f"moved it to {self._quarantine(step)} and " if quarantine else ""
-        _say(
+        say(
             f"checkpoint: step {step} in {self.directory} is unreadable ({_one_line(err)}); "
             f"{where}trying the previous checkpoint"
         )

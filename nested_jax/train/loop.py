@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from nested_jax.files import as_path
+from nested_jax.parallel.distributed import say
 from nested_jax.train.checkpoint import (
     Checkpointer,
     abstract_like,
@@ -67,11 +68,6 @@ from nested_jax.train.workdir import (
 
 class TrainingError(RuntimeError):
     """Training stopped on purpose (NaN policy, exhausted data); ``str(err)`` is one clear line."""
-
-
-def _say(msg: str) -> None:
-    if jax.process_index() == 0:
-        print(msg, flush=True)
 
 
 # -- 2. mesh, data and steps ----------------------------------------------------------------------
@@ -165,18 +161,18 @@ def restore_or_start(
         ckpt.manager.close()
         raise
     if restored is None:
-        _say(f"starting from scratch in {workdir} (no checkpoint found)")
+        say(f"starting from scratch in {workdir} (no checkpoint found)")
         return ckpt, 0, setup.state, make_iterator()
     start, state, iterator = restored
     if plan.reset_optimizer or "opt_state" not in state:
         why = "--reset-optimizer" if plan.reset_optimizer else "the checkpoint holds none"
         state = {**setup.state, **state}  # the restored weights, a fresh optimizer state
-        _say(f"resuming from step {start} with a fresh optimizer state ({why})")
+        say(f"resuming from step {start} with a fresh optimizer state ({why})")
     else:
         if any(c.field.startswith("optimizer.") for c in plan.changes):  # a new schedule
             fresh = setup.state["opt_state"]
             state = {**state, "opt_state": with_fresh_hyperparams(state["opt_state"], fresh)}
-        _say(f"resuming from step {start} (checkpoint {ckpt.directory / str(start)})")
+        say(f"resuming from step {start} (checkpoint {ckpt.directory / str(start)})")
     return ckpt, start, state, iterator
 
 
@@ -188,7 +184,7 @@ def _apply_nan_policy(m: dict, step: int, tc: Any, ckpt_dir: Path) -> None:
             f"{m['grad_norm']}); train.nan_policy=stop: stopping, the last saved checkpoint in "
             f"{ckpt_dir} is intact"
         )
-    _say(
+    say(
         f"step {step}: non-finite loss/gradient (loss={m['loss']}); update skipped "
         f"({int(m['consecutive_skips'])} in a row, limit {tc.max_consecutive_skips})"
     )
@@ -381,7 +377,7 @@ def open_run(
         if config.data.task
         else f"unigram byte entropy {prep.entropy:.3f} bits/byte"
     )
-    _say(
+    say(
         f"model {config.model.name}: {n_params / 1e6:.2f}M params; mesh {dict(prep.mesh.shape)}; "
         f"{max(tc.steps - start, 0)} steps to go; {data}"
     )
@@ -425,7 +421,7 @@ def run_and_close(run: RunContext, state: dict, start: int) -> tuple[dict, StepS
         try:
             run.ckpt.close()
         except Exception as err:  # a failed background save: report it, do not mask the original
-            _say(f"checkpoint: the last save did not complete ({type(err).__name__}: {err})")
+            say(f"checkpoint: the last save did not complete ({type(err).__name__}: {err})")
             # Inside this handler sys.exc_info() is `err` itself, so it cannot tell whether the
             # steps failed; the flag can. Without an earlier error the failed save is the error.
             if not steps_failed:
@@ -475,7 +471,7 @@ def train_and_evaluate(
     try:
         notice = stale_notice(lock)
         if notice:
-            _say(notice)
+            say(notice)
         return _train_locked(config, workdir, devices, reset_optimizer, config_source, t_start)
     finally:
         if lock is not None:
@@ -502,7 +498,7 @@ def _train_locked(
             ckpt.manager.close()
             raise
     if config_source:
-        _say(f"this run uses the config {config_source}")
+        say(f"this run uses the config {config_source}")
     record_run(config, workdir, plan, prep.spec, prep.bundle.tokenizer, start)
     run = open_run(config, workdir, prep, ckpt, iterator, state, start)
     state, stats = run_and_close(run, state, start)

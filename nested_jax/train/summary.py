@@ -13,12 +13,8 @@ from typing import Any
 import jax
 
 from nested_jax.files import write_json
+from nested_jax.parallel.distributed import say
 from nested_jax.train.metrics import read_metrics
-
-
-def _say(msg: str) -> None:
-    if jax.process_index() == 0:
-        print(msg, flush=True)
 
 
 @dataclasses.dataclass
@@ -112,4 +108,4 @@ def write_summary(workdir: Path, summary: dict) -> None:
     """Process 0 writes ``summary.json`` (strict JSON); every process prints the summary."""
     if jax.process_index() == 0:
         write_json(workdir / "summary.json", summary)
-    _say(format_summary(summary))
+    say(format_summary(summary))

@@ -49,6 +49,7 @@ from nested_jax.data.identity import (
 )
 from nested_jax.files import append_text, as_path, atomic_write_bytes, strict_json, write_json
 from nested_jax.layers.options import OPTION_SECTIONS
+from nested_jax.parallel.distributed import say
 from nested_jax.train.checkpoint import Checkpointer, checkpoint_steps
 from nested_jax.train.config import (
     Config,
@@ -382,11 +383,6 @@ def corpus_change_message(saved_spec: dict, current: dict) -> str | None:
 # -- the run's plan and records (steps 1 and 3 of nested_jax.train.loop) --------------------------
 
 
-def _say(msg: str) -> None:
-    if jax.process_index() == 0:
-        print(msg, flush=True)
-
-
 @dataclasses.dataclass(frozen=True)
 class ResumePlan:
     """What a run continues from (``saved_config is None``: a new run)."""
@@ -406,7 +402,7 @@ def plan_resume(config: Config, workdir: Path, *, reset_optimizer: bool = False)
     saved = saved_config_dict(workdir) if checkpoint_steps(workdir) else None
     if saved is None:
         if reset_optimizer:
-            _say(f"notice: --reset-optimizer ignored: {workdir} has no checkpoint to resume")
+            say(f"notice: --reset-optimizer ignored: {workdir} has no checkpoint to resume")
         return ResumePlan(None, [], None, False)
     changes = check_resume(saved[0], config, workdir, reset_optimizer=reset_optimizer)
     return ResumePlan(saved[0], changes, saved_data(workdir), reset_optimizer)
@@ -434,12 +430,12 @@ def record_run(
 ) -> None:
     """Process 0 writes the config, the data record (when new or missing) and the changes."""
     for line in _notice_lines(config, plan, start):
-        _say(line)
+        say(line)
     if jax.process_index() != 0:
         return
     save_config(config, workdir)
     if plan.data is None and plan.saved_config is not None:
-        _say(f"notice: {workdir} predates saved tokenizers; recording the one in use now")
+        say(f"notice: {workdir} predates saved tokenizers; recording the one in use now")
     if plan.data is None or not (workdir / DATA_SPEC_JSON).is_file():
         write_data_spec(workdir, spec, tokenizer)  # a new run, or files restored from a checkpoint
     record_config_changes(workdir, start, plan.changes)
