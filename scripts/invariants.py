@@ -240,7 +240,7 @@ def core_hope(t: int) -> None:
 
     rules = {
         "default": c.HopeRule(chunk_memory=4, chunk_other=2, momentum_coef=0.7, remat=False),
-        "sequential": c.HopeRule(chunk_memory=4, chunk_other=2, chunk_updates="sequential"),
+        "parallel": c.HopeRule(chunk_memory=4, chunk_other=2, chunk_updates="parallel"),
         "nomomentum": c.HopeRule(chunk_memory=8, chunk_other=4, momentum=False, step="approx"),
     }
     for adaptive in (False, True):
@@ -304,10 +304,13 @@ def core_hola(t: int) -> None:
             kw = dict(window=3, block_size=8, chunk_size=4)
             record(f"{tag}/forward", lambda *a, ev=ev, s=seg: c.hola_forward(
                 *a, eviction=ev, segment_ids=s, **kw), *args)  # fmt: skip
-            record(f"{tag}/scores", lambda *a, ev=ev, s=seg: c.hola_scores(
-                *a, eviction=ev, segment_ids=s, chunk_size=4), *args[1:5])  # fmt: skip
-            record(f"{tag}/residuals", lambda *a, s=seg: c.gdn_residuals(
-                *a, segment_ids=s, chunk_size=4), *args[1:5])  # fmt: skip
+    for seg in (None, _segments(t)):
+        for ev in ("beta_e", "e", "beta_v"):  # the magnitude evictions hola_scores accepts
+            record(f"core/hola/T{t}/{ev}/seg{seg is not None}/scores", lambda *a, ev=ev, s=seg:
+                   c.hola_scores(*a, eviction=ev, segment_ids=s, chunk_size=4),
+                   *args[1:5])  # fmt: skip
+        record(f"core/hola/T{t}/seg{seg is not None}/residuals", lambda *a, s=seg:
+               c.gdn_residuals(*a, segment_ids=s, chunk_size=4), *args[1:5])  # fmt: skip
     s0 = c.init_hola_state(B, H, K, V, 3, 8)
     one = tuple(a[:, 0] for a in args[:5]) + args[5:]
 
