@@ -241,7 +241,7 @@ def core_hope(t: int) -> None:
     rules = {
         "default": c.HopeRule(chunk_memory=4, chunk_other=2, momentum_coef=0.7, remat=False),
         "parallel": c.HopeRule(chunk_memory=4, chunk_other=2, chunk_updates="parallel"),
-        "nomomentum": c.HopeRule(chunk_memory=8, chunk_other=4, momentum=False, step="approx"),
+        "nomomentum": c.HopeRule(chunk_memory=8, chunk_other=4, momentum=False, step="paper"),
     }
     for adaptive in (False, True):
         mems, ro, x, q = _hope_setup(t, adaptive_q=adaptive)
@@ -362,7 +362,7 @@ def core_misc(t: int) -> None:
     xk = _unit(r.normal(size=(B, H, K)))
     gv = r.normal(size=(B, H, V)).astype(f)
     lr = r.uniform(0.1, 0.9, size=(B, H)).astype(f)
-    for step in ("exact", "approx"):
+    for step in ("exact", "paper"):
         for target in ("gradient", "value"):
             record(f"core/dgd/{step}/{target}", lambda *a, s=step, tg=target: c.dgd_update(
                 *a, 0.9, step=s, target=tg), w, xk, gv, lr)  # fmt: skip
