@@ -146,7 +146,7 @@ class HopeRule:
         (2: ``2√N``; 3: ``3∛N``, one more recomputed forward). A compute-for-memory knob; values
         unchanged.
       chunk_updates: how a chunk's in-order updates run: ``parallel`` (one triangular solve per
-        memory layer, ``core.hope_parallel``, the default) or ``scan`` (token by token). Values
+        memory layer, ``core.hope.parallel``, the default) or ``scan`` (token by token). Values
         equal up to rounding; ``parallel`` measured 2.2x the tiny LM's fwd+bwd tokens/s (726 vs
         333, ``bench hope`` 2026-12-03). It was opt-in while a tiny MQAR run (T=32, lr 3e-3) went
         NaN with it; that NaN is the inner loop's divergence (``grad_clip`` above), which the
@@ -247,7 +247,7 @@ class HopeRule:
         return self.momentum_coef if self.momentum else 0.0
 
     def flags(self) -> dict:
-        """The ablation flags as keywords of ``hope_token.hope_step`` / ``hope_decode_step``."""
+        """The ablation flags as keywords of ``hope_step`` and ``hope_decode_step``."""
         return {name: getattr(self, name) for name in HOPE_FLAGS}
 
     def kwargs(self) -> dict:

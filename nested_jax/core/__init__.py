@@ -60,7 +60,7 @@ from nested_jax.core.hola import (
     hola_scores,
     init_hola_state,
 )
-from nested_jax.core.hope import (
+from nested_jax.core.hope.chunk import (
     HopeMemories,
     HopeReadout,
     HopeRule,
@@ -70,9 +70,15 @@ from nested_jax.core.hope import (
     hope_init_state,
     mlp_memory_apply,
 )
-from nested_jax.core.hope_decode import HopeDecodeState, hope_decode, hope_decode_state
-from nested_jax.core.hope_linear import hope_linear_chunk_update
-from nested_jax.core.hope_token import hope_decode_step, hope_recurrent, hope_step
+from nested_jax.core.hope.decode import HopeDecodeState, hope_decode, hope_decode_state
+from nested_jax.core.hope.linear import hope_linear_chunk_update
+from nested_jax.core.hope.proteus import (
+    proteus_hope_chunked,
+    proteus_hope_masks,
+    proteus_hope_recurrent,
+    proteus_hope_step,
+)
+from nested_jax.core.hope.token import hope_decode_step, hope_recurrent, hope_step
 from nested_jax.core.proteus import (
     proteus_active_blocks,
     proteus_block_ids,
@@ -85,12 +91,6 @@ from nested_jax.core.proteus import (
     proteus_hidden_mask,
     proteus_key_mask,
     proteus_mlp_masks,
-)
-from nested_jax.core.proteus_hope import (
-    proteus_hope_chunked,
-    proteus_hope_masks,
-    proteus_hope_recurrent,
-    proteus_hope_step,
 )
 from nested_jax.core.scan import (
     affine_scan,

@@ -1,7 +1,7 @@
 """Shared machinery of the Proteus-wrapped memories (SPEC §4): validation, static spans.
 
 Private to ``core/associative/proteus.py``, ``core/titans/proteus.py`` and
-``core/proteus_hope.py``; the public :func:`proteus_spans` is exported by ``nested_jax.core``.
+``core/hope/proteus.py``; the public :func:`proteus_spans` is exported by ``nested_jax.core``.
 """
 
 from __future__ import annotations

@@ -9,10 +9,6 @@ them at small sizes.
 
 - :mod:`nested_jax.core.titans.reference` (SPEC §2): ``chunk_rule`` / ``per_token_rule``, the twins
   of ``titans_linear_*`` and ``titans_mlp_*`` (``jax``, differentiable).
-- :mod:`nested_jax.core.reference.hope` (SPEC §3.2): ``hope_reference``, the twin of
-  ``hope_chunked`` at any chunk sizes, with packed rows (``jax``, differentiable).
-  ``hope_recurrent`` is ``hope_chunked`` with chunk sizes 1, so this twin is Hope's independent
-  ground truth.
 - :mod:`nested_jax.core.reference.hola` (SPEC §5): ``hola_reference``, the twin of ``hola_forward``
   (float64 numpy, values and cache contents; no gradients).
 

@@ -6,8 +6,8 @@
   (memories, momenta); :func:`hope_init_state` broadcasts learned memories over a batch.
 - :class:`HopeRule`: chunk sizes, ablation flags and backprop options as one frozen value.
 
-The forms that run the rule are :mod:`nested_jax.core.hope` (chunked, which re-exports every name
-here) and :mod:`nested_jax.core.hope_token` (per token, decode step).
+The forms that run the rule are :mod:`nested_jax.core.hope.chunk` (chunked) and
+:mod:`nested_jax.core.hope.token` (per token, decode step).
 """
 
 from __future__ import annotations
