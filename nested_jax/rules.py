@@ -337,7 +337,7 @@ class HolaRule:
                 _fail(self, name, f"must be None (K ** -0.5) or a float > 0, got {value!r}")
 
     def step_kwargs(self) -> dict:
-        """Keywords of ``core.hola.hola_decode_step`` (``window``, ``block_size`` are the
+        """Keywords of ``core.hola.decode.hola_decode_step`` (``window``, ``block_size`` are the
         state's)."""
         return dict(
             eviction=self.eviction,
@@ -347,8 +347,8 @@ class HolaRule:
         )
 
     def kwargs(self) -> dict:
-        """Every field as keywords of ``core.hola.hola_forward`` (``hola_recurrent`` takes them
-        all but ``chunk_size``)."""
+        """Every field as keywords of ``core.hola.forward.hola_forward`` (``hola_recurrent`` takes
+        them all but ``chunk_size``)."""
         return dict(
             window=self.window,
             block_size=self.block_size,

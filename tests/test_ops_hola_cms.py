@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from nested_jax.core import cms as core_cms
-from nested_jax.core import hola as core_hola
+from nested_jax.core.hola import forward as core_hola
 
 # The modules themselves (a package-level re-export of the function ``hola`` would shadow the
 # attribute ``nested_jax.ops.hola``; ``import_module`` reads ``sys.modules``).

@@ -52,7 +52,7 @@ from nested_jax.core.dgd import (
     dgd_update,
     dgd_update_layers,
 )
-from nested_jax.core.hola import (
+from nested_jax.core.hola.forward import (
     HolaState,
     gdn_residuals,
     hola_decode_step,

@@ -69,8 +69,8 @@ from jax import lax
 
 from nested_jax.core.associative.forms import gated_delta_chunked
 from nested_jax.core.checks import check_positive_int
-from nested_jax.core.hola_cache import cache_blocks, cache_blocks_packed, doc_starts
-from nested_jax.core.hola_decode import (
+from nested_jax.core.hola.cache import cache_blocks, cache_blocks_packed, doc_starts
+from nested_jax.core.hola.decode import (
     _F32,
     EVICTIONS,
     READ_NORMS,
