@@ -37,7 +37,7 @@ __all__ = [
 EVICTIONS = ("beta_e", "recency", "e", "beta_v", "cumulative_attention")
 READ_NORMS = ("rmsnorm", "l2")
 CMS_VARIANTS = ("sequential", "nested", "independent")
-CMS_INNERS = ("sgd", "dgd")  # inner optimizers of the online mode (``core.cms.cms_online``)
+CMS_INNERS = ("sgd", "dgd")  # inner optimizers of the online mode (``core.cms.online.cms_online``)
 
 
 def _is_int(value, low: int) -> bool:
@@ -437,5 +437,5 @@ class CMSRule:
             _fail(self, "remat_every", f"must be None or a positive int, got {r!r}")
 
     def online_kwargs(self) -> dict:
-        """Every field as keywords of ``core.cms.cms_online``."""
+        """Every field as keywords of ``core.cms.online.cms_online``."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(CMSRule)}

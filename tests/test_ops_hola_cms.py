@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core import cms as core_cms
+from nested_jax.core.cms import online as core_cms
 from nested_jax.core.hola import forward as core_hola
 
 # The modules themselves (a package-level re-export of the function ``hola`` would shadow the

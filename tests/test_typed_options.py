@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nested_jax.core import cms as core_cms
+from nested_jax.core.cms import online as core_cms
 from nested_jax.core.hola import forward as core_hola
 from nested_jax.core.proteus import proteus_key_mask
 from nested_jax.layers.cms import CMSFFN

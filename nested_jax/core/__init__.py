@@ -35,7 +35,7 @@ from nested_jax.core.associative.proteus import (
     proteus_gated_delta_recurrent,
     proteus_gated_delta_step,
 )
-from nested_jax.core.cms import (
+from nested_jax.core.cms.online import (
     CMSLevel,
     CMSState,
     check_periods,

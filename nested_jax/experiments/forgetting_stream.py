@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from nested_jax.core.cms import (
+from nested_jax.core.cms.online import (
     cms_forward,
     cms_init_levels,
     cms_initial_state,

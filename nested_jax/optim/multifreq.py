@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nested_jax.core.cms import check_periods
+from nested_jax.core.cms.online import check_periods
 from nested_jax.core.periods import accumulate as _add
 from nested_jax.core.periods import clear_at_boundary, period_boundary, select_at_boundary
 

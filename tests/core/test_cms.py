@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.cms import (
+from nested_jax.core.cms.online import (
     CMSLevel,
     cms_forward,
     cms_init_levels,
