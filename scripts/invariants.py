@@ -363,13 +363,13 @@ def core_misc(t: int) -> None:
     gv = r.normal(size=(B, H, V)).astype(f)
     lr = r.uniform(0.1, 0.9, size=(B, H)).astype(f)
     for step in ("exact", "paper"):
-        for target in ("gradient", "value"):
+        for target in ("gradient", "proximal"):
             record(f"core/dgd/{step}/{target}", lambda *a, s=step, tg=target: c.dgd_update(
                 *a, 0.9, step=s, target=tg), w, xk, gv, lr)  # fmt: skip
         record(f"core/dgd/{step}/size", lambda a, b, s=step: c.dgd_step_size(a, b, step=s), lr, xk)
     ws = [r.normal(size=(K, 6)).astype(f), r.normal(size=(6, V)).astype(f)]
-    ins = [r.normal(size=(K,)).astype(f), r.normal(size=(6,)).astype(f)]
-    sig = [r.normal(size=(6,)).astype(f), r.normal(size=(V,)).astype(f)]
+    ins = [r.normal(size=(6,)).astype(f), r.normal(size=(V,)).astype(f)]  # x_l [d_in_l]
+    sig = [r.normal(size=(K,)).astype(f), r.normal(size=(6,)).astype(f)]  # g_l [d_out_l]
     record("core/dgd/layers", lambda *a: c.dgd_update_layers(*a, 0.3, 0.95), ws, ins, sig)
     a = r.uniform(0.5, 1.0, size=(t, 3)).astype(f)
     b = r.normal(size=(t, 3)).astype(f)
@@ -383,7 +383,8 @@ def core_misc(t: int) -> None:
         h = jnp.tanh(h + x)
         return h, h
 
-    record(f"core/scan/T{t}/remat", lambda h, x: c.scan_remat(cell, h, x, 3), xs[:, 0], xs)
+    xs_t = np.swapaxes(xs, 0, 1)  # time-major: scan_remat walks axis 0
+    record(f"core/scan/T{t}/remat", lambda h, x: c.scan_remat(cell, h, x, 3), xs[:, 0], xs_t)
 
 
 # --------------------------------------------------------------------------------------------------
