@@ -31,10 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nested_jax.core.checks import check_positive_int
-from nested_jax.rules import ProteusRule
 
 __all__ = [
-    "ProteusRule",
     "proteus_block_len",
     "proteus_active_blocks",
     "proteus_chunk_constant",

@@ -49,9 +49,9 @@ import numpy as np
 from flax import nnx
 
 from nested_jax.core.checks import check_positive_int
-from nested_jax.core.cms.online import check_periods
 from nested_jax.core.periods import accumulate, apply_at_boundary, period_boundary, reset_to_slower
 from nested_jax.files import write_json
+from nested_jax.rules import check_periods
 
 __all__ = [
     "StreamState",

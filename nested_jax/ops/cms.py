@@ -31,17 +31,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from nested_jax.core.cms import levels as _cms_levels
 from nested_jax.core.cms import online as _cms
-from nested_jax.core.cms.levels import CMSRule
-from nested_jax.core.cms.online import (
-    VARIANTS,
-    CMSLevel,
-    CMSState,
-    check_periods,
-    cms_initial_state,
-    surprise_from_loss,
-)
+from nested_jax.core.cms.levels import VARIANTS, CMSLevel
+from nested_jax.core.cms.online import CMSState, cms_initial_state, surprise_from_loss
 from nested_jax.ops._impl import check_impl as _check_impl
+from nested_jax.rules import CMSRule, check_periods
 
 __all__ = [
     "VARIANTS",
@@ -84,7 +79,7 @@ def cms_forward(levels, x, *, rule: CMSRule, mix_logits=None, impl: str = "chunk
             f"cms_forward: rule.periods has {len(rule.periods)} entries, one per level; got "
             f"{len(levels)} levels"
         )
-    return _cms.cms_forward(levels, x, variant=rule.variant, mix_logits=mix_logits)
+    return _cms_levels.cms_forward(levels, x, variant=rule.variant, mix_logits=mix_logits)
 
 
 def cms_online(

@@ -43,20 +43,13 @@ config imports HOLA from here only.
 
 from __future__ import annotations
 
-from nested_jax.core.hola.decode import HolaRule
-from nested_jax.core.hola.forward import (
-    EVICTIONS,
-    READ_NORMS,
-    HolaState,
-    hola_decode_step,
-    hola_forward,
-    hola_recurrent,
-    init_hola_state,
-)
+from nested_jax.core.hola.decode import HolaState, hola_decode_step, hola_recurrent, init_hola_state
+from nested_jax.core.hola.forward import hola_forward
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._pallas import pallas_per_shard
 from nested_jax.ops._state import pin_head_state
 from nested_jax.ops.linear import pallas_gated_delta
+from nested_jax.rules import EVICTIONS, READ_NORMS, HolaRule
 from pallas_kernels.hola_cache import hola_cache_read_pallas as _hola_cache_read_pallas
 
 __all__ = [

@@ -35,15 +35,7 @@ from __future__ import annotations
 import functools
 
 from nested_jax.core.checks import require_initial_state
-from nested_jax.core.hope.chunk import (
-    HopeMemories,
-    HopeReadout,
-    HopeRule,
-    HopeState,
-    MLPMemory,
-    hope_chunked,
-    hope_init_state,
-)
+from nested_jax.core.hope.chunk import hope_chunked
 from nested_jax.core.hope.decode import (
     HopeDecodeState,
     check_proteus_decode_chunks,
@@ -53,10 +45,17 @@ from nested_jax.core.hope.decode import hope_decode as _hope_decode
 from nested_jax.core.hope.linear import hope_linear_chunk_update
 from nested_jax.core.hope.proteus import proteus_hope_chunked, proteus_hope_packed
 from nested_jax.core.hope.reference import hope_reference
-from nested_jax.core.proteus import ProteusRule
+from nested_jax.core.hope.state import (
+    HopeMemories,
+    HopeReadout,
+    HopeState,
+    MLPMemory,
+    hope_init_state,
+)
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._state import pin_head_state
 from nested_jax.ops.linear import gated_delta
+from nested_jax.rules import HopeRule, ProteusRule
 
 __all__ = [
     "HopeRule",

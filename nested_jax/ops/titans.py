@@ -32,12 +32,8 @@ import functools
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.titans import memory as _tm
 from nested_jax.core.titans.memory import MemoryCache, TitansMemorySpec, titans_memory_start
-from nested_jax.core.titans.mlp import (
-    TitansMLPState,
-    titans_mlp_apply,
-    titans_mlp_init_weights,
-    titans_mlp_state,
-)
+from nested_jax.core.titans.mlp import titans_mlp_apply, titans_mlp_init_weights, titans_mlp_state
+from nested_jax.core.titans.net import TitansMLPState
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._pallas import pallas_per_shard
 from nested_jax.ops._state import pin_head_state

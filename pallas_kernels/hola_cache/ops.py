@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.hola.decode import READ_NORMS
+from nested_jax.rules import READ_NORMS
 from pallas_kernels.common import SUBLANES
 from pallas_kernels.hola_cache.kernel import hola_cache_bwd_call, hola_cache_fwd_call
 

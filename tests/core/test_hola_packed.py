@@ -9,13 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.hola.forward import (
-    HolaState,
-    gdn_residuals,
-    hola_decode_step,
-    hola_forward,
-    init_hola_state,
-)
+from nested_jax.core.hola.decode import HolaState, hola_decode_step, init_hola_state
+from nested_jax.core.hola.forward import gdn_residuals, hola_forward
 from nested_jax.core.hola.reference import hola_reference
 
 H, K, V, C = 2, 6, 5, 8

@@ -11,16 +11,16 @@ import pytest
 
 from nested_jax.core.associative.forms import gated_delta_recurrent
 from nested_jax.core.dgd import dgd_update
-from nested_jax.core.hope.chunk import (
+from nested_jax.core.hope.chunk import hope_chunked
+from nested_jax.core.hope.linear import hope_linear_chunk_update
+from nested_jax.core.hope.reference import hope_reference
+from nested_jax.core.hope.state import (
     HopeMemories,
     HopeReadout,
     HopeState,
     MLPMemory,
-    hope_chunked,
     hope_init_state,
 )
-from nested_jax.core.hope.linear import hope_linear_chunk_update
-from nested_jax.core.hope.reference import hope_reference
 from nested_jax.core.hope.token import hope_decode_step, hope_recurrent
 
 B, T, H, D, HID = 2, 6, 2, 4, 3

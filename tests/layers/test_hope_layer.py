@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nested_jax.core.hope.chunk import hope_init_state
+from nested_jax.core.hope.state import hope_init_state
 from nested_jax.core.hope.token import hope_recurrent
 from nested_jax.layers.hope import HopeCache, HopeMixer
 from nested_jax.layers.options import HopeOptions

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nested_jax.core.hope.chunk import hope_init_state
 from nested_jax.core.hope.proteus import proteus_hope_chunked, proteus_hope_recurrent
+from nested_jax.core.hope.state import hope_init_state
 from nested_jax.core.proteus import proteus_block_ids
 from nested_jax.layers.hope import HopeMixer
 from nested_jax.layers.options import HopeOptions, ProteusOptions

@@ -174,7 +174,7 @@ def test_padding_never_reaches_the_state():
 def test_grad_horizon_matches_core():
     """``grad_horizon = 16`` with chunk 8 over T = 40: the carried state's cotangent is cut at
     t = 16, 32 as the core's ``stop_gradient`` does (values unchanged)."""
-    from nested_jax.core.titans.mlp import titans_mlp_chunked
+    from nested_jax.core.titans.chunk import titans_mlp_chunked
     from nested_jax.core.titans.net import TitansMLPState
 
     args, st, _ = _inputs(40, init=True, B=1, H=2, K=8, V=8)

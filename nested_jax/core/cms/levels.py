@@ -39,14 +39,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nested_jax.rules import CMS_INNERS, CMS_VARIANTS, CMSRule, check_periods
+from nested_jax.rules import CMS_INNERS, CMS_VARIANTS
 
 __all__ = [
     "CMSLevel",
-    "CMSRule",
     "VARIANTS",
     "INNERS",
-    "check_periods",
     "cms_init_levels",
     "cms_level_apply",
     "cms_mix_weights",

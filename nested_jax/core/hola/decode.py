@@ -1,7 +1,7 @@
 """HOLA's decoding state and per-token form (SPEC §5): ``HolaState``, ``hola_decode_step``.
 
 Split from :mod:`nested_jax.core.hola.forward` (which holds the block-parallel ``hola_forward``, the
-residual pass and the scores, and re-exports every public name here). Per head and token
+residual pass and the scores). Per head and token
 (``α_t = exp(g_t)``, ``d = K``; the equations of ``core.hola.forward``'s docstring)::
 
     e_t = v_t − α_t S_{t-1}ᵀ k_t ;  S_t = α_t S_{t-1} + β_t k_t e_tᵀ ;  m_t = score(t)
@@ -28,12 +28,9 @@ from jax import lax
 from nested_jax.core.checks import check_positive_int
 from nested_jax.core.hola.cache import attend, merge_top_w, read_normalize
 from nested_jax.core.scan import zeros_typed
-from nested_jax.rules import EVICTIONS, READ_NORMS, HolaRule
+from nested_jax.rules import EVICTIONS, READ_NORMS
 
 __all__ = [
-    "EVICTIONS",
-    "READ_NORMS",
-    "HolaRule",
     "HolaState",
     "init_hola_state",
     "hola_decode_step",

@@ -32,8 +32,8 @@ its state; ``M_η``, ``M_α`` and ``M_memory`` always adapt). ``cms`` is the lay
 value (``HopeRule.kwargs()`` are this module's keywords; the mixer passes it through ``ops.hope``).
 The short causal conv on q, k, v (SPEC §3.2) is also the layer's business.
 The value types (``MLPMemory``, ``HopeMemories``, ``HopeReadout``, ``HopeState``, ``HopeRule``)
-and ``hope_init_state`` / ``mlp_memory_apply`` live in :mod:`nested_jax.core.hope.state` and are
-re-exported here.
+and ``hope_init_state`` / ``mlp_memory_apply`` live in :mod:`nested_jax.core.hope.state`
+(``HopeRule`` in :mod:`nested_jax.rules`).
 
 Chunked form (**Decision**, SPEC §3.2): chunk ``n`` uses the state at the end of chunk ``n−1``
 (``M_{□,0}``) to produce all projections, targets and signals (``x_ℓ``, ``g_ℓ``) of its tokens in
@@ -97,7 +97,6 @@ from nested_jax.core.hope.state import (
     HOPE_STATE_CONSTRUCTOR,
     HopeMemories,
     HopeReadout,
-    HopeRule,
     HopeState,
     MLPMemory,
     _names,
@@ -105,15 +104,9 @@ from nested_jax.core.hope.state import (
     mlp_memory_apply,
 )
 from nested_jax.core.scan import chunk, scan_remat, segment_starts, unchunk
+from nested_jax.rules import HopeRule
 
 __all__ = [
-    "MLPMemory",
-    "HopeMemories",
-    "HopeReadout",
-    "HopeState",
-    "HopeRule",
-    "hope_init_state",
-    "mlp_memory_apply",
     "hope_chunked",
 ]
 

@@ -30,14 +30,8 @@ import jax.numpy as jnp
 
 from nested_jax.core._proteus_common import _check_silent_at_zero
 from nested_jax.core.checks import require_initial_state
-from nested_jax.core.hope.chunk import (
-    HopeMemories,
-    HopeReadout,
-    HopeRule,
-    HopeState,
-    hope_init_state,
-)
 from nested_jax.core.hope.proteus import proteus_hope_masks
+from nested_jax.core.hope.state import HopeMemories, HopeReadout, HopeState, hope_init_state
 from nested_jax.core.hope.token import hope_decode_step
 from nested_jax.core.proteus import (
     proteus_active_blocks,
@@ -46,6 +40,7 @@ from nested_jax.core.proteus import (
     proteus_gate,
     proteus_gated_update,
 )
+from nested_jax.rules import HopeRule
 
 __all__ = ["HopeDecodeState", "hope_decode_state", "check_proteus_decode_chunks", "hope_decode"]
 

@@ -67,13 +67,8 @@ from nested_jax.core._proteus_common import (
     run_proteus_spans_packed,
 )
 from nested_jax.core.checks import require_initial_state
-from nested_jax.core.hope.chunk import (
-    HopeMemories,
-    HopeState,
-    MLPMemory,
-    hope_chunked,
-)
-from nested_jax.core.hope.state import HOPE_STATE_CONSTRUCTOR
+from nested_jax.core.hope.chunk import hope_chunked
+from nested_jax.core.hope.state import HOPE_STATE_CONSTRUCTOR, HopeMemories, HopeState, MLPMemory
 from nested_jax.core.hope.token import hope_recurrent, hope_step
 from nested_jax.core.proteus import (
     proteus_active_blocks,

@@ -33,12 +33,8 @@ from nested_jax.core.hope.parallel import (
     layer_updates,
     read_running,
 )
-from nested_jax.core.hope.state import (
-    HopeMemories,
-    HopeReadout,
-    HopeRule,
-    MLPMemory,
-)
+from nested_jax.core.hope.state import HopeMemories, HopeReadout, MLPMemory
+from nested_jax.rules import HopeRule
 
 
 def _l2norm(x, eps=1e-6):

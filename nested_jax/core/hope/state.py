@@ -18,8 +18,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nested_jax.rules import HopeRule
-
 # What the error for a missing ``initial_state`` tells the caller to pass (SPEC §0: Hope's
 # memories are learned, so there is no zero state).
 HOPE_STATE_CONSTRUCTOR = "hope_init_state(memories, B)"
@@ -29,7 +27,6 @@ __all__ = [
     "HopeMemories",
     "HopeReadout",
     "HopeState",
-    "HopeRule",
     "hope_init_state",
     "mlp_memory_apply",
 ]

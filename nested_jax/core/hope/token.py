@@ -24,11 +24,10 @@ from nested_jax.core.hope.state import (
     HOPE_STATE_CONSTRUCTOR,
     HopeMemories,
     HopeReadout,
-    HopeRule,
     HopeState,
     _names,
 )
-from nested_jax.rules import HOPE_FLAGS, HOPE_UNBOUNDED
+from nested_jax.rules import HOPE_FLAGS, HOPE_UNBOUNDED, HopeRule
 
 __all__ = ["hope_decode_step", "hope_step", "hope_recurrent"]
 

@@ -1,7 +1,7 @@
 """Titans MLP memory in chunks (SPEC §2 parallel form): dual-form reads, scan across chunks.
 
-The memory, its per-token rule and the softclamp are in :mod:`nested_jax.core.titans.mlp`
-(``titans_mlp_chunked`` is re-exported there); this module is the chunked form.
+The memory, its per-token rule and the softclamp are in :mod:`nested_jax.core.titans.mlp`; this
+module is the chunked form.
 
 Chunked form (chunk size b; this paragraph is the derivation): all gradients of a chunk are taken
 at the chunk-start weights ``W⁰`` (momentum ``S⁰``). With ``P^η_{tj} = Π_{j<i≤t} η_i`` and

@@ -16,7 +16,7 @@ Three forms with one meaning (SPEC §0): ``titans_linear_step`` (one token),
 ``titans_linear_recurrent`` (``lax.scan`` of the step; ground truth) and ``titans_linear_chunked``
 (gradients at chunk start, exact momentum/decay inside the chunk, dual-form reads;
 ``chunk_size=1`` equals the recurrence). The chunked form is the ``L_M = 1`` case of the MLP engine
-in ``titans_mlp_chunk`` (the deep-memory API lives in ``titans_mlp`` and is re-exported here).
+in :mod:`nested_jax.core.titans.chunk` (deep-memory API: ``titans.mlp``, ``titans.chunk``).
 """
 
 from __future__ import annotations
@@ -30,17 +30,6 @@ from jax import lax
 from nested_jax.core.dgd import clamped_rate
 from nested_jax.core.scan import state_zeros
 from nested_jax.core.titans.chunk import _chunked_core
-from nested_jax.core.titans.mlp import (
-    DEFAULT_MLP_GRAD_CLIP,
-    TitansMLPState,
-    titans_mlp_apply,
-    titans_mlp_chunked,
-    titans_mlp_init_weights,
-    titans_mlp_recurrent,
-    titans_mlp_state,
-    titans_mlp_step,
-    titans_pool_gates,
-)
 from nested_jax.core.titans.net import (
     segment_resets,
     validate_chunk_size,
@@ -53,15 +42,6 @@ __all__ = [
     "titans_linear_step",
     "titans_linear_recurrent",
     "titans_linear_chunked",
-    "DEFAULT_MLP_GRAD_CLIP",
-    "TitansMLPState",
-    "titans_mlp_init_weights",
-    "titans_mlp_state",
-    "titans_mlp_apply",
-    "titans_mlp_step",
-    "titans_mlp_recurrent",
-    "titans_mlp_chunked",
-    "titans_pool_gates",
 ]
 
 

@@ -20,8 +20,8 @@ Per token (SPEC §2)::
     y_t = M_t(q_t)      (read_before_write=True: y_t = M_{t-1}(q_t))
 
 Chunked form (SPEC §2 parallel form, dual-form reads): ``titans_mlp_chunked`` and
-``titans_pool_gates`` live in :mod:`nested_jax.core.titans.chunk` (the derivation is there)
-and are re-exported here; the state type, argument checks and the forward / manual backward of
+``titans_pool_gates`` live in :mod:`nested_jax.core.titans.chunk` (the derivation is there);
+the state type, argument checks and the forward / manual backward of
 ``M`` live in :mod:`nested_jax.core.titans.net`.
 
 Gradient softclamp (``grad_clip=c``): ``u_t ← u_t · c·tanh(‖u_t‖/c)/‖u_t‖`` with
@@ -45,7 +45,6 @@ from jax import lax
 
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.dgd import softclamp_factor
-from nested_jax.core.titans.chunk import titans_mlp_chunked, titans_pool_gates
 from nested_jax.core.titans.net import (
     DEFAULT_MLP_GRAD_CLIP,
     MLP_STATE_CONSTRUCTOR,
@@ -65,14 +64,11 @@ from nested_jax.core.titans.net import (
 )
 
 __all__ = [
-    "TitansMLPState",
     "titans_mlp_init_weights",
     "titans_mlp_state",
     "titans_mlp_apply",
     "titans_mlp_step",
     "titans_mlp_recurrent",
-    "titans_mlp_chunked",
-    "titans_pool_gates",
 ]
 
 

@@ -62,18 +62,15 @@ from nested_jax.core.proteus import (
     proteus_gated_update,
 )
 from nested_jax.core.scan import state_zeros
+from nested_jax.core.titans.chunk import titans_mlp_chunked
 from nested_jax.core.titans.linear import (
-    DEFAULT_MLP_GRAD_CLIP,
     TitansLinearState,
-    TitansMLPState,
     titans_linear_chunked,
     titans_linear_recurrent,
     titans_linear_step,
-    titans_mlp_chunked,
-    titans_mlp_recurrent,
-    titans_mlp_step,
 )
-from nested_jax.core.titans.net import MLP_STATE_CONSTRUCTOR
+from nested_jax.core.titans.mlp import titans_mlp_recurrent, titans_mlp_step
+from nested_jax.core.titans.net import DEFAULT_MLP_GRAD_CLIP, MLP_STATE_CONSTRUCTOR, TitansMLPState
 
 __all__ = [
     "proteus_titans_linear_step",
