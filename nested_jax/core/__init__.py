@@ -14,11 +14,6 @@ Upper-case constants (VARIANTS, EVICTIONS, ...) stay in their modules: at packag
 meaning would be ambiguous.
 """
 
-from nested_jax.core._proteus_common import (
-    proteus_spans,
-    run_proteus_spans,
-    run_proteus_spans_packed,
-)
 from nested_jax.core.associative.forms import (
     delta_rule_chunked,
     delta_rule_recurrent,
@@ -80,6 +75,9 @@ from nested_jax.core.proteus import (
     proteus_hidden_mask,
     proteus_key_mask,
     proteus_mlp_masks,
+    proteus_spans,
+    run_proteus_spans,
+    run_proteus_spans_packed,
 )
 from nested_jax.core.scan import (
     affine_scan,

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core._proteus_common import proteus_spans
 from nested_jax.core.associative.forms import (
     gated_delta_chunked,
     gated_delta_recurrent,
@@ -25,7 +24,7 @@ from nested_jax.core.associative.proteus import (
     proteus_gated_delta_recurrent,
     proteus_gated_delta_step,
 )
-from nested_jax.core.proteus import proteus_active_blocks
+from nested_jax.core.proteus import proteus_active_blocks, proteus_spans
 from nested_jax.core.titans.chunk import titans_mlp_chunked
 from nested_jax.core.titans.linear import (
     TitansLinearState,

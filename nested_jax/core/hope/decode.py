@@ -28,12 +28,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nested_jax.core._proteus_common import _check_silent_at_zero
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.hope.proteus import proteus_hope_masks
 from nested_jax.core.hope.state import HopeMemories, HopeReadout, HopeState, hope_init_state
 from nested_jax.core.hope.token import hope_decode_step
 from nested_jax.core.proteus import (
+    _check_silent_at_zero,
     proteus_active_blocks,
     proteus_block_len,
     proteus_chunk_constant,

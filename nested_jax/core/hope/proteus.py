@@ -53,7 +53,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core._proteus_common import (
+from nested_jax.core.checks import require_initial_state
+from nested_jax.core.hope.chunk import hope_chunked
+from nested_jax.core.hope.state import HOPE_STATE_CONSTRUCTOR, HopeMemories, HopeState, MLPMemory
+from nested_jax.core.hope.token import hope_recurrent, hope_step
+from nested_jax.core.proteus import (
     _check_blocked,
     _check_schedule,
     _check_silent_at_zero,
@@ -62,19 +66,13 @@ from nested_jax.core._proteus_common import (
     _is_int,
     _positions,
     _statically_open,
-    proteus_spans,
-    run_proteus_spans,
-    run_proteus_spans_packed,
-)
-from nested_jax.core.checks import require_initial_state
-from nested_jax.core.hope.chunk import hope_chunked
-from nested_jax.core.hope.state import HOPE_STATE_CONSTRUCTOR, HopeMemories, HopeState, MLPMemory
-from nested_jax.core.hope.token import hope_recurrent, hope_step
-from nested_jax.core.proteus import (
     proteus_active_blocks,
     proteus_block_ids,
     proteus_gate,
     proteus_gated_update,
+    proteus_spans,
+    run_proteus_spans,
+    run_proteus_spans_packed,
 )
 
 __all__ = [

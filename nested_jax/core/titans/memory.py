@@ -37,11 +37,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nested_jax.core._proteus_common import (
-    proteus_spans,
-    run_proteus_spans,
-    run_proteus_spans_packed,
-)
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.proteus import (
     proteus_active_blocks,
@@ -49,6 +44,9 @@ from nested_jax.core.proteus import (
     proteus_chunk_constant,
     proteus_gate,
     proteus_gated_update,
+    proteus_spans,
+    run_proteus_spans,
+    run_proteus_spans_packed,
 )
 from nested_jax.core.titans.chunk import titans_mlp_chunked
 from nested_jax.core.titans.mlp import (
