@@ -4,7 +4,7 @@ Layers call these functions, never a core form directly, so the implementation i
 (``TitansOptions.memory_impl``). It is never switched silently: an ``impl`` that cannot run raises
 ``ValueError``.
 
-- ``"chunked"``: ``core.titans.mlp.titans_mlp_chunked`` with chunks of ``spec.chunk`` (surprises
+- ``"chunked"``: ``core.titans.chunk.titans_mlp_chunked`` with chunks of ``spec.chunk`` (surprises
   at the chunk start, dual-form reads; the training default).
 - ``"recurrent"``: the per-token ground truth ``titans_mlp_recurrent`` (``spec.chunk`` is ignored;
   decoding is the chunk-1 rule).
