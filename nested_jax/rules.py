@@ -37,7 +37,7 @@ __all__ = [
 EVICTIONS = ("beta_e", "recency", "e", "beta_v", "cumulative_attention")
 READ_NORMS = ("rmsnorm", "l2")
 CMS_VARIANTS = ("sequential", "nested", "independent")
-CMS_INNERS = ("sgd", "dgd")  # inner optimizers of the online mode (``core.cms.cms_online``)
+CMS_INNERS = ("sgd", "dgd")  # inner optimizers of the online mode (``core.cms.online.cms_online``)
 
 
 def _is_int(value, low: int) -> bool:
@@ -146,7 +146,7 @@ class HopeRule:
         (2: ``2√N``; 3: ``3∛N``, one more recomputed forward). A compute-for-memory knob; values
         unchanged.
       chunk_updates: how a chunk's in-order updates run: ``parallel`` (one triangular solve per
-        memory layer, ``core.hope_parallel``, the default) or ``scan`` (token by token). Values
+        memory layer, ``core.hope.parallel``, the default) or ``scan`` (token by token). Values
         equal up to rounding; ``parallel`` measured 2.2x the tiny LM's fwd+bwd tokens/s (726 vs
         333, ``bench hope`` 2026-12-03). It was opt-in while a tiny MQAR run (T=32, lr 3e-3) went
         NaN with it; that NaN is the inner loop's divergence (``grad_clip`` above), which the
@@ -247,7 +247,7 @@ class HopeRule:
         return self.momentum_coef if self.momentum else 0.0
 
     def flags(self) -> dict:
-        """The ablation flags as keywords of ``hope_token.hope_step`` / ``hope_decode_step``."""
+        """The ablation flags as keywords of ``hope_step`` and ``hope_decode_step``."""
         return {name: getattr(self, name) for name in HOPE_FLAGS}
 
     def kwargs(self) -> dict:
@@ -337,7 +337,7 @@ class HolaRule:
                 _fail(self, name, f"must be None (K ** -0.5) or a float > 0, got {value!r}")
 
     def step_kwargs(self) -> dict:
-        """Keywords of ``core.hola.hola_decode_step`` (``window``, ``block_size`` are the
+        """Keywords of ``core.hola.decode.hola_decode_step`` (``window``, ``block_size`` are the
         state's)."""
         return dict(
             eviction=self.eviction,
@@ -347,8 +347,8 @@ class HolaRule:
         )
 
     def kwargs(self) -> dict:
-        """Every field as keywords of ``core.hola.hola_forward`` (``hola_recurrent`` takes them
-        all but ``chunk_size``)."""
+        """Every field as keywords of ``core.hola.forward.hola_forward`` (``hola_recurrent`` takes
+        them all but ``chunk_size``)."""
         return dict(
             window=self.window,
             block_size=self.block_size,
@@ -437,5 +437,5 @@ class CMSRule:
             _fail(self, "remat_every", f"must be None or a positive int, got {r!r}")
 
     def online_kwargs(self) -> dict:
-        """Every field as keywords of ``core.cms.cms_online``."""
+        """Every field as keywords of ``core.cms.online.cms_online``."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(CMSRule)}

@@ -240,8 +240,8 @@ def core_hope(t: int) -> None:
 
     rules = {
         "default": c.HopeRule(chunk_memory=4, chunk_other=2, momentum_coef=0.7, remat=False),
-        "sequential": c.HopeRule(chunk_memory=4, chunk_other=2, chunk_updates="sequential"),
-        "nomomentum": c.HopeRule(chunk_memory=8, chunk_other=4, momentum=False, step="approx"),
+        "parallel": c.HopeRule(chunk_memory=4, chunk_other=2, chunk_updates="parallel"),
+        "nomomentum": c.HopeRule(chunk_memory=8, chunk_other=4, momentum=False, step="paper"),
     }
     for adaptive in (False, True):
         mems, ro, x, q = _hope_setup(t, adaptive_q=adaptive)
@@ -304,10 +304,13 @@ def core_hola(t: int) -> None:
             kw = dict(window=3, block_size=8, chunk_size=4)
             record(f"{tag}/forward", lambda *a, ev=ev, s=seg: c.hola_forward(
                 *a, eviction=ev, segment_ids=s, **kw), *args)  # fmt: skip
-            record(f"{tag}/scores", lambda *a, ev=ev, s=seg: c.hola_scores(
-                *a, eviction=ev, segment_ids=s, chunk_size=4), *args[1:5])  # fmt: skip
-            record(f"{tag}/residuals", lambda *a, s=seg: c.gdn_residuals(
-                *a, segment_ids=s, chunk_size=4), *args[1:5])  # fmt: skip
+    for seg in (None, _segments(t)):
+        for ev in ("beta_e", "e", "beta_v"):  # the magnitude evictions hola_scores accepts
+            record(f"core/hola/T{t}/{ev}/seg{seg is not None}/scores", lambda *a, ev=ev, s=seg:
+                   c.hola_scores(*a, eviction=ev, segment_ids=s, chunk_size=4),
+                   *args[1:5])  # fmt: skip
+        record(f"core/hola/T{t}/seg{seg is not None}/residuals", lambda *a, s=seg:
+               c.gdn_residuals(*a, segment_ids=s, chunk_size=4), *args[1:5])  # fmt: skip
     s0 = c.init_hola_state(B, H, K, V, 3, 8)
     one = tuple(a[:, 0] for a in args[:5]) + args[5:]
 
@@ -359,14 +362,14 @@ def core_misc(t: int) -> None:
     xk = _unit(r.normal(size=(B, H, K)))
     gv = r.normal(size=(B, H, V)).astype(f)
     lr = r.uniform(0.1, 0.9, size=(B, H)).astype(f)
-    for step in ("exact", "approx"):
-        for target in ("gradient", "value"):
+    for step in ("exact", "paper"):
+        for target in ("gradient", "proximal"):
             record(f"core/dgd/{step}/{target}", lambda *a, s=step, tg=target: c.dgd_update(
                 *a, 0.9, step=s, target=tg), w, xk, gv, lr)  # fmt: skip
         record(f"core/dgd/{step}/size", lambda a, b, s=step: c.dgd_step_size(a, b, step=s), lr, xk)
     ws = [r.normal(size=(K, 6)).astype(f), r.normal(size=(6, V)).astype(f)]
-    ins = [r.normal(size=(K,)).astype(f), r.normal(size=(6,)).astype(f)]
-    sig = [r.normal(size=(6,)).astype(f), r.normal(size=(V,)).astype(f)]
+    ins = [r.normal(size=(6,)).astype(f), r.normal(size=(V,)).astype(f)]  # x_l [d_in_l]
+    sig = [r.normal(size=(K,)).astype(f), r.normal(size=(6,)).astype(f)]  # g_l [d_out_l]
     record("core/dgd/layers", lambda *a: c.dgd_update_layers(*a, 0.3, 0.95), ws, ins, sig)
     a = r.uniform(0.5, 1.0, size=(t, 3)).astype(f)
     b = r.normal(size=(t, 3)).astype(f)
@@ -380,7 +383,8 @@ def core_misc(t: int) -> None:
         h = jnp.tanh(h + x)
         return h, h
 
-    record(f"core/scan/T{t}/remat", lambda h, x: c.scan_remat(cell, h, x, 3), xs[:, 0], xs)
+    xs_t = np.swapaxes(xs, 0, 1)  # time-major: scan_remat walks axis 0
+    record(f"core/scan/T{t}/remat", lambda h, x: c.scan_remat(cell, h, x, 3), xs[:, 0], xs_t)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def test_snippet_runs_and_reaches_the_named_layer():
 
 
 def _resolve(dotted: str):
-    """``ops.hope.hope_memories`` / ``core.hola_decode.hola_recurrent`` → the object (import the
+    """``ops.hope.hope_memories`` / ``core.hola.decode.hola_recurrent`` → the object (import the
     longest module prefix, then getattr the rest)."""
     parts = ("nested_jax." + dotted).split(".")
     for cut in range(len(parts), 0, -1):

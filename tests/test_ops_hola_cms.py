@@ -17,8 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core import cms as core_cms
-from nested_jax.core import hola as core_hola
+from nested_jax import rules
+from nested_jax.core.cms import levels as core_cms_levels
+from nested_jax.core.cms import online as core_cms
+from nested_jax.core.hola import decode as core_hola_decode
+from nested_jax.core.hola import forward as core_hola
 
 # The modules themselves (a package-level re-export of the function ``hola`` would shadow the
 # attribute ``nested_jax.ops.hola``; ``import_module`` reads ``sys.modules``).
@@ -105,7 +108,7 @@ def test_hola_chunked_is_core_forward_values_and_gradients():
     _same_program(ops_fn, core_fn, *args)
     _same_program(_grad_of(ops_fn, _W), _grad_of(core_fn, _W), args)
     rec_fn = functools.partial(ops_hola.hola, rule=RULE, impl="recurrent")
-    _same_program(rec_fn, functools.partial(core_hola.hola_recurrent, **OPTS), *args)
+    _same_program(rec_fn, functools.partial(core_hola_decode.hola_recurrent, **OPTS), *args)
 
 
 def test_hola_recurrent_equals_chunked_values_and_state():
@@ -147,7 +150,7 @@ def test_hola_step_token_by_token_equals_the_sequence_form():
     state = ops_hola.init_hola_state(B, H, K, V, W, C)
     assert isinstance(state, ops_hola.HolaState)
     one = [x[n][:, 0] for n in SEQ] + [p[n] for n in PAR]
-    _same_program(ops_step, core_hola.hola_decode_step, state, *one)
+    _same_program(ops_step, core_hola_decode.hola_decode_step, state, *one)
     outs = []
     for t in range(T):
         o_t, state = step(state, *[x[n][:, t] for n in SEQ], *[p[n] for n in PAR])
@@ -157,9 +160,9 @@ def test_hola_step_token_by_token_equals_the_sequence_form():
 
 
 def test_hola_reexports_are_core_names():
-    assert ops_hola.EVICTIONS == core_hola.EVICTIONS
-    assert ops_hola.READ_NORMS == core_hola.READ_NORMS
-    assert ops_hola.HolaState is core_hola.HolaState
+    assert ops_hola.EVICTIONS == rules.EVICTIONS
+    assert ops_hola.READ_NORMS == rules.READ_NORMS
+    assert ops_hola.HolaState is core_hola_decode.HolaState
 
 
 # --------------------------------------------------------------------------------------------------
@@ -189,7 +192,7 @@ def test_cms_forward_is_core(variant):
         return ops_cms.cms_forward(lv, xx, rule=rule, mix_logits=mix, impl="chunked")
 
     def core_fn(lv, xx):
-        return core_cms.cms_forward(lv, xx, variant=variant, mix_logits=mix)
+        return core_cms_levels.cms_forward(lv, xx, variant=variant, mix_logits=mix)
 
     _same_program(ops_fn, core_fn, levels, x)
 
@@ -210,7 +213,10 @@ def test_cms_online_is_core():
     )
     assert ops_cms.CMSState is core_cms.CMSState
     assert ops_cms.check_periods((2, 4)) == (2, 4)
-    assert ops_cms.VARIANTS == core_cms.VARIANTS and ops_cms.CMSLevel is core_cms.CMSLevel
+    assert (
+        ops_cms.VARIANTS == core_cms_levels.VARIANTS
+        and ops_cms.CMSLevel is core_cms_levels.CMSLevel
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,13 +17,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core._proteus_common import proteus_spans, run_proteus_spans_packed
-from nested_jax.core.hope import hope_chunked
-from nested_jax.core.proteus import ProteusRule, proteus_gate, proteus_gated_update
-from nested_jax.core.proteus_hope import proteus_hope_chunked, proteus_hope_masks
+from nested_jax.core.hope.chunk import hope_chunked
+from nested_jax.core.hope.proteus import proteus_hope_chunked, proteus_hope_masks
+from nested_jax.core.proteus import (
+    proteus_gate,
+    proteus_gated_update,
+    proteus_spans,
+    run_proteus_spans_packed,
+)
 from nested_jax.layers.options import HopeOptions
 from nested_jax.ops import hope as ops_hope
 from nested_jax.ops.hope import HopeMemories, HopeReadout, HopeRule, MLPMemory
+from nested_jax.rules import ProteusRule
 
 B, T, H, D, HID = 2, 13, 2, 4, 4
 RULE = HopeRule(chunk_memory=4, chunk_other=2, momentum_coef=0.7, remat=False)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nested_jax.core.proteus import ProteusRule
 from nested_jax.core.titans.proteus import proteus_titans_mlp_chunked
 from nested_jax.layers.options import ProteusOptions, TitansOptions
 from nested_jax.models.config import ModelConfig
 from nested_jax.models.registry import get_mixer
 from nested_jax.ops import titans as T
+from nested_jax.rules import ProteusRule
 
 B, L, H, D = 2, 7, 2, 4  # T = 7: not a multiple of any chunk; 2-layer memory (D → 8 → D)
 DIMS = (D, 8, D)

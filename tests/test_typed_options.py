@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nested_jax.core import cms as core_cms
-from nested_jax.core import hola as core_hola
+from nested_jax.core.cms import online as core_cms
+from nested_jax.core.hola import decode as core_hola_decode
+from nested_jax.core.hola import forward as core_hola
 from nested_jax.core.proteus import proteus_key_mask
 from nested_jax.layers.cms import CMSFFN
 from nested_jax.layers.hola import HolaMixer
@@ -75,9 +76,9 @@ def _defaults(fn, names):
 def test_rule_defaults_are_the_core_keyword_defaults():
     rule = HolaRule()
     assert _defaults(core_hola.hola_forward, rule.kwargs()) == rule.kwargs()
-    assert _defaults(core_hola.hola_decode_step, rule.step_kwargs()) == rule.step_kwargs()
+    assert _defaults(core_hola_decode.hola_decode_step, rule.step_kwargs()) == rule.step_kwargs()
     seq = {k: v for k, v in rule.kwargs().items() if k != "chunk_size"}
-    assert _defaults(core_hola.hola_recurrent, seq) == seq
+    assert _defaults(core_hola_decode.hola_recurrent, seq) == seq
     online = {k: v for k, v in CMSRule().online_kwargs().items() if k != "periods"}
     assert _defaults(core_cms.cms_online, online) == online
 

@@ -46,13 +46,10 @@ from nested_jax.bench.common import (
     time_interleaved,
 )
 from nested_jax.core.associative.forms import gated_delta_chunked
+from nested_jax.core.titans.chunk import titans_mlp_chunked
 from nested_jax.core.titans.linear import titans_linear_chunked, titans_linear_recurrent
-from nested_jax.core.titans.mlp import (
-    TitansMLPState,
-    titans_mlp_chunked,
-    titans_mlp_init_weights,
-    titans_mlp_recurrent,
-)
+from nested_jax.core.titans.mlp import titans_mlp_init_weights, titans_mlp_recurrent
+from nested_jax.core.titans.net import TitansMLPState
 
 DEFAULT_MEM_SEQ_LENS = (512, 1024, 2048, 4096)
 

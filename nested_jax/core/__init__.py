@@ -14,11 +14,6 @@ Upper-case constants (VARIANTS, EVICTIONS, ...) stay in their modules: at packag
 meaning would be ambiguous.
 """
 
-from nested_jax.core._proteus_common import (
-    proteus_spans,
-    run_proteus_spans,
-    run_proteus_spans_packed,
-)
 from nested_jax.core.associative.forms import (
     delta_rule_chunked,
     delta_rule_recurrent,
@@ -35,44 +30,39 @@ from nested_jax.core.associative.proteus import (
     proteus_gated_delta_recurrent,
     proteus_gated_delta_step,
 )
-from nested_jax.core.cms import (
+from nested_jax.core.cms.levels import (
     CMSLevel,
-    CMSState,
-    check_periods,
     cms_forward,
     cms_init_levels,
-    cms_initial_state,
     cms_level_apply,
     cms_mix_weights,
-    cms_online,
-    surprise_from_loss,
 )
+from nested_jax.core.cms.online import CMSState, cms_initial_state, cms_online, surprise_from_loss
 from nested_jax.core.dgd import (
     dgd_step_size,
     dgd_update,
     dgd_update_layers,
 )
-from nested_jax.core.hola import (
-    HolaState,
-    gdn_residuals,
-    hola_decode_step,
-    hola_forward,
-    hola_scores,
-    init_hola_state,
+from nested_jax.core.hola.decode import HolaState, hola_decode_step, init_hola_state
+from nested_jax.core.hola.forward import gdn_residuals, hola_forward, hola_scores
+from nested_jax.core.hope.chunk import hope_chunked
+from nested_jax.core.hope.decode import HopeDecodeState, hope_decode, hope_decode_state
+from nested_jax.core.hope.linear import hope_linear_chunk_update
+from nested_jax.core.hope.proteus import (
+    proteus_hope_chunked,
+    proteus_hope_masks,
+    proteus_hope_recurrent,
+    proteus_hope_step,
 )
-from nested_jax.core.hope import (
+from nested_jax.core.hope.state import (
     HopeMemories,
     HopeReadout,
-    HopeRule,
     HopeState,
     MLPMemory,
-    hope_chunked,
     hope_init_state,
     mlp_memory_apply,
 )
-from nested_jax.core.hope_decode import HopeDecodeState, hope_decode, hope_decode_state
-from nested_jax.core.hope_linear import hope_linear_chunk_update
-from nested_jax.core.hope_token import hope_decode_step, hope_recurrent, hope_step
+from nested_jax.core.hope.token import hope_decode_step, hope_recurrent, hope_step
 from nested_jax.core.lstm import LSTMState, lstm_recurrent, lstm_reference, lstm_step  # noqa: F401
 from nested_jax.core.proteus import (
     proteus_active_blocks,
@@ -86,12 +76,9 @@ from nested_jax.core.proteus import (
     proteus_hidden_mask,
     proteus_key_mask,
     proteus_mlp_masks,
-)
-from nested_jax.core.proteus_hope import (
-    proteus_hope_chunked,
-    proteus_hope_masks,
-    proteus_hope_recurrent,
-    proteus_hope_step,
+    proteus_spans,
+    run_proteus_spans,
+    run_proteus_spans_packed,
 )
 from nested_jax.core.scan import (
     affine_scan,
@@ -100,6 +87,7 @@ from nested_jax.core.scan import (
     scan_remat,
     unchunk,
 )
+from nested_jax.core.titans.chunk import titans_mlp_chunked, titans_pool_gates
 from nested_jax.core.titans.linear import (
     TitansLinearState,
     titans_linear_chunked,
@@ -107,15 +95,13 @@ from nested_jax.core.titans.linear import (
     titans_linear_step,
 )
 from nested_jax.core.titans.mlp import (
-    TitansMLPState,
     titans_mlp_apply,
-    titans_mlp_chunked,
     titans_mlp_init_weights,
     titans_mlp_recurrent,
     titans_mlp_state,
     titans_mlp_step,
-    titans_pool_gates,
 )
+from nested_jax.core.titans.net import TitansMLPState
 from nested_jax.core.titans.proteus import (
     proteus_titans_linear_chunked,
     proteus_titans_linear_recurrent,
@@ -125,6 +111,7 @@ from nested_jax.core.titans.proteus import (
     proteus_titans_mlp_recurrent,
     proteus_titans_mlp_step,
 )
+from nested_jax.rules import HopeRule, check_periods
 
 __all__ = [
     "linear_attention_step",

@@ -49,10 +49,10 @@ from collections.abc import Callable, Sequence
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.associative.forms import _validate_seq, gated_delta_chunked
+from nested_jax.core.associative.forms import gated_delta_chunked, validate_seq
 from nested_jax.core.scan import segment_starts, zeros_typed
-from nested_jax.core.titans.linear import TitansLinearState, _state_of, titans_linear_chunked
-from nested_jax.core.titans.net import _validate_chunk_size, _validate_common
+from nested_jax.core.titans.linear import TitansLinearState, state_of, titans_linear_chunked
+from nested_jax.core.titans.net import validate_chunk_size, validate_common
 
 __all__ = [
     "affine_state_context",
@@ -171,7 +171,7 @@ def gated_delta_context_parallel(
       the whole sequence.
     """
     fn = "gated_delta_context_parallel"
-    B, _, H, K, V = _validate_seq(fn, q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+    B, _, H, K, V = validate_seq(fn, q, k, v, g, beta, initial_state, segment_ids, chunk_size)
     if segment_ids is not None and initial_state is not None:
         raise ValueError(
             f"{fn}: segment_ids needs initial_state=None (documents restart from a zero state; "
@@ -228,14 +228,14 @@ def titans_linear_context_parallel(
       ``(o [B, T_loc, H, V] in v's dtype, TitansLinearState(M, S) f32)`` after the whole sequence.
     """
     fn = "titans_linear_context_parallel"
-    B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, None, per_token=False)
-    _validate_chunk_size(fn, chunk_size)
+    B, T, H, K, V = validate_common(fn, q, k, v, theta, eta, alpha, None, per_token=False)
+    validate_chunk_size(fn, chunk_size)
     if T % chunk_size:
         raise ValueError(
             f"{fn}: chunk_size must divide the local length T_loc = {T} (so each device's chunks "
             f"are the single-device chunks), got {chunk_size}"
         )
-    st = _state_of(fn, initial_state, B, H, K, V)
+    st = state_of(fn, initial_state, B, H, K, V)
 
     def run(states, values):
         o, final = titans_linear_chunked(

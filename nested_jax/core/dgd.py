@@ -34,7 +34,6 @@ import numpy as np
 from nested_jax.rules import DGD_TARGETS
 
 __all__ = [
-    "DGD_TARGETS",
     "clamped_rate",
     "dgd_step_size",
     "dgd_update",

@@ -11,7 +11,7 @@ so ``θ`` changes only at boundaries, by ``Σ_{n∈B_j} u_n`` over the period ``
 of a step, a level whose slower neighbour ``ℓ+1`` hit its boundary takes that neighbour's weights
 and drops its own accumulation, top-down, so one slow boundary cascades to every faster level.
 
-Users: ``core.cms.cms_online`` (CMS levels, per chunk of tokens), ``eval.continual`` (the CMS
+Users: ``core.cms.online.cms_online`` (CMS levels, per chunk of tokens), ``eval.continual`` (the CMS
 levels of a whole LM, streamed), ``optim.multifreq`` (outer-optimizer steps every ``C^(ℓ)``
 steps: there the accumulation is fed to an inner optimizer at the boundary instead of being
 subtracted) and ``optim.m3`` (the slow buffer ``B`` of M3's slow momentum).

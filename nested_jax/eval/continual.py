@@ -17,7 +17,7 @@ absolute grid of multiples of ``c``. For a chunk ``B`` with targets, at the weig
 
 The gradient is the local surprise signal ``δ_t = ∂L_B/∂y_t`` at each level's output pulled back
 to its weights (backprop as associative memory, SPEC §3.3), so the SGD rule of
-:func:`nested_jax.core.cms.cms_online` is the single-layer case. The memory state entering a
+:func:`nested_jax.core.cms.online.cms_online` is the single-layer case. The memory state entering a
 chunk is a constant (gradients do not flow into earlier chunks); the logits of a chunk are
 computed before its update (read before write). **Exact resumption:** a stream split into calls
 whose lengths are multiples of ``c`` gives bit-identical results to one call; a call may end
@@ -49,9 +49,9 @@ import numpy as np
 from flax import nnx
 
 from nested_jax.core.checks import check_positive_int
-from nested_jax.core.cms import check_periods
 from nested_jax.core.periods import accumulate, apply_at_boundary, period_boundary, reset_to_slower
 from nested_jax.files import write_json
+from nested_jax.rules import check_periods
 
 __all__ = [
     "StreamState",
@@ -287,7 +287,7 @@ def _level_updates(st: StreamState, grads, end, periods, levels, lr, variant, le
     new_fast, new_acc = [], []
     for j, names in enumerate(by_level):
         # nested: only level 1 is read; every level learns from ∂L/∂θ_1 (first order, as
-        # core.cms) at its own period.
+        # core.cms.online) at its own period.
         sig = {k: lr * grads[k if variant == "nested" else m] for k, m in names.items()}
         acc = accumulate({k: st.accum[m] for k, m in names.items()}, sig)
         w, acc = apply_at_boundary({k: st.fast[m] for k, m in names.items()}, acc, fire[j])
@@ -361,7 +361,7 @@ def stream_tokens(
       lr: online learning rate ``η`` of every level.
       variant: the model's CMS variant (``model.cms.variant``); ``"nested"`` reads only level 1,
         feeds every level the first-order signal ``∂L/∂θ_1`` and resets faster levels to a slower
-        one at its boundaries (SPEC §3.3, as :func:`nested_jax.core.cms.cms_online`).
+        one at its boundaries (SPEC §3.3, as :func:`nested_jax.core.cms.online.cms_online`).
       chunk: tokens per call of the LM when no CMS level is online (memories only).
       levels_key: see :func:`fast_level_paths`.
       progress: called with the number of tokens done after each jitted piece.

@@ -21,7 +21,7 @@ token ``n + s`` (vocabulary ``V = 2n``). Both languages have the same entropy ra
 init (``cms_init_levels``; the nested variant starts all levels at the fastest level's init, so its
 initial function equals the one-level model's). In the acceptance protocol nothing is pretrained
 on either language: every bit of knowledge of either language is then written during the stream by
-the online CMS updates (:func:`nested_jax.core.cms.cms_online`, local surprise
+the online CMS updates (:func:`nested_jax.core.cms.online.cms_online`, local surprise
 ``δ_t = ∂L_t/∂y_t`` of the next-token cross-entropy), so what is forgotten is a property of the
 online CMS dynamics alone — the object of the claim. Two further protocols pretrain the initial
 CMS levels (outer loop, Adam on ``cms_forward`` with fixed weights, ``E`` and ``W_o`` still frozen)

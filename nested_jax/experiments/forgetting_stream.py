@@ -18,13 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from nested_jax.core.cms import (
-    cms_forward,
-    cms_init_levels,
-    cms_initial_state,
-    cms_online,
-    surprise_from_loss,
-)
+from nested_jax.core.cms.levels import cms_forward, cms_init_levels
+from nested_jax.core.cms.online import cms_initial_state, cms_online, surprise_from_loss
 
 __all__ = ["StreamSettings", "Arm", "level_lrs", "sample_chain", "run_arm"]
 

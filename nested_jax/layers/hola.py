@@ -2,7 +2,7 @@
 
 Everything the GDN layer has (projections, short convs, L2-normalised q/k, β, decay, SiLU-gated
 output RMSNorm; :class:`nested_jax.layers.gdn.GatedDeltaNet`) is inherited unchanged; only the
-memory rule is replaced by ``nested_jax.ops.hola`` (the math: ``nested_jax.core.hola``)::
+memory rule is replaced by ``nested_jax.ops.hola`` (the math: ``nested_jax.core.hola.forward``)::
 
     o_t = S_tᵀ (q_t/√K) + σ(λ_h) · Σ_{j∈V_t} softmax_j(q̃_tᵀ k̃_j/√K) v_j     (sink: logit s_h, v = 0)
 

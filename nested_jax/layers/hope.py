@@ -19,7 +19,7 @@ projections, targets and DGD signals from the memories at the end of chunk ``n�
 aligned at the first token of the sequence.
 
 **Packed rows** (``segment_ids``): the conv taps and the memories reset at a document start; the
-memories restart at the learned initial memories (exact; see ``core.hope.hope_chunked``).
+memories restart at the learned initial memories (exact; see ``core.hope.chunk.hope_chunked``).
 
 **The math is reached through** :mod:`nested_jax.ops.hope` only (``hope_memories``,
 ``hope_decode``, ``impl = ModelConfig.impl``): this layer holds the parameters, projections, convs
@@ -27,14 +27,14 @@ and the output; ``HopeOptions.rule()`` is the typed rule it passes.
 
 **Decoding** equals the full forward: :class:`HopeCache` holds the running state (memories and
 momenta), the chunk-start snapshots, the conv taps and the number ``n`` of tokens seen; every
-cached call runs ``core.hope.hope_decode_step`` token by token (``ops.hope.hope_decode``; a
+cached call runs ``core.hope.token.hope_decode_step`` token by token (``ops.hope.hope_decode``; a
 prefill is the same exact per-token loop). ``init_cache`` builds zero placeholders from static
 attributes (the LM shell calls it on the layer-stacked module); the first step (``n = 0``)
 substitutes the learned initial memories.
 
 **Proteus** (``model.proteus``, SPEC §4): with ``blocks = E > 1`` the hidden units of every
 memory (and of its momentum) open block by block over the training context ``N = context_len``
-(``core.proteus_hope``): a token at 1-based position ``t`` reads and writes ``g_t ⊙ M`` and the
+(``core.hope.proteus``): a token at 1-based position ``t`` reads and writes ``g_t ⊙ M`` and the
 locked coordinates keep their bits; beyond ``N`` every block is open. The sequence form is
 ``proteus_hope_chunked`` (both chunk grids restart at every Δ-boundary); packed rows follow the
 Titans layer's decision (``proteus_hope_packed``): the schedule follows the row position and a

@@ -1,7 +1,7 @@
 """The Continuum Memory System behind the one door (SPEC §3.3, §3.4).
 
 ``k`` residual MLP levels ``MLP_ℓ(x) = x + σ(x W_up) W_down`` (SwiGLU when ``w_gate`` is set;
-``nested_jax.core.cms_levels``) combined by ``variant``::
+``nested_jax.core.cms.levels``) combined by ``variant``::
 
     sequential:   y = MLP_k(… MLP_1(x))
     nested:       y = MLP_1(x)                       (slower levels are its initial states)
@@ -11,12 +11,12 @@ Two ops, each with ``impl`` (never switched silently; an ``impl`` that cannot ru
 ``ValueError``):
 
 - :func:`cms_forward`: the levels at fixed weights (the LM's CMS FFN, and the ``pretrain``-mode
-  forward). A position-wise MLP stack has one XLA form, ``core.cms.cms_forward``, offered as
+  forward). A position-wise MLP stack has one XLA form, ``core.cms.levels.cms_forward``, offered as
   ``"chunked"`` (the value every op takes by default); there is no per-token ``"recurrent"`` form
   of a position-wise map, so it raises.
 - :func:`cms_online`: the ``online`` mode, where level ℓ accumulates its local-surprise gradient
-  and applies it at the end of each period ``C^(ℓ)`` (``core.cms.cms_online``). ``"chunked"`` is
-  its only form: a ``lax.scan`` over chunks of ``c = gcd(C^(1..k))`` tokens that share weights.
+  and applies it at the end of each period ``C^(ℓ)`` (``core.cms.online.cms_online``). ``"chunked"``
+  is its only form: a ``lax.scan`` over chunks of ``c = gcd(C^(1..k))`` tokens that share weights.
   No per-token ``"recurrent"`` form exists in core, so it raises.
 
 ``"pallas"`` is the seam for ``pallas_kernels/cms``; no kernel is wired, so it raises
@@ -31,17 +31,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nested_jax.core import cms as _cms
-from nested_jax.core.cms import (
-    VARIANTS,
-    CMSLevel,
-    CMSState,
-    check_periods,
-    cms_initial_state,
-    surprise_from_loss,
-)
-from nested_jax.core.cms_levels import CMSRule
+from nested_jax.core.cms import levels as _cms_levels
+from nested_jax.core.cms import online as _cms
+from nested_jax.core.cms.levels import VARIANTS, CMSLevel
+from nested_jax.core.cms.online import CMSState, cms_initial_state, surprise_from_loss
 from nested_jax.ops._impl import check_impl as _check_impl
+from nested_jax.rules import CMSRule, check_periods
 
 __all__ = [
     "VARIANTS",
@@ -84,7 +79,7 @@ def cms_forward(levels, x, *, rule: CMSRule, mix_logits=None, impl: str = "chunk
             f"cms_forward: rule.periods has {len(rule.periods)} entries, one per level; got "
             f"{len(levels)} levels"
         )
-    return _cms.cms_forward(levels, x, variant=rule.variant, mix_logits=mix_logits)
+    return _cms_levels.cms_forward(levels, x, variant=rule.variant, mix_logits=mix_logits)
 
 
 def cms_online(

@@ -1,6 +1,6 @@
 """HOLA behind the one door: gated delta state + persistent exact top-w KV cache (SPEC §5).
 
-Per head (``α_t = exp(g_t)``, ``d = K``; ``nested_jax.core.hola`` states every decision)::
+Per head (``α_t = exp(g_t)``, ``d = K``; ``nested_jax.core.hola.forward`` states every decision)::
 
     e_t = v_t − α_t S_{t-1}ᵀ k_t ;  S_t = α_t S_{t-1} + β_t k_t e_tᵀ ;  m_t = β_t ‖e_t‖
     A_n = top-w by m over (A_{n-1} ∪ tokens of block n)
@@ -10,29 +10,29 @@ Per head (``α_t = exp(g_t)``, ``d = K``; ``nested_jax.core.hola`` states every 
 Layers call :func:`hola` (a sequence, or a prefill continuing a state) and :func:`hola_step` (one
 decoded token), never a core form. ``impl`` picks the form and is never switched silently:
 
-- ``"chunked"`` (default, training): ``core.hola.hola_forward``, the block-parallel form (WY/UT
-  chunks for the state path, a ``lax.scan`` over blocks of ``block_size`` tokens for the cache).
-  Packed rows (``segment_ids``) run here.
-- ``"recurrent"``: ``core.hola_decode.hola_recurrent``, ``hola_decode_step`` in a ``lax.scan``
+- ``"chunked"`` (default, training): ``core.hola.forward.hola_forward``, the block-parallel form
+  (WY/UT chunks for the state path, a ``lax.scan`` over blocks of ``block_size`` tokens for the
+  cache). Packed rows (``segment_ids``) run here.
+- ``"recurrent"``: ``core.hola.decode.hola_recurrent``, ``hola_decode_step`` in a ``lax.scan``
   over tokens: the exact per-token GDN recurrence and cache, equal to ``"chunked"`` up to float
   rounding, values and gradients (tested). One stream: ``segment_ids`` raise ``ValueError``;
-  ``chunk_size`` is ignored. The numpy twin ``core.reference.hola.hola_reference`` is *not* an
+  ``chunk_size`` is ignored. The numpy twin ``core.hola.reference.hola_reference`` is *not* an
   ``impl``: it is float64 numpy with no gradients and no state, a test oracle only.
 - ``"pallas"``: ``hola_forward`` with its state path ``(o_state, S_T)`` run by the Pallas gated
   delta kernel (``ops.linear.gated_delta(..., impl="pallas")``: ``pallas_kernels/gated_delta``,
   interpreted off TPU, ``rule.chunk_size`` its chunk, a multiple of 8) and, for one stream
   (no ``segment_ids``) with an eviction other than ``"cumulative_attention"``, its cache read by
   the Pallas cache-read kernel (``pallas_kernels/hola_cache``): the cache path runs in two phases
-  (``core.hola_cache.cache_blocks(read=)``: a scan of the top-w merges alone gives every block's
+  (``core.hola.cache.cache_blocks(read=)``: a scan of the top-w merges alone gives every block's
   ``A_{n−1}``, then one kernel reads all blocks). Packed rows and ``"cumulative_attention"``
   (whose merges need the reads' masses) keep the XLA block scan of ``"chunked"`` for the cache
   path, silently: that is the whole routing. The insertion-score residual pass stays XLA. Values
   and gradients equal ``"chunked"`` to f32 rounding (tested).
 
-:func:`hola_step` has a single form (``core.hola.hola_decode_step``): it continues any sequence
-form token by token, so it takes every ``impl`` alike (a layer passes its own ``impl``); one token
-has no chunk to parallelise, so ``"pallas"`` runs the same XLA step, as ``ops.gated_delta_step``
-does for the GDN layers.
+:func:`hola_step` has a single form (``core.hola.decode.hola_decode_step``): it continues any
+sequence form token by token, so it takes every ``impl`` alike (a layer passes its own ``impl``);
+one token has no chunk to parallelise, so ``"pallas"`` runs the same XLA step, as
+``ops.gated_delta_step`` does for the GDN layers.
 
 Both take the static options as one frozen :class:`HolaRule` (``rule=``; built by
 ``HolaOptions.rule()`` from the ``model.hola`` config section and ``model.chunk_size``); the core
@@ -43,20 +43,13 @@ config imports HOLA from here only.
 
 from __future__ import annotations
 
-from nested_jax.core.hola import (
-    EVICTIONS,
-    READ_NORMS,
-    HolaState,
-    hola_decode_step,
-    hola_forward,
-    hola_recurrent,
-    init_hola_state,
-)
-from nested_jax.core.hola_decode import HolaRule
+from nested_jax.core.hola.decode import HolaState, hola_decode_step, hola_recurrent, init_hola_state
+from nested_jax.core.hola.forward import hola_forward
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._pallas import pallas_per_shard
 from nested_jax.ops._state import pin_head_state
 from nested_jax.ops.linear import pallas_gated_delta
+from nested_jax.rules import EVICTIONS, READ_NORMS, HolaRule
 from pallas_kernels.hola_cache import hola_cache_read_pallas as _hola_cache_read_pallas
 
 __all__ = [
@@ -143,7 +136,7 @@ _CACHE_READ_LOGICAL = {
 
 
 def _pallas_cache_read(qh, kh, vh, ck, cv, cval, filled, gamma_q, gamma_k, sink, read_norm, cs):
-    """``core.hola_cache.read_blocks``'s contract by the Pallas cache-read kernel: Mosaic in a
+    """``core.hola.cache.read_blocks``'s contract by the Pallas cache-read kernel: Mosaic in a
     program lowered for TPU, the interpreter elsewhere, one call per (batch, heads) shard under a
     mesh (the read is independent per batch row and head)."""
 

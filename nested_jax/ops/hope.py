@@ -4,14 +4,14 @@ Layers call these functions, never a core form directly, so the implementation i
 (``ModelConfig.impl``). It is never switched silently: an ``impl`` that cannot run raises
 ``ValueError`` naming the op.
 
-- ``"chunked"``: ``core.hope.hope_chunked`` with the rule's two chunk sizes (SPEC §3.2 Decision;
-  the training default); with Proteus ``core.proteus_hope.proteus_hope_chunked`` /
+- ``"chunked"``: ``core.hope.chunk.hope_chunked`` with the rule's two chunk sizes (SPEC §3.2
+  Decision; the training default); with Proteus ``core.hope.proteus.proteus_hope_chunked`` /
   ``proteus_hope_packed`` (SPEC §4).
-- ``"recurrent"``: the per-token twin ``core.reference.hope.hope_reference`` at the **same** chunk
+- ``"recurrent"``: the per-token twin ``core.hope.reference.hope_reference`` at the **same** chunk
   sizes (snapshots refreshed at ``t % C = 0``), i.e. the same function computed token by token
   with ``jax.grad`` inner gradients: Hope's independent ground truth, slow, equal to
   ``"chunked"`` to float rounding (not bit for bit). With Proteus it runs span by span exactly
-  like the chunked form. Not ``core.hope.hope_recurrent``: that is ``hope_chunked`` with chunk
+  like the chunked form. Not ``core.hope.token.hope_recurrent``: that is ``hope_chunked`` with chunk
   sizes 1, a different rule unless the rule's sizes are 1. The twin has no truncated backprop
   (``rule.grad_horizon > 0`` raises) and ``rule.remat`` is ignored (it only trades memory for
   recomputation). The twin returns momenta iff ``rule.momentum``, so ``initial_state`` must hold
@@ -35,28 +35,27 @@ from __future__ import annotations
 import functools
 
 from nested_jax.core.checks import require_initial_state
-from nested_jax.core.hope import (
-    HopeMemories,
-    HopeReadout,
-    HopeRule,
-    HopeState,
-    MLPMemory,
-    hope_chunked,
-    hope_init_state,
-)
-from nested_jax.core.hope_decode import (
+from nested_jax.core.hope.chunk import hope_chunked
+from nested_jax.core.hope.decode import (
     HopeDecodeState,
     check_proteus_decode_chunks,
     hope_decode_state,
 )
-from nested_jax.core.hope_decode import hope_decode as _hope_decode
-from nested_jax.core.hope_linear import hope_linear_chunk_update
-from nested_jax.core.proteus import ProteusRule
-from nested_jax.core.proteus_hope import proteus_hope_chunked, proteus_hope_packed
-from nested_jax.core.reference.hope import hope_reference
+from nested_jax.core.hope.decode import hope_decode as _hope_decode
+from nested_jax.core.hope.linear import hope_linear_chunk_update
+from nested_jax.core.hope.proteus import proteus_hope_chunked, proteus_hope_packed
+from nested_jax.core.hope.reference import hope_reference
+from nested_jax.core.hope.state import (
+    HopeMemories,
+    HopeReadout,
+    HopeState,
+    MLPMemory,
+    hope_init_state,
+)
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._state import pin_head_state
 from nested_jax.ops.linear import gated_delta
+from nested_jax.rules import HopeRule, ProteusRule
 
 __all__ = [
     "HopeRule",
@@ -207,7 +206,7 @@ def hope_linear_chunk(
     """One Hope chunk of a linear memory, SPEC §3.2:
     ``M_t = M_{t−1}(α_t I − γ_t k_t k_tᵀ) − γ_t (M_0 k_t − v̂_t) k_tᵀ`` (signals at the
     chunk-start ``M_0``), as §1's gated delta rule
-    (:func:`nested_jax.core.hope_linear.hope_linear_chunk_update`).
+    (:func:`nested_jax.core.hope.linear.hope_linear_chunk_update`).
 
     Args:
       M0: ``[B, H, V, K]``; k: ``[B, T, H, K]``; v_hat: ``[B, T, H, V]``; alpha, eta:

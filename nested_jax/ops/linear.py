@@ -43,11 +43,12 @@ from nested_jax.core.associative.proteus import (
     proteus_gated_delta_recurrent,
 )
 from nested_jax.core.context import gated_delta_context_parallel as _gated_delta_context
-from nested_jax.core.proteus import ProteusRule, proteus_active_blocks, proteus_block_ids
+from nested_jax.core.proteus import proteus_active_blocks, proteus_block_ids
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._pallas import pallas_per_shard
 from nested_jax.ops._shard import mesh_axis_size, per_shard
 from nested_jax.ops._state import pin_head_state
+from nested_jax.rules import ProteusRule
 from pallas_kernels.gated_delta import BlockSizes as _GdnBlocks
 from pallas_kernels.gated_delta import gated_delta_pallas as _gated_delta_pallas
 

@@ -4,7 +4,7 @@ Layers call these functions, never a core form directly, so the implementation i
 (``TitansOptions.memory_impl``). It is never switched silently: an ``impl`` that cannot run raises
 ``ValueError``.
 
-- ``"chunked"``: ``core.titans.mlp.titans_mlp_chunked`` with chunks of ``spec.chunk`` (surprises
+- ``"chunked"``: ``core.titans.chunk.titans_mlp_chunked`` with chunks of ``spec.chunk`` (surprises
   at the chunk start, dual-form reads; the training default).
 - ``"recurrent"``: the per-token ground truth ``titans_mlp_recurrent`` (``spec.chunk`` is ignored;
   decoding is the chunk-1 rule).
@@ -32,12 +32,8 @@ import functools
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.titans import memory as _tm
 from nested_jax.core.titans.memory import MemoryCache, TitansMemorySpec, titans_memory_start
-from nested_jax.core.titans.mlp import (
-    TitansMLPState,
-    titans_mlp_apply,
-    titans_mlp_init_weights,
-    titans_mlp_state,
-)
+from nested_jax.core.titans.mlp import titans_mlp_apply, titans_mlp_init_weights, titans_mlp_state
+from nested_jax.core.titans.net import TitansMLPState
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._pallas import pallas_per_shard
 from nested_jax.ops._state import pin_head_state

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nested_jax.core.cms import check_periods
 from nested_jax.core.periods import accumulate as _add
 from nested_jax.core.periods import clear_at_boundary, period_boundary, select_at_boundary
+from nested_jax.rules import check_periods
 
 __all__ = ["MultiFreqState", "multi_frequency", "level_labels_by_index"]
 

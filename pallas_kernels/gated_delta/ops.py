@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.associative.forms import _validate_seq
+from nested_jax.core.associative.forms import validate_seq
 from nested_jax.core.scan import pad_to_multiple, segment_starts
 from pallas_kernels.common import check_chunk, from_heads_major, heads_major
 from pallas_kernels.gated_delta.kernel import SCALARS, gated_delta_bwd_call, gated_delta_fwd_call
@@ -184,7 +184,7 @@ def gated_delta_pallas(
     Returns:
       ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
     """
-    _validate_seq("gated_delta_pallas", q, k, v, g, beta, initial_state, segment_ids)
+    validate_seq("gated_delta_pallas", q, k, v, g, beta, initial_state, segment_ids)
     if block_sizes is None:
         block_sizes = BlockSizes.get_default()
     if not isinstance(block_sizes, BlockSizes):

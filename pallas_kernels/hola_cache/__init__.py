@@ -1,7 +1,7 @@
 """Pallas TPU kernels of HOLA's cache read (SPEC §5; issue 16).
 
 ``hola_cache_read_pallas`` (``ops.py``) is the entry, with the contract of
-``nested_jax.core.hola_cache.read_blocks``; ``kernel.py`` holds the ``pallas_call`` bodies.
+``nested_jax.core.hola.cache.read_blocks``; ``kernel.py`` holds the ``pallas_call`` bodies.
 """
 
 from pallas_kernels.hola_cache.ops import BlockSizes, hola_cache_read_pallas

@@ -2,7 +2,7 @@
 
 One grid step reads one tile of ``bq`` queries of block ``n`` of one (batch, head) row; the
 grid is ``(B·H, n blocks, C/bq tiles)``. The caches ``A_{n−1}`` of all blocks are inputs (computed
-before by a scan of merges, ``core.hola_cache.cache_blocks(read=)``), so blocks are independent:
+before by a scan of merges, ``core.hola.cache.cache_blocks(read=)``), so blocks are independent:
 the forward grid is parallel on all three axes. Per tile, :func:`tile_read` computes::
 
     q̃ = N_q(q),  k̃ = N_k(k),  c̃ = N_k(c_k)                     (read_normalize, per row)
@@ -37,7 +37,7 @@ from pallas_kernels.common import chunked_pallas_call
 __all__ = ["tile_read", "hola_cache_fwd_call", "hola_cache_bwd_call"]
 
 _F32 = jnp.float32
-_EPS = 1e-6  # as core.hola_cache.read_normalize
+_EPS = 1e-6  # as core.hola.cache.read_normalize
 _NT = (((1,), (1,)), ((), ()))  # A @ Bᵀ
 _NN = (((1,), (0,)), ((), ()))  # A @ B
 
@@ -48,7 +48,7 @@ def _dot(a, b, dims=_NN):
 
 
 def _normalize(x, gamma, read_norm):
-    """``x [N, D]``, ``gamma [1, D]``: ``core.hola_cache.read_normalize`` of one row block."""
+    """``x [N, D]``, ``gamma [1, D]``: ``core.hola.cache.read_normalize`` of one row block."""
     if read_norm == "l2":
         return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + _EPS)
     return x * lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True) + _EPS) * gamma

@@ -1,6 +1,6 @@
 """Jitted entry of the Pallas HOLA cache read (SPEC §5): padding, layout, ``custom_vjp``.
 
-``hola_cache_read_pallas`` has the contract of ``nested_jax.core.hola_cache.read_blocks`` (every
+``hola_cache_read_pallas`` has the contract of ``nested_jax.core.hola.cache.read_blocks`` (every
 block's read over ``[A_{n−1} ‖ block (causal, filled) ‖ sink]``, given the stacked caches), the
 ``read=`` of ``cache_blocks``'s two-phase form. The block ``C`` and the window ``w`` are padded
 here to multiples of 8 (padded slots are unfilled, padded entries invalid: they get zero
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.hola_decode import READ_NORMS
+from nested_jax.rules import READ_NORMS
 from pallas_kernels.common import SUBLANES
 from pallas_kernels.hola_cache.kernel import hola_cache_bwd_call, hola_cache_fwd_call
 
@@ -120,7 +120,7 @@ def hola_cache_read_pallas(
 
     Block ``n`` holds the slots ``[nC, (n+1)C)``; its query at slot ``t`` reads ``[A_{n−1} ‖
     filled block slots ≤ t ‖ sink]`` with ``q̃ = N_q(q), k̃ = N_k(k)`` and logits
-    ``cache_scale · q̃ᵀ k̃`` (``core.hola_cache.read_blocks``, whose arguments these are).
+    ``cache_scale · q̃ᵀ k̃`` (``core.hola.cache.read_blocks``, whose arguments these are).
     Gradients (``custom_vjp``, the backward kernel) reach ``qh, kh, vh``, the cache entries
     ``ck, cv``, ``gamma_q, gamma_k`` and ``sink``.
 

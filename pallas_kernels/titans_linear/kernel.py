@@ -16,7 +16,7 @@ One grid step is one chunk of ``C`` tokens of one (batch, head) row; the grid is
 
 ``m`` runs over ``(M⁰, S⁰)`` (plus ``(Mⁱ, Sⁱ)`` with packed rows). The gate coefficients (``r_m``
 per token, ``D_read [C, C]``, the final-row coefficients ``w_m, s_m`` and rows ``d_fin, p_fin``)
-are the cumulative products of ``titans_mlp_chunk._coefficients`` with resets folded into the
+are the cumulative products of ``core.titans.chunk.chunk_coefficients`` with resets folded into the
 gates, computed outside the kernel by ``ops._coefficient_tables`` (exact products, no division)
 and read here as lane-dense rows ``[len(scalar_names), C]`` plus ``D_read`` per chunk.
 

@@ -6,8 +6,8 @@ with ``chunk_size = block_sizes.chunk`` (returns ``(o [B, T, H, V] in v's dtype,
 [B, H, K, V])``). The gate coefficients of every chunk (cumulative products of ``η`` and
 ``1 − α``, resets folded into the gates, the rows of the last real token and of a
 document-local chunk start) are computed here in plain ``jnp`` by the core's own
-``_coefficients`` / ``_reset_coefficients`` and reach θ, η, α in the backward by autodiff of that
-O(T·C) preparation; the kernels of ``kernel.py`` do everything that touches the states.
+``chunk_coefficients`` / ``reset_coefficients`` and reach θ, η, α in the backward by autodiff of
+that O(T·C) preparation; the kernels of ``kernel.py`` do everything that touches the states.
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ from jax import lax
 
 from nested_jax.core.scan import pad_to_multiple
 from nested_jax.core.titans.chunk import (
-    _chunk_pool,
-    _coefficients,
-    _local_chunk_starts,
-    _reset_coefficients,
+    chunk_coefficients,
+    chunk_pool,
+    local_chunk_starts,
+    reset_coefficients,
 )
-from nested_jax.core.titans.linear import TitansLinearState, _state_of
+from nested_jax.core.titans.linear import TitansLinearState, state_of
 from nested_jax.core.titans.net import (
-    _segment_resets,
-    _validate_common,
-    _validate_horizon,
-    _validate_segment_ids,
+    segment_resets,
+    validate_common,
+    validate_horizon,
+    validate_segment_ids,
 )
 from pallas_kernels.common import check_chunk, from_heads_major, heads_major
 from pallas_kernels.titans_linear.kernel import (
@@ -78,13 +78,13 @@ def _gate_chunks(x, C):
 def _coefficient_tables(theta, eta, alpha, segment_ids, C, rbw):
     """Per-chunk scalars ``[B·H, N, len(scalar_names), C]`` and ``D_read [B·H, N, C, C]`` (f32).
 
-    The core's unrolled chunk (``titans_mlp_chunk``): with ``P`` the cumulative products of
+    The core's unrolled chunk (``core.titans.chunk``): with ``P`` the cumulative products of
     ``η`` and ``1 − α`` (rows ``t = 0..C``, 0 = chunk start), ``W_t = A_t M⁰ + C_t S⁰ −
     Σ_j D_tj θ̃_j u_j`` and ``S_t = E_t S⁰ − Σ_j P^η_tj θ̃_j u_j``. Reads take rows ``1..C``
     (``0..C−1`` with read-before-write), the final state the row of the chunk's last real token
     (padding never reaches it). Packed rows: at a reset ``η ← 0``, ``1 − α ← 0`` and the reset
-    state enters as sources (``_reset_coefficients``); ``d_r``, ``x_m`` are the row ``r`` of a
-    document-local chunk start inside the chunk (``_local_chunk_starts``).
+    state enters as sources (``reset_coefficients``); ``d_r``, ``x_m`` are the row ``r`` of a
+    document-local chunk start inside the chunk (``local_chunk_starts``).
     """
     B, T, H = theta.shape
     packed = segment_ids is not None
@@ -93,17 +93,17 @@ def _coefficient_tables(theta, eta, alpha, segment_ids, C, rbw):
     last = jnp.minimum(C, T - C * jnp.arange(N))  # row (1..C) of each chunk's last real token
     sel = jax.nn.one_hot(last, C + 1, dtype=jnp.float32)  # [N, C+1]
     if packed:
-        r = _segment_resets(segment_ids)
+        r = segment_resets(segment_ids)
         reset = _gate_chunks(r, C)  # [B, 1, N, C]
-        bound = _gate_chunks(_local_chunk_starts(r, C), C)
+        bound = _gate_chunks(local_chunk_starts(r, C), C)
         keep = 1.0 - reset
         src_m, src_s = reset * (1.0 - al), reset * et
         et, al = et * keep, 1.0 - (1.0 - al) * keep
-    A, Cc, E, peta, D = _coefficients(et, al)
+    A, Cc, E, peta, D = chunk_coefficients(et, al)
     coef_w = {"M0": A, "S0": Cc}
     coef_s = {"M0": jnp.zeros_like(E), "S0": E}
     if packed:
-        (fw, gw), (fs, hs) = _reset_coefficients(al, D, peta, E, src_m, src_s)
+        (fw, gw), (fs, hs) = reset_coefficients(al, D, peta, E, src_m, src_s)
         coef_w.update(Mi=fw, Si=gw)
         coef_s.update(Mi=fs, Si=hs)
     rows = slice(0, -1) if rbw else slice(1, None)
@@ -207,7 +207,7 @@ def _as_state(fn, x, q, B, H, K, V, name):
     if x is None:
         z = _zero_state(q, (B, H, K, V))
         return z, z
-    st = _state_of(fn, x, B, H, K, V, name=name)
+    st = state_of(fn, x, B, H, K, V, name=name)
     return st.M, st.S
 
 
@@ -271,20 +271,20 @@ def titans_linear_pallas(
         block_sizes = BlockSizes.get_default()
     if not isinstance(block_sizes, BlockSizes):
         raise ValueError(f"{fn}: block_sizes must be a BlockSizes, got {block_sizes!r}")
-    B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
+    B, T, H, K, V = validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
     C = block_sizes.chunk
-    _validate_segment_ids(fn, segment_ids, B, T)
-    _validate_horizon(fn, grad_horizon, C)
+    validate_segment_ids(fn, segment_ids, B, T)
+    validate_horizon(fn, grad_horizon, C)
     if reset_state is not None and segment_ids is None:
         raise ValueError(f"{fn}: reset_state needs segment_ids (it is the state of a reset)")
     m0, s0 = _as_state(fn, initial_state, q, B, H, K, V, "initial_state")
     reset = None
     if segment_ids is not None:
-        reset = (m0, s0) if reset_state is None else _state_of(fn, reset_state, B, H, K, V,
+        reset = (m0, s0) if reset_state is None else state_of(fn, reset_state, B, H, K, V,
                                                                 name="reset_state")  # fmt: skip
         reset = tuple(reset)
     if per_chunk_gates:
-        theta, eta, alpha = (_chunk_pool(x.astype(jnp.float32), C, T) for x in (theta, eta, alpha))
+        theta, eta, alpha = (chunk_pool(x.astype(jnp.float32), C, T) for x in (theta, eta, alpha))
     static = (C, bool(read_before_write), grad_clip or None, int(grad_horizon), bool(interpret))
     o, (M, S) = _titans(q, k, v, theta, eta, alpha, m0, s0, reset, segment_ids, static)
     return o, TitansLinearState(M, S)

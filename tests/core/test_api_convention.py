@@ -26,9 +26,9 @@ import pytest
 
 import nested_jax.core as core
 import nested_jax.ops as ops
-from nested_jax.core import proteus_hope
-from nested_jax.core.reference import hola as ref_hola
-from nested_jax.core.reference import hope as ref_hope
+from nested_jax.core.hola import reference as ref_hola
+from nested_jax.core.hope import proteus as proteus_hope
+from nested_jax.core.hope import reference as ref_hope
 from nested_jax.core.titans import memory as titans_memory
 from nested_jax.core.titans import reference as ref_titans
 
@@ -42,10 +42,10 @@ SOURCES = [
         if inspect.ismodule(getattr(ops, m))
     ),  # fmt: skip
     ("core.titans.memory", titans_memory, titans_memory.__all__),
-    ("core.proteus_hope", proteus_hope, proteus_hope.__all__),
+    ("core.hope.proteus", proteus_hope, proteus_hope.__all__),
     ("core.titans.reference", ref_titans, ("chunk_rule", "per_token_rule")),
-    ("core.reference.hope", ref_hope, ref_hope.__all__),
-    ("core.reference.hola", ref_hola, ("hola_reference",)),
+    ("core.hope.reference", ref_hope, ref_hope.__all__),
+    ("core.hola.reference", ref_hola, ("hola_reference",)),
 ]
 
 # Sequence forms whose names do not end in _chunked / _recurrent, listed explicitly.

@@ -9,15 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.cms import (
-    CMSLevel,
-    cms_forward,
-    cms_init_levels,
-    cms_initial_state,
-    cms_mix_weights,
-    cms_online,
-    surprise_from_loss,
-)
+from nested_jax.core.cms.levels import CMSLevel, cms_forward, cms_init_levels, cms_mix_weights
+from nested_jax.core.cms.online import cms_initial_state, cms_online, surprise_from_loss
 from nested_jax.core.dgd import dgd_update_layers
 
 D, H, B = 4, 6, 2

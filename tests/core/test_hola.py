@@ -9,15 +9,9 @@ import numpy as np
 import pytest
 
 from nested_jax.core.associative.forms import gated_delta_chunked
-from nested_jax.core.hola import (
-    HolaState,
-    gdn_residuals,
-    hola_decode_step,
-    hola_forward,
-    hola_scores,
-    init_hola_state,
-)
-from nested_jax.core.reference.hola import hola_reference
+from nested_jax.core.hola.decode import HolaState, hola_decode_step, init_hola_state
+from nested_jax.core.hola.forward import gdn_residuals, hola_forward, hola_scores
+from nested_jax.core.hola.reference import hola_reference
 
 B, T, H, K, V = 2, 37, 2, 6, 5  # T = 4 full blocks of C = 8 plus 5 tokens
 C, W = 8, 4

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.hola_cache import merge_top_w
+from nested_jax.core.hola.cache import merge_top_w
 
 B, H, W, C, D = 2, 3, 8, 16, 3
 N_MERGES = 10

@@ -9,14 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.hola import (
-    HolaState,
-    gdn_residuals,
-    hola_decode_step,
-    hola_forward,
-    init_hola_state,
-)
-from nested_jax.core.reference.hola import hola_reference
+from nested_jax.core.hola.decode import HolaState, hola_decode_step, init_hola_state
+from nested_jax.core.hola.forward import gdn_residuals, hola_forward
+from nested_jax.core.hola.reference import hola_reference
 
 H, K, V, C = 2, 6, 5, 8
 # Two rows of T = 30: starts at 5, 18, 19 (mid-block, twice in one block) and at 8 (on a block

@@ -1,5 +1,5 @@
 """Hope self-modifying memories (SPEC §3.2): chunked == the package's independent per-token twin
-``nested_jax.core.reference.hope`` (values and gradients), chunk semantics, linear chunk update ==
+``nested_jax.core.hope.reference`` (values and gradients), chunk semantics, linear chunk update ==
 gated delta rule, one test per ablation flag."""
 
 import functools
@@ -11,17 +11,17 @@ import pytest
 
 from nested_jax.core.associative.forms import gated_delta_recurrent
 from nested_jax.core.dgd import dgd_update
-from nested_jax.core.hope import (
+from nested_jax.core.hope.chunk import hope_chunked
+from nested_jax.core.hope.linear import hope_linear_chunk_update
+from nested_jax.core.hope.reference import hope_reference
+from nested_jax.core.hope.state import (
     HopeMemories,
     HopeReadout,
     HopeState,
     MLPMemory,
-    hope_chunked,
     hope_init_state,
 )
-from nested_jax.core.hope_linear import hope_linear_chunk_update
-from nested_jax.core.hope_token import hope_decode_step, hope_recurrent
-from nested_jax.core.reference.hope import hope_reference
+from nested_jax.core.hope.token import hope_decode_step, hope_recurrent
 
 B, T, H, D, HID = 2, 6, 2, 4, 3
 TOL = 2e-5
@@ -189,7 +189,7 @@ def _value_and_vjp(fn, args, cotangent, **kw):
 )  # two fwd+bwd compiles per case (15-30 s CPU), so one case by default; chunk size 1 against the
 # twin by default: test_chunk1_equals_reference_values, test_chunked_equals_reference_gradients
 def test_package_twin_equals_chunked_values_and_gradients(cm, co, momentum, packed):
-    """The package twin (``core.reference.hope``: a per-token scan with ``jax.grad`` inner
+    """The package twin (``core.hope.reference``: a per-token scan with ``jax.grad`` inner
     gradients, no code shared with ``hope_chunked``) == ``hope_chunked`` at chunk sizes 1 and
     (chunk_memory=4, chunk_other=2), T=13: outputs, final memories and momenta, and the VJP of all
     of them w.r.t. x, q, the initial memories (and momenta) and the readout."""

@@ -1,10 +1,10 @@
-"""Hope's parallel chunk form (core.hope_parallel) against plain per-token loops (SPEC §3.1, §3.2).
+"""Hope's parallel chunk form (core.hope.parallel) against plain per-token loops (SPEC §3.1, §3.2).
 
 1. One memory layer over one chunk: ``layer_chunk`` / ``read_running`` equal a per-token loop of
    the rule ``u = −γ(W x + g)xᵀ`` (or ``−η g xᵀ``), ``S = μS + u``, ``W = αW + S``, with padding
    at the end, packed-row resets to ``W_init`` (momentum back to zero), on values and gradients.
 2. The whole Hope rule: ``hope_chunked`` equals the independent per-token twin
-   ``core.reference.hope.hope_reference`` for every flag combination of the parallel form
+   ``core.hope.reference.hope_reference`` for every flag combination of the parallel form
    (dgd and its two targets, momentum, decay) at chunk sizes (1, 1), (4, 2), (8, 8) and an
    awkward T.
 """
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from nested_jax.core.dgd import dgd_step_size
-from nested_jax.core.hope import hope_chunked
-from nested_jax.core.hope_parallel import chunk_coefficients, layer_chunk, read_running
-from nested_jax.core.hope_state import HopeMemories, HopeReadout, MLPMemory, hope_init_state
-from nested_jax.core.reference.hope import hope_reference
+from nested_jax.core.hope.chunk import hope_chunked
+from nested_jax.core.hope.parallel import chunk_coefficients, layer_chunk, read_running
+from nested_jax.core.hope.reference import hope_reference
+from nested_jax.core.hope.state import HopeMemories, HopeReadout, MLPMemory, hope_init_state
 
 B, H, C, O, I = 2, 2, 7, 5, 4
 
@@ -322,7 +322,7 @@ SEG = [[0] * 5 + [1] * 6 + [2] * 2, [0] * 13]  # document starts at 5 and 11 (ro
 )
 def test_stacked_memories_equal_the_twin(flags, chunks):
     """The parallel form runs every memory as one row of a stacked batch
-    (``core.hope_rows._stack``): packed rows restart every row, rows that do not adapt keep their
+    (``core.hope.rows._stack``): packed rows restart every row, rows that do not adapt keep their
     weights (and still restart at a document start), ``M_q`` joins the stack with ``adaptive_q``;
     both chunk groups refresh their snapshots on their own schedule. Values and gradients against
     the per-token twin."""

@@ -15,19 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.hope import (
-    HopeMemories,
-    HopeReadout,
-    HopeState,
-    MLPMemory,
-    hope_chunked,
-)
-from nested_jax.core.hope_token import hope_recurrent, hope_step
-from nested_jax.core.proteus_hope import (
+from nested_jax.core.hope.chunk import hope_chunked
+from nested_jax.core.hope.proteus import (
     proteus_hope_chunked,
     proteus_hope_recurrent,
     proteus_hope_step,
 )
+from nested_jax.core.hope.state import HopeMemories, HopeReadout, HopeState, MLPMemory
+from nested_jax.core.hope.token import hope_recurrent, hope_step
 
 B, H, D, HID = 2, 2, 6, 10  # E = 4 hidden blocks of 2, 2, 2, 4 units (remainder in the last)
 N48 = dict(context_len=48, num_blocks=4)  # Δ = 12

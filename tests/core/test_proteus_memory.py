@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core._proteus_common import proteus_spans
 from nested_jax.core.associative.forms import (
     gated_delta_chunked,
     gated_delta_recurrent,
@@ -25,17 +24,16 @@ from nested_jax.core.associative.proteus import (
     proteus_gated_delta_recurrent,
     proteus_gated_delta_step,
 )
-from nested_jax.core.proteus import proteus_active_blocks
+from nested_jax.core.proteus import proteus_active_blocks, proteus_spans
+from nested_jax.core.titans.chunk import titans_mlp_chunked
 from nested_jax.core.titans.linear import (
     TitansLinearState,
-    TitansMLPState,
     titans_linear_chunked,
     titans_linear_recurrent,
     titans_linear_step,
-    titans_mlp_chunked,
-    titans_mlp_recurrent,
-    titans_mlp_step,
 )
+from nested_jax.core.titans.mlp import titans_mlp_recurrent, titans_mlp_step
+from nested_jax.core.titans.net import TitansMLPState
 from nested_jax.core.titans.proteus import (
     proteus_titans_linear_chunked,
     proteus_titans_linear_recurrent,

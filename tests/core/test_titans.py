@@ -10,19 +10,20 @@ import numpy as np
 import pytest
 
 from nested_jax.core.titans import reference as ref
+from nested_jax.core.titans.chunk import titans_mlp_chunked, titans_pool_gates
 from nested_jax.core.titans.linear import (
     TitansLinearState,
-    TitansMLPState,
     titans_linear_chunked,
     titans_linear_recurrent,
     titans_linear_step,
+)
+from nested_jax.core.titans.mlp import (
     titans_mlp_apply,
-    titans_mlp_chunked,
     titans_mlp_recurrent,
     titans_mlp_state,
     titans_mlp_step,
-    titans_pool_gates,
 )
+from nested_jax.core.titans.net import TitansMLPState
 
 TOL = 1e-4  # SPEC §0: f32 max abs error relative to the output scale
 # Unoptimised XLA backend: compile time dominates these tests and halves with it; numerics are f32

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nested_jax.core.cms import CMSLevel, cms_forward
+from nested_jax.core.cms.levels import CMSLevel, cms_forward
 from nested_jax.layers.cms import CMSFFN
 from nested_jax.layers.options import CMSOptions
 from nested_jax.optim.multifreq import level_labels_by_index

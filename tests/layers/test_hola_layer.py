@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nested_jax.core.hola import HolaState
+from nested_jax.core.hola.decode import HolaState
 from nested_jax.layers.gdn import GatedDeltaNet
 from nested_jax.layers.hola import HolaMixer
 from nested_jax.layers.options import HolaOptions

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nested_jax.core.hope import hope_init_state
-from nested_jax.core.hope_token import hope_recurrent
+from nested_jax.core.hope.state import hope_init_state
+from nested_jax.core.hope.token import hope_recurrent
 from nested_jax.layers.hope import HopeCache, HopeMixer
 from nested_jax.layers.options import HopeOptions
 from nested_jax.models.config import ModelConfig

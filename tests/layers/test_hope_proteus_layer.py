@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nested_jax.core.hope import hope_init_state
+from nested_jax.core.hope.proteus import proteus_hope_chunked, proteus_hope_recurrent
+from nested_jax.core.hope.state import hope_init_state
 from nested_jax.core.proteus import proteus_block_ids
-from nested_jax.core.proteus_hope import proteus_hope_chunked, proteus_hope_recurrent
 from nested_jax.layers.hope import HopeMixer
 from nested_jax.layers.options import HopeOptions, ProteusOptions
 from nested_jax.models.config import ModelConfig

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from nested_jax.core.cms import cms_init_levels
+from nested_jax.core.cms.levels import cms_init_levels
 from nested_jax.optim.multifreq import MultiFreqState, level_labels_by_index, multi_frequency
 
 PERIODS = (2, 3)

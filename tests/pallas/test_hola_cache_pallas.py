@@ -1,6 +1,6 @@
 """The Pallas HOLA cache read (``pallas_kernels/hola_cache``) against the XLA cache path (SPEC §5).
 
-Interpret mode on any backend: the kernel against ``core.hola_cache.read_blocks`` (its contract)
+Interpret mode on any backend: the kernel against ``core.hola.cache.read_blocks`` (its contract)
 on random stacked caches, and ``hola_forward(cache_read=kernel)`` (the two-phase cache path:
 merges first, then one read of all blocks) against ``hola_forward`` (the XLA block scan), values
 and gradients (q, k, v, g, β, γ_q, γ_k, the sink, the gate and the initial state's float leaves)
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.hola import hola_forward
-from nested_jax.core.hola_cache import read_blocks
+from nested_jax.core.hola.cache import read_blocks
+from nested_jax.core.hola.forward import hola_forward
 from nested_jax.ops import hola as ops_hola
 from pallas_kernels.hola_cache import BlockSizes, hola_cache_read_pallas
 

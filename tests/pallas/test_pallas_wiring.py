@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from nested_jax import ops
-from nested_jax.core.hola import hola_forward
+from nested_jax.core.hola.forward import hola_forward
 from nested_jax.layers.gdn import GatedDeltaNet
 from nested_jax.layers.hola import HolaMixer
 from nested_jax.layers.options import HolaOptions

@@ -21,9 +21,9 @@ import pytest
 from flax import nnx
 
 from nested_jax import ops
-from nested_jax.core.titans.chunk import _local_chunk_starts
+from nested_jax.core.titans.chunk import local_chunk_starts
 from nested_jax.core.titans.linear import titans_linear_chunked, titans_linear_recurrent
-from nested_jax.core.titans.net import _segment_resets
+from nested_jax.core.titans.net import segment_resets
 from nested_jax.layers.options import TitansOptions
 from nested_jax.models.config import ModelConfig
 from nested_jax.models.lm import build_model
@@ -118,8 +118,8 @@ def test_packed_inputs_have_mid_chunk_local_starts():
     """The packed cases exercise every anchor of the kernel: a reset inside a grid chunk and a
     document-local chunk start inside a grid chunk (``W_r``)."""
     _, _, sid = _inputs(63, seg=True)
-    r = _segment_resets(sid)
-    local = np.asarray(_local_chunk_starts(r, 16))
+    r = segment_resets(sid)
+    local = np.asarray(local_chunk_starts(r, 16))
     t = np.nonzero(local)[1]
     assert np.asarray(r)[:, 1:].any() and (t % 16 != 0).any()
 
@@ -174,7 +174,7 @@ def test_padding_never_reaches_the_state():
 def test_grad_horizon_matches_core():
     """``grad_horizon = 16`` with chunk 8 over T = 40: the carried state's cotangent is cut at
     t = 16, 32 as the core's ``stop_gradient`` does (values unchanged)."""
-    from nested_jax.core.titans.mlp import titans_mlp_chunked
+    from nested_jax.core.titans.chunk import titans_mlp_chunked
     from nested_jax.core.titans.net import TitansMLPState
 
     args, st, _ = _inputs(40, init=True, B=1, H=2, K=8, V=8)

@@ -66,7 +66,7 @@ def _check_float(name: str, x) -> None:
         raise ValueError(f"{name} must have a floating dtype, got {x.dtype}")
 
 
-def _validate_seq(
+def validate_seq(
     fn: str,
     q,
     k,
@@ -277,7 +277,7 @@ def linear_attention_recurrent(
     Returns:
       ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
     """
-    _validate_seq("linear_attention_recurrent", q, k, v, g, None, initial_state, segment_ids)
+    validate_seq("linear_attention_recurrent", q, k, v, g, None, initial_state, segment_ids)
     return _recurrent(q, k, v, g, None, scale, initial_state, segment_ids, delta=False)
 
 
@@ -295,7 +295,7 @@ def delta_rule_recurrent(q, k, v, beta, *, scale=None, initial_state=None, segme
     Returns:
       ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
     """
-    _validate_seq("delta_rule_recurrent", q, k, v, None, beta, initial_state, segment_ids)
+    validate_seq("delta_rule_recurrent", q, k, v, None, beta, initial_state, segment_ids)
     return _recurrent(q, k, v, None, beta, scale, initial_state, segment_ids, delta=True)
 
 
@@ -314,7 +314,7 @@ def gated_delta_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, s
     Returns:
       ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
     """
-    _validate_seq("gated_delta_recurrent", q, k, v, g, beta, initial_state, segment_ids)
+    validate_seq("gated_delta_recurrent", q, k, v, g, beta, initial_state, segment_ids)
     return _recurrent(q, k, v, g, beta, scale, initial_state, segment_ids, delta=True)
 
 
@@ -424,7 +424,7 @@ def linear_attention_chunked(
     Returns:
       ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
     """
-    _validate_seq(
+    validate_seq(
         "linear_attention_chunked", q, k, v, g, None, initial_state, segment_ids, chunk_size
     )
     return _chunked(q, k, v, g, None, scale, initial_state, segment_ids, chunk_size, delta=False)
@@ -444,7 +444,7 @@ def delta_rule_chunked(
     Returns:
       ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
     """
-    _validate_seq("delta_rule_chunked", q, k, v, None, beta, initial_state, segment_ids, chunk_size)
+    validate_seq("delta_rule_chunked", q, k, v, None, beta, initial_state, segment_ids, chunk_size)
     return _chunked(q, k, v, None, beta, scale, initial_state, segment_ids, chunk_size, delta=True)
 
 
@@ -471,5 +471,5 @@ def gated_delta_chunked(
     Returns:
       ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
     """
-    _validate_seq("gated_delta_chunked", q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+    validate_seq("gated_delta_chunked", q, k, v, g, beta, initial_state, segment_ids, chunk_size)
     return _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, chunk_size, delta=True)

@@ -26,7 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from nested_jax.core._proteus_common import (
+from nested_jax.core.associative.forms import (
+    gated_delta_chunked,
+    gated_delta_recurrent,
+    gated_delta_step,
+)
+from nested_jax.core.checks import check_positive_int
+from nested_jax.core.proteus import (
     _check_blocked,
     _check_schedule,
     _check_static_t0,
@@ -35,18 +41,10 @@ from nested_jax.core._proteus_common import (
     _positions,
     _statically_open,
     _zero_where,
-    proteus_spans,
-)
-from nested_jax.core.associative.forms import (
-    gated_delta_chunked,
-    gated_delta_recurrent,
-    gated_delta_step,
-)
-from nested_jax.core.checks import check_positive_int
-from nested_jax.core.proteus import (
     proteus_active_blocks,
     proteus_block_ids,
     proteus_gated_step,
+    proteus_spans,
 )
 from nested_jax.core.scan import state_zeros, zeros_typed
 

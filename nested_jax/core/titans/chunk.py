@@ -1,7 +1,7 @@
 """Titans MLP memory in chunks (SPEC §2 parallel form): dual-form reads, scan across chunks.
 
-The memory, its per-token rule and the softclamp are in :mod:`nested_jax.core.titans.mlp`
-(``titans_mlp_chunked`` is re-exported there); this module is the chunked form.
+The memory, its per-token rule and the softclamp are in :mod:`nested_jax.core.titans.mlp`; this
+module is the chunked form.
 
 Chunked form (chunk size b; this paragraph is the derivation): all gradients of a chunk are taken
 at the chunk-start weights ``W⁰`` (momentum ``S⁰``). With ``P^η_{tj} = Π_{j<i≤t} η_i`` and
@@ -45,13 +45,13 @@ from nested_jax.core.titans.net import (
     _check_state,
     _forward,
     _resolve_residual,
-    _segment_resets,
     _shape,
     _stop_gradient_where,
-    _validate_chunk_size,
-    _validate_common,
-    _validate_horizon,
-    _validate_segment_ids,
+    segment_resets,
+    validate_chunk_size,
+    validate_common,
+    validate_horizon,
+    validate_segment_ids,
 )
 
 __all__ = ["titans_mlp_chunked", "titans_pool_gates"]
@@ -73,7 +73,7 @@ def _seg_prod(x):
     return jnp.where(idx[:, None] >= idx[None, :], jnp.cumprod(y, axis=-2), 0.0)
 
 
-def _coefficients(eta, alpha):
+def chunk_coefficients(eta, alpha):
     """Chunk coefficients from ``eta, alpha [..., b]``; rows ``t = 0..b`` (0 = chunk start).
 
     Returns ``A, C, E [..., b+1]`` and ``Peta, D [..., b+1, b]`` with
@@ -151,7 +151,7 @@ def _reset_terms(reset, et, al, init, factors, surprise):
     return factors, et * keep, 1.0 - (1.0 - al) * keep, (src_m, src_s), after
 
 
-def _reset_coefficients(al, D, peta, E, src_m, src_s):
+def reset_coefficients(al, D, peta, E, src_m, src_s):
     """Coefficients of ``(W^i, S^i)`` in the unrolled W (``F``, ``G``) and S (``0``, ``Hs``);
     ``al`` is the reset-gated α of :func:`_reset_terms`."""
     palpha = _seg_prod(1.0 - al)[..., :, 1:]
@@ -241,10 +241,10 @@ def _chunk_body(carry, xs, *, init, activation, residual, rbw, grad_clip):
     if packed:
         factors, et, al, src, after = _reset_terms(reset, et, al, init, factors, surprise)
         mats = list(zip(W0, S0, *init, strict=True))
-    A, C, E, peta, D = _coefficients(et, al)
+    A, C, E, peta, D = chunk_coefficients(et, al)
     coef_w, coef_s = [A, C], [jnp.zeros_like(E), E]  # coefficients of (W⁰, S⁰[, W^i, S^i])
     if packed:
-        cw, cs = _reset_coefficients(al, D, peta, E, *src)
+        cw, cs = reset_coefficients(al, D, peta, E, *src)
         coef_w, coef_s = coef_w + cw, coef_s + cs
         unrolled = (mats, coef_w, coef_s, D, peta)
         factors, Wa = _local_start_terms(
@@ -257,7 +257,7 @@ def _chunk_body(carry, xs, *, init, activation, residual, rbw, grad_clip):
     return ((W_new, S_new, Wa) if packed else (W_new, S_new)), y
 
 
-def _chunk_pool(x, b, T):
+def chunk_pool(x, b, T):
     """Mean of ``x [B, T, H]`` over the real tokens of each chunk, back to ``[B, T, H]``."""
     N = -(-T // b)
     xp = chunk(x, b)  # [B, N, b, H], zero padded
@@ -277,13 +277,13 @@ def titans_pool_gates(x, chunk_size: int):
       ``[B, T, H]``. ``titans_*_chunked(..., per_chunk_gates=True)`` equals the chunked form fed
       with these pooled gates.
     """
-    _validate_chunk_size("titans_pool_gates", chunk_size)
+    validate_chunk_size("titans_pool_gates", chunk_size)
     if _shape(x) is None or x.ndim != 3:
         raise ValueError(f"titans_pool_gates: x must have shape [B, T, H], got {_shape(x)}")
-    return _chunk_pool(x, chunk_size, x.shape[1])
+    return chunk_pool(x, chunk_size, x.shape[1])
 
 
-def _local_chunk_starts(resets, b):
+def local_chunk_starts(resets, b):
     """``[B, T]`` float 0/1: 1 where a document-local chunk starts inside a document (its local
     position is a positive multiple of b; the row's first document starts at position 0)."""
     t = jnp.arange(resets.shape[1])
@@ -309,7 +309,7 @@ def _chunked_core(
     f32 = jnp.float32
     q, k, v, theta, eta, alpha = (x.astype(f32) for x in (q, k, v, theta, eta, alpha))
     if per_chunk_gates:
-        theta, eta, alpha = (_chunk_pool(x, b, T) for x in (theta, eta, alpha))
+        theta, eta, alpha = (chunk_pool(x, b, T) for x in (theta, eta, alpha))
     last = jnp.minimum(b, T - b * jnp.arange(N))  # row index (1..b) of each chunk's last real token
     sel = jax.nn.one_hot(last, b + 1, dtype=f32)
     carry = (tuple(w.astype(f32) for w in weights), tuple(s.astype(f32) for s in momentum))
@@ -340,9 +340,9 @@ def _chunked_core(
 
     if segment_ids is None:
         return run(carry, xs + (None, None))
-    r = _segment_resets(segment_ids)
+    r = segment_resets(segment_ids)
     reset = to_head_chunks(r[:, :, None], b)  # [B, T] → [N, B, 1, b]
-    bound = to_head_chunks(_local_chunk_starts(r, b)[:, :, None], b)
+    bound = to_head_chunks(local_chunk_starts(r, b)[:, :, None], b)
     # Rows without a document start (most rows of long documents) take the plain engine.
     return lax.cond(
         jnp.any(r > 0),
@@ -405,11 +405,11 @@ def titans_mlp_chunked(
     """
     fn = "titans_mlp_chunked"
     state = require_initial_state(fn, initial_state, MLP_STATE_CONSTRUCTOR)
-    B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
-    _validate_chunk_size(fn, chunk_size)
+    B, T, H, K, V = validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
+    validate_chunk_size(fn, chunk_size)
     _check_state(fn, state, B, H, K, V, name="initial_state")
-    _validate_segment_ids(fn, segment_ids, B, T)
-    _validate_horizon(fn, grad_horizon, chunk_size)
+    validate_segment_ids(fn, segment_ids, B, T)
+    validate_horizon(fn, grad_horizon, chunk_size)
     if reset_state is not None:
         _check_state(fn + " (reset_state)", reset_state, B, H, K, V)
     res = _resolve_residual(fn, residual, len(state.weights), K, V)

@@ -16,7 +16,7 @@ Three forms with one meaning (SPEC §0): ``titans_linear_step`` (one token),
 ``titans_linear_recurrent`` (``lax.scan`` of the step; ground truth) and ``titans_linear_chunked``
 (gradients at chunk start, exact momentum/decay inside the chunk, dual-form reads;
 ``chunk_size=1`` equals the recurrence). The chunked form is the ``L_M = 1`` case of the MLP engine
-in ``titans_mlp_chunk`` (the deep-memory API lives in ``titans_mlp`` and is re-exported here).
+in :mod:`nested_jax.core.titans.chunk` (deep-memory API: ``titans.mlp``, ``titans.chunk``).
 """
 
 from __future__ import annotations
@@ -30,22 +30,11 @@ from jax import lax
 from nested_jax.core.dgd import clamped_rate
 from nested_jax.core.scan import state_zeros
 from nested_jax.core.titans.chunk import _chunked_core
-from nested_jax.core.titans.mlp import (
-    DEFAULT_MLP_GRAD_CLIP,
-    TitansMLPState,
-    titans_mlp_apply,
-    titans_mlp_chunked,
-    titans_mlp_init_weights,
-    titans_mlp_recurrent,
-    titans_mlp_state,
-    titans_mlp_step,
-    titans_pool_gates,
-)
 from nested_jax.core.titans.net import (
-    _segment_resets,
-    _validate_chunk_size,
-    _validate_common,
-    _validate_segment_ids,
+    segment_resets,
+    validate_chunk_size,
+    validate_common,
+    validate_segment_ids,
 )
 
 __all__ = [
@@ -53,15 +42,6 @@ __all__ = [
     "titans_linear_step",
     "titans_linear_recurrent",
     "titans_linear_chunked",
-    "DEFAULT_MLP_GRAD_CLIP",
-    "TitansMLPState",
-    "titans_mlp_init_weights",
-    "titans_mlp_state",
-    "titans_mlp_apply",
-    "titans_mlp_step",
-    "titans_mlp_recurrent",
-    "titans_mlp_chunked",
-    "titans_pool_gates",
 ]
 
 
@@ -72,7 +52,7 @@ class TitansLinearState(NamedTuple):
     S: jax.Array
 
 
-def _state_of(fn: str, x, B, H, K, V, name: str = "initial_state", like=None) -> TitansLinearState:
+def state_of(fn: str, x, B, H, K, V, name: str = "initial_state", like=None) -> TitansLinearState:
     """None → zeros; a bare ``[B, H, K, V]`` array → ``(M, 0)``; a state tuple is checked.
 
     ``like = (k, v)``: the zeros are typed like those inputs (``scan.state_zeros``), as the carry
@@ -142,15 +122,15 @@ def titans_linear_step(
       ``(o_t [B, H, V] in v_t's dtype, TitansLinearState f32)``.
     """
     fn = "titans_linear_step"
-    B, _, H, K, V = _validate_common(
+    B, _, H, K, V = validate_common(
         fn, q_t, k_t, v_t, theta_t, eta_t, alpha_t, grad_clip, per_token=True
     )
     if state is None:
         raise ValueError(f"{fn}: state must be a TitansLinearState(M, S) of [B, H, K, V], got None")
-    st = _state_of(fn, state, B, H, K, V, name="state")
+    st = state_of(fn, state, B, H, K, V, name="state")
     f = lambda x: x.astype(jnp.float32)  # noqa: E731
     if anchor is not None:
-        anchor = _state_of(fn, anchor, B, H, K, V, name="anchor").M
+        anchor = state_of(fn, anchor, B, H, K, V, name="anchor").M
     o, st = _linear_step_math(
         st, f(q_t), f(k_t), f(v_t), f(theta_t), f(eta_t), f(alpha_t), read_before_write,
         grad_clip, anchor,
@@ -187,11 +167,11 @@ def titans_linear_recurrent(
       ``(o [B, T, H, V] in v's dtype, TitansLinearState(M, S) f32 [B, H, K, V])``.
     """
     fn = "titans_linear_recurrent"
-    B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
-    _validate_segment_ids(fn, segment_ids, B, T)
-    st0 = _state_of(fn, initial_state, B, H, K, V, like=(k, v))
+    B, T, H, K, V = validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
+    validate_segment_ids(fn, segment_ids, B, T)
+    st0 = state_of(fn, initial_state, B, H, K, V, like=(k, v))
     tm = lambda x: jnp.moveaxis(x, 1, 0).astype(jnp.float32)  # noqa: E731
-    resets = None if segment_ids is None else tm(_segment_resets(segment_ids))
+    resets = None if segment_ids is None else tm(segment_resets(segment_ids))
 
     def body(s, xs):
         *xs, r = xs
@@ -226,7 +206,7 @@ def titans_linear_chunked(
     Inside a chunk of size b all surprises are taken at the chunk-start memory ``M⁰``:
     ``u_j = k_j (M⁰ᵀ k_j − v_j)ᵀ``; then exactly ``M_t = A_t M⁰ + C_t S⁰ − Σ_{j≤t} D_tj θ_j u_j``
     and ``o_t = A_t M⁰ᵀq_t + C_t S⁰ᵀq_t − Σ_j D_tj θ_j (q_t·k_j) e_j`` (coefficients from the
-    momentum and decay products, see ``titans_mlp_chunk``). ``chunk_size=1`` equals
+    momentum and decay products, see ``titans.chunk``). ``chunk_size=1`` equals
     ``titans_linear_recurrent``.
 
     Args:
@@ -244,10 +224,10 @@ def titans_linear_chunked(
       ``(o [B, T, H, V] in v's dtype, TitansLinearState(M, S) f32 [B, H, K, V])``.
     """
     fn = "titans_linear_chunked"
-    B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
-    _validate_chunk_size(fn, chunk_size)
-    _validate_segment_ids(fn, segment_ids, B, T)
-    st = _state_of(fn, initial_state, B, H, K, V, like=(k, v))
+    B, T, H, K, V = validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
+    validate_chunk_size(fn, chunk_size)
+    validate_segment_ids(fn, segment_ids, B, T)
+    st = state_of(fn, initial_state, B, H, K, V, like=(k, v))
     o, (W, S) = _chunked_core(
         (st.M,), (st.S,), q, k, v, theta, eta, alpha,
         chunk_size=chunk_size, activation=None, residual=False, rbw=read_before_write,

@@ -37,30 +37,27 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nested_jax.core._proteus_common import (
-    proteus_spans,
-    run_proteus_spans,
-    run_proteus_spans_packed,
-)
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.proteus import (
-    ProteusRule,
     proteus_active_blocks,
     proteus_block_len,
     proteus_chunk_constant,
     proteus_gate,
     proteus_gated_update,
+    proteus_spans,
+    run_proteus_spans,
+    run_proteus_spans_packed,
 )
+from nested_jax.core.titans.chunk import titans_mlp_chunked
 from nested_jax.core.titans.mlp import (
     DEFAULT_MLP_GRAD_CLIP,
-    TitansMLPState,
-    titans_mlp_chunked,
     titans_mlp_recurrent,
     titans_mlp_state,
     titans_mlp_step,
 )
-from nested_jax.core.titans.net import MLP_STATE_CONSTRUCTOR
+from nested_jax.core.titans.net import MLP_STATE_CONSTRUCTOR, TitansMLPState
 from nested_jax.core.titans.proteus import proteus_titans_mlp_masks, proteus_titans_mlp_step
+from nested_jax.rules import ProteusRule
 
 __all__ = [
     "TitansMemorySpec",

@@ -20,8 +20,8 @@ Per token (SPEC §2)::
     y_t = M_t(q_t)      (read_before_write=True: y_t = M_{t-1}(q_t))
 
 Chunked form (SPEC §2 parallel form, dual-form reads): ``titans_mlp_chunked`` and
-``titans_pool_gates`` live in :mod:`nested_jax.core.titans.chunk` (the derivation is there)
-and are re-exported here; the state type, argument checks and the forward / manual backward of
+``titans_pool_gates`` live in :mod:`nested_jax.core.titans.chunk` (the derivation is there);
+the state type, argument checks and the forward / manual backward of
 ``M`` live in :mod:`nested_jax.core.titans.net`.
 
 Gradient softclamp (``grad_clip=c``): ``u_t ← u_t · c·tanh(‖u_t‖/c)/‖u_t‖`` with
@@ -45,7 +45,6 @@ from jax import lax
 
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.dgd import softclamp_factor
-from nested_jax.core.titans.chunk import titans_mlp_chunked, titans_pool_gates
 from nested_jax.core.titans.net import (
     DEFAULT_MLP_GRAD_CLIP,
     MLP_STATE_CONSTRUCTOR,
@@ -55,24 +54,21 @@ from nested_jax.core.titans.net import (
     _f32_state,
     _forward,
     _resolve_residual,
-    _segment_resets,
     _shape,
     _stop_gradient_where,
-    _validate_common,
-    _validate_horizon,
-    _validate_segment_ids,
     _validate_weights,
+    segment_resets,
+    validate_common,
+    validate_horizon,
+    validate_segment_ids,
 )
 
 __all__ = [
-    "TitansMLPState",
     "titans_mlp_init_weights",
     "titans_mlp_state",
     "titans_mlp_apply",
     "titans_mlp_step",
     "titans_mlp_recurrent",
-    "titans_mlp_chunked",
-    "titans_pool_gates",
 ]
 
 
@@ -219,7 +215,7 @@ def titans_mlp_step(
       ``(y_t [B, H, V] in v_t's dtype, new TitansMLPState f32)``.
     """
     fn = "titans_mlp_step"
-    B, _, H, K, V = _validate_common(
+    B, _, H, K, V = validate_common(
         fn, q_t, k_t, v_t, theta_t, eta_t, alpha_t, grad_clip, per_token=True
     )
     _check_state(fn, state, B, H, K, V)
@@ -272,17 +268,17 @@ def titans_mlp_recurrent(
     """
     fn = "titans_mlp_recurrent"
     state = require_initial_state(fn, initial_state, MLP_STATE_CONSTRUCTOR)
-    B, T, H, K, V = _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
+    B, T, H, K, V = validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
     _check_state(fn, state, B, H, K, V, name="initial_state")
-    _validate_segment_ids(fn, segment_ids, B, T)
-    _validate_horizon(fn, grad_horizon, 1)
+    validate_segment_ids(fn, segment_ids, B, T)
+    validate_horizon(fn, grad_horizon, 1)
     res = _resolve_residual(fn, residual, len(state.weights), K, V)
     tm = lambda x: jnp.moveaxis(x, 1, 0).astype(jnp.float32)  # noqa: E731
     st0 = _f32_state(state)
     if reset_state is not None:
         _check_state(fn + " (reset_state)", reset_state, B, H, K, V)
     st_r = st0 if reset_state is None else _f32_state(reset_state)
-    resets = None if segment_ids is None else tm(_segment_resets(segment_ids))
+    resets = None if segment_ids is None else tm(segment_resets(segment_ids))
     cut = None
     if grad_horizon:
         t_idx = np.arange(T)

@@ -7,7 +7,7 @@ Shared by the per-token forms (:mod:`nested_jax.core.titans.mlp`) and the chunke
   every form runs at trace time (messages name the calling function).
 - ``_forward`` / ``_backward``: ``M(z)`` with its layer inputs ``a_l`` and pre-activations, and the
   backpropagated ``δ_l``; one token's inner gradient for layer ``l`` is the rank-1 ``a_l δ_lᵀ``.
-- ``_segment_resets``: packed-row resets (SPEC §0) as the float mask the forms multiply with.
+- ``segment_resets``: packed-row resets (SPEC §0) as the float mask the forms multiply with.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _validate_weights(fn: str, name: str, ws, B, H, K, V) -> None:
         d_in = s[3]
 
 
-def _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token: bool):
+def validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token: bool):
     """Checks q, k, v and gates; returns ``(B, T, H, K, V)`` (``T`` is None for a step)."""
     rank, lead = (3, "[B, H") if per_token else (4, "[B, T, H")
     sfx = "_t" if per_token else ""
@@ -105,7 +105,7 @@ def _validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token: bool)
     return B, T, H, K, v.shape[-1]
 
 
-def _validate_segment_ids(fn, segment_ids, B, T):
+def validate_segment_ids(fn, segment_ids, B, T):
     if segment_ids is None:
         return
     if _shape(segment_ids) != (B, T):
@@ -116,7 +116,7 @@ def _validate_segment_ids(fn, segment_ids, B, T):
         raise ValueError(f"{fn}: segment_ids must have an integer dtype, got {segment_ids.dtype}")
 
 
-def _validate_horizon(fn, grad_horizon, chunk_size):
+def validate_horizon(fn, grad_horizon, chunk_size):
     if not isinstance(grad_horizon, int) or isinstance(grad_horizon, bool) or grad_horizon < 0:
         raise ValueError(f"{fn}: grad_horizon must be an int >= 0, got {grad_horizon!r}")
     if grad_horizon % chunk_size:
@@ -131,7 +131,7 @@ def _stop_gradient_where(flag, tree):
     return jax.tree.map(lambda a: jnp.where(flag, lax.stop_gradient(a), a), tree)
 
 
-def _validate_chunk_size(fn, chunk_size):
+def validate_chunk_size(fn, chunk_size):
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise ValueError(f"{fn}: chunk_size must be a positive int, got {chunk_size!r}")
 
@@ -207,6 +207,6 @@ def _check_state(fn, state, B, H, K, V, name="state"):
             )
 
 
-def _segment_resets(segment_ids):
+def segment_resets(segment_ids):
     """``[B, T]`` float 0/1: 1 where the state resets before token t (a new segment, t > 0)."""
     return segment_starts(segment_ids).astype(jnp.float32)

@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core._proteus_common import (
+from nested_jax.core.checks import require_initial_state
+from nested_jax.core.proteus import (
     _check_blocked,
     _check_schedule,
     _check_silent_at_zero,
@@ -50,30 +51,24 @@ from nested_jax.core._proteus_common import (
     _positions,
     _statically_open,
     _zero_where,
-    proteus_spans,
-    run_proteus_spans,
-)
-from nested_jax.core.checks import require_initial_state
-from nested_jax.core.proteus import (
     proteus_active_blocks,
     proteus_block_ids,
     proteus_gate,
     proteus_gated_step,
     proteus_gated_update,
+    proteus_spans,
+    run_proteus_spans,
 )
 from nested_jax.core.scan import state_zeros
+from nested_jax.core.titans.chunk import titans_mlp_chunked
 from nested_jax.core.titans.linear import (
-    DEFAULT_MLP_GRAD_CLIP,
     TitansLinearState,
-    TitansMLPState,
     titans_linear_chunked,
     titans_linear_recurrent,
     titans_linear_step,
-    titans_mlp_chunked,
-    titans_mlp_recurrent,
-    titans_mlp_step,
 )
-from nested_jax.core.titans.net import MLP_STATE_CONSTRUCTOR
+from nested_jax.core.titans.mlp import titans_mlp_recurrent, titans_mlp_step
+from nested_jax.core.titans.net import DEFAULT_MLP_GRAD_CLIP, MLP_STATE_CONSTRUCTOR, TitansMLPState
 
 __all__ = [
     "proteus_titans_linear_step",

@@ -61,7 +61,7 @@ _TINY_RETENTION = 1e-30
 
 # The name of a chunk's token-sized intermediates that read the memories (products ``W z``, the
 # update vectors): the chunk scan's ``jax.checkpoint`` saves them, so the backward does not read
-# every weight again to recompute them (``core.hope._scan_chunks``).
+# every weight again to recompute them (``core.hope.chunk._scan_chunks``).
 CHUNK_RESIDUAL = "hope_chunk_residual"
 
 

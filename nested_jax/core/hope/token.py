@@ -1,13 +1,13 @@
 """Hope token by token: the decode step and the per-token forms of the chunked rule (SPEC §3.2).
 
-- :func:`hope_decode_step`: one token of :func:`~nested_jax.core.hope.hope_chunked` at a given
+- :func:`hope_decode_step`: one token of :func:`~nested_jax.core.hope.chunk.hope_chunked` at a given
   0-based position, carrying the chunk-start snapshots (the decode form; the loop over a call is
-  ``core.hope_decode.hope_decode``).
+  ``core.hope.decode.hope_decode``).
 - :func:`hope_step` / :func:`hope_recurrent`: ``hope_chunked`` with both chunk sizes 1, one token
   and a ``lax.scan`` over tokens. They share ``hope_chunked``'s code; Hope's independent ground
-  truth is the twin ``nested_jax.core.reference.hope.hope_reference``.
+  truth is the twin ``nested_jax.core.hope.reference.hope_reference``.
 
-Split from :mod:`nested_jax.core.hope`, whose private chunk helpers these forms reuse.
+Split from :mod:`nested_jax.core.hope.chunk`, whose private chunk helpers these forms reuse.
 """
 
 from __future__ import annotations
@@ -19,16 +19,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from nested_jax.core.checks import require_initial_state
-from nested_jax.core.hope import _chunk_body, _validate, hope_chunked
-from nested_jax.core.hope_state import (
+from nested_jax.core.hope.chunk import _chunk_body, _validate, hope_chunked
+from nested_jax.core.hope.state import (
     HOPE_STATE_CONSTRUCTOR,
     HopeMemories,
     HopeReadout,
-    HopeRule,
     HopeState,
     _names,
 )
-from nested_jax.rules import HOPE_FLAGS, HOPE_UNBOUNDED
+from nested_jax.rules import HOPE_FLAGS, HOPE_UNBOUNDED, HopeRule
 
 __all__ = ["hope_decode_step", "hope_step", "hope_recurrent"]
 
@@ -160,7 +159,7 @@ def hope_recurrent(x, q, readout: HopeReadout, *, initial_state: HopeState | Non
 
     :func:`hope_step` is one token of :func:`hope_chunked` (both chunk sizes 1), so this form shares
     its code and is not an independent check of it. The independent ground truth is the reference
-    twin :func:`nested_jax.core.reference.hope.hope_reference` (a per-token loop written from SPEC
+    twin :func:`nested_jax.core.hope.reference.hope_reference` (a per-token loop written from SPEC
     §3.2, inner gradients by ``jax.grad``), which the tests compare with :func:`hope_chunked` on
     values and gradients at chunk sizes 1 and (4, 2).
 

@@ -1,4 +1,4 @@
-"""Hope's parallel chunk form on stacked memories (SPEC §3.2; the driver is :mod:`core.hope`).
+"""Hope's parallel chunk form on stacked memories (SPEC §3.2; the driver is :mod:`core.hope.chunk`).
 
 The memories of a Hope layer fall into two chunk groups that never read each other: the
 projection memories ``M_k, M_v, M_η, M_α`` (``M_q``) make ``k, v, η, α`` (``q``) from the layer
@@ -9,7 +9,7 @@ over chunks of ``chunk_other`` (:func:`_projection_chunk`), then ``M_memory`` ov
 (nothing else is carried), and the larger chunk size is not walked in pieces of the smaller.
 
 The memories of a group are 2-layer MLPs of the same shapes, updated with the same gates
-``η_t, α_t`` and hence the same chunk coefficients (:mod:`core.hope_parallel`), so they are kept
+``η_t, α_t`` and hence the same chunk coefficients (:mod:`core.hope.parallel`), so they are kept
 as rows of one stack (``w1 [M, B, H, D, h]``, ``w2 [M, B, H, h, D]``, ``_names`` order) from the
 start of the scan to its end: a chunk's projections, targets, signals, triangular solves and
 updates run once for all rows (``jax.vmap`` over the row axis), and nothing is restacked per
@@ -26,19 +26,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.hope_parallel import (
+from nested_jax.core.hope.parallel import (
     chunk_coefficients,
     keep_for_backward,
     layer_end,
     layer_updates,
     read_running,
 )
-from nested_jax.core.hope_state import (
-    HopeMemories,
-    HopeReadout,
-    HopeRule,
-    MLPMemory,
-)
+from nested_jax.core.hope.state import HopeMemories, HopeReadout, MLPMemory
+from nested_jax.rules import HopeRule
 
 
 def _l2norm(x, eps=1e-6):
@@ -190,7 +186,7 @@ def _group_updates(w: MLPMemory, s: MLPMemory | None, sig, eta, alpha, valid_c, 
                    group: _Group, init: MLPMemory | None = None, reset_c=None, w0x=None,
                    read=None, act=None):  # fmt: skip
     """One chunk's in-order updates of a group's stacked memories in parallel form
-    (:mod:`core.hope_parallel`): every memory layer's per-token recurrence as one triangular
+    (:mod:`core.hope.parallel`): every memory layer's per-token recurrence as one triangular
     solve, all rows in one batched call (equal to the per-token rule up to rounding).
 
     Args:

@@ -6,8 +6,8 @@
   (memories, momenta); :func:`hope_init_state` broadcasts learned memories over a batch.
 - :class:`HopeRule`: chunk sizes, ablation flags and backprop options as one frozen value.
 
-The forms that run the rule are :mod:`nested_jax.core.hope` (chunked, which re-exports every name
-here) and :mod:`nested_jax.core.hope_token` (per token, decode step).
+The forms that run the rule are :mod:`nested_jax.core.hope.chunk` (chunked) and
+:mod:`nested_jax.core.hope.token` (per token, decode step).
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nested_jax.rules import HopeRule
-
 # What the error for a missing ``initial_state`` tells the caller to pass (SPEC §0: Hope's
 # memories are learned, so there is no zero state).
 HOPE_STATE_CONSTRUCTOR = "hope_init_state(memories, B)"
@@ -29,7 +27,6 @@ __all__ = [
     "HopeMemories",
     "HopeReadout",
     "HopeState",
-    "HopeRule",
     "hope_init_state",
     "mlp_memory_apply",
 ]

@@ -32,8 +32,8 @@ its state; ``M_η``, ``M_α`` and ``M_memory`` always adapt). ``cms`` is the lay
 value (``HopeRule.kwargs()`` are this module's keywords; the mixer passes it through ``ops.hope``).
 The short causal conv on q, k, v (SPEC §3.2) is also the layer's business.
 The value types (``MLPMemory``, ``HopeMemories``, ``HopeReadout``, ``HopeState``, ``HopeRule``)
-and ``hope_init_state`` / ``mlp_memory_apply`` live in :mod:`nested_jax.core.hope_state` and are
-re-exported here.
+and ``hope_init_state`` / ``mlp_memory_apply`` live in :mod:`nested_jax.core.hope.state`
+(``HopeRule`` in :mod:`nested_jax.rules`).
 
 Chunked form (**Decision**, SPEC §3.2): chunk ``n`` uses the state at the end of chunk ``n−1``
 (``M_{□,0}``) to produce all projections, targets and signals (``x_ℓ``, ``g_ℓ``) of its tokens in
@@ -42,7 +42,7 @@ parallel; then the chunk's updates are applied in order (``W x xᵀ`` of DGD use
 ``M_t = M_{t-1}(α_t I − γ_t k kᵀ) − γ_t(M_0 k − v̂)kᵀ``). With the inputs and signals fixed by the
 snapshot, that in-order recurrence is linear in ``(W, S)``: ``chunk_updates="scan"`` (default)
 walks the chunk's tokens, ``chunk_updates="parallel"`` computes it as one unit-lower-triangular
-``c × c`` solve per memory layer and matmuls for the reads (:mod:`nested_jax.core.hope_parallel`);
+``c × c`` solve per memory layer and matmuls for the reads (:mod:`nested_jax.core.hope.parallel`);
 the parallel form carries the memories stacked on a leading axis (they share shapes, gates and
 chunk coefficients), so each op of a chunk runs once for all of them.
 Two chunk sizes: ``chunk_other`` for the projection memories (k, v, η, α, q) and
@@ -52,7 +52,7 @@ snapshot every ``larger/smaller`` of them. The two groups never read each other'
 projection memories train on their own outputs; ``M_memory`` reads ``q`` and trains on
 ``k, v, η, α``), so the ``parallel`` form runs them as two scans, each over its own chunks: the
 projection memories first (making ``k, v, η, α, q`` of every token), then ``M_memory``
-(:mod:`nested_jax.core.hope_rows`); a chunk's snapshot is then always its group's running state.
+(:mod:`nested_jax.core.hope.rows`); a chunk's snapshot is then always its group's running state.
 **Decision (read):** ``o_t`` reads ``M_memory`` with its running
 weights ``M_{memory,t-1}`` (exact read-before-write at any chunk size; with chunk size 1 all of this
 is exactly per-token Hope). Everything is differentiable: gradients flow through the writes.
@@ -63,7 +63,7 @@ memories are also the snapshot, i.e. token ``t`` uses the state just before
 ``max(C⌊t/C⌋, document start)``. Decoding: :func:`hope_decode_step` carries the snapshots and the
 position, so token-by-token decoding equals :func:`hope_chunked` row by row.
 
-Reference twin: :func:`nested_jax.core.reference.hope.hope_reference` computes the same thing
+Reference twin: :func:`nested_jax.core.hope.reference.hope_reference` computes the same thing
 token by token from SPEC §3.2 without this module's chunk machinery (``jax.grad`` inner gradients);
 the tests compare :func:`hope_chunked` with it on values and gradients.
 
@@ -81,8 +81,8 @@ from jax import lax
 
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.dgd import clamped_rate, dgd_step_size
-from nested_jax.core.hope_parallel import CHUNK_RESIDUAL
-from nested_jax.core.hope_rows import (
+from nested_jax.core.hope.parallel import CHUNK_RESIDUAL
+from nested_jax.core.hope.rows import (
     _adapting,
     _groups,
     _memory_chunk,
@@ -93,11 +93,10 @@ from nested_jax.core.hope_rows import (
     _stack,
     _unstack,
 )
-from nested_jax.core.hope_state import (
+from nested_jax.core.hope.state import (
     HOPE_STATE_CONSTRUCTOR,
     HopeMemories,
     HopeReadout,
-    HopeRule,
     HopeState,
     MLPMemory,
     _names,
@@ -105,15 +104,9 @@ from nested_jax.core.hope_state import (
     mlp_memory_apply,
 )
 from nested_jax.core.scan import chunk, scan_remat, segment_starts, unchunk
+from nested_jax.rules import HopeRule
 
 __all__ = [
-    "MLPMemory",
-    "HopeMemories",
-    "HopeReadout",
-    "HopeState",
-    "HopeRule",
-    "hope_init_state",
-    "mlp_memory_apply",
     "hope_chunked",
 ]
 
@@ -226,7 +219,7 @@ def _scan_updates(state: HopeState, sig, q, eta, alpha, valid_c, rule: HopeRule,
 
 def _project(snap: HopeMemories, x_c, q_c, readout: HopeReadout, rule: HopeRule, act):
     """``k, v, η, α, q`` of a chunk's tokens from the projection snapshots (SPEC §3.2), each
-    memory applied on its own (:func:`core.hope_rows._projections`)."""
+    memory applied on its own (:func:`core.hope.rows._projections`)."""
     names = ["k", "v", "eta"] + ["alpha"] * rule.decay + ["q"] * rule.adaptive_q
     y = {n: mlp_memory_apply(getattr(snap, n), x_c, act) for n in names}
     return _projections(y, q_c, readout, rule)
@@ -389,7 +382,7 @@ def _scan_tokens(body, carry, tokens, rule: HopeRule, c: int):
 
 
 def _parallel(x, q, state: HopeState, readout: HopeReadout, rule: HopeRule, act, init, flags):
-    """The parallel form (``chunk_updates="parallel"``, :mod:`core.hope_rows`): the projection
+    """The parallel form (``chunk_updates="parallel"``, :mod:`core.hope.rows`): the projection
     memories over chunks of ``chunk_other`` make ``k, v, η, α, q`` of every token, then
     ``M_memory`` over chunks of ``chunk_memory`` makes ``o``. ``flags = (reset, fresh_proj,
     fresh_mem)`` ``[B, T]`` for packed rows (:func:`_segment_flags`) or None.
@@ -516,7 +509,7 @@ def hope_chunked(
       remat_levels: with ``remat_every = 0``, nested checkpoint levels (2: ``2√N`` carries held;
         3: ``3∛N``, one more recomputed forward); ``HopeRule.remat_blocks``.
       chunk_updates: ``"scan"`` (token by token) or ``"parallel"`` (one triangular solve per
-        memory layer, :mod:`nested_jax.core.hope_parallel`); values equal up to rounding.
+        memory layer, :mod:`nested_jax.core.hope.parallel`); values equal up to rounding.
 
     Returns:
       ``(o [B, T, H, D], final HopeState)``.

@@ -1,7 +1,7 @@
 """Continuum Memory System (CMS): MLP levels updated at several periods (SPEC §3.3, paper §7.1).
 
 **Levels and variants** (``sequential`` / ``independent`` / ``nested``, with the nested-reset
-decision): the docstring of :mod:`nested_jax.core.cms_levels`, where they are defined.
+decision): the docstring of :mod:`nested_jax.core.cms.levels`, where they are defined.
 
 **Online update mode** (:func:`cms_online`; test time / continual learning). Local surprise:
 ``δ_t = ∂L_t/∂y_t`` where ``y_t`` is the CMS output at token ``t`` and ``L_t`` the model's
@@ -27,9 +27,8 @@ split over several calls gives the same result as one call.
 **Pretrain mode** (outer optimizer steps every ``C^(ℓ)`` steps): ``nested_jax.optim.multifreq``.
 
 Modules: this one holds the online mode (``CMSState``, ``cms_initial_state``, ``cms_online``,
-``surprise_from_loss``); ``cms_levels`` holds the levels, their checks and the fixed-weight forward
-(``CMSLevel``, ``VARIANTS``, ``check_periods``, ``cms_forward``, ...). Every public name is
-importable from here.
+``surprise_from_loss``); ``cms.levels`` holds the levels, their checks and the fixed-weight forward
+(``CMSLevel``, ``VARIANTS``, ``cms_forward``, ...); ``check_periods`` is in :mod:`nested_jax.rules`.
 """
 
 from __future__ import annotations
@@ -43,37 +42,25 @@ import jax.numpy as jnp
 from jax import lax
 
 from nested_jax.core.checks import check_positive_int
-from nested_jax.core.cms_levels import (
+from nested_jax.core.cms.levels import (
     INNERS,
-    VARIANTS,
     CMSLevel,
     _apply,
     _check_levels,
     _check_mix,
     _check_variant,
     _check_x,
-    check_periods,
-    cms_forward,
-    cms_init_levels,
-    cms_level_apply,
-    cms_mix_weights,
 )
 from nested_jax.core.dgd import dgd_step_size
 from nested_jax.core.periods import accumulate, apply_at_boundary, period_boundary, reset_to_slower
 from nested_jax.core.scan import cast_like, scan_remat, zeros_typed
+from nested_jax.rules import check_periods
 
 __all__ = [
-    "CMSLevel",
     "CMSState",
-    "VARIANTS",
-    "cms_init_levels",
-    "cms_level_apply",
-    "cms_mix_weights",
-    "cms_forward",
     "cms_initial_state",
     "cms_online",
     "surprise_from_loss",
-    "check_periods",
 ]
 
 

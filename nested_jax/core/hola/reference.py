@@ -1,7 +1,7 @@
 """Reference twin of HOLA (SPEC §5): brute force in float64 numpy, token by token.
 
-``hola_forward``, ``hola_decode_step`` and ``gdn_residuals`` (``nested_jax.core.hola``,
-``nested_jax.core.hola_cache``) are tested against :func:`hola_reference`. It is written from the
+``hola_forward``, ``hola_decode_step`` and ``gdn_residuals`` (``nested_jax.core.hola.forward``,
+``nested_jax.core.hola.cache``) are tested against :func:`hola_reference`. It is written from the
 SPEC text and shares no code with them: explicit GDN recurrence, explicit visible sets, explicit
 softmax with the sink, and (for the fixed-score evictions) the persistent cache recomputed from
 scratch after each block as the global top-w over *all* tokens seen so far. With ``segment_ids``

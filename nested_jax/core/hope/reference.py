@@ -1,13 +1,14 @@
 """Reference twin of Hope (SPEC §3.2): a plain loop over tokens, independent of ``hope_chunked``.
 
 ``hope_chunked``, ``hope_recurrent``, ``hope_step`` and ``hope_decode_step``
-(``nested_jax.core.hope``) are tested against :func:`hope_reference`, values and gradients. It is
-written again from SPEC §3.2 and shares no code path with them: a ``lax.scan`` over single tokens
-(no chunk grid, no padding, no parallel chunk stage), every weight materialised after every token,
-math per (batch, head) through ``jax.vmap``, and the inner-loss weight gradients ``∂L̃/∂W`` taken
-by ``jax.grad`` (not the hand-derived layer signals ``x_ℓ, g_ℓ`` of ``core.hope``). Only the
-argument types (``HopeState``, ``HopeMemories``, ``MLPMemory``, ``HopeReadout``, from
-``core.hope_state``) and the packed-row boundaries (``core.scan.segment_starts``) are shared.
+(``nested_jax.core.hope.chunk``, ``.token``) are tested against :func:`hope_reference`, values and
+gradients. It is written again from SPEC §3.2 and shares no code path with them: a ``lax.scan`` over
+single tokens (no chunk grid, no padding, no parallel chunk stage), every weight materialised after
+every token, math per (batch, head) through ``jax.vmap``, and the inner-loss weight gradients
+``∂L̃/∂W`` taken by ``jax.grad`` (not the hand-derived layer signals ``x_ℓ, g_ℓ`` of
+``core.hope.chunk``). Only the argument types (``HopeState``, ``HopeMemories``, ``MLPMemory``,
+``HopeReadout``, from ``core.hope.state``) and the packed-row boundaries
+(``core.scan.segment_starts``) are shared.
 
 Per head, each memory is ``M_□(z) = z + W_1 σ(W_2 z)`` (``W_1 [D, h]``, ``W_2 [h, D]``). Token
 ``t`` reads the projection memories and builds its targets and gradients at its group's
@@ -42,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.hope_state import HopeMemories, HopeReadout, HopeState, MLPMemory
+from nested_jax.core.hope.state import HopeMemories, HopeReadout, HopeState, MLPMemory
 from nested_jax.core.scan import segment_starts
 
 __all__ = ["hope_reference", "memory_apply", "l2_normalize", "dgd_layer_write"]

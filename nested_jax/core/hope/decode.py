@@ -28,24 +28,19 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nested_jax.core._proteus_common import _check_silent_at_zero
 from nested_jax.core.checks import require_initial_state
-from nested_jax.core.hope import (
-    HopeMemories,
-    HopeReadout,
-    HopeRule,
-    HopeState,
-    hope_init_state,
-)
-from nested_jax.core.hope_token import hope_decode_step
+from nested_jax.core.hope.proteus import proteus_hope_masks
+from nested_jax.core.hope.state import HopeMemories, HopeReadout, HopeState, hope_init_state
+from nested_jax.core.hope.token import hope_decode_step
 from nested_jax.core.proteus import (
+    _check_silent_at_zero,
     proteus_active_blocks,
     proteus_block_len,
     proteus_chunk_constant,
     proteus_gate,
     proteus_gated_update,
 )
-from nested_jax.core.proteus_hope import proteus_hope_masks
+from nested_jax.rules import HopeRule
 
 __all__ = ["HopeDecodeState", "hope_decode_state", "check_proteus_decode_chunks", "hope_decode"]
 

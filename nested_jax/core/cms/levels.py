@@ -1,7 +1,6 @@
 """CMS levels and their fixed-weight forward (SPEC §3.3, §3.4): ``CMSLevel``, ``cms_forward``.
 
-Split from :mod:`nested_jax.core.cms` (which holds the online update mode, ``cms_online``, and
-re-exports every public name here).
+The online update mode, ``cms_online``, is in :mod:`nested_jax.core.cms.online`.
 
 **Levels.** Each level is a residual MLP on row vectors ``x ∈ R^d`` (kernels stored row-major
 like Flax ``Dense`` kernels, so a Transformer FFN can be copied into a level, SPEC §3.4)::
@@ -27,7 +26,7 @@ is SPEC §3.2's ``M(z) = z + W_1 σ(W_2 z)`` with ``W_1 = W_downᵀ``, ``W_2 = W
   (``∂θ_ℓ/∂θ_ℓ,0 ≈ I``, as first-order MAML/Reptile), accumulated over level ℓ+1's period with its
   own rate. The given per-level parameters are the states at the start of the stream.
 
-The periods ``C^(ℓ)`` matter only to the updates (``core.cms.cms_online``,
+The periods ``C^(ℓ)`` matter only to the updates (``core.cms.online.cms_online``,
 ``nested_jax.optim.multifreq``); the forward here reads the levels as given. :class:`CMSRule`
 holds the periods, the variant and the online inner step as one frozen value (``ops.cms`` takes it).
 """
@@ -40,14 +39,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nested_jax.rules import CMS_INNERS, CMS_VARIANTS, CMSRule, check_periods
+from nested_jax.rules import CMS_INNERS, CMS_VARIANTS
 
 __all__ = [
     "CMSLevel",
-    "CMSRule",
     "VARIANTS",
     "INNERS",
-    "check_periods",
     "cms_init_levels",
     "cms_level_apply",
     "cms_mix_weights",
@@ -55,7 +52,7 @@ __all__ = [
 ]
 
 VARIANTS = CMS_VARIANTS
-INNERS = CMS_INNERS  # inner optimizers of the online mode (``core.cms.cms_online``)
+INNERS = CMS_INNERS  # inner optimizers of the online mode (``core.cms.online.cms_online``)
 
 
 class CMSLevel(NamedTuple):

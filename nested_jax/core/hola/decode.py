@@ -1,8 +1,8 @@
 """HOLA's decoding state and per-token form (SPEC §5): ``HolaState``, ``hola_decode_step``.
 
-Split from :mod:`nested_jax.core.hola` (which holds the block-parallel ``hola_forward``, the
-residual pass and the scores, and re-exports every public name here). Per head and token
-(``α_t = exp(g_t)``, ``d = K``; the equations of ``core.hola``'s docstring)::
+Split from :mod:`nested_jax.core.hola.forward` (which holds the block-parallel ``hola_forward``, the
+residual pass and the scores). Per head and token
+(``α_t = exp(g_t)``, ``d = K``; the equations of ``core.hola.forward``'s docstring)::
 
     e_t = v_t − α_t S_{t-1}ᵀ k_t ;  S_t = α_t S_{t-1} + β_t k_t e_tᵀ ;  m_t = score(t)
     V_t = A_{n-1} ∪ {block n at positions ≤ t} ∪ {sink}
@@ -14,7 +14,7 @@ residual pass and the scores, and re-exports every public name here). Per head a
 token; ``hola_recurrent`` is the same step in a ``lax.scan`` over a sequence (the per-token form
 of ``hola_forward``, equal to it token by token). The state's size is independent of the number of
 tokens: per head ``K·V + (w + C)(K + V)`` floats plus ``O(w + C)`` scores and positions. The
-trace-time argument checks shared with ``core.hola`` live here too.
+trace-time argument checks shared with ``core.hola.forward`` live here too.
 """
 
 from __future__ import annotations
@@ -26,14 +26,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from nested_jax.core.checks import check_positive_int
-from nested_jax.core.hola_cache import attend, merge_top_w, read_normalize
+from nested_jax.core.hola.cache import attend, merge_top_w, read_normalize
 from nested_jax.core.scan import zeros_typed
-from nested_jax.rules import EVICTIONS, READ_NORMS, HolaRule
+from nested_jax.rules import EVICTIONS, READ_NORMS
 
 __all__ = [
-    "EVICTIONS",
-    "READ_NORMS",
-    "HolaRule",
     "HolaState",
     "init_hola_state",
     "hola_decode_step",
@@ -378,7 +375,7 @@ def hola_recurrent(
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.
       gamma_q, gamma_k, sink_logit, gate_logit, window, block_size, eviction, read_norm, scale,
-        cache_scale: as in ``core.hola.hola_forward``.
+        cache_scale: as in ``core.hola.forward.hola_forward``.
       initial_state: optional ``HolaState`` with the same ``B, H, K, V, window, block_size``.
 
     Returns:

@@ -69,11 +69,9 @@ from jax import lax
 
 from nested_jax.core.associative.forms import gated_delta_chunked
 from nested_jax.core.checks import check_positive_int
-from nested_jax.core.hola_cache import cache_blocks, cache_blocks_packed, doc_starts
-from nested_jax.core.hola_decode import (
+from nested_jax.core.hola.cache import cache_blocks, cache_blocks_packed, doc_starts
+from nested_jax.core.hola.decode import (
     _F32,
-    EVICTIONS,
-    READ_NORMS,
     HolaState,
     _check_array,
     _check_options,
@@ -82,8 +80,6 @@ from nested_jax.core.hola_decode import (
     _check_state,
     _sigmoid_gate,
     _validate_seq,
-    hola_decode_step,
-    hola_recurrent,
     init_hola_state,
 )
 from nested_jax.core.scan import (
@@ -97,15 +93,9 @@ from nested_jax.core.scan import (
 from nested_jax.core.wy import state_pass, w_u
 
 __all__ = [
-    "EVICTIONS",
-    "READ_NORMS",
-    "HolaState",
-    "init_hola_state",
     "gdn_residuals",
     "hola_scores",
     "hola_forward",
-    "hola_decode_step",
-    "hola_recurrent",
 ]
 
 # HolaState fields with [B, H, ...] rows (all but the shared position)

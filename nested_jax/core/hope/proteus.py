@@ -37,7 +37,7 @@ Forms (SPEC §0):
 
 Both span forms take ``backbone``: ``hope_chunked`` (default) or a function with its arguments
 (``backbone(x, q, readout, initial_state=..., **flags)``), e.g. the per-token twin
-``core.reference.hope.hope_reference``, run span by span the same way.
+``core.hope.reference.hope_reference``, run span by span the same way.
 
 Static dispatch: ``num_blocks == 1``, or a static ``t0`` with every position of the call past the
 last opening (``k(t0 + 1) = E``), calls the plain backbone, so the result is the backbone's bit for
@@ -53,7 +53,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core._proteus_common import (
+from nested_jax.core.checks import require_initial_state
+from nested_jax.core.hope.chunk import hope_chunked
+from nested_jax.core.hope.state import HOPE_STATE_CONSTRUCTOR, HopeMemories, HopeState, MLPMemory
+from nested_jax.core.hope.token import hope_recurrent, hope_step
+from nested_jax.core.proteus import (
     _check_blocked,
     _check_schedule,
     _check_silent_at_zero,
@@ -62,24 +66,13 @@ from nested_jax.core._proteus_common import (
     _is_int,
     _positions,
     _statically_open,
-    proteus_spans,
-    run_proteus_spans,
-    run_proteus_spans_packed,
-)
-from nested_jax.core.checks import require_initial_state
-from nested_jax.core.hope import (
-    HopeMemories,
-    HopeState,
-    MLPMemory,
-    hope_chunked,
-)
-from nested_jax.core.hope_state import HOPE_STATE_CONSTRUCTOR
-from nested_jax.core.hope_token import hope_recurrent, hope_step
-from nested_jax.core.proteus import (
     proteus_active_blocks,
     proteus_block_ids,
     proteus_gate,
     proteus_gated_update,
+    proteus_spans,
+    run_proteus_spans,
+    run_proteus_spans_packed,
 )
 
 __all__ = [
