@@ -1,4 +1,4 @@
-"""Helpers every benchmark reuses (README.md "Benchmarks and comparisons").
+"""Helpers every benchmark reuses (docs/status.md "Benchmarks and comparisons").
 
 Benchmarks report ratios measured in one process (A vs B interleaved, median of ≥ 5 after warm-up)
 plus an in-run normaliser (the measured f32 matmul GFLOP/s), never a bare absolute time as a claim.

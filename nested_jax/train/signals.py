@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-# Exit codes of `nested-jax train` (README "Exit codes").
+# Exit codes of `nested-jax train` (docs/usage.md, the exit-code table).
 EXIT_OK = 0  # finished (or nothing left to do)
 EXIT_ERROR = 1  # training or data error (NaN policy stop, exhausted data, unreadable corpus)
 EXIT_CONFIG = 2  # bad command line or config, or a resume refused because a setting changed
