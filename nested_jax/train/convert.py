@@ -326,22 +326,53 @@ def write_step_zero(
       the step-0 checkpoint directory; ``nested-jax train --workdir`` resumes from it (optimizer
       state freshly initialised, data from its start).
     """
-    from nested_jax.data import pipeline
-    from nested_jax.data.identity import data_spec, tokenizer_payload
-    from nested_jax.train.checkpoint import Checkpointer
-    from nested_jax.train.config import config_to_dict, save_config
     from nested_jax.train.setup import prepare_run
-    from nested_jax.train.workdir import write_data_spec
 
-    workdir = Path(workdir)
-    ckpt_dir = workdir / CHECKPOINT_DIR
-    if ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
-        raise ValueError(f"--workdir: {workdir} already has checkpoints; use a new workdir")
+    ckpt_dir = new_workdir_checkpoints(workdir)
     mesh, bundle, setup = prepare_run(config, tokenizer=tokenizer)
     params = fill(setup.state["params"], mesh)
     # The optimizer state of the loop's own freshly built optimizer (its moments and
     # accumulators start at zero whatever the parameter values), so the resume target matches.
-    state = {**setup.state, "params": params}
+    save_step_zero(config, workdir, bundle, {**setup.state, "params": params})
+    return ckpt_dir / "0"
+
+
+def new_workdir_checkpoints(workdir: str | Path) -> Path:
+    """``workdir``'s checkpoint directory, once it is known to hold no checkpoint yet.
+
+    Raises:
+      ValueError: naming ``--workdir`` when it already has checkpoints.
+    """
+    ckpt_dir = Path(workdir) / CHECKPOINT_DIR
+    if ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
+        raise ValueError(f"--workdir: {workdir} already has checkpoints; use a new workdir")
+    return ckpt_dir
+
+
+def save_step_zero(
+    config: Any,
+    workdir: str | Path,
+    bundle: Any,
+    state: dict,
+    *,
+    save_concurrent_gb: int | None = None,
+) -> None:
+    """Saves `state` as checkpoint 0 of `workdir` with the data iterator at its start, then the
+    run's ``config.json`` and data spec (process 0), as ``nested-jax train`` would write them.
+
+    Args:
+      config: the run's ``Config``; bundle: its prepared data (tokenizer, documents, corpus).
+      state: the train state to save (``step``, ``params``, ...; without ``opt_state`` the first
+        ``train`` builds a fresh one).
+      save_concurrent_gb: bound on the bytes orbax writes at once (None: orbax's default).
+    """
+    from nested_jax.data import pipeline
+    from nested_jax.data.identity import data_spec, tokenizer_payload
+    from nested_jax.train.checkpoint import Checkpointer
+    from nested_jax.train.config import config_to_dict, save_config
+    from nested_jax.train.workdir import write_data_spec
+
+    workdir = Path(workdir)
     iterator = pipeline.make_train_iterator(
         config.data,
         bundle.tokenizer,
@@ -351,7 +382,12 @@ def write_step_zero(
     )
     spec = data_spec(config.data, bundle.tokenizer, bundle.corpus)
     workdir.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(workdir, keep=config.train.keep_checkpoints, async_save=False)
+    ckpt = Checkpointer(
+        workdir,
+        keep=config.train.keep_checkpoints,
+        async_save=False,
+        save_concurrent_gb=save_concurrent_gb,
+    )
     try:
         tokenizer_file = tokenizer_payload(bundle.tokenizer)[1]
         ckpt.save(0, state, iterator, config_to_dict(config), spec, tokenizer_file)
@@ -361,7 +397,6 @@ def write_step_zero(
     if jax.process_index() == 0:
         save_config(config, workdir)
         write_data_spec(workdir, spec, bundle.tokenizer)
-    return ckpt_dir / "0"
 
 
 def step_zero_parser(prog: str, description: str, source_help: str) -> argparse.ArgumentParser:

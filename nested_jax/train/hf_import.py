@@ -32,7 +32,6 @@ from flax import nnx
 
 from nested_jax.models import hf
 from nested_jax.models.config import ModelConfig
-from nested_jax.train.checkpoint import CHECKPOINT_DIR
 from nested_jax.train.convert import FFN_TO_LEVEL
 
 __all__ = ["SafetensorsFiles", "as_transformer", "stream_params", "write_imported_step_zero"]
@@ -283,48 +282,19 @@ def write_imported_step_zero(config: Any, workdir: str | Path, hf_dir: str | Pat
     Raises:
       FileNotFoundError / ValueError: one line naming the file or the tensor; nothing is written.
     """
-    from nested_jax.data import pipeline
-    from nested_jax.data.identity import data_spec, tokenizer_payload
     from nested_jax.parallel.mesh import replicated
-    from nested_jax.train.checkpoint import Checkpointer, save_limit_gb
-    from nested_jax.train.config import config_to_dict, save_config
+    from nested_jax.train.checkpoint import save_limit_gb
+    from nested_jax.train.convert import new_workdir_checkpoints, save_step_zero
     from nested_jax.train.setup import prepare_plan
-    from nested_jax.train.workdir import write_data_spec
 
-    workdir = Path(workdir)
-    ckpt_dir = workdir / CHECKPOINT_DIR
-    if ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
-        raise ValueError(f"--workdir: {workdir} already has checkpoints; use a new workdir")
+    ckpt_dir = new_workdir_checkpoints(workdir)
     files = SafetensorsFiles(hf_dir)
     mesh, bundle, plan = prepare_plan(config)
     abstract = plan.abstract_state()["params"]
     params = stream_params(files, as_transformer(config.model), abstract, _initial_leaves(plan))
     zero = jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))
     state = {"step": zero, "params": params, "consecutive_skips": zero}
-    iterator = pipeline.make_train_iterator(
-        config.data,
-        bundle.tokenizer,
-        bundle.train_docs,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-    )
-    spec = data_spec(config.data, bundle.tokenizer, bundle.corpus)
-    workdir.mkdir(parents=True, exist_ok=True)
     # Writes a few parameters at a time: unbounded, the save's encode buffers would add a second
     # copy of the parameters to the footprint.
-    ckpt = Checkpointer(
-        workdir,
-        keep=config.train.keep_checkpoints,
-        async_save=False,
-        save_concurrent_gb=save_limit_gb(state),
-    )
-    try:
-        tokenizer_file = tokenizer_payload(bundle.tokenizer)[1]
-        ckpt.save(0, state, iterator, config_to_dict(config), spec, tokenizer_file)
-        ckpt.wait()
-    finally:
-        ckpt.close()
-    if jax.process_index() == 0:
-        save_config(config, workdir)
-        write_data_spec(workdir, spec, bundle.tokenizer)
+    save_step_zero(config, workdir, bundle, state, save_concurrent_gb=save_limit_gb(state))
     return ckpt_dir / "0"
