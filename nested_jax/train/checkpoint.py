@@ -228,14 +228,15 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only,
             read_only=read_only,
         )
-        registry = None
+        bounded = {}  # orbax's own handlers unless the save's in-flight bytes are bounded
         if save_concurrent_gb is not None:
             registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
             standard = ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb)
             registry.add("state", ocp.args.StandardSave, standard)
             registry.add("state", ocp.args.StandardRestore, standard)
+            bounded = {"handler_registry": registry}
         self.manager = ocp.CheckpointManager(
-            resolve_path(self.directory), options=options, handler_registry=registry
+            resolve_path(self.directory), options=options, **bounded
         )
 
     # -- saving --------------------------------------------------------------------------------

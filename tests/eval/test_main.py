@@ -156,6 +156,10 @@ def test_eval_suites_ruler_and_babilong_write_sections_and_plots(trained, capsys
         "eval.babilong_lengths=[400, 512]",
         "eval.babilong_per_length=2",
     ]
+    # The default eval (validation, niah) first, in this test: xdist may run this module's other
+    # tests on another worker, and the default suites must survive the next call.
+    assert cli.main(["eval", "--workdir", str(trained)]) == 0
+    capsys.readouterr()
     argv = ["eval", "--workdir", str(trained), "--suite", "ruler,babilong,niah"]
     assert cli.main(argv + _set_args(sizes)) == 0
     report = json.loads((trained / "eval_report.json").read_text())
