@@ -1,7 +1,7 @@
 """HOLA cache path (SPEC §5): the softmax read, the top-w merge and the block scans.
 
-Split from :mod:`nested_jax.core.hola.forward` (the scores and the block-parallel forward) and
-:mod:`nested_jax.core.hola.decode` (the state, the decode step and the per-token form).
+The scores and the block-parallel forward are in :mod:`nested_jax.core.hola.forward`; the state,
+the decode step and the per-token form in :mod:`nested_jax.core.hola.decode`.
 Shapes: heads-major ``[B, H, N, D]`` inside the scans; ``C`` block size, ``w`` window.
 Everything here is f32.
 

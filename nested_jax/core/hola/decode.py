@@ -1,7 +1,7 @@
 """HOLA's decoding state and per-token form (SPEC §5): ``HolaState``, ``hola_decode_step``.
 
-Split from :mod:`nested_jax.core.hola.forward` (which holds the block-parallel ``hola_forward``, the
-residual pass and the scores). Per head and token
+The block-parallel ``hola_forward``, the residual pass and the scores are in
+:mod:`nested_jax.core.hola.forward`. Per head and token
 (``α_t = exp(g_t)``, ``d = K``; the equations of ``core.hola.forward``'s docstring)::
 
     e_t = v_t − α_t S_{t-1}ᵀ k_t ;  S_t = α_t S_{t-1} + β_t k_t e_tᵀ ;  m_t = score(t)

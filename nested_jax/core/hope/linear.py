@@ -1,6 +1,6 @@
 """A Hope chunk of a *linear* memory through the gated delta kernel (SPEC §3.2, §1).
 
-Split from :mod:`nested_jax.core.hope.chunk`: it needs none of the MLP-memory machinery, only
+It needs none of the MLP-memory machinery of :mod:`nested_jax.core.hope.chunk`, only
 ``core.dgd.dgd_step_size`` and ``core.associative.forms.gated_delta_chunked``.
 """
 

@@ -7,7 +7,7 @@
   and a ``lax.scan`` over tokens. They share ``hope_chunked``'s code; Hope's independent ground
   truth is the twin ``nested_jax.core.hope.reference.hope_reference``.
 
-Split from :mod:`nested_jax.core.hope.chunk`, whose private chunk helpers these forms reuse.
+These forms reuse the chunk helpers of :mod:`nested_jax.core.hope.chunk`.
 """
 
 from __future__ import annotations
