@@ -1,7 +1,7 @@
 """``nested-jax bench context [--json]``: context parallelism for GDN and the Titans matrix memory.
 
 One sequence of ``T = --seq-len`` tokens (4096) split over ``P`` devices along a ``seq`` mesh axis
-(``nested_jax.core.context``, issue 15), for each ``P`` in ``--devices`` (1, 2, 4, 8), on CPU
+(``nested_jax.core.context``), for each ``P`` in ``--devices`` (1, 2, 4, 8), on CPU
 devices (the process re-runs itself with ``--xla_force_host_platform_device_count`` when it has
 fewer than the largest ``P``):
 

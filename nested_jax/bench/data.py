@@ -1,5 +1,5 @@
 """``nested-jax bench data [--config F] [--set k=v] [--json]``: input pipeline batches/s with and
-without prefetch (issue 15).
+without prefetch.
 
 For the data section of the config (``--config`` YAMLs and ``--set`` overrides as in ``train``;
 default the tiny Austen preset), two training iterators are timed A/B interleaved, each freshly

@@ -1,6 +1,6 @@
 """``nested-jax bench kernels [--json]``: the Pallas gated delta kernel vs the XLA chunked rule.
 
-The two implementations of the same op (SPEC §1; GitHub issue 16):
+The two implementations of the same op (SPEC §1):
 
 - ``pallas``: ``pallas_kernels.gated_delta.gated_delta_pallas`` (Mosaic TPU kernels, forward and
   reverse-chunk backward, the ``[K, V]`` state kept in VMEM across chunks),

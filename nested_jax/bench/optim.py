@@ -37,7 +37,7 @@ All in one process (the rule of :mod:`nested_jax.bench.common`):
    best loss) is printed. Timing, after training: one train step of each optimizer on a fixed
    batch, and the optimizer update alone (``tx.update`` on fixed gradients), each interleaved
    (median of ``--repeats`` after a warm-up), with ratios to AdamW.
-2. **Toy 2-layer regression** (the drop-in check of issue 13): a ``16 → 64 (tanh) → 8`` MLP
+2. **Toy 2-layer regression** (the drop-in check): a ``16 → 64 (tanh) → 8`` MLP
    regressing a random ``16 → 32 (tanh) → 8`` teacher (targets scaled to unit variance, 256
    samples, full batch, MSE), 300 steps at a constant rate, with the library defaults
    ``optax.adamw(lr)``, ``optax.contrib.muon(lr)``, ``m3(lr)``, ``m3(lr, normalize="rms")`` and

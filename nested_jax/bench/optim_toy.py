@@ -1,4 +1,4 @@
-"""Part 2 of ``nested-jax bench optim``: the toy 2-layer regression (the drop-in check of issue 13).
+"""Part 2 of ``nested-jax bench optim``: the toy 2-layer regression (the drop-in check).
 
 A ``16 → 64 (tanh) → 8`` MLP regresses a random ``16 → 32 (tanh) → 8`` teacher (targets scaled to
 unit variance, 256 samples, full batch, MSE) for a number of steps at a constant rate, with the

@@ -13,7 +13,7 @@
   ``jax.checkpoint`` on the inner n steps), for long chunk recurrences.
 - ``zeros_typed`` / ``state_zeros`` / ``cast_like``: scan carries and constants *typed like the
   inputs*, so the rules run inside a user's ``jax.shard_map`` (``check_vma=True``) and on meshes
-  with Explicit axes (issue 18; ``tests/core/test_library_face.py``).
+  with Explicit axes (``tests/core/test_library_face.py``).
 """
 
 from __future__ import annotations

@@ -58,9 +58,9 @@ def kkt(k, beta, gamma):
 
 _BASE = 16  # blocks of at most this size are inverted by forward substitution
 # ``solve_tril(A, rhs)`` runs ``lax.linalg.triangular_solve`` up to this C and ``T @ rhs`` with
-# the doubling inverse above it. Measured fwd+bwd on XLA:CPU, batch [4, 2], 64 right-hand sides:
-# C = 4: 35 vs 52 µs, C = 8: 43 vs 43 µs, C = 16: 821 vs 89 µs, C = 64: 41.4 ms vs 0.70 ms (the
-# solve's expansion walks rows and blocks one at a time); the doubling inverse is matmuls.
+# the doubling inverse above it: the solve's expansion walks rows and blocks one at a time, the
+# doubling inverse is matmuls, so above C = 8 the inverse is the faster one on XLA:CPU (timings
+# in docs/RESULTS.md).
 _SUBSTITUTION_MAX = 8
 
 
@@ -252,7 +252,7 @@ def chunk_output(q, k, gamma, d, S_starts, U):
 
 def _rowdot(a, b):
     # Row-wise dot products as an einsum: on XLA:CPU a fused multiply+reduce over the last axis
-    # lowers to a reduction ~30x slower than the equivalent dot (measured here).
+    # lowers to a reduction far slower than the equivalent dot.
     return jnp.einsum("...ij,...ij->...i", a, b)
 
 

@@ -15,7 +15,7 @@ Scales (the idea of ``class_incremental --scale``: named presets, not free sizes
   their tables are in docs/RESULTS.md with the commands that produced them. At these budgets a
   table says what separates *at this budget*, not what the papers' full-size runs show.
 * ``gpu``: the papers' small settings scaled to one accelerator (wider and deeper models, longer
-  training and contexts, more seeds). Prepared, not measured here: a test checks that every argv
+  training and contexts, more seeds). Prepared, not run here: a test checks that every argv
   parses with its driver's own parser and that every config override loads.
 
 Arguments are templates: ``{out}`` is replaced by the run's ``--out`` directory, so
@@ -187,8 +187,8 @@ def _hope_formal() -> Claim:
 def _hola_niah() -> Claim:
     configs = [_CFG + f"tiny_{c}.yaml" for c in ("hola", "hola_recency", "gdn")]
     mult = ["--niah-multipliers", "1", "2", "4", "8", "16"]
-    # CPU: 769 s (2026-12-03); the configs' 300 steps × batch 16 were on course for ~10 minutes
-    # of training per HOLA run under the shared load
+    # CPU: 200 steps × batch 8 instead of the configs' 300 × 16 keep the three runs within the
+    # CPU scale's 20 minutes (wall time in docs/RESULTS.md)
     cpu = _m(
         "compare",
         "--configs",
@@ -235,7 +235,8 @@ def _titans_babilong() -> Claim:
         report = ("report", *(f"{{out}}/titans_{v}" for v in variants), "--out", "{out}/report")
         return (*runs, Invocation(report[0], report[1:]))
 
-    # CPU: 1177 s (2026-12-03, load average 3-5); 512 is the shortest length holding every story
+    # CPU: 512 is the shortest length holding every task's story (qa3 needs more than 256 byte
+    # tokens)
     cpu = scale(
         {"train.steps": 200, "data.batch_size": 8},
         {"eval.babilong_lengths": "[512, 1024]", "eval.babilong_per_length": 2},
@@ -272,8 +273,8 @@ def _proteus_sweep() -> Claim:
             *extra,
         )
 
-    # CPU: 999 s for the three (2026-12-03, shared 2-core CPU). No MQAR part at this size: at 300
-    # steps and d_model 64 MQAR stays at chance (E = 1: 0.040 vs 0.031) and took 131 of E=1's 423 s.
+    # CPU: no MQAR part at this size: at 300 steps and d_model 64 MQAR stays at chance and takes
+    # about a third of a run's time (docs/RESULTS.md)
     cpu = tuple(run(e, [_CFG + "tiny_gdn_proteus.yaml"], {}, ["--no-mqar"]) for e in (1, 4, 16))
     gpu_extra = [
         "--multipliers", "1", "4", "16",

@@ -78,7 +78,7 @@ The converted arms hold ``k`` copies of the FFN, so more parameters than (1) (th
 the counts). Every arm of a seed shares the seed's split, class order, test passages and training
 batches; (1)–(3) share one pretrained transformer, (4) its own pretrained Hope.
 
-**Choices made before any forgetting was measured** (CPU size, seed 0, task 1 only): the
+**Choices fixed before any forgetting run** (CPU size, seed 0, task 1 only): the
 fine-tuning ``lr = 3e-3`` (the fine-tuned transformer's task-1 test accuracy after 100 steps: 0.66
 at 3e-3, 0.60 at 1e-3; more steps or a batch of 16 with 600 pretraining steps stayed at 0.62–0.73,
 so the CPU size keeps 100 steps); the online ``η = 1.0`` (the lowest task-1 *training* label loss,
@@ -88,29 +88,7 @@ last 10 and last 30 of 100 steps, among ``{0.1, 0.3, 1, 3}``: 1.064, 1.035, 1.02
 steps per task), ``gpu`` (d_model 256, 4 layers, P = 256, batch 32, 3000 / 400 steps; not run
 here), ``--quick`` (tiny, a smoke run of the machinery).
 
-**Measured** (``python -m nested_jax.experiments.class_incremental --out runs/class_incremental``:
-CPU size, seeds 0 and 1, 1549 s wall on the shared 2-core CPU at load average 5–7, the process
-getting 68 % of one core; Hope's rows are 80 % of it). Seed means (± in the written table)::
-
-    arm                     params   final avg   F        old at end   just-learned   A[0,0]
-    transformer             123,648  0.165       +0.586   0.000        0.556          0.668
-    hope_attention          271,110  0.163       +0.580   0.000        0.549          0.645
-    hope_attention_online   271,110  0.167       +0.492   0.000        0.495          0.484
-    hope                    313,416  0.168       +0.525   0.000        0.518          0.527
-    chance                           0.167
-
-- Only task 1 (Emma / Mansfield Park) is learned above chance. Tasks 2 and 3 stay at 0.49–0.52 for
-  every arm — also when trained alone from the pretrained transformer (100 steps: 0.53, 0.54), and
-  for the transformer with ``P = 256`` and 300 steps per task (0.52, 0.55; seed 0): at this size
-  the model cannot tell those novels apart.
-- Every arm loses all of task 1 as soon as task 2 arrives: ``A[1,0] = A[2,0] = 0.000`` (the label
-  head moves to the newest classes; the task-incremental accuracy on task 1 falls to 0.50 too).
-  So ``F`` is the just-learned accuracy of tasks 1–2, and a lower ``F`` means "learned less": the
-  online-CMS arm learns nothing (0.48 on task 1) and has the lowest ``F``. No arm retains more than
-  the fine-tuned transformer: the paper's claim is not supported at this size (there is nothing
-  left to compare).
-- The conversion keeps the function (max |Δ logits| 2.9e-6 and 5.7e-6). Hope is the better LM at
-  equal pretraining steps (1.64 vs 2.01 nats/byte) but learns task 1 less (0.53 vs 0.67).
+Results (CPU size, seeds 0 and 1): ``docs/RESULTS.md``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hope / Hope-Attention vs Titans LMM, Gated DeltaNet and Transformer++: one command (issue 5).
+"""Hope / Hope-Attention vs Titans LMM, Gated DeltaNet and Transformer++: one command.
 
     python -m nested_jax.experiments.compare_hope [--steps 200 --mqar-steps 300 --parallel]
     bash scripts/compare_hope                      # the same (it runs this module from the repo)

@@ -72,39 +72,7 @@ rates (``lr_scaling``):
 The base ``η = 0.03`` was chosen before the comparison as the one-level model's best prequential
 (``online``) loss among ``{0.003, 0.01, 0.03, 0.1, 0.3}`` (two seeds; 0.3 diverged).
 
-**Measured** (``python -m nested_jax.experiments.forgetting --out runs/forgetting``, 1228 s on
-the shared 2-core CPU; seed means of ``forget_A`` then ``current``, standard errors in the
-written tables; k3 periods ``(1, 16, 128)``)::
-
-    protocol          k1             nested mean    indep. sum     seq. mean      seq. sum
-    acc.  256 × 8     +0.141 1.65    +0.281 3.56    +0.092 1.76    +0.131 1.71    +0.430 1.61
-    long  256 × 24    +0.045 1.49    +0.257 3.33    +0.068 1.49    +0.045 1.53    +0.273 1.46
-    phase 1024 × 4    +0.392 1.44    +0.241 3.35    +0.308 1.42    +0.399 1.47    +0.566 1.43
-    phase 64 × 16     +0.052 1.94    +0.127 3.73    +0.015 2.27    +0.044 2.00    −0.030 1.96
-    pretrain 25       +0.086 1.62    +0.086 2.39    +0.088 1.60    +0.035 1.56    +0.358 1.62
-    pretrain 200      −0.012 1.49    −0.247 1.46    +0.117 1.29    −0.005 1.30    +0.297 1.60
-
-- The acceptance claim does **not** hold: the nested CMS with mean rates forgets about twice as much
-  per B phase while barely learning (its slow levels move at ``η/16``, ``η/128``). Probable cause
-  (not isolated by a separate experiment): the fast level is reset every 16 tokens, so each fresh
-  fast context re-applies the large early part of the "current language is B" logit shift. At 1024 ×
-  4 it forgets less (+0.241 vs +0.392) but learns almost nothing (``current`` 3.35). After 200-step
-  pretraining, where online updates at ``η`` mostly degrade the pretrained model (k1 ``current``
-  1.49 vs its pretrained 1.23), it keeps A at the pretrained level (``retain_A`` 1.23 vs 1.47 for
-  k1): the claim holds there, by staying near the pretrained state. Nested with summed rates is the
-  one-level model exactly (SGD and DGD; identical rows in the tables).
-- Under SPEC's summed rates (the brief's "equal rate per level"), the independent (head-wise)
-  variant forgets less than one level in 3 of 6 protocols (256 × 8, 1024 × 4 with a lower
-  ``current`` too, 64 × 16 with a higher ``current``), about the same after 25-step pretraining and
-  more in the long stream and after 200-step pretraining; at 256 × 8 it also beats a one-level model
-  at ``η/3`` on both forgetting (+0.092 vs +0.122) and ``current`` (1.76 vs 1.83). Sequential with
-  summed rates forgets most in every protocol but 64 × 16 (−0.030 ± 0.055) — the previous probe's
-  direction. Sequential with mean rates forgets less than one level after 25-step pretraining
-  (+0.035 vs +0.086, lower ``current`` too) but see the next point.
-- With equal per-level width, sequential/independent k3 hold three MLPs: in the pretrained protocols
-  they start lower (e.g. 1.71 vs 2.45 after 25 steps), a capacity confound.
-- DGD at the same ``η``: the one-level model barely learns (``current`` 3.70 from 3.88); sequential
-  and independent with summed rates diverge (NaN). Not informative at this ``η``.
+Results (every protocol, 4 seeds): ``docs/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -310,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _other_arms(periods: tuple[int, ...] = (1, 16, 128), nested_sum: bool = False) -> list[Arm]:
-    """Arms re-measured under the other protocols. Nested ``"sum"`` is omitted unless
+    """Arms run under the other protocols. Nested ``"sum"`` is omitted unless
     ``nested_sum``: with SGD it is the one-level model exactly (module docstring)."""
     arms = [Arm("k1", "sequential", (1,)), Arm("k1 lr/3", "sequential", (1,), "sum", 1.0 / 3)]
     extra = (("nested", "sum"),) if nested_sum else ()
@@ -329,7 +297,7 @@ def experiments(
     quick: bool, lr: float, seeds: Sequence[int]
 ) -> list[tuple[str, StreamSettings, list[Arm]]]:
     """The experiments run by the CLI: the acceptance protocol first, then every other protocol
-    measured (phase length, stream length, variants, rate readings, one-level rate sweep)."""
+    (phase length, stream length, variants, rate readings, one-level rate sweep)."""
     seeds = tuple(seeds)
     if quick:
         s = StreamSettings(

@@ -3,8 +3,8 @@
 A latent Markov chain written in two disjoint token maps (languages A and B), a frozen embedding
 and head around an online CMS (SPEC §3.3), optional outer-loop pretraining of the initial levels,
 and :func:`run_arm`: one arm (CMS configuration) on one seed's alternating A/B stream, with the
-held-out loss on both languages after every phase. The protocol, the metrics and the measured
-results are in the docstring of :mod:`nested_jax.experiments.forgetting`.
+held-out loss on both languages after every phase. The protocol and the metrics are in the
+docstring of :mod:`nested_jax.experiments.forgetting`; its results in ``docs/RESULTS.md``.
 """
 
 from __future__ import annotations

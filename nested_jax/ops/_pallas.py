@@ -1,5 +1,5 @@
 """How an op calls a Pallas TPU kernel: Mosaic when lowered for TPU, the interpreter elsewhere,
-one call per shard of the mesh in context (issue 16).
+one call per shard of the mesh in context.
 
 Two facts about the program decide how a ``pallas_call`` enters it, and neither is the Python
 process's default backend:

@@ -1,4 +1,4 @@
-"""Pallas TPU kernels of the chunked gated delta rule (SPEC §1; GitHub issue 16).
+"""Pallas TPU kernels of the chunked gated delta rule (SPEC §1).
 
 ``gated_delta_pallas`` (``ops.py``) is the entry; ``kernel.py`` holds the ``pallas_call`` bodies.
 """

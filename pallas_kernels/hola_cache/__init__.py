@@ -1,4 +1,4 @@
-"""Pallas TPU kernels of HOLA's cache read (SPEC §5; issue 16).
+"""Pallas TPU kernels of HOLA's cache read (SPEC §5).
 
 ``hola_cache_read_pallas`` (``ops.py``) is the entry, with the contract of
 ``nested_jax.core.hola.cache.read_blocks``; ``kernel.py`` holds the ``pallas_call`` bodies.

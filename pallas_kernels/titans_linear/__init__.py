@@ -1,4 +1,4 @@
-"""Pallas TPU kernels of the chunked Titans matrix memory (SPEC §2 with ``L_M = 1``; issue 16).
+"""Pallas TPU kernels of the chunked Titans matrix memory (SPEC §2 with ``L_M = 1``).
 
 ``titans_linear_pallas`` (``ops.py``) is the entry; ``kernel.py`` holds the ``pallas_call`` bodies.
 """

@@ -128,7 +128,7 @@ def test_verdict_rejects_a_multi_level_first_arm():
 
 
 # ---------------------------------------------------------------------------------------------
-# slow: the full-size measurements reported in the module docstring (4 seeds × 8 streams)
+# slow: the full-size results reported in docs/RESULTS.md (4 seeds × 8 streams)
 
 FULL = StreamSettings()
 
@@ -137,7 +137,7 @@ FULL = StreamSettings()
 def test_acceptance_protocol_result_is_the_reported_one():
     # The protocol fixed before measuring (nested, mean rates, periods (1,16,128), phase 256 × 8).
     # Measured: the claim does NOT hold (three levels forget more, and learn far less). This pins
-    # the reported numbers so that the docstring/report cannot silently disagree with the code.
+    # the reported numbers so that docs/RESULTS.md cannot silently disagree with the code.
     title, s, arms = experiments(False, StreamSettings.lr, StreamSettings.seeds)[0]
     assert s == FULL and "acceptance" in title
     res = compare(s, arms)
