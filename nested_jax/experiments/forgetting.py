@@ -8,7 +8,7 @@ language-A loss at every phase end); prints the Markdown.
 
 Code: the simulation (settings, arms, :func:`run_arm`) is
 :mod:`nested_jax.experiments.forgetting_stream`; this module holds the metrics, the experiments
-run, the tables and the command line, and re-exports the simulation's names.
+run, the tables and the command line.
 
 **Task.** A latent first-order Markov chain over ``n`` symbols (each row of the transition matrix
 drawn from ``Dirichlet(concentration · 1)``, so most mass sits on a few successors) is emitted
@@ -93,16 +93,10 @@ from nested_jax.experiments.forgetting_stream import (
     StreamSettings,
     level_lrs,
     run_arm,
-    sample_chain,
 )
 from nested_jax.files import write_json
 
 __all__ = [
-    "StreamSettings",
-    "Arm",
-    "level_lrs",
-    "sample_chain",
-    "run_arm",
     "summarize",
     "compare",
     "acceptance_arms",

@@ -41,39 +41,19 @@ import numpy as np
 
 from nested_jax.eval.tasks import make_mqar_batch, mqar_accuracy
 from nested_jax.experiments._training import (
-    PROTEUS_TAG,
     add_scalar_flags,
-    build_training,
     cached_row,
     check_models,
     check_multipliers,
     check_positive,
-    count_params,
     fit,
     make_scorer,
-    matched_d_model,
-    model_config,
     model_widths,
-    parse_model,
     scalar_values,
 )
 from nested_jax.files import write_json
 
-__all__ = [  # the shared core re-exported: callers import these names from here
-    "PROTEUS_TAG",
-    "MqarSettings",
-    "count_params",
-    "main",
-    "markdown_table",
-    "matched_d_model",
-    "model_config",
-    "parse_model",
-    "run_mqar",
-    "train_and_score",
-]
-
-# kept under its old name for callers (tests/eval/test_formal_languages.py)
-_build_training = build_training
+__all__ = ["MqarSettings", "main", "markdown_table", "run_mqar", "train_and_score"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,7 +49,7 @@ DEFAULT_CONFIGS = (
 
 def mqar_spec(model_cfg) -> str:
     """MQAR model name of a ``ModelConfig``: ``name`` or ``name+proteus<E>``."""
-    from nested_jax.experiments.mqar import PROTEUS_TAG
+    from nested_jax.experiments._training import PROTEUS_TAG
 
     e = model_cfg.proteus.blocks
     return model_cfg.name if e == 1 else f"{model_cfg.name}{PROTEUS_TAG}{e}"

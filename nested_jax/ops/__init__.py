@@ -23,6 +23,7 @@ One module per mechanism:
 
 from __future__ import annotations
 
+from nested_jax.core.lstm import LSTMState
 from nested_jax.ops import cms, hola, hope, linear, titans
 from nested_jax.ops._impl import IMPLS, check_impl
 from nested_jax.ops.cms import cms_forward, cms_online
@@ -39,7 +40,7 @@ from nested_jax.ops.linear import (
     proteus_gated_delta,
     proteus_key_rows,
 )
-from nested_jax.ops.rnn import LSTMState, lstm, lstm_step
+from nested_jax.ops.rnn import lstm, lstm_step
 from nested_jax.ops.titans import titans_memory, titans_memory_step
 from nested_jax.rules import CMSRule, HolaRule, HopeRule, ProteusRule
 

@@ -5,7 +5,7 @@
   state update is nonlinear), so ``"chunked"`` raises, and no Pallas kernel is wired.
 - :func:`lstm_step`: one token for decoding (``core.lstm.lstm_step``).
 
-``LSTMState`` is re-exported so layers take the state type from here.
+The state type ``LSTMState`` (``core.lstm``) reaches layers as ``nested_jax.ops.LSTMState``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from nested_jax.core.lstm import LSTMState, lstm_recurrent
 from nested_jax.core.lstm import lstm_step as _lstm_step
 from nested_jax.ops._impl import check_impl
 
-__all__ = ["LSTMState", "lstm", "lstm_step"]
+__all__ = ["lstm", "lstm_step"]
 
 
 def lstm(

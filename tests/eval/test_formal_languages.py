@@ -217,7 +217,8 @@ def test_one_training_step_on_a_formal_batch():
     """The MQAR experiment's training step (unchanged) trains on formal batches."""
     import jax
 
-    from nested_jax.experiments.mqar import MqarSettings, _build_training
+    from nested_jax.experiments._training import build_training
+    from nested_jax.experiments.mqar import MqarSettings
 
     vocab = FormalVocab()
     batch = make_formal_batch("dyck2", 4, (4, 14), 0, vocab=vocab)
@@ -232,7 +233,7 @@ def test_one_training_step_on_a_formal_batch():
         n_heads=2,
         warmup_steps=1,
     )
-    _, _, rest, step, state, _ = _build_training("transformer", s, s.d_model)
+    _, _, rest, step, state, _ = build_training("transformer", s, s.d_model)
     losses = []
     for _ in range(3):  # the first step has lr 0 (warmup), the second moves the parameters
         state, metrics = step(state, rest, batch)

@@ -8,17 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.experiments.forgetting import (
+from nested_jax.experiments.forgetting import compare, experiments, main, summarize, verdict
+from nested_jax.experiments.forgetting_stream import (
     Arm,
     StreamSettings,
-    compare,
-    experiments,
     level_lrs,
-    main,
     run_arm,
     sample_chain,
-    summarize,
-    verdict,
 )
 
 # The CLI's --quick settings: reusing them (and equal Arm objects) shares jit compilations.

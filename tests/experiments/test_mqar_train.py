@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from nested_jax.experiments import mqar
+from nested_jax.experiments import _training, mqar
 
 
 def test_mqar_two_steps_one_model(tmp_path, capsys):
@@ -31,12 +31,12 @@ def test_mqar_two_steps_one_model(tmp_path, capsys):
 
 def test_matched_d_model_is_closest_in_its_grid():
     s = mqar.MqarSettings(seq_len=16, num_kv_pairs=2, vocab=16, d_model=32, n_layers=1)
-    target = mqar.count_params("gdn", s, 32)
-    d, n = mqar.matched_d_model("transformer", s, target)
-    assert d % (2 * s.n_heads) == 0 and n == mqar.count_params("transformer", s, d)
+    target = _training.count_params("gdn", s, 32)
+    d, n = _training.matched_d_model("transformer", s, target)
+    assert d % (2 * s.n_heads) == 0 and n == _training.count_params("transformer", s, d)
     for other in (d - 2 * s.n_heads, d + 2 * s.n_heads):
         if other > 0:
-            assert abs(mqar.count_params("transformer", s, other) - target) >= abs(n - target)
+            assert abs(_training.count_params("transformer", s, other) - target) >= abs(n - target)
 
 
 def test_bad_inputs_fail_before_training(capsys):
@@ -50,17 +50,17 @@ def test_bad_inputs_fail_before_training(capsys):
 
 @pytest.mark.slow  # ~85 s on 2 cores (three model compiles)
 def test_proteus_model_specs_and_longer_evaluation(tmp_path):
-    assert mqar.parse_model("gdn") == ("gdn", 1)
-    assert mqar.parse_model("gdn+proteus16") == ("gdn", 16)
+    assert _training.parse_model("gdn") == ("gdn", 1)
+    assert _training.parse_model("gdn+proteus16") == ("gdn", 16)
     with pytest.raises(ValueError, match="models"):
-        mqar.parse_model("gdn+proteusx")
+        _training.parse_model("gdn+proteusx")
     s = mqar.MqarSettings(
         steps=2, seq_len=16, num_kv_pairs=2, vocab=16, d_model=16, n_layers=1, batch_size=4,
         eval_batches=1, warmup_steps=1, eval_multipliers=(1, 4), match_params=False,
     )  # fmt: skip
-    cfg = mqar.model_config("gdn+proteus4", s, 16)
+    cfg = _training.model_config("gdn+proteus4", s, 16)
     assert (cfg.name, cfg.proteus.blocks, cfg.proteus.context_len) == ("gdn", 4, 16)
-    assert mqar.count_params("gdn+proteus4", s, 16) == mqar.count_params("gdn", s, 16)
+    assert _training.count_params("gdn+proteus4", s, 16) == _training.count_params("gdn", s, 16)
     res = mqar.run_mqar(["gdn+proteus4"], s, tmp_path)
     (row,) = res["rows"]
     assert row["model"] == "gdn+proteus4"
