@@ -7,22 +7,24 @@ import numpy as np
 import pytest
 
 from nested_jax.data.corpus import AUSTEN_NOVELS, load_austen_novels
-from nested_jax.experiments.class_incremental import (
+from nested_jax.experiments.class_incremental import main
+from nested_jax.experiments.class_incremental_data import (
     LABEL_BASE,
     VOCAB,
     ClassIncrementalSettings,
-    accuracy_rows,
-    average_accuracy,
-    chance,
     chapter_texts,
     class_order,
     classification_batch,
-    forgetting,
-    main,
-    predict_seen,
     sample_passages,
     split_classes,
     task_classes,
+)
+from nested_jax.experiments.class_incremental_report import (
+    accuracy_rows,
+    average_accuracy,
+    chance,
+    forgetting,
+    predict_seen,
     verdict,
 )
 
