@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nested_jax.eval import babilong, ruler, tasks
+from nested_jax.eval import babilong, babilong_stories, ruler, tasks
 
 SUITES = ("validation", "niah", "ruler", "babilong")
 DEFAULT_SUITES = ("validation", "niah")
@@ -102,7 +102,7 @@ def run_ruler(predict: Callable, tokenizer, haystack: str, e) -> dict:
 
 def run_babilong(predict: Callable, tokenizer, haystack: str, e) -> dict:
     """Each task of ``eval.babilong_tasks`` at ``eval.babilong_lengths`` (:mod:`.babilong`)."""
-    _check_names("babilong_tasks", e.babilong_tasks, babilong.TASKS)
+    _check_names("babilong_tasks", e.babilong_tasks, babilong_stories.TASKS)
     examples = []
     for task in e.babilong_tasks:
         examples += babilong.babilong_grid(
@@ -111,7 +111,7 @@ def run_babilong(predict: Callable, tokenizer, haystack: str, e) -> dict:
     r = babilong.score_babilong(predict, examples)
     return {
         "by_task": {t: {str(n): a for n, a in row.items()} for t, row in r["by_task"].items()},
-        "chance": {t: babilong.babilong_chance(t) for t in e.babilong_tasks},
+        "chance": {t: babilong_stories.babilong_chance(t) for t in e.babilong_tasks},
         "overall": r["overall"],
         "num_examples": r["num_examples"],
     }

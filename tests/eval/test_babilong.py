@@ -13,20 +13,22 @@ from nested_jax.data.corpus import austen_documents
 from nested_jax.data.tokenizers import ByteTokenizer, train_sentencepiece
 from nested_jax.eval.babilong import (
     ANSWER_PREFIX,
+    QUESTION_PREFIX,
+    babilong_grid,
+    babilong_markdown,
+    encode_haystack,
+    make_babilong_example,
+    score_babilong,
+)
+from nested_jax.eval.babilong_stories import (
     DEFAULT_N_FACTS,
     MIN_FACTS,
     OBJECTS,
     PEOPLE,
     PLACES,
-    QUESTION_PREFIX,
     TASKS,
     babilong_chance,
-    babilong_grid,
-    babilong_markdown,
-    encode_haystack,
-    make_babilong_example,
     make_story,
-    score_babilong,
 )
 
 TOK = ByteTokenizer()
