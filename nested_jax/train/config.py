@@ -273,18 +273,20 @@ def _build_dataclass(cls: type, values: Mapping[str, Any], path: str, base: Any 
 
 
 def _check_combinations(cfg: Config) -> None:
-    if cfg.optimizer.name not in OPTIMIZERS:
+    """Checks no single field can make on its own: value ranges the section classes leave open and
+    the fields that must agree across sections. Raises ``ConfigError`` naming the field path."""
+    _check_optimizer(cfg.optimizer)
+    _check_mesh(cfg.mesh, cfg.data)
+    _check_model_fits_data(cfg.model, cfg.data)
+    _check_train(cfg.train)
+    _check_eval(cfg.eval)
+
+
+def _check_optimizer(o: OptimizerConfig) -> None:
+    if o.name not in OPTIMIZERS:
         raise ConfigError(
-            f"optimizer.name: unknown optimizer {cfg.optimizer.name!r}; "
-            f"registered: {sorted(OPTIMIZERS)}"
+            f"optimizer.name: unknown optimizer {o.name!r}; registered: {sorted(OPTIMIZERS)}"
         )
-    p = cfg.model.proteus
-    if p.blocks > 1 and p.context_len != cfg.data.seq_len:
-        raise ConfigError(
-            f"model.proteus.context_len: {p.context_len} differs from data.seq_len = "
-            f"{cfg.data.seq_len} (the training context N of the Proteus schedule, SPEC §4)"
-        )
-    o = cfg.optimizer
     for name, value, ok, what in (
         ("lr", o.lr, o.lr > 0, "> 0"),
         ("warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
@@ -297,7 +299,10 @@ def _check_combinations(cfg: Config) -> None:
     ):
         if not ok:
             raise ConfigError(f"optimizer.{name}: must be {what}, got {value!r}")
-    m = cfg.mesh
+
+
+def _check_mesh(m: MeshConfig, data: DataConfig) -> None:
+    """Axis sizes (positive, or one of them -1), and the batch and sequence the axes split."""
     sizes = (("data", m.data), ("fsdp", m.fsdp), ("seq", m.seq), ("tensor", m.tensor))
     for name, value in sizes:
         if value == 0 or value < -1:
@@ -312,38 +317,53 @@ def _check_combinations(cfg: Config) -> None:
             f"mesh.{free[0]}: at most one of mesh.data / mesh.fsdp / mesh.seq / mesh.tensor may "
             "be -1"
         )
-    if m.seq > 1 and cfg.data.seq_len % m.seq:
+    if m.seq > 1 and data.seq_len % m.seq:
         raise ConfigError(
-            f"data.seq_len: {cfg.data.seq_len} is not divisible by mesh.seq = {m.seq} (each "
+            f"data.seq_len: {data.seq_len} is not divisible by mesh.seq = {m.seq} (each "
             "device of the seq axis holds an equal stretch of every sequence)"
         )
     shards = m.data * m.fsdp * m.slices
-    if m.data > 0 and m.fsdp > 0 and cfg.data.batch_size % shards:
+    if m.data > 0 and m.fsdp > 0 and data.batch_size % shards:
         raise ConfigError(
-            f"data.batch_size: {cfg.data.batch_size} is not divisible by mesh.data × mesh.fsdp × "
+            f"data.batch_size: {data.batch_size} is not divisible by mesh.data × mesh.fsdp × "
             f"mesh.slices = {m.data}×{m.fsdp}×{m.slices} = {shards}"
         )
-    for knob, size in mixer_seq_len_multiples(cfg.model).items():
-        if cfg.data.seq_len % size:
+
+
+def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
+    """The training length against Proteus' context and the mixer's chunks; the vocabulary
+    against the tokenizer."""
+    p = model.proteus
+    if p.blocks > 1 and p.context_len != data.seq_len:
+        raise ConfigError(
+            f"model.proteus.context_len: {p.context_len} differs from data.seq_len = "
+            f"{data.seq_len} (the training context N of the Proteus schedule, SPEC §4)"
+        )
+    for knob, size in mixer_seq_len_multiples(model).items():
+        if data.seq_len % size:
             raise ConfigError(
-                f"data.seq_len: {cfg.data.seq_len} is not a multiple of {knob} = {size} "
-                f"(the chunked {cfg.model.name!r} mixer runs whole chunks)"
+                f"data.seq_len: {data.seq_len} is not a multiple of {knob} = {size} "
+                f"(the chunked {model.name!r} mixer runs whole chunks)"
             )
     # A generated task (data.task) brings its own ids; prepare_plan checks them against the model.
-    needed = {"byte": 257, "sentencepiece": cfg.data.vocab_size}.get(cfg.data.tokenizer, 0)
-    if cfg.model.vocab_size < needed and not cfg.data.task:
+    needed = {"byte": 257, "sentencepiece": data.vocab_size}.get(data.tokenizer, 0)
+    if model.vocab_size < needed and not data.task:
         raise ConfigError(
-            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the {cfg.data.tokenizer!r} "
+            f"model.vocab_size: {model.vocab_size} is smaller than the {data.tokenizer!r} "
             f"tokenizer's vocabulary ({needed} ids)"
         )
-    t = cfg.train
+
+
+def _check_train(t: TrainConfig) -> None:
     for name in ("steps", "log_every", "checkpoint_every", "keep_checkpoints"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name}: must be >= 1, got {getattr(t, name)}")
     for name in ("eval_every", "max_consecutive_skips", "loss_chunk"):
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name}: must be >= 0, got {getattr(t, name)}")
-    e = cfg.eval
+
+
+def _check_eval(e: EvalConfig) -> None:
     if e.eval_batches < 0:
         raise ConfigError(f"eval.eval_batches: must be >= 0, got {e.eval_batches}")
     if e.niah_per_cell < 0:
