@@ -17,8 +17,8 @@ Each part runs as its own ``nice``-d process (``python -u -m ...``) whose output
 model only when its settings are identical. At the end both tables are printed; the exit status
 is the last non-zero status of the two parts (0 when both succeed).
 
-Every option defaults to the environment variable of the former bash script, so
-``STEPS=200 MQAR_STEPS=300 PARALLEL=1 bash scripts/compare_hope`` still works: ``STEPS``,
+Every option defaults to an environment variable, so
+``STEPS=200 MQAR_STEPS=300 PARALLEL=1 bash scripts/compare_hope`` sets them: ``STEPS``,
 ``MQAR_STEPS`` (400), ``EVAL_BATCHES``, ``MQAR_EVAL`` (8), ``WORKDIR`` (runs/hope_compare),
 ``MQAR_OUT`` (runs/hope_mqar), ``PARALLEL=1``, ``NICE`` (10; the CPU is shared) and ``MQAR_ARGS``
 (extra MQAR flags, split on whitespace). Unrecognised arguments go to compare (e.g.

@@ -27,9 +27,7 @@ CMS_MODELS = frozenset({"hope", "hope_attention"})
 class ModelConfig:
     """Hyper-parameters of the LM shell and its mixer (see ``nested_jax.models.registry``)."""
 
-    name: str = (
-        "gdn"  # registry key: transformer | deltanet | gdn (more later: titans_*, hope, hola)
-    )
+    name: str = "gdn"  # registry key (nested_jax.models.available_mixers())
     vocab_size: int = 256  # number of token ids (byte-level default)
     d_model: int = 128  # residual stream width
     n_layers: int = 2  # number of [mixer, MLP] blocks
