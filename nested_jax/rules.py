@@ -2,14 +2,14 @@
 
 - :class:`HopeRule` (SPEC §3.2): chunk sizes, ablation flags, truncated backprop, remat.
 - :class:`ProteusRule` (SPEC §4): the schedule ``(E, N)``.
-- :class:`HolaRule` (SPEC §5): cache capacity, block length, eviction, read, scales, chunk.
+- :class:`HolaRule` (SPEC §5): cache capacity, block length, eviction, read, scales.
 - :class:`CMSRule` (SPEC §3.3): periods, variant, online inner step; :func:`check_periods`.
 
 Plain Python (no jax), at the bottom of the layer map, so that both sides of the one door use the
 same values: the core functions and ops take a rule (``rule=``), and the config sections of
-``nested_jax.layers.options`` are built on them: ``HopeOptions`` and ``ProteusOptions`` *are*
-their rules plus the layer's own fields (defaults written once, here), while ``HolaOptions`` and
-``CMSOptions`` hold a subset under config names and validate it by building their rule. Every
+``nested_jax.layers.options`` are built on them: ``HopeOptions``, ``ProteusOptions``,
+``HolaOptions`` and ``CMSOptions`` *are* their rules plus the layer's own fields (defaults written
+once, here). Every
 rule is frozen and hashable (a jit static) and checks itself in ``__post_init__``, raising
 ``ValueError("<Class>.<field>: ...")``; a config section that inherits a rule reports its own
 class name.
@@ -301,21 +301,21 @@ class ProteusRule:
 
 @dataclass(frozen=True)
 class HolaRule:
-    """The HOLA rule as one typed value (SPEC §5): cache, blocks, eviction, read, scales, chunks.
+    """The HOLA rule as one typed value (SPEC §5): cache capacity, block length, eviction, read.
 
-    ``HolaOptions.rule()`` (the ``model.hola`` config section, with the shell's
-    ``model.chunk_size``) builds it; the defaults below are ``HolaOptions``'s and
-    ``ModelConfig.chunk_size``'s (a test keeps them equal) and the core functions' keyword
-    defaults. The core functions keep their plain keywords: ``ops.hola`` passes :meth:`kwargs` /
-    :meth:`step_kwargs` on.
+    The defaults are SPEC §5's (``w = 64``, ``C = 256``, eviction by ``m_t = β_t‖e_t‖``, RMSNorm
+    read, both scales ``K ** -0.5``). ``HolaOptions`` (the ``model.hola`` config section) extends
+    this class, so a config section is a rule. The core functions (``hola_forward``,
+    ``hola_recurrent``, ``hola_decode_step``, ``hola_reference``) and ``ops.hola`` take it whole
+    (``rule=``). The chunk of the WY/UT state path is not part of the rule: it changes speed and
+    memory, not values (up to rounding), so it is the plain ``chunk_size`` keyword of the
+    block-parallel form, as in ``gated_delta_chunked`` (in a config ``model.chunk_size``).
 
     Attributes:
       window: cache capacity ``w`` (entries per head); block_size: block length ``C`` (the cache
         is merged, top-w, at every block end).
       eviction: one of ``EVICTIONS``; read_norm: one of ``READ_NORMS``.
       scale: state-path query scale; cache_scale: cache logit scale (None: ``K ** -0.5``).
-      chunk_size: chunk length of the WY/UT state path and of the residual pass (the
-        block-parallel form only; decoding ignores it).
     """
 
     window: int = 64
@@ -324,10 +324,9 @@ class HolaRule:
     read_norm: str = "rmsnorm"
     scale: float | None = None
     cache_scale: float | None = None
-    chunk_size: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("window", "block_size", "chunk_size"):
+        for name in ("window", "block_size"):
             if not _is_int(getattr(self, name), 1):
                 _fail(self, name, f"must be a positive int, got {getattr(self, name)!r}")
         _check_choices(self, {"eviction": EVICTIONS, "read_norm": READ_NORMS})
@@ -336,24 +335,13 @@ class HolaRule:
             if value is not None and (not _is_float(value) or not value > 0):
                 _fail(self, name, f"must be None (K ** -0.5) or a float > 0, got {value!r}")
 
-    def step_kwargs(self) -> dict:
-        """Keywords of ``core.hola.decode.hola_decode_step`` (``window``, ``block_size`` are the
-        state's)."""
-        return dict(
-            eviction=self.eviction,
-            read_norm=self.read_norm,
-            scale=self.scale,
-            cache_scale=self.cache_scale,
-        )
-
-    def kwargs(self) -> dict:
-        """Every field as keywords of ``core.hola.forward.hola_forward`` (``hola_recurrent`` takes
-        them all but ``chunk_size``)."""
-        return dict(
-            window=self.window,
-            block_size=self.block_size,
-            chunk_size=self.chunk_size,
-            **self.step_kwargs(),
+    def scales(self, key_dim: int) -> tuple[float, float]:
+        """``(scale, cache_scale)`` for keys of width ``key_dim``; None stands for
+        ``key_dim ** -0.5`` (SPEC §0, §5)."""
+        default = key_dim**-0.5
+        return (
+            default if self.scale is None else self.scale,
+            default if self.cache_scale is None else self.cache_scale,
         )
 
 
@@ -393,49 +381,50 @@ def check_periods(periods, k: int | None = None, variant: str | None = None) -> 
 class CMSRule:
     """The CMS rule as one typed value (SPEC §3.3): periods, variant and the online inner step.
 
-    ``CMSOptions.rule()`` (the ``model.cms`` config section) builds it, and the defaults below are
-    ``CMSOptions``'s (a test keeps them equal). Lists become tuples (hashable). The core functions
-    keep their plain keywords: ``ops.cms`` passes ``variant`` (fixed-weight forward) or
-    :meth:`online_kwargs` (online mode) on. The level widths, ``gated`` and the pretrain
-    optimizer's ``mode`` / ``accumulate`` are not part of the rule: they shape the parameters and
-    the outer optimizer, not the CMS function.
+    ``CMSOptions`` (the ``model.cms`` config section) extends this class, so a config section is a
+    rule; the online step's fields carry the config's names (``online_lr``, ``online_inner``): they
+    are read by the ``online`` mode only. ``ops.cms`` and ``core.cms.online.cms_online`` take the
+    rule whole (``rule=``); the fixed-weight forward reads ``variant``. Lists become tuples
+    (hashable). The level widths, ``gated`` and the pretrain optimizer's ``mode`` /
+    ``accumulate`` are the config section's: they shape the parameters and the outer optimizer,
+    not the CMS function.
 
     Attributes:
       periods: ``(C^(1), …, C^(k))``, one per level, strictly increasing (``nested``: each divides
         the next); tokens in the online mode.
       variant: one of ``CMS_VARIANTS``.
-      lr: online inner rate ``η > 0``, one float or one per level.
-      inner: online inner optimizer, one of ``CMS_INNERS`` (SPEC §3.1).
-      remat_every: online: checkpoint the chunk scan every n chunks (None: no checkpoints).
+      online_lr: online inner rate ``η > 0``, one float or one per level.
+      online_inner: online inner optimizer, one of ``CMS_INNERS`` (SPEC §3.1).
+      remat_every: online: checkpoint the chunk scan every n chunks (None: no checkpoints; values
+        unchanged).
     """
 
     periods: tuple[int, ...] = (1, 4, 16)
     variant: str = "sequential"
-    lr: float | tuple[float, ...] = 1e-2
-    inner: str = "sgd"
+    online_lr: float | tuple[float, ...] = 1e-2
+    online_inner: str = "sgd"
     remat_every: int | None = None
 
     def __post_init__(self) -> None:
-        _check_choices(self, {"variant": CMS_VARIANTS, "inner": CMS_INNERS})
+        _check_choices(self, {"variant": CMS_VARIANTS, "online_inner": CMS_INNERS})
         try:
             periods = check_periods(self.periods, variant=self.variant)
         except ValueError as err:  # check_periods' message, under the field's name
             _fail(self, "periods", str(err).removeprefix("periods "))
         object.__setattr__(self, "periods", periods)
-        lrs = self.lr if isinstance(self.lr, tuple | list) else (self.lr,)
-        if isinstance(self.lr, tuple | list):
-            if len(lrs) != len(periods):
+        lr = self.online_lr
+        per_level = isinstance(lr, tuple | list)
+        if per_level:
+            if len(lr) != len(periods):
                 _fail(
-                    self, "lr", f"one rate per level ({len(periods)}) or one float, got {self.lr!r}"
+                    self,
+                    "online_lr",
+                    f"one rate per level ({len(periods)}) or one float, got {lr!r}",
                 )
-            object.__setattr__(self, "lr", tuple(lrs))
-        for v in lrs:
+            object.__setattr__(self, "online_lr", tuple(lr))
+        for v in self.online_lr if per_level else (lr,):
             if not _is_float(v) or not v > 0:
-                _fail(self, "lr", f"must be a float > 0 (or one per level), got {v!r}")
+                _fail(self, "online_lr", f"must be a float > 0 (or one per level), got {v!r}")
         r = self.remat_every
         if r is not None and not _is_int(r, 1):
             _fail(self, "remat_every", f"must be None or a positive int, got {r!r}")
-
-    def online_kwargs(self) -> dict:
-        """Every field as keywords of ``core.cms.online.cms_online``."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(CMSRule)}

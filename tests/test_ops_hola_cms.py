@@ -2,11 +2,13 @@
 
 Each op routes to the named core form bit for bit (the same traced program, values and gradients),
 the two HOLA forms agree with each other (values, final state and gradients), decoding token by
-token equals the sequence form, and an ``impl`` that cannot run raises ``ValueError`` naming the
-op. The layers import no core module.
+token equals the sequence form, a config section passed as the rule is the core form with the
+equivalent rule, and an ``impl`` that cannot run raises ``ValueError`` naming the op. The layers
+import no core module.
 """
 
 import ast
+import dataclasses
 import functools
 import importlib
 from pathlib import Path
@@ -22,6 +24,7 @@ from nested_jax.core.cms import levels as core_cms_levels
 from nested_jax.core.cms import online as core_cms
 from nested_jax.core.hola import decode as core_hola_decode
 from nested_jax.core.hola import forward as core_hola
+from nested_jax.layers.options import CMSOptions, HolaOptions
 
 # The modules themselves (a package-level re-export of the function ``hola`` would shadow the
 # attribute ``nested_jax.ops.hola``; ``import_module`` reads ``sys.modules``).
@@ -58,8 +61,7 @@ def _hola_inputs(seed=0):
     return x, p
 
 
-OPTS = dict(window=W, block_size=C, eviction="beta_e", read_norm="rmsnorm")  # core keywords
-RULE = ops_hola.HolaRule(**OPTS, chunk_size=CHUNK)  # the same options for the ops
+RULE = ops_hola.HolaRule(window=W, block_size=C, eviction="beta_e", read_norm="rmsnorm")
 
 
 def _same_program(f, g, *args):
@@ -75,13 +77,13 @@ def _grad_of(fn, w):
 @functools.cache
 def _fwd(impl):
     """Jitted ``ops.hola`` (one compile per ``impl``, shared by the tests)."""
-    return jax.jit(functools.partial(ops_hola.hola, rule=RULE, impl=impl))
+    return jax.jit(functools.partial(ops_hola.hola, rule=RULE, chunk_size=CHUNK, impl=impl))
 
 
 @functools.cache
 def _vjp(impl):
     """Jitted ``(o, ∇_args Σ w ⊙ o)`` of ``ops.hola``."""
-    fn = functools.partial(ops_hola.hola, rule=RULE, impl=impl)
+    fn = functools.partial(ops_hola.hola, rule=RULE, chunk_size=CHUNK, impl=impl)
 
     def run(args, w):
         (o, state), vjp = jax.vjp(lambda a: fn(*a), args)
@@ -91,7 +93,8 @@ def _vjp(impl):
 
 
 def _args(x, p):
-    return tuple(x[n] for n in SEQ) + tuple(p[n] for n in PAR)
+    """``(q, k, v, g, β, HolaReadParams)``: the positional arguments of ``ops.hola``."""
+    return tuple(x[n] for n in SEQ) + (ops_hola.HolaReadParams(*(p[n] for n in PAR)),)
 
 
 _W = np.random.default_rng(2).normal(size=(B, T, H, V)).astype(np.float32)
@@ -103,12 +106,43 @@ _W = np.random.default_rng(2).normal(size=(B, T, H, V)).astype(np.float32)
 
 def test_hola_chunked_is_core_forward_values_and_gradients():
     args = _args(*_hola_inputs())
-    ops_fn = functools.partial(ops_hola.hola, rule=RULE, impl="chunked")
-    core_fn = functools.partial(core_hola.hola_forward, **OPTS, chunk_size=CHUNK)
+    ops_fn = functools.partial(ops_hola.hola, rule=RULE, chunk_size=CHUNK, impl="chunked")
+    core_fn = functools.partial(core_hola.hola_forward, rule=RULE, chunk_size=CHUNK)
     _same_program(ops_fn, core_fn, *args)
     _same_program(_grad_of(ops_fn, _W), _grad_of(core_fn, _W), args)
     rec_fn = functools.partial(ops_hola.hola, rule=RULE, impl="recurrent")
-    _same_program(rec_fn, functools.partial(core_hola_decode.hola_recurrent, **OPTS), *args)
+    _same_program(rec_fn, functools.partial(core_hola_decode.hola_recurrent, rule=RULE), *args)
+
+
+def _rule_part(section, rule_cls):
+    """The rule a config section stands for: its ``rule_cls`` fields, as a plain rule."""
+    return rule_cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(rule_cls)})
+
+
+def test_hola_options_passed_to_the_op_is_core_with_the_equivalent_rule():
+    """A ``HolaOptions`` (the ``model.hola`` section, which the layer hands over whole) given to
+    ``ops.hola`` / ``ops.hola_step`` is the core form called with the plain ``HolaRule`` of the same
+    fields: the same program, the same values."""
+    opts = HolaOptions(window=W, block_size=C, eviction="recency", read_norm="l2", gate_init=-1.0)
+    rule = _rule_part(opts, ops_hola.HolaRule)
+    assert type(rule) is ops_hola.HolaRule and rule == ops_hola.HolaRule(
+        window=W, block_size=C, eviction="recency", read_norm="l2"
+    )
+    args = _args(*_hola_inputs(3))
+    ops_fn = functools.partial(ops_hola.hola, rule=opts, chunk_size=CHUNK)
+    core_fn = functools.partial(core_hola.hola_forward, rule=rule, chunk_size=CHUNK)
+    _same_program(ops_fn, core_fn, *args)
+    o_ops, s_ops = jax.jit(ops_fn)(*args)
+    o_core, s_core = jax.jit(core_fn)(*args)
+    np.testing.assert_array_equal(o_ops, o_core)
+    chex.assert_trees_all_equal(s_ops, s_core)
+    one = tuple(a[:, 0] for a in args[:5]) + args[5:]
+    _same_program(
+        functools.partial(ops_hola.hola_step, rule=opts),
+        functools.partial(core_hola_decode.hola_decode_step, rule=rule),
+        ops_hola.init_hola_state(B, H, K, V, W, C),
+        *one,
+    )
 
 
 def test_hola_recurrent_equals_chunked_values_and_state():
@@ -149,11 +183,13 @@ def test_hola_step_token_by_token_equals_the_sequence_form():
     step = jax.jit(ops_step)
     state = ops_hola.init_hola_state(B, H, K, V, W, C)
     assert isinstance(state, ops_hola.HolaState)
-    one = [x[n][:, 0] for n in SEQ] + [p[n] for n in PAR]
-    _same_program(ops_step, core_hola_decode.hola_decode_step, state, *one)
+    params = _args(x, p)[-1]
+    one = [x[n][:, 0] for n in SEQ] + [params]
+    core_step = functools.partial(core_hola_decode.hola_decode_step, rule=RULE)
+    _same_program(ops_step, core_step, state, *one)
     outs = []
     for t in range(T):
-        o_t, state = step(state, *[x[n][:, t] for n in SEQ], *[p[n] for n in PAR])
+        o_t, state = step(state, *[x[n][:, t] for n in SEQ], params)
         outs.append(o_t)
     np.testing.assert_allclose(np.stack(outs, axis=1), o_seq, atol=2e-5, rtol=1e-4)
     chex.assert_trees_all_close(state, s_seq, atol=2e-5, rtol=1e-4)
@@ -163,6 +199,9 @@ def test_hola_reexports_are_core_names():
     assert ops_hola.EVICTIONS == rules.EVICTIONS
     assert ops_hola.READ_NORMS == rules.READ_NORMS
     assert ops_hola.HolaState is core_hola_decode.HolaState
+    assert ops_hola.HolaReadParams is core_hola_decode.HolaReadParams
+    assert ops_hola.HolaRule is rules.HolaRule
+    assert ops_hola.__all__ == ["hola", "hola_step"]  # the module lists what it defines
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,11 +242,11 @@ def test_cms_online_is_core():
     def sq_loss(y, side):
         return 0.5 * jnp.sum(jnp.square(y - side), axis=-1)
 
-    rule = dict(periods=(2, 4), variant="sequential", lr=(0.1, 0.05), inner="dgd")
+    rule = ops_cms.CMSRule(periods=(2, 4), online_lr=(0.1, 0.05), online_inner="dgd")
     kw = dict(delta_fn=ops_cms.surprise_from_loss(sq_loss), side=target)
     _same_program(
-        lambda lv, xx: ops_cms.cms_online(lv, xx, rule=ops_cms.CMSRule(**rule), **kw),
-        lambda lv, xx: core_cms.cms_online(lv, xx, **rule, **kw),
+        lambda lv, xx: ops_cms.cms_online(lv, xx, rule=rule, **kw),
+        lambda lv, xx: core_cms.cms_online(lv, xx, rule=rule, **kw),
         levels,
         x,
     )
@@ -217,6 +256,37 @@ def test_cms_online_is_core():
         ops_cms.VARIANTS == core_cms_levels.VARIANTS
         and ops_cms.CMSLevel is core_cms_levels.CMSLevel
     )
+    assert ops_cms.__all__ == ["cms_forward", "cms_online"]  # the module lists what it defines
+
+
+def test_cms_options_passed_to_the_op_is_core_with_the_equivalent_rule():
+    """A ``CMSOptions`` (the ``model.cms`` section; its ``online_lr`` / ``online_inner`` are the
+    rule's fields) given to ``ops.cms_online`` / ``ops.cms_forward`` is the core form called with
+    the plain ``CMSRule`` of the same fields: the same program, the same values."""
+    levels, x, target = _cms_setup()
+    opts = CMSOptions(
+        periods=(2, 4), variant="independent", online_lr=0.1, online_inner="dgd", remat_every=1,
+        hidden=6, mode="online",
+    )  # fmt: skip
+    rule = _rule_part(opts, ops_cms.CMSRule)
+    assert type(rule) is ops_cms.CMSRule and rule == ops_cms.CMSRule(
+        periods=(2, 4), variant="independent", online_lr=0.1, online_inner="dgd", remat_every=1
+    )
+    mix = np.array([0.3, -0.2], np.float32)
+    kw = dict(delta=np.sin(x), mix_logits=mix)
+    ops_fn = functools.partial(ops_cms.cms_online, rule=opts, **kw)
+    core_fn = functools.partial(core_cms.cms_online, rule=rule, **kw)
+    _same_program(ops_fn, core_fn, levels, x)
+    y_ops, st_ops = ops_fn(levels, x)
+    y_core, st_core = core_fn(levels, x)
+    np.testing.assert_array_equal(y_ops, y_core)
+    chex.assert_trees_all_equal(st_ops, st_core)
+    _same_program(
+        lambda lv, xx: ops_cms.cms_forward(lv, xx, rule=opts, mix_logits=mix),
+        lambda lv, xx: core_cms_levels.cms_forward(lv, xx, variant=rule.variant, mix_logits=mix),
+        levels,
+        x,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -225,8 +295,8 @@ def test_cms_online_is_core():
 
 def _calls():
     x, p = _hola_inputs()
-    seq = tuple(x[n] for n in SEQ) + tuple(p[n] for n in PAR)
-    one = tuple(x[n][:, 0] for n in SEQ) + tuple(p[n] for n in PAR)
+    seq = _args(x, p)
+    one = tuple(a[:, 0] for a in seq[:5]) + seq[5:]
     s0 = ops_hola.init_hola_state(B, H, K, V, W, C)
     levels, xc, _ = _cms_setup()
     cms_rule = ops_cms.CMSRule(periods=(2, 4))
@@ -254,8 +324,7 @@ def test_no_recurrent_cms_and_no_packed_recurrent_hola():
     for op in ("cms_forward", "cms_online"):
         with pytest.raises(ValueError, match=f"^{op}: impl='recurrent'"):
             calls[op]("recurrent")
-    x, p = _hola_inputs()
-    seq = tuple(x[n] for n in SEQ) + tuple(p[n] for n in PAR)
+    seq = _args(*_hola_inputs())
     seg = np.zeros((B, T), np.int32)
     with pytest.raises(ValueError, match="^hola: impl='recurrent'.*segment_ids"):
         ops_hola.hola(*seq, rule=RULE, segment_ids=seg, impl="recurrent")

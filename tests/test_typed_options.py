@@ -22,6 +22,7 @@ from flax import nnx
 from nested_jax.core.cms import online as core_cms
 from nested_jax.core.hola import decode as core_hola_decode
 from nested_jax.core.hola import forward as core_hola
+from nested_jax.core.hola.reference import hola_reference
 from nested_jax.core.proteus import proteus_key_mask
 from nested_jax.layers.cms import CMSFFN
 from nested_jax.layers.hola import HolaMixer
@@ -39,10 +40,14 @@ from nested_jax.ops.linear import ProteusRule
 # defaults written once: the sections', the rules' and the core keywords' agree
 
 
+def _rule_part(section, rule_cls):
+    """The plain rule a config section stands for (its ``rule_cls`` fields)."""
+    return rule_cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(rule_cls)})
+
+
 def test_option_defaults_are_the_rule_defaults():
-    assert HolaOptions().rule() == HolaRule()
-    assert HolaOptions().rule(chunk_size=ModelConfig().chunk_size) == HolaRule()
-    assert CMSOptions().rule() == CMSRule()
+    assert _rule_part(HolaOptions(), HolaRule) == HolaRule()
+    assert _rule_part(CMSOptions(), CMSRule) == CMSRule()
     assert ProteusOptions().rule() == ProteusRule()
     assert ModelConfig().proteus.rule() == ProteusRule(blocks=1, context_len=0)
 
@@ -68,19 +73,43 @@ def test_hope_and_proteus_sections_are_their_rules():
     assert opts.rule() == HopeRule(chunk_memory=8, chunk_other=2, momentum=False)
 
 
+def test_hola_and_cms_sections_are_their_rules():
+    # The rule's fields, defaults and checks are written once: the sections extend the rules and
+    # add only the layer's own fields (no renamed field, no restated default).
+    own = {HolaOptions: {"gate_init"}, CMSOptions: {"hidden", "gated", "mode", "accumulate"}}
+    for section, rule in ((HolaOptions, HolaRule), (CMSOptions, CMSRule)):
+        assert issubclass(section, rule)
+        rule_fields = {f.name: f.default for f in dataclasses.fields(rule)}
+        section_fields = {f.name: f.default for f in dataclasses.fields(section)}
+        assert set(section_fields) == set(rule_fields) | own[section]
+        assert {n: section_fields[n] for n in rule_fields} == rule_fields
+        assert section.__dataclass_fields__.keys() - section.__annotations__.keys() == set(
+            rule_fields
+        )  # the section declares only its own fields
+
+
 def _defaults(fn, names):
     params = inspect.signature(fn).parameters
     return {n: params[n].default for n in names}
 
 
-def test_rule_defaults_are_the_core_keyword_defaults():
-    rule = HolaRule()
-    assert _defaults(core_hola.hola_forward, rule.kwargs()) == rule.kwargs()
-    assert _defaults(core_hola_decode.hola_decode_step, rule.step_kwargs()) == rule.step_kwargs()
-    seq = {k: v for k, v in rule.kwargs().items() if k != "chunk_size"}
-    assert _defaults(core_hola_decode.hola_recurrent, seq) == seq
-    online = {k: v for k, v in CMSRule().online_kwargs().items() if k != "periods"}
-    assert _defaults(core_cms.cms_online, online) == online
+def test_core_forms_take_the_rule_whole_with_its_defaults():
+    """The HOLA and CMS core forms take ``rule=`` (default: the rule's defaults, SPEC §5 / §3.3)
+    and none of the rule's fields as a keyword of their own."""
+    forms = {
+        HolaRule: (
+            core_hola.hola_forward,
+            core_hola_decode.hola_recurrent,
+            core_hola_decode.hola_decode_step,
+            hola_reference,
+        ),
+        CMSRule: (core_cms.cms_online,),
+    }
+    for rule, fns in forms.items():
+        fields = {f.name for f in dataclasses.fields(rule)}
+        for fn in fns:
+            assert _defaults(fn, ["rule"]) == {"rule": rule()}, fn.__name__
+            assert not fields & set(inspect.signature(fn).parameters), fn.__name__
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,22 +118,26 @@ def test_rule_defaults_are_the_core_keyword_defaults():
 
 def test_rules_carry_the_section_values():
     h = HolaOptions(window=3, block_size=4, eviction="recency", read_norm="l2", gate_init=1.0)
-    assert h.rule(chunk_size=8) == HolaRule(
-        window=3, block_size=4, eviction="recency", read_norm="l2", chunk_size=8
+    assert _rule_part(h, HolaRule) == HolaRule(
+        window=3, block_size=4, eviction="recency", read_norm="l2"
     )
     c = CMSOptions(periods=(2, 8), variant="nested", online_lr=0.5, online_inner="dgd")
-    assert c.rule() == CMSRule(periods=(2, 8), variant="nested", lr=0.5, inner="dgd")
+    assert _rule_part(c, CMSRule) == CMSRule(
+        periods=(2, 8), variant="nested", online_lr=0.5, online_inner="dgd"
+    )
     assert ProteusOptions(blocks=4, context_len=64).rule() == ProteusRule(4, 64)
 
 
 def test_rules_are_frozen_and_hashable():
-    for rule in (HolaRule(), CMSRule(), ProteusRule(), CMSRule(periods=[1, 2], lr=[0.1, 0.2])):
+    listed = CMSRule(periods=[1, 2], online_lr=[0.1, 0.2])  # lists become tuples (hashable)
+    sections = (HolaOptions(), CMSOptions(periods=[1, 2]))
+    for rule in (HolaRule(), CMSRule(), ProteusRule(), listed, *sections):
         hash(rule)  # a valid jit static
         field = dataclasses.fields(rule)[0].name
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(rule, field, getattr(rule, field))
-    listed = CMSRule(periods=[1, 2], lr=[0.1, 0.2])  # lists become tuples (hashable)
-    assert listed == CMSRule(periods=(1, 2), lr=(0.1, 0.2))
+    assert listed == CMSRule(periods=(1, 2), online_lr=(0.1, 0.2))
+    assert CMSOptions(periods=[1, 2]).periods == (1, 2)
 
 
 @pytest.mark.parametrize(
@@ -112,7 +145,6 @@ def test_rules_are_frozen_and_hashable():
     [
         (lambda: HolaRule(window=0), r"^HolaRule\.window: must be a positive int"),
         (lambda: HolaRule(block_size=True), r"^HolaRule\.block_size: must be a positive int"),
-        (lambda: HolaRule(chunk_size=2.0), r"^HolaRule\.chunk_size: must be a positive int"),
         (lambda: HolaRule(eviction="lru"), r"^HolaRule\.eviction: unknown 'lru'"),
         (lambda: HolaRule(read_norm="ln"), r"^HolaRule\.read_norm: unknown 'ln'"),
         (lambda: HolaRule(scale=0.0), r"^HolaRule\.scale: must be None"),
@@ -121,9 +153,9 @@ def test_rules_are_frozen_and_hashable():
         (lambda: CMSRule(periods=(4, 1)), r"^CMSRule\.periods: must be strictly increasing"),
         (lambda: CMSRule(periods=()), r"^CMSRule\.periods: must be a non-empty tuple"),
         (lambda: CMSRule(periods=(2, 3), variant="nested"), r"^CMSRule\.periods: for variant"),
-        (lambda: CMSRule(lr=0.0), r"^CMSRule\.lr: must be a float > 0"),
-        (lambda: CMSRule(lr=(0.1, 0.2)), r"^CMSRule\.lr: one rate per level \(3\)"),
-        (lambda: CMSRule(inner="adam"), r"^CMSRule\.inner: unknown 'adam'"),
+        (lambda: CMSRule(online_lr=0.0), r"^CMSRule\.online_lr: must be a float > 0"),
+        (lambda: CMSRule(online_lr=(0.1, 0.2)), r"^CMSRule\.online_lr: one rate per level \(3\)"),
+        (lambda: CMSRule(online_inner="adam"), r"^CMSRule\.online_inner: unknown 'adam'"),
         (lambda: CMSRule(remat_every=0), r"^CMSRule\.remat_every: must be None or a positive"),
         (lambda: ProteusRule(blocks=0), r"^ProteusRule\.blocks: must be an int >= 1"),
         (lambda: ProteusRule(context_len=-1), r"^ProteusRule\.context_len: must be an int >= 0"),
@@ -146,9 +178,10 @@ def test_rules_are_frozen_and_hashable():
         (lambda: HolaOptions(window=0), r"^HolaOptions\.window: must be a positive int"),
         (lambda: HolaOptions(eviction="lru"), r"^HolaOptions\.eviction: unknown 'lru'"),
         (lambda: CMSOptions(online_lr=0.0), r"^CMSOptions\.online_lr: must be a float > 0"),
-        (lambda: CMSOptions(online_lr=(0.1,) * 3), r"^CMSOptions\.online_lr: must be a float"),
+        (lambda: CMSOptions(online_lr=(0.1,) * 2), r"^CMSOptions\.online_lr: one rate per level"),
         (lambda: CMSOptions(online_inner="adam"), r"^CMSOptions\.online_inner: unknown 'adam'"),
-        (lambda: CMSOptions(periods=[1, 2]), r"^CMSOptions\.periods: must be a tuple"),
+        (lambda: CMSOptions(remat_every=0), r"^CMSOptions\.remat_every: must be None or a pos"),
+        (lambda: HolaOptions(scale=-1.0), r"^HolaOptions\.scale: must be None"),
         (lambda: CMSOptions(periods=(2, 3), variant="nested"), r"^CMSOptions\.periods: for var"),
     ],
 )
@@ -166,11 +199,13 @@ def test_hola_step_checks_the_state_against_the_rule():
     state = ops_hola.init_hola_state(B, H, K, K, 3, 4)
     x = jnp.zeros((B, H, K), jnp.float32)
     s = jnp.zeros((B, H), jnp.float32)
-    par = (jnp.ones((H, K)), jnp.ones((H, K)), jnp.zeros((H,)), jnp.zeros((H,)))
-    o, _ = ops_hola.hola_step(state, x, x, x, s, s, *par, rule=HolaRule(window=3, block_size=4))
+    par = ops_hola.HolaReadParams(
+        jnp.ones((H, K)), jnp.ones((H, K)), jnp.zeros((H,)), jnp.zeros((H,))
+    )
+    o, _ = ops_hola.hola_step(state, x, x, x, s, s, par, rule=HolaRule(window=3, block_size=4))
     assert o.shape == (B, H, K)
-    with pytest.raises(ValueError, match=r"^hola_step: the state holds window=3, block_size=4"):
-        ops_hola.hola_step(state, x, x, x, s, s, *par, rule=HolaRule())
+    with pytest.raises(ValueError, match=r"^hola_decode_step: state holds window=3, block_size=4"):
+        ops_hola.hola_step(state, x, x, x, s, s, par, rule=HolaRule())
 
 
 def test_cms_forward_needs_one_period_per_level():
@@ -197,18 +232,20 @@ def test_proteus_key_rows_takes_the_rule():
 
 
 # --------------------------------------------------------------------------------------------------
-# layers build the rule once from their section
+# layers hand their section (a rule) over whole
 
 
 def test_layers_hold_the_rule_of_their_section():
-    hola = HolaMixer(16, 2, 8, HolaOptions(window=3, block_size=4), chunk_size=8, rngs=nnx.Rngs(0))
-    assert hola.rule == HolaRule(window=3, block_size=4, chunk_size=8)
+    opts = HolaOptions(window=3, block_size=4)
+    hola = HolaMixer(16, 2, 8, opts, chunk_size=8, rngs=nnx.Rngs(0))
+    assert hola.opts is opts and isinstance(hola.opts, HolaRule) and hola.chunk_size == 8
     assert hola.init_cache(1, 64).state.cache_k.shape == (1, 2, 3, 8)
     with pytest.raises(ValueError, match=r"^opts: expected a HolaOptions"):
         HolaMixer(16, 2, 8, HolaRule(), rngs=nnx.Rngs(0))
     opts = CMSOptions(periods=(1, 4), variant="independent", online_lr=0.5)
     ffn = CMSFFN(8, 12, opts, rngs=nnx.Rngs(0))
-    assert ffn.rule == opts.rule() and len(ffn.levels) == 2 and ffn.mix_logits is not None
+    assert ffn.opts is opts and isinstance(ffn.opts, CMSRule)
+    assert len(ffn.levels) == 2 and ffn.mix_logits is not None
     with pytest.raises(ValueError, match=r"^opts: expected a CMSOptions"):
         CMSFFN(8, 12, CMSRule(), rngs=nnx.Rngs(0))
 

@@ -43,7 +43,12 @@ from nested_jax.core.dgd import (
     dgd_update,
     dgd_update_layers,
 )
-from nested_jax.core.hola.decode import HolaState, hola_decode_step, init_hola_state
+from nested_jax.core.hola.decode import (
+    HolaReadParams,
+    HolaState,
+    hola_decode_step,
+    init_hola_state,
+)
 from nested_jax.core.hola.forward import gdn_residuals, hola_forward, hola_scores
 from nested_jax.core.hope.chunk import hope_chunked
 from nested_jax.core.hope.decode import HopeDecodeState, hope_decode, hope_decode_state
@@ -111,7 +116,7 @@ from nested_jax.core.titans.proteus import (
     proteus_titans_mlp_recurrent,
     proteus_titans_mlp_step,
 )
-from nested_jax.rules import HopeRule, check_periods
+from nested_jax.rules import CMSRule, HolaRule, HopeRule, check_periods
 
 __all__ = [
     "linear_attention_step",
@@ -142,6 +147,8 @@ __all__ = [
     "proteus_gate",
     "proteus_gated_update",
     "proteus_gated_step",
+    "HolaRule",
+    "HolaReadParams",
     "HolaState",
     "init_hola_state",
     "gdn_residuals",
@@ -186,6 +193,7 @@ __all__ = [
     "cms_initial_state",
     "cms_online",
     "surprise_from_loss",
+    "CMSRule",
     "check_periods",
     "MLPMemory",
     "HopeMemories",

@@ -79,6 +79,11 @@ def run_stream(trained, args) -> dict:
     if periods is None and cms is not None and cms.mode == "online":
         periods = cms.periods  # a model configured for online CMS streams that way by default
     lr = args.cms_lr if args.cms_lr is not None else (cms.online_lr if cms else 1e-3)
+    if isinstance(lr, tuple):
+        raise ValueError(
+            f"model.cms.online_lr: streaming updates every level at one rate, got one per level "
+            f"{lr}; set one float or pass --cms-lr"
+        )
     if periods is not None and cms is not None and cms.online_inner != "sgd":
         raise ValueError(
             f"model.cms.online_inner: streaming updates the levels by SGD, got {cms.online_inner!r}"

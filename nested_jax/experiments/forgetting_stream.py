@@ -20,6 +20,7 @@ from jax import lax
 
 from nested_jax.core.cms.levels import cms_forward, cms_init_levels
 from nested_jax.core.cms.online import cms_initial_state, cms_online, surprise_from_loss
+from nested_jax.rules import CMSRule
 
 __all__ = ["StreamSettings", "Arm", "level_lrs", "sample_chain", "run_arm"]
 
@@ -197,6 +198,12 @@ def _run(key, offset, s: StreamSettings, arm: Arm):
     floor = -jnp.mean(jnp.log(jnp.maximum(trans[ev[:, :-1], ev[:, 1:]], 1e-30)))
 
     delta_fn = surprise_from_loss(partial(_ce, head))
+    rule = CMSRule(
+        periods=arm.periods,
+        variant=arm.variant,
+        online_lr=level_lrs(arm, s.lr),
+        online_inner=s.inner,
+    )
 
     def evaluate(levels_b):
         def one(lv):
@@ -214,12 +221,9 @@ def _run(key, offset, s: StreamSettings, arm: Arm):
         y, st = cms_online(
             levels,
             emb[tk[:, :-1]],
-            periods=arm.periods,
+            rule=rule,
             delta_fn=delta_fn,
             side=tk[:, 1:],
-            variant=arm.variant,
-            lr=level_lrs(arm, s.lr),
-            inner=s.inner,
             mix_logits=mix,
             initial_state=state,
         )

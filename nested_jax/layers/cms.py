@@ -3,7 +3,7 @@
 :class:`CMSFFN` owns ``k`` CMS levels (residual MLPs, plain or SwiGLU) as NNX parameters and runs
 ``nested_jax.ops.cms.cms_forward`` (``impl="chunked"``, its one form) for the three variants. Its
 options are the ``model.cms`` section (:class:`~nested_jax.layers.options.CMSOptions`, one level
-per period); ``CMSOptions.rule()`` is the frozen ``CMSRule`` the op takes.
+per period); a ``CMSOptions`` is a ``CMSRule``, so the layer passes it whole as the op's rule.
 Parameter layout (per block)::
 
     mlp/levels/<ℓ>/w_up    [d, h]   ("embed", "mlp")
@@ -80,9 +80,8 @@ class CMSFFN(nnx.Module):
       hidden: per-level hidden width ``h``.
       opts: :class:`~nested_jax.layers.options.CMSOptions` (None = the defaults): one level per
         entry of ``periods``, ``variant``, ``gated`` (SwiGLU levels with ``w_gate``, as the
-        transformer FFN; False = plain ``σ(x W_up) W_down``). The layer keeps
-        ``rule = opts.rule()``, the :class:`~nested_jax.ops.cms.CMSRule` it hands to
-        ``ops.cms.cms_forward``.
+        transformer FFN; False = plain ``σ(x W_up) W_down``). A ``CMSOptions`` is a
+        :class:`~nested_jax.ops.cms.CMSRule`: the layer hands it whole to ``ops.cms.cms_forward``.
       dtype: activation dtype (kernels are cast to it for the matmuls; params stay float32).
       rngs: NNX random streams.
     """
@@ -103,7 +102,7 @@ class CMSFFN(nnx.Module):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.d_model, self.hidden, self.dtype = d_model, hidden, dtype
-        self.opts, self.rule = opts, opts.rule()
+        self.opts = opts
         num_levels = len(opts.periods)
         self.levels = nnx.List(
             [
@@ -142,5 +141,5 @@ class CMSFFN(nnx.Module):
         z = z.astype(self.dtype)
         mix = None if self.mix_logits is None else self.mix_logits[...]
         levels = self.levels_tuple(self.dtype)
-        y = cms_forward(levels, z, rule=self.rule, mix_logits=mix, impl="chunked")
+        y = cms_forward(levels, z, rule=self.opts, mix_logits=mix, impl="chunked")
         return y - z

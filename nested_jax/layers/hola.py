@@ -7,10 +7,12 @@ memory rule is replaced by ``nested_jax.ops.hola`` (the math: ``nested_jax.core.
     o_t = S_tᵀ (q_t/√K) + σ(λ_h) · Σ_{j∈V_t} softmax_j(q̃_tᵀ k̃_j/√K) v_j     (sink: logit s_h, v = 0)
 
 with the learnable cache-read parameters ``γ_q, γ_k [H, K]`` (RMSNorm scales, init 1), the sink
-logit ``s [H]`` (init 0) and the gate logit ``λ [H]`` (init ``gate_init`` = −4). Options
-(``ModelConfig.hola``, a :class:`~nested_jax.layers.options.HolaOptions`): ``window`` w,
-``block_size`` C, ``eviction``, ``read_norm``, ``gate_init``; the layer turns them (with the shell's
-``chunk_size``) into one frozen ``HolaRule`` for ``ops.hola``. ``impl`` (``model.impl``):
+logit ``s [H]`` (init 0) and the gate logit ``λ [H]`` (init ``gate_init`` = −4), handed to the op
+as one ``HolaReadParams``. Options (``ModelConfig.hola``, a
+:class:`~nested_jax.layers.options.HolaOptions`, which is a ``HolaRule``): ``window`` w,
+``block_size`` C, ``eviction``, ``read_norm``, the two scales, ``gate_init``; the layer passes the
+section whole as the rule of ``ops.hola`` and the shell's ``chunk_size`` as its WY/UT chunk.
+``impl`` (``model.impl``):
 ``"chunked"`` (default) or ``"pallas"`` (the gated delta state path by the Pallas kernel, the cache
 path unchanged; ``ops.hola``).
 
@@ -37,7 +39,7 @@ from nested_jax.layers.common import partitioned
 from nested_jax.layers.deltanet import DeltaCache
 from nested_jax.layers.gdn import GatedDeltaNet
 from nested_jax.layers.options import HolaOptions
-from nested_jax.ops.hola import HolaState, hola, hola_step, init_hola_state
+from nested_jax.ops.hola import HolaReadParams, HolaState, hola, hola_step, init_hola_state
 
 __all__ = ["HolaMixer"]
 
@@ -47,9 +49,10 @@ class HolaMixer(GatedDeltaNet):
 
     Args (beyond :class:`~nested_jax.layers.deltanet.DeltaNet`'s):
       opts: :class:`~nested_jax.layers.options.HolaOptions` (``window`` w, ``block_size`` C,
-        ``eviction``, ``read_norm``, ``gate_init`` = the initial gate logit ``λ_h`` of all heads);
-        None = the defaults. The layer keeps ``rule = opts.rule(chunk_size=chunk_size)``, the
-        :class:`~nested_jax.ops.hola.HolaRule` it hands to ``ops.hola`` / ``ops.hola_step``.
+        ``eviction``, ``read_norm``, the scales, ``gate_init`` = the initial gate logit ``λ_h`` of
+        all heads); None = the defaults. A ``HolaOptions`` is a
+        :class:`~nested_jax.ops.hola.HolaRule`: the layer hands it whole to ``ops.hola`` /
+        ``ops.hola_step`` as ``rule``.
     """
 
     def __init__(
@@ -73,7 +76,6 @@ class HolaMixer(GatedDeltaNet):
             )
         super().__init__(d_model, n_heads, head_dim, rngs=rngs, **kwargs)
         self.opts = opts
-        self.rule = opts.rule(chunk_size=self.chunk_size)
         hk = (n_heads, head_dim)
         ones = partitioned(nnx.initializers.ones, ("heads", None))
         self.gamma_q = nnx.Param(ones(rngs.params(), hk))
@@ -103,7 +105,7 @@ class HolaMixer(GatedDeltaNet):
         """Empty decode state: a ``HolaState`` (its size is independent of ``max_len``) + conv
         taps."""
         del max_len
-        h, d, r = self.n_heads, self.head_dim, self.rule
+        h, d, r = self.n_heads, self.head_dim, self.opts
         return DeltaCache(
             init_hola_state(batch_size, h, d, d, r.window, r.block_size),
             self.q_conv.init_state(batch_size),
@@ -114,11 +116,16 @@ class HolaMixer(GatedDeltaNet):
     def _rule(self, q, k, v, g, beta, *, state, segment_ids, single_step: bool):
         if segment_ids is not None and state is not None:
             raise ValueError("segment_ids: packed segments cannot be combined with a cache")
-        params = (self.gamma_q[...], self.gamma_k[...], self.sink_logit[...], self.gate_logit[...])
-        opts = dict(rule=self.rule, impl=self.impl)
+        params = HolaReadParams(
+            self.gamma_q[...], self.gamma_k[...], self.sink_logit[...], self.gate_logit[...]
+        )
         if single_step:
-            o, s = hola_step(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], *params, **opts)
+            xs = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+            o, s = hola_step(state, *xs, params, rule=self.opts, impl=self.impl)
             return o[:, None], s
         if state is not None and not isinstance(state, HolaState):
             raise ValueError(f"cache: expected a HolaState in the layer cache, got {type(state)}")
-        return hola(q, k, v, g, beta, *params, initial_state=state, segment_ids=segment_ids, **opts)
+        return hola(
+            q, k, v, g, beta, params, rule=self.opts, initial_state=state,
+            segment_ids=segment_ids, chunk_size=self.chunk_size, impl=self.impl,
+        )  # fmt: skip

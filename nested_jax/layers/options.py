@@ -8,16 +8,14 @@ dataclass here and one field on ``ModelConfig`` (``model.<section>.<field>`` in 
 flags. Field types stay plain (int / float / str / bool / tuple) so the strict config loader can
 check them; each section validates its values in ``__post_init__`` and names the field
 (``<Section>.<field>: ...``). A mechanism whose math takes static options gets them as one frozen
-value from ``<Section>.rule()``: the typed rules of :mod:`nested_jax.rules` (``HopeRule``,
-``ProteusRule``, ``HolaRule``, ``CMSRule``; re-exported by ``nested_jax.ops``). ``HopeOptions``
-and ``ProteusOptions`` extend their rules (the rule's fields, defaults and checks are written once,
-there); ``HolaOptions`` and ``CMSOptions`` name a subset of their rule's fields differently and are
-checked by building the rule (:func:`_checked_by_rule`).
+value: the typed rules of :mod:`nested_jax.rules` (``HopeRule``, ``ProteusRule``, ``HolaRule``,
+``CMSRule``; re-exported by ``nested_jax.ops``). ``HopeOptions``, ``ProteusOptions``,
+``HolaOptions`` and ``CMSOptions`` extend their rules (the rule's fields, defaults and checks are
+written once, there), so a section is a rule plus its layer's own fields.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from nested_jax.layers.rope import ROPE_SCALINGS, RopeScaling
@@ -29,47 +27,22 @@ __all__ = ["OPTION_SECTIONS"]
 OPTION_SECTIONS: dict[str, type] = {}
 
 
-def _checked_by_rule(section: object, build: Callable[[], object], renames: dict | None = None):
-    """``build()``'s rule, whose checks cover the section's shared fields; its
-    ``ValueError("<Rule>.<field>: ...")`` is re-raised as ``"<Section>.<config field>: ..."``
-    (``renames``: rule field -> config field)."""
-    try:
-        return build()
-    except ValueError as err:
-        field, _, message = str(err).partition(".")[2].partition(": ")
-        raise ValueError(
-            f"{type(section).__name__}.{(renames or {}).get(field, field)}: {message}"
-        ) from None
-
-
 @dataclass(frozen=True)
-class HolaOptions:
-    """HOLA cache path of the ``hola`` mixer (SPEC §5; ``model.hola.<field>``)."""
+class HolaOptions(HolaRule):
+    """HOLA cache path of the ``hola`` mixer (SPEC §5; ``model.hola.<field>``).
 
-    window: int = 64  # persistent exact-cache capacity w (entries per head and layer)
-    block_size: int = 256  # block length C: the cache is merged (top-w) at every block end
-    eviction: str = "beta_e"  # beta_e | recency | e | beta_v | cumulative_attention
-    read_norm: str = "rmsnorm"  # cache read normalisation of q, k: rmsnorm (learnable γ) | l2
+    The rule's fields (``window``, ``block_size``, ``eviction``, ``read_norm``, ``scale``,
+    ``cache_scale``), their defaults and their checks are :class:`HolaRule`'s; the layer passes the
+    section whole as its rule. ``gate_init`` only initialises a parameter, so it is the layer's.
+    The WY/UT chunk of the state path is the shell's ``model.chunk_size``.
+    """
+
     gate_init: float = -4.0  # initial per-head gate logit λ_h (cache read scaled by σ(λ_h))
 
     def __post_init__(self) -> None:
-        _checked_by_rule(self, self.rule)  # window, block_size, eviction, read_norm
+        super().__post_init__()
         if isinstance(self.gate_init, bool) or not isinstance(self.gate_init, int | float):
             raise ValueError(f"HolaOptions.gate_init: expected float, got {self.gate_init!r}")
-
-    def rule(self, *, chunk_size: int | None = None) -> HolaRule:
-        """The HOLA rule these options select (SPEC §5): a ``HolaRule`` with this section's
-        ``window``, ``block_size``, ``eviction``, ``read_norm`` and the shell's ``chunk_size``
-        (``model.chunk_size``; None: ``HolaRule``'s default). ``gate_init`` only initialises a
-        parameter, so it is the layer's, not the rule's."""
-        shell = {} if chunk_size is None else {"chunk_size": chunk_size}
-        return HolaRule(
-            window=self.window,
-            block_size=self.block_size,
-            eviction=self.eviction,
-            read_norm=self.read_norm,
-            **shell,
-        )
 
 
 OPTION_SECTIONS["hola"] = HolaOptions
@@ -250,34 +223,28 @@ OPTION_SECTIONS["hope"] = HopeOptions
 
 
 @dataclass(frozen=True)
-class CMSOptions:
+class CMSOptions(CMSRule):
     """Continuum Memory System used as the block FFN (SPEC §3.3, §3.4; ``model.cms.<field>``).
 
     Read when ``model.ffn`` resolves to ``"cms"`` (the ``hope`` and ``hope_attention`` models).
-    ``periods`` gives one entry per level (``k = len(periods)``, level 1 = fastest). Its unit
-    depends on ``mode``: **optimizer steps** in ``pretrain`` (level ℓ's parameters take an outer
-    step every ``C^(ℓ)`` steps from the gradients accumulated since its last step), **tokens** in
-    ``online`` (the level learns from the local surprise at test time / in continual learning).
+    The rule's fields (``periods``, ``variant``, ``online_lr``, ``online_inner``, ``remat_every``),
+    their defaults and their checks are :class:`CMSRule`'s; the fields below shape the levels and
+    drive the pretrain optimizer. ``periods`` gives one entry per level (``k = len(periods)``,
+    level 1 = fastest). Its unit depends on ``mode``: **optimizer steps** in ``pretrain`` (level
+    ℓ's parameters take an outer step every ``C^(ℓ)`` steps from the gradients accumulated since
+    its last step), **tokens** in ``online`` (the level learns from the local surprise at test
+    time / in continual learning, with the rule's ``online_lr`` and ``online_inner``).
     """
 
-    periods: tuple[int, ...] = (1, 4, 16)  # C^(1) < … < C^(k); pretrain: optimizer steps
-    variant: str = "sequential"  # sequential | nested | independent
     hidden: int = 0  # per-level hidden width; 0 -> the SwiGLU rule (model.mlp_hidden or 8/3·d)
     gated: bool = (
         True  # SwiGLU levels (a transformer FFN copies in exactly); False = σ(xW_up)W_down
     )
     mode: str = "pretrain"  # pretrain (multi-frequency outer steps) | online (test-time updates)
     accumulate: str = "sum"  # pretrain: sum | mean of the gradients over a level's period
-    online_lr: float = 1e-2  # online: inner learning rate η of every level
-    online_inner: str = "sgd"  # online: inner optimizer, sgd | dgd (SPEC §3.1)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.periods, tuple):
-            raise ValueError(f"CMSOptions.periods: must be a tuple, got {self.periods!r}")
-        if isinstance(self.online_lr, tuple | list):  # the rule takes one rate per level too
-            raise ValueError(f"CMSOptions.online_lr: must be a float > 0, got {self.online_lr!r}")
-        # periods, variant, online_lr, online_inner
-        _checked_by_rule(self, self.rule, {"lr": "online_lr", "inner": "online_inner"})
+        super().__post_init__()
         h = self.hidden
         if isinstance(h, bool) or not isinstance(h, int) or h < 0:
             raise ValueError(f"CMSOptions.hidden: must be an int >= 0 (0 = default), got {h!r}")
@@ -288,15 +255,6 @@ class CMSOptions:
                 raise ValueError(
                     f"CMSOptions.{name}: unknown {getattr(self, name)!r}; expected one of {allowed}"
                 )
-
-    def rule(self) -> CMSRule:
-        """The CMS rule these options select (SPEC §3.3): a ``CMSRule`` with this section's
-        ``periods`` and ``variant`` and the online inner step (``lr = online_lr``,
-        ``inner = online_inner``). ``hidden`` and ``gated`` shape the levels (the layer's);
-        ``mode`` and ``accumulate`` drive the pretrain optimizer (``nested_jax.optim``)."""
-        return CMSRule(
-            periods=self.periods, variant=self.variant, lr=self.online_lr, inner=self.online_inner
-        )
 
 
 OPTION_SECTIONS["cms"] = CMSOptions

@@ -28,7 +28,7 @@ from nested_jax.ops import cms, hola, hope, linear, titans
 from nested_jax.ops._impl import IMPLS, check_impl
 from nested_jax.ops.cms import cms_forward, cms_online
 from nested_jax.ops.cross_entropy import chunked_cross_entropy
-from nested_jax.ops.hola import hola_step
+from nested_jax.ops.hola import HolaReadParams, hola_step
 from nested_jax.ops.hope import hope_decode, hope_memories
 from nested_jax.ops.linear import (
     delta_rule,
@@ -65,6 +65,7 @@ __all__ = [
     "hope_memories",
     "hope_decode",
     "hola_step",
+    "HolaReadParams",
     "cms_forward",
     "cms_online",
     "chunked_cross_entropy",

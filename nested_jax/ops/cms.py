@@ -20,10 +20,11 @@ Two ops, each with ``impl`` (never switched silently; an ``impl`` that cannot ru
   No per-token ``"recurrent"`` form exists in core, so it raises.
 
 ``"pallas"`` is the seam for ``pallas_kernels/cms``; no kernel is wired, so it raises
-``ValueError``. Both take the static options as one frozen :class:`CMSRule` (``rule=``; built by
-``CMSOptions.rule()`` from the ``model.cms`` section); the core functions keep their plain keywords.
-``VARIANTS``, ``CMSLevel``, ``CMSRule``, ``check_periods``, ``CMSState``, ``cms_initial_state`` and
-``surprise_from_loss`` are re-exported so callers import CMS from here.
+``ValueError``. Both take the static options as one frozen :class:`CMSRule` (``rule=``; a
+``CMSOptions``, the ``model.cms`` config section, is one): :func:`cms_online` passes it on whole to
+``core.cms.online.cms_online``, :func:`cms_forward` passes its ``variant``. ``VARIANTS``,
+``CMSLevel``, ``CMSRule``, ``check_periods``, ``CMSState``, ``cms_initial_state`` and
+``surprise_from_loss`` stay importable from here, so callers import CMS from here.
 """
 
 from __future__ import annotations
@@ -33,22 +34,16 @@ from typing import Any
 
 from nested_jax.core.cms import levels as _cms_levels
 from nested_jax.core.cms import online as _cms
-from nested_jax.core.cms.levels import VARIANTS, CMSLevel
-from nested_jax.core.cms.online import CMSState, cms_initial_state, surprise_from_loss
+from nested_jax.core.cms.levels import VARIANTS as VARIANTS
+from nested_jax.core.cms.levels import CMSLevel as CMSLevel
+from nested_jax.core.cms.online import CMSState as CMSState
+from nested_jax.core.cms.online import cms_initial_state as cms_initial_state
+from nested_jax.core.cms.online import surprise_from_loss as surprise_from_loss
 from nested_jax.ops._impl import check_impl as _check_impl
-from nested_jax.rules import CMSRule, check_periods
+from nested_jax.rules import CMSRule as CMSRule
+from nested_jax.rules import check_periods as check_periods
 
-__all__ = [
-    "VARIANTS",
-    "CMSLevel",
-    "CMSRule",
-    "CMSState",
-    "check_periods",
-    "cms_initial_state",
-    "surprise_from_loss",
-    "cms_forward",
-    "cms_online",
-]
+__all__ = ["cms_forward", "cms_online"]
 
 _AVAILABLE = ("chunked",)
 
@@ -106,8 +101,8 @@ def cms_online(
         (ignored when ``initial_state`` is given).
       x: ``[B, T, d]``.
       rule: :class:`CMSRule`: ``periods`` ``(C^(1), …, C^(k))`` in tokens, ``variant``, the inner
-        rate ``lr`` (``η``, one or one per level), ``inner`` (``"sgd" | "dgd"``) and
-        ``remat_every`` (checkpoint the chunk scan every n chunks).
+        rate ``online_lr`` (``η``, one or one per level), ``online_inner`` (``"sgd" | "dgd"``) and
+        ``remat_every`` (checkpoint the chunk scan every n chunks); passed on whole.
       delta_fn: ``(y [B, c, d], side_chunk) -> δ [B, c, d]`` (see :func:`surprise_from_loss`), or
       delta: a precomputed ``δ [B, T, d]``; exactly one of the two.
       side: optional pytree of ``[B, T, ...]`` arrays handed to ``delta_fn`` chunk by chunk.
@@ -122,10 +117,10 @@ def cms_online(
     return _cms.cms_online(
         levels,
         x,
+        rule=rule,
         delta_fn=delta_fn,
         delta=delta,
         side=side,
         mix_logits=mix_logits,
         initial_state=initial_state,
-        **rule.online_kwargs(),
     )

@@ -20,10 +20,10 @@ decoded token), never a core form. ``impl`` picks the form and is never switched
   ``impl``: it is float64 numpy with no gradients and no state, a test oracle only.
 - ``"pallas"``: ``hola_forward`` with its state path ``(o_state, S_T)`` run by the Pallas gated
   delta kernel (``ops.linear.gated_delta(..., impl="pallas")``: ``pallas_kernels/gated_delta``,
-  interpreted off TPU, ``rule.chunk_size`` its chunk, a multiple of 8) and, for one stream
+  interpreted off TPU, ``chunk_size`` its chunk, a multiple of 8) and, for one stream
   (no ``segment_ids``) with an eviction other than ``"cumulative_attention"``, its cache read by
   the Pallas cache-read kernel (``pallas_kernels/hola_cache``): the cache path runs in two phases
-  (``core.hola.cache.cache_blocks(read=)``: a scan of the top-w merges alone gives every block's
+  (``core.hola.stream.cache_blocks(read=)``: a scan of the top-w merges alone gives every block's
   ``A_{n−1}``, then one kernel reads all blocks). Packed rows and ``"cumulative_attention"``
   (whose merges need the reads' masses) keep the XLA block scan of ``"chunked"`` for the cache
   path, silently: that is the whole routing. The insertion-score residual pass stays XLA. Values
@@ -34,33 +34,32 @@ sequence form token by token, so it takes every ``impl`` alike (a layer passes i
 one token has no chunk to parallelise, so ``"pallas"`` runs the same XLA step, as
 ``ops.gated_delta_step`` does for the GDN layers.
 
-Both take the static options as one frozen :class:`HolaRule` (``rule=``; built by
-``HolaOptions.rule()`` from the ``model.hola`` config section and ``model.chunk_size``); the core
-functions keep their plain keywords (``rule.kwargs()``, ``rule.step_kwargs()``). ``HolaRule``,
-``HolaState``, ``init_hola_state``, ``EVICTIONS`` and ``READ_NORMS`` are re-exported so a layer or a
-config imports HOLA from here only.
+Both take the static options as one frozen :class:`HolaRule` (``rule=``; a ``HolaOptions``, the
+``model.hola`` config section, is one) and the four learnable per-head arrays as one
+:class:`HolaReadParams`, and pass both on whole to the core form. ``chunk_size`` (the WY/UT chunk
+of the state path, ``model.chunk_size`` in a config) is a plain keyword of :func:`hola`, as of
+``gated_delta``. ``HolaRule``, ``HolaReadParams``, ``HolaState``, ``init_hola_state``,
+``EVICTIONS`` and ``READ_NORMS`` stay importable from here (``nested_jax.ops`` lists the rule and
+the parameters), so a layer or a config imports HOLA from here only.
 """
 
 from __future__ import annotations
 
-from nested_jax.core.hola.decode import HolaState, hola_decode_step, hola_recurrent, init_hola_state
-from nested_jax.core.hola.forward import hola_forward
+from nested_jax.core.hola.decode import HolaReadParams as HolaReadParams
+from nested_jax.core.hola.decode import HolaState as HolaState
+from nested_jax.core.hola.decode import hola_decode_step, hola_recurrent
+from nested_jax.core.hola.decode import init_hola_state as init_hola_state
+from nested_jax.core.hola.forward import HolaKernels, hola_forward
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._pallas import pallas_per_shard
 from nested_jax.ops._state import pin_head_state
 from nested_jax.ops.linear import pallas_gated_delta
-from nested_jax.rules import EVICTIONS, READ_NORMS, HolaRule
+from nested_jax.rules import EVICTIONS as EVICTIONS
+from nested_jax.rules import READ_NORMS as READ_NORMS
+from nested_jax.rules import HolaRule as HolaRule
 from pallas_kernels.hola_cache import hola_cache_read_pallas as _hola_cache_read_pallas
 
-__all__ = [
-    "EVICTIONS",
-    "READ_NORMS",
-    "HolaRule",
-    "HolaState",
-    "init_hola_state",
-    "hola",
-    "hola_step",
-]
+__all__ = ["hola", "hola_step"]
 
 
 def hola(
@@ -69,14 +68,12 @@ def hola(
     v,
     g,
     beta,
-    gamma_q,
-    gamma_k,
-    sink_logit,
-    gate_logit,
+    params: HolaReadParams,
     *,
     rule: HolaRule,
     initial_state: HolaState | None = None,
     segment_ids=None,
+    chunk_size: int = 64,
     impl: str = "chunked",
 ):
     """HOLA over a sequence (SPEC §5): ``o_t = S_tᵀ (scale·q_t) + σ(λ_h) · o_cache,t``.
@@ -84,15 +81,17 @@ def hola(
     Args:
       q, k: ``[B, T, H, K]`` (unit-norm in the layers); v: ``[B, T, H, V]``.
       g: ``[B, T, H]`` log decay; beta: ``[B, T, H]`` in ``[0, 1]``.
-      gamma_q, gamma_k: ``[H, K]`` cache-read RMSNorm scales (unused for ``read_norm="l2"``).
-      sink_logit: ``[H]`` sink logit (its value is zero); gate_logit: ``[H]`` gate ``λ_h``.
+      params: :class:`HolaReadParams`: ``gamma_q, gamma_k [H, K]`` cache-read RMSNorm scales
+        (unused for ``read_norm="l2"``), ``sink_logit [H]`` (the sink's value is zero) and
+        ``gate_logit [H]`` (the gate ``λ_h``).
       rule: :class:`HolaRule` (cache capacity ``w``, block length ``C``, eviction, read norm, the
-        two scales, and the ``chunk_size`` of the WY/UT state path and residual pass, used by
-        ``"chunked"`` and ``"pallas"``; ``"pallas"`` needs a multiple of 8).
+        two scales), passed on whole.
       initial_state: optional ``HolaState`` to continue (same ``B, H, K, V`` and the rule's
         ``w, C``).
       segment_ids: optional ``int [B, T]`` packed documents (``"chunked"`` and ``"pallas"``; not
         with ``initial_state``).
+      chunk_size: chunk length of the WY/UT state path and residual pass (``"chunked"`` and
+        ``"pallas"``, which needs a multiple of 8; ``"recurrent"`` has no chunks).
       impl: ``"chunked"`` | ``"recurrent"`` | ``"pallas"`` (the state path by the Pallas kernel;
         the cache read too for one stream and an eviction other than ``cumulative_attention``).
 
@@ -100,23 +99,21 @@ def hola(
       ``(o [B, T, H, V] in v's dtype, HolaState)``.
     """
     _check_impl("hola", impl, ("chunked", "recurrent", "pallas"))
-    params = (gamma_q, gamma_k, sink_logit, gate_logit)
-    kw = rule.kwargs()
     if impl == "recurrent":
         if segment_ids is not None:
             raise ValueError(
                 "hola: impl='recurrent' runs one stream and takes no segment_ids; use "
                 "impl='chunked' for packed rows"
             )
-        del kw["chunk_size"]
-        o, state = hola_recurrent(q, k, v, g, beta, *params, initial_state=initial_state, **kw)
+        o, state = hola_recurrent(q, k, v, g, beta, params, rule=rule, initial_state=initial_state)
     else:
+        kernels = HolaKernels()
         if impl == "pallas":
-            kw["state_path"] = pallas_gated_delta
-            kw["cache_read"] = _pallas_cache_read
+            kernels = HolaKernels(state_path=pallas_gated_delta, cache_read=_pallas_cache_read)
         o, state = hola_forward(
-            q, k, v, g, beta, *params, initial_state=initial_state, segment_ids=segment_ids, **kw
-        )
+            q, k, v, g, beta, params, rule=rule, initial_state=initial_state,
+            segment_ids=segment_ids, chunk_size=chunk_size, kernels=kernels,
+        )  # fmt: skip
     return o, pin_head_state(state)
 
 
@@ -135,17 +132,22 @@ _CACHE_READ_LOGICAL = {
 }
 
 
-def _pallas_cache_read(qh, kh, vh, ck, cv, cval, filled, gamma_q, gamma_k, sink, read_norm, cs):
+def _pallas_cache_read(qh, kh, vh, cache, filled, params, read_norm, cache_scale):
     """``core.hola.cache.read_blocks``'s contract by the Pallas cache-read kernel: Mosaic in a
     program lowered for TPU, the interpreter elsewhere, one call per (batch, heads) shard under a
     mesh (the read is independent per batch row and head)."""
+    ck, cv, cval = cache
 
     def kernel(interpret, **ops):
-        o = _hola_cache_read_pallas(**ops, read_norm=read_norm, cache_scale=cs, interpret=interpret)
+        o = _hola_cache_read_pallas(
+            **ops, read_norm=read_norm, cache_scale=cache_scale, interpret=interpret
+        )
         return (o,)
 
-    operands = dict(qh=qh, kh=kh, vh=vh, ck=ck, cv=cv, cval=cval, filled=filled, gamma_q=gamma_q,
-                    gamma_k=gamma_k, sink=sink)  # fmt: skip
+    operands = dict(
+        qh=qh, kh=kh, vh=vh, ck=ck, cv=cv, cval=cval, filled=filled, gamma_q=params.gamma_q,
+        gamma_k=params.gamma_k, sink=params.sink_logit,
+    )  # fmt: skip
     out_shape = qh.shape[:3] + vh.shape[3:]
     (o,) = pallas_per_shard(
         kernel, operands, _CACHE_READ_LOGICAL, ((*_BH, None, None),), (out_shape,)
@@ -160,10 +162,7 @@ def hola_step(
     v_t,
     g_t,
     beta_t,
-    gamma_q,
-    gamma_k,
-    sink_logit,
-    gate_logit,
+    params: HolaReadParams,
     *,
     rule: HolaRule,
     impl: str = "chunked",
@@ -177,31 +176,11 @@ def hola_step(
       state: ``HolaState`` (from ``init_hola_state`` or a previous call); its cache and block
         buffer must have the rule's ``window`` and ``block_size`` entries.
       q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; g_t, beta_t: ``[B, H]``.
-      gamma_q, gamma_k, sink_logit, gate_logit, rule: as in :func:`hola` (``rule.chunk_size`` is
-        not used).
+      params, rule: as in :func:`hola`, passed on whole.
       impl: ``"chunked"`` | ``"recurrent"`` | ``"pallas"`` (one step form for all three).
 
     Returns:
       ``(o_t [B, H, V] in v_t's dtype, new HolaState)``.
     """
     _check_impl("hola_step", impl, ("chunked", "recurrent", "pallas"))
-    if isinstance(state, HolaState):  # the core step checks the type and every other shape
-        w, c = state.cache_k.shape[2], state.block_k.shape[2]
-        if (w, c) != (rule.window, rule.block_size):
-            raise ValueError(
-                f"hola_step: the state holds window={w}, block_size={c} entries; the rule says "
-                f"window={rule.window}, block_size={rule.block_size}"
-            )
-    return hola_decode_step(
-        state,
-        q_t,
-        k_t,
-        v_t,
-        g_t,
-        beta_t,
-        gamma_q,
-        gamma_k,
-        sink_logit,
-        gate_logit,
-        **rule.step_kwargs(),
-    )
+    return hola_decode_step(state, q_t, k_t, v_t, g_t, beta_t, params, rule=rule)

@@ -2,7 +2,7 @@
 
 One grid step reads one tile of ``bq`` queries of block ``n`` of one (batch, head) row; the
 grid is ``(B·H, n blocks, C/bq tiles)``. The caches ``A_{n−1}`` of all blocks are inputs (computed
-before by a scan of merges, ``core.hola.cache.cache_blocks(read=)``), so blocks are independent:
+before by a scan of merges, ``core.hola.stream.cache_blocks(read=)``), so blocks are independent:
 the forward grid is parallel on all three axes. Per tile, :func:`tile_read` computes::
 
     q̃ = N_q(q),  k̃ = N_k(k),  c̃ = N_k(c_k)                     (read_normalize, per row)

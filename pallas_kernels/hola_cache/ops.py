@@ -1,11 +1,13 @@
 """Jitted entry of the Pallas HOLA cache read (SPEC §5): padding, layout, ``custom_vjp``.
 
-``hola_cache_read_pallas`` has the contract of ``nested_jax.core.hola.cache.read_blocks`` (every
-block's read over ``[A_{n−1} ‖ block (causal, filled) ‖ sink]``, given the stacked caches), the
-``read=`` of ``cache_blocks``'s two-phase form. The block ``C`` and the window ``w`` are padded
-here to multiples of 8 (padded slots are unfilled, padded entries invalid: they get zero
-probability), the layout made heads-major, and the parameters packed into one ``[B·H, 3, K]``
-row block whose gradient JAX reduces back to ``γ_q, γ_k [H, K]`` and ``sink [H]``.
+``hola_cache_read_pallas`` computes ``nested_jax.core.hola.cache.read_blocks`` (every block's
+read over ``[A_{n−1} ‖ block (causal, filled) ‖ sink]``, given the stacked caches), with its
+arguments unpacked (the cache triple and the read parameters as separate arrays); ``ops.hola``
+wraps it as the ``read=`` of ``core.hola.stream.cache_blocks``'s two-phase form. The block ``C``
+and the window ``w`` are padded here to multiples of 8 (padded slots are unfilled, padded entries
+invalid: they get zero probability), the layout made heads-major, and the parameters packed into
+one ``[B·H, 3, K]`` row block whose gradient JAX reduces back to ``γ_q, γ_k [H, K]`` and
+``sink [H]``.
 """
 
 from __future__ import annotations
@@ -120,7 +122,9 @@ def hola_cache_read_pallas(
 
     Block ``n`` holds the slots ``[nC, (n+1)C)``; its query at slot ``t`` reads ``[A_{n−1} ‖
     filled block slots ≤ t ‖ sink]`` with ``q̃ = N_q(q), k̃ = N_k(k)`` and logits
-    ``cache_scale · q̃ᵀ k̃`` (``core.hola.cache.read_blocks``, whose arguments these are).
+    ``cache_scale · q̃ᵀ k̃`` (``core.hola.cache.read_blocks``, whose arguments these are,
+    unpacked: ``(ck, cv, cval)`` for its ``cache`` and ``gamma_q, gamma_k, sink`` for its
+    ``params``).
     Gradients (``custom_vjp``, the backward kernel) reach ``qh, kh, vh``, the cache entries
     ``ck, cv``, ``gamma_q, gamma_k`` and ``sink``.
 

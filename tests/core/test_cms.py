@@ -1,5 +1,6 @@
 """CMS levels, variants and the online update mode (SPEC §3.3) against per-token hand loops."""
 
+import dataclasses
 import math
 from functools import partial
 
@@ -12,6 +13,7 @@ import pytest
 from nested_jax.core.cms.levels import CMSLevel, cms_forward, cms_init_levels, cms_mix_weights
 from nested_jax.core.cms.online import cms_initial_state, cms_online, surprise_from_loss
 from nested_jax.core.dgd import dgd_update_layers
+from nested_jax.rules import CMSRule
 
 D, H, B = 4, 6, 2
 
@@ -124,7 +126,8 @@ def test_online_equals_hand_loop_and_changes_only_at_boundaries(variant, periods
     x, tgt = data(kd, T)
     lrs = (0.2, 0.1, 0.05)
     mix = jax.random.normal(km, (3,)) if variant == "independent" else None
-    kw = dict(periods=periods, delta_fn=DELTA_FN, variant=variant, lr=lrs, mix_logits=mix)
+    rule = CMSRule(periods=periods, variant=variant, online_lr=lrs)
+    kw = dict(rule=rule, delta_fn=DELTA_FN, mix_logits=mix)
     y, st_full = cms_online(levels, x, side=tgt, **kw)
     y_ref, lv_ref, acc_ref = ref_online(levels, x, tgt, periods, variant, lrs, mix)
     chex.assert_trees_all_close(y, y_ref, rtol=2e-5, atol=2e-5)
@@ -170,7 +173,8 @@ def test_period_one_equals_plain_per_token_sgd():
     (lv,), kd, _ = make(1, seed=2, gated=True)
     T, lr = 7, 0.25
     x, tgt = data(kd, T)
-    y, st = cms_online((lv,), x, periods=(1,), delta_fn=DELTA_FN, side=tgt, lr=lr)
+    rule = CMSRule(periods=(1,), online_lr=lr)
+    y, st = cms_online((lv,), x, rule=rule, delta_fn=DELTA_FN, side=tgt)
 
     @jax.jit
     def sgd_token(w, xt, tt):
@@ -192,7 +196,8 @@ def test_period_one_dgd_equals_per_token_dgd_update_layers():
     (lv,), kd, _ = make(1, seed=3)
     T, lr = 6, 0.5
     x, tgt = data(kd, T)
-    y, st = cms_online((lv,), x, periods=(1,), delta_fn=DELTA_FN, side=tgt, lr=lr, inner="dgd")
+    rule = CMSRule(periods=(1,), online_lr=lr, online_inner="dgd")
+    y, st = cms_online((lv,), x, rule=rule, delta_fn=DELTA_FN, side=tgt)
 
     @jax.jit
     def dgd_token(up, down, xt, tt):
@@ -219,12 +224,12 @@ def test_precomputed_delta_and_remat():
     T = 7
     x, tgt = data(kd, T)
     delta = jax.random.normal(jax.random.PRNGKey(7), x.shape)
-    kw = dict(periods=(2, 4), variant="sequential", lr=(0.1, 0.05))
-    y, st = cms_online(levels, x, delta=delta, **kw)
+    rule = CMSRule(periods=(2, 4), variant="sequential", online_lr=(0.1, 0.05))
+    y, st = cms_online(levels, x, rule=rule, delta=delta)
     y_ref, lv_ref, _ = ref_online(levels, x, tgt, (2, 4), "sequential", (0.1, 0.05), delta=delta)
     chex.assert_trees_all_close(y, y_ref, rtol=2e-5, atol=2e-5)
     chex.assert_trees_all_close(st.levels, tuple(lv_ref), rtol=2e-5, atol=2e-5)
-    y2, st2 = cms_online(levels, x, delta=delta, remat_every=2, **kw)
+    y2, st2 = cms_online(levels, x, rule=dataclasses.replace(rule, remat_every=2), delta=delta)
     chex.assert_trees_all_close(y2, y, rtol=1e-6, atol=1e-6)
     chex.assert_trees_all_close(st2, st, rtol=1e-6, atol=1e-6)
 
@@ -236,9 +241,10 @@ def test_gradients_through_online_updates_match_hand_loop():
     x, tgt = data(kd, T)
     x, tgt = x[:1], tgt[:1]  # one row keeps the differentiated hand loop short
     periods, lrs = (1, 2), (0.2, 0.1)
+    rule = CMSRule(periods=periods, online_lr=lrs)
 
     def loss(lv):
-        y, _ = cms_online(lv, x, periods=periods, delta_fn=DELTA_FN, side=tgt, lr=lrs)
+        y, _ = cms_online(lv, x, rule=rule, delta_fn=DELTA_FN, side=tgt)
         return jnp.sum(jnp.sin(y))
 
     def loss_ref(lv):
@@ -253,9 +259,7 @@ def test_gradients_through_online_updates_match_hand_loop():
     # stop_gradient=True drops the second-order path through δ(y): a different meta-gradient
     first = surprise_from_loss(sq_loss, stop_gradient=True)
     g1 = jax.grad(
-        lambda lv: jnp.sum(
-            jnp.sin(cms_online(lv, x, periods=periods, delta_fn=first, side=tgt, lr=lrs)[0])
-        )
+        lambda lv: jnp.sum(jnp.sin(cms_online(lv, x, rule=rule, delta_fn=first, side=tgt)[0]))
     )(levels)
     assert tree_changed(g1, g)
 
@@ -283,34 +287,39 @@ def test_validation_errors():
     levels, kd, _ = make(2)
     x, tgt = data(kd, 5)
     on = partial(cms_online, levels, x, delta_fn=DELTA_FN, side=tgt)
+    # the rule checks its own fields (CMSRule.<field>: ...); the online form checks them against
+    # the levels and the inputs
+    with pytest.raises(ValueError, match=r"^CMSRule\.periods: must be strictly increasing"):
+        CMSRule(periods=(4, 2))
     with pytest.raises(ValueError, match="strictly increasing"):
-        on(periods=(4, 2))
-    with pytest.raises(ValueError, match="strictly increasing"):
-        on(periods=(2, 2))
+        CMSRule(periods=(2, 2))
     with pytest.raises(ValueError, match="positive"):
-        on(periods=(0, 2))
+        CMSRule(periods=(0, 2))
     with pytest.raises(ValueError, match="positive"):
-        on(periods=(-1, 2))
-    with pytest.raises(ValueError, match="one entry per level"):
-        on(periods=(1, 2, 3))
+        CMSRule(periods=(-1, 2))
     with pytest.raises(ValueError, match="divide"):
-        on(periods=(2, 3), variant="nested")
-    with pytest.raises(ValueError, match="variant"):
-        on(periods=(1, 2), variant="parallel")
+        CMSRule(periods=(2, 3), variant="nested")
+    with pytest.raises(ValueError, match=r"^CMSRule\.variant: unknown 'parallel'"):
+        CMSRule(periods=(1, 2), variant="parallel")
+    with pytest.raises(ValueError, match=r"^CMSRule\.online_inner: unknown 'adam'"):
+        CMSRule(periods=(1, 2), online_inner="adam")
+    with pytest.raises(ValueError, match="one entry per level"):
+        on(rule=CMSRule(periods=(1, 2, 3)))
+    with pytest.raises(ValueError, match=r"^rule must be a CMSRule, got dict"):
+        on(rule=dict(periods=(1, 2)))
     with pytest.raises(ValueError, match="variant"):
         cms_forward(levels, x, variant="bogus")
-    with pytest.raises(ValueError, match="inner"):
-        on(periods=(1, 2), inner="adam")
+    rule = CMSRule(periods=(1, 2))
     with pytest.raises(ValueError, match=r"^x must have shape \[B, T, d=4\]"):
-        cms_online(levels, x[..., :3], periods=(1, 2), delta_fn=DELTA_FN)
+        cms_online(levels, x[..., :3], rule=rule, delta_fn=DELTA_FN)
     with pytest.raises(ValueError, match=r"^x must have shape"):
         cms_forward(levels, x[0])
     with pytest.raises(ValueError, match=r"^delta must have shape"):
-        cms_online(levels, x, periods=(1, 2), delta=x[:, :3])
+        cms_online(levels, x, rule=rule, delta=x[:, :3])
     with pytest.raises(ValueError, match="exactly one"):
-        cms_online(levels, x, periods=(1, 2))
+        cms_online(levels, x, rule=rule)
     with pytest.raises(ValueError, match=r"^side leaves"):
-        cms_online(levels, x, periods=(1, 2), delta_fn=DELTA_FN, side=tgt[:, :2])
+        cms_online(levels, x, rule=rule, delta_fn=DELTA_FN, side=tgt[:, :2])
     with pytest.raises(ValueError, match=r"levels\[1\]\.w_down"):
         bad = (levels[0], CMSLevel(levels[1].w_up, levels[1].w_down[:, :3]))
         cms_forward(bad, x)
@@ -318,5 +327,5 @@ def test_validation_errors():
         cms_forward(levels, x, variant="independent", mix_logits=jnp.zeros(3))
     with pytest.raises(ValueError, match="mix_logits"):
         cms_forward(levels, x, variant="sequential", mix_logits=jnp.zeros(2))
-    with pytest.raises(ValueError, match="lr"):
-        on(periods=(1, 2), lr=(0.1, 0.2, 0.3))
+    with pytest.raises(ValueError, match=r"^CMSRule\.online_lr: one rate per level \(2\)"):
+        CMSRule(periods=(1, 2), online_lr=(0.1, 0.2, 0.3))

@@ -9,9 +9,15 @@ import numpy as np
 import pytest
 
 from nested_jax.core.associative.forms import gated_delta_chunked
-from nested_jax.core.hola.decode import HolaState, hola_decode_step, init_hola_state
+from nested_jax.core.hola.decode import (
+    HolaReadParams,
+    HolaState,
+    hola_decode_step,
+    init_hola_state,
+)
 from nested_jax.core.hola.forward import gdn_residuals, hola_forward, hola_scores
 from nested_jax.core.hola.reference import hola_reference
+from nested_jax.rules import HolaRule
 
 B, T, H, K, V = 2, 37, 2, 6, 5  # T = 4 full blocks of C = 8 plus 5 tokens
 C, W = 8, 4
@@ -48,35 +54,33 @@ SEQ = ("q", "k", "v", "g", "beta")
 PAR = ("gamma_q", "gamma_k", "sink_logit", "gate_logit")
 
 
+def read_params(p):
+    """The parameter dict as the one ``HolaReadParams`` the HOLA forms take."""
+    return HolaReadParams(*[p[n] for n in PAR])
+
+
 @functools.cache
 def _fwd(eviction="beta_e", read_norm="rmsnorm", window=W, block_size=C):
-    return jax.jit(
-        functools.partial(
-            hola_forward,
-            window=window,
-            block_size=block_size,
-            eviction=eviction,
-            read_norm=read_norm,
-            chunk_size=16,
-        )
-    )
+    rule = HolaRule(window=window, block_size=block_size, eviction=eviction, read_norm=read_norm)
+    return jax.jit(functools.partial(hola_forward, rule=rule, chunk_size=16))
 
 
 def forward(x, p, eviction="beta_e", read_norm="rmsnorm", initial_state=None, **kw):
-    args = [x[n] for n in SEQ] + [p[n] for n in PAR]
-    return _fwd(eviction, read_norm, **kw)(*args, initial_state=initial_state)
+    args = [x[n] for n in SEQ]
+    return _fwd(eviction, read_norm, **kw)(*args, read_params(p), initial_state=initial_state)
 
 
 @functools.cache
-def _step(eviction, read_norm):
-    return jax.jit(functools.partial(hola_decode_step, eviction=eviction, read_norm=read_norm))
+def _step(eviction, read_norm, window, block_size):
+    rule = HolaRule(window=window, block_size=block_size, eviction=eviction, read_norm=read_norm)
+    return jax.jit(functools.partial(hola_decode_step, rule=rule))
 
 
 def decode(state, x, p, eviction="beta_e", read_norm="rmsnorm"):
-    step = _step(eviction, read_norm)
+    step = _step(eviction, read_norm, state.cache_k.shape[2], state.block_k.shape[2])
     outs = []
     for t in range(x["q"].shape[1]):
-        o_t, state = step(state, *[x[n][:, t] for n in SEQ], *[p[n] for n in PAR])
+        o_t, state = step(state, *[x[n][:, t] for n in SEQ], read_params(p))
         outs.append(o_t)
     return np.stack(outs, axis=1), state
 
@@ -106,10 +110,8 @@ def split(x, a, b):
 
 
 def reference(x, p, eviction="beta_e", read_norm="rmsnorm"):
-    return hola_reference(
-        *[x[n] for n in SEQ], *[p[n] for n in PAR], window=W, block_size=C,
-        eviction=eviction, read_norm=read_norm,
-    )  # fmt: skip
+    rule = HolaRule(window=W, block_size=C, eviction=eviction, read_norm=read_norm)
+    return hola_reference(*[x[n] for n in SEQ], read_params(p), rule=rule)
 
 
 def assert_states_close(a, b, atol=2e-5):
@@ -377,12 +379,13 @@ def test_gradients_exactly_zero_for_unselected_when_state_is_inert():
 def test_validation_errors_name_the_argument():
     x, p = make_inputs(), make_params()
     args = [x[n] for n in SEQ] + [p[n] for n in PAR]
+    rule = HolaRule(window=W, block_size=C)
 
     def call(i=None, val=None, **kw):
         a = list(args)
         if i is not None:
             a[i] = val
-        return hola_forward(*a, window=W, block_size=C, **kw)
+        return hola_forward(*a[:5], HolaReadParams(*a[5:]), **{"rule": rule, **kw})
 
     with pytest.raises(ValueError, match="q must have shape"):
         call(0, x["q"][0])
@@ -394,18 +397,26 @@ def test_validation_errors_name_the_argument():
         call(5, p["gamma_q"][:, :2])
     with pytest.raises(ValueError, match="sink_logit must have shape"):
         call(7, p["sink_logit"][None])
-    with pytest.raises(ValueError, match="eviction must be one of"):
-        call(eviction="lru")
-    with pytest.raises(ValueError, match="read_norm must be one of"):
-        call(read_norm="layernorm")
-    with pytest.raises(ValueError, match="window must be a positive int"):
-        hola_forward(*args, window=0, block_size=C)
-    with pytest.raises(ValueError, match="state.cache_k must have shape"):
+    with pytest.raises(ValueError, match=r"^HolaRule\.eviction: unknown 'lru'"):
+        HolaRule(eviction="lru")
+    with pytest.raises(ValueError, match=r"^HolaRule\.read_norm: unknown 'layernorm'"):
+        HolaRule(read_norm="layernorm")
+    with pytest.raises(ValueError, match=r"^HolaRule\.window: must be a positive int"):
+        HolaRule(window=0)
+    with pytest.raises(ValueError, match=r"^hola_forward: rule must be a HolaRule, got dict"):
+        call(rule=dict(window=W, block_size=C))
+    with pytest.raises(ValueError, match=r"^hola_forward: params must be a HolaReadParams"):
+        hola_forward(*args[:5], tuple(args[5:]), rule=rule)
+    with pytest.raises(ValueError, match=r"^hola_forward: initial_state holds window=5"):
         call(initial_state=init_hola_state(B, H, K, V, W + 1, C))
+    with pytest.raises(ValueError, match=r"^hola_forward: initial_state.S must have shape"):
+        call(initial_state=init_hola_state(B, H, K + 1, V, W, C))
     s = init_hola_state(B, H, K, V, W, C)
     with pytest.raises(ValueError, match="k_t must have shape"):
         hola_decode_step(s, x["q"][:, 0], x["k"][:, 0, :1], x["v"][:, 0], x["g"][:, 0],
-                         x["beta"][:, 0], *[p[n] for n in PAR])  # fmt: skip
-    with pytest.raises(ValueError, match="gate_logit must have shape"):
-        hola_decode_step(s, *[x[n][:, 0] for n in SEQ], p["gamma_q"], p["gamma_k"],
-                         p["sink_logit"], p["gate_logit"][:1])  # fmt: skip
+                         x["beta"][:, 0], read_params(p), rule=rule)  # fmt: skip
+    with pytest.raises(ValueError, match="params.gate_logit must have shape"):
+        bad = read_params(p)._replace(gate_logit=p["gate_logit"][:1])
+        hola_decode_step(s, *[x[n][:, 0] for n in SEQ], bad, rule=rule)
+    with pytest.raises(ValueError, match=r"^hola_decode_step: state holds window=4, block_size=8"):
+        hola_decode_step(s, *[x[n][:, 0] for n in SEQ], read_params(p))  # the default rule

@@ -9,9 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nested_jax.core.hola.decode import HolaState, hola_decode_step, init_hola_state
+from nested_jax.core.hola.decode import (
+    HolaReadParams,
+    HolaState,
+    hola_decode_step,
+    init_hola_state,
+)
 from nested_jax.core.hola.forward import gdn_residuals, hola_forward
 from nested_jax.core.hola.reference import hola_reference
+from nested_jax.rules import HolaRule
 
 H, K, V, C = 2, 6, 5, 8
 # Two rows of T = 30: starts at 5, 18, 19 (mid-block, twice in one block) and at 8 (on a block
@@ -98,11 +104,16 @@ def to_alone(a):
     return out
 
 
+def hola(*args, window, eviction="beta_e", **kw):
+    """``hola_forward`` over the flat ``(q, k, v, g, β, γ_q, γ_k, s, λ)`` of these tests (so a
+    ``jax.vjp`` gives one gradient per parameter), block size ``C``."""
+    rule = HolaRule(window=window, block_size=C, eviction=eviction)
+    return hola_forward(*args[: len(SEQ)], HolaReadParams(*args[len(SEQ) :]), rule=rule, **kw)
+
+
 @functools.cache
 def _vjp_fn(eviction, window, packed):
-    fwd = functools.partial(
-        hola_forward, window=window, block_size=C, eviction=eviction, chunk_size=4
-    )
+    fwd = functools.partial(hola, window=window, eviction=eviction, chunk_size=4)
     seg = segment_ids() if packed else None
 
     def run(args, r):
@@ -150,9 +161,7 @@ def test_packed_row_equals_documents_alone_values_and_vjp(eviction, window):
 
 @functools.cache
 def _fwd(eviction, window=3, packed=True):
-    fwd = functools.partial(
-        hola_forward, window=window, block_size=C, eviction=eviction, chunk_size=4
-    )
+    fwd = functools.partial(hola, window=window, eviction=eviction, chunk_size=4)
     seg = segment_ids() if packed else None
     return fast_jit(lambda *a: fwd(*a, segment_ids=seg))
 
@@ -175,8 +184,10 @@ def test_packed_row_matches_reference_and_returns_the_last_document_state(evicti
     x, p = make_inputs(5), make_params()
     args = [x[n] for n in SEQ] + [p[n] for n in PAR]
     o, st = _fwd(eviction)(*args)
+    rule = HolaRule(window=3, block_size=C, eviction=eviction)
+    params = HolaReadParams(*args[len(SEQ) :])
     ref = hola_reference(
-        *args, window=3, block_size=C, eviction=eviction, segment_ids=np.asarray(segment_ids())
+        *args[: len(SEQ)], params, rule=rule, segment_ids=np.asarray(segment_ids())
     )
     np.testing.assert_allclose(np.asarray(o), ref["o"], atol=2e-5, rtol=1e-5)
     last = {n: a[:, T - 11 :] for n, a in x.items()}
@@ -185,10 +196,10 @@ def test_packed_row_matches_reference_and_returns_the_last_document_state(evicti
     pos, val = np.asarray(st.cache_pos), np.asarray(st.cache_valid)
     assert [[list(pos[b, h][val[b, h]]) for h in range(H)] for b in range(2)] == ref["last_cache"]
     # Decoding continues the last documents exactly like continuing them alone.
-    step = fast_jit(functools.partial(hola_decode_step, eviction=eviction))
+    step = fast_jit(functools.partial(hola_decode_step, rule=rule))
     nxt = make_inputs(6, T=1)
-    o1, _ = step(st, *[nxt[n][:, 0] for n in SEQ], *args[len(SEQ) :])
-    o2, _ = step(st_alone, *[nxt[n][:, 0] for n in SEQ], *args[len(SEQ) :])
+    o1, _ = step(st, *[nxt[n][:, 0] for n in SEQ], params)
+    o2, _ = step(st_alone, *[nxt[n][:, 0] for n in SEQ], params)
     np.testing.assert_allclose(np.asarray(o1), np.asarray(o2), atol=2e-5, rtol=1e-5)
 
 
@@ -198,7 +209,7 @@ def test_one_document_row_equals_the_unpacked_forward():
     into the returned cache (the mid-block end is checked against the last documents above)."""
     x, p = make_inputs(7, T=32), make_params()
     args = [x[n] for n in SEQ] + [p[n] for n in PAR]
-    fwd = functools.partial(hola_forward, window=4, block_size=C, chunk_size=16)
+    fwd = functools.partial(hola, window=4, chunk_size=16)
     o, st = fast_jit(fwd)(*args)
     seg = jnp.full((2, 32), 3, jnp.int32)
     o_s, st_s = fast_jit(lambda *a: fwd(*a, segment_ids=seg))(*args)
@@ -236,13 +247,13 @@ def test_gdn_residuals_restart_from_zero_at_segment_starts():
 def test_segment_ids_validation_names_the_argument():
     x, p = make_inputs(0), make_params()
     args = [x[n] for n in SEQ] + [p[n] for n in PAR]
-    kw = dict(window=3, block_size=C)
+    kw = dict(window=3)
     with pytest.raises(ValueError, match=r"hola_forward: segment_ids must have shape \[B, T\]"):
-        hola_forward(*args, segment_ids=jnp.zeros((2, T - 1), jnp.int32), **kw)
+        hola(*args, segment_ids=jnp.zeros((2, T - 1), jnp.int32), **kw)
     with pytest.raises(ValueError, match="segment_ids must have an integer dtype"):
-        hola_forward(*args, segment_ids=jnp.zeros((2, T), jnp.float32), **kw)
+        hola(*args, segment_ids=jnp.zeros((2, T), jnp.float32), **kw)
     with pytest.raises(ValueError, match="segment_ids cannot be combined with initial_state"):
-        hola_forward(
+        hola(
             *args, segment_ids=segment_ids(), initial_state=init_hola_state(2, H, K, V, 3, C), **kw
         )
     with pytest.raises(ValueError, match="gdn_residuals: segment_ids must have shape"):

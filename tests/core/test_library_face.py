@@ -68,7 +68,7 @@ EXCLUDED = {
     "scan_remat": "generic scan helper; runs inside the chunked rules' remat paths",
     "dgd_step_size": "elementwise helper of the DGD update; runs inside hope/cms",
     "dgd_update": "per-token update on user-shaped weights; runs inside hope_*",
-    "dgd_update_layers": "per-layer DGD update; runs inside cms_online(inner='dgd')",
+    "dgd_update_layers": "per-layer DGD update; runs inside cms_online (online_inner='dgd')",
     "proteus_block_len": "static schedule arithmetic on Python ints",
     "proteus_active_blocks": "schedule arithmetic on positions, no batch/head data",
     "proteus_chunk_constant": "static schedule predicate on Python ints",
@@ -86,6 +86,9 @@ EXCLUDED = {
     "run_proteus_spans": "span driver over user callables; runs inside the proteus_* rules",
     "run_proteus_spans_packed": "span driver over user callables; runs inside the proteus_* rules",
     "HolaState": "state type (NamedTuple)",
+    "HolaReadParams": "parameter type (NamedTuple)",
+    "HolaRule": "configuration value (frozen dataclass)",
+    "CMSRule": "configuration value (frozen dataclass)",
     "TitansLinearState": "state type (NamedTuple)",
     "TitansMLPState": "state type (NamedTuple)",
     "CMSLevel": "parameter type (NamedTuple)",
@@ -314,10 +317,9 @@ def _cms_online_case():
         return core.cms_online(
             a["levels"],
             a["x"],
-            periods=(1, 2),
+            rule=core.CMSRule(periods=(1, 2), online_lr=0.1),
             delta_fn=lambda y, side: y - side,
             side=a["side"],
-            lr=0.1,
         )
 
     levels = _cms_levels(0)
@@ -352,17 +354,23 @@ def _hola_params(rng):
 
 HOLA_PARAMS = ("gamma_q", "gamma_k", "sink_logit", "gate_logit")
 HOLA_STATE_SPEC = core.HolaState(*(BH,) * 9, REP)
+HOLA_RULE = core.HolaRule(window=2, block_size=C)
+
+
+def _read_params(a):
+    return core.HolaReadParams(*(a[n] for n in HOLA_PARAMS))
 
 
 def _hola_forward_case():
-    names = ("q", "k", "v", "g", "beta", *HOLA_PARAMS)
+    names = ("q", "k", "v", "g", "beta")
 
     def make(seed):
         rng = _rng(seed)
         return {**_qkv(rng), **_gates(rng, "g", "beta"), **_hola_params(rng)}
 
     def fn(a):
-        return core.hola_forward(*(a[n] for n in names), window=2, block_size=C, chunk_size=C)
+        xs = (a[n] for n in names)
+        return core.hola_forward(*xs, _read_params(a), rule=HOLA_RULE, chunk_size=C)
 
     specs = {**dict.fromkeys(names, BTH), **dict.fromkeys(HOLA_PARAMS, HD)}
     return Case(fn, make, specs, (BTH, HOLA_STATE_SPEC))
@@ -376,16 +384,15 @@ def _hola_decode_case():
         a = {**_qkv(rng), **_gates(rng, "g", "beta"), **_hola_params(rng)}
         # a state that already holds a cache: hola_forward over the first T - 1 tokens
         seq = [a[n][:, :-1] for n in ("q", "k", "v", "g", "beta")]
-        fwd = jax.jit(functools.partial(core.hola_forward, window=2, block_size=C))
-        _, state = fwd(*seq, *(a[n] for n in HOLA_PARAMS))
+        fwd = jax.jit(functools.partial(core.hola_forward, rule=HOLA_RULE))
+        _, state = fwd(*seq, _read_params(a))
         step = {f"{n}_t": a[n][:, -1] for n in ("q", "k", "v", "g", "beta")}
         params = {n: a[n] for n in HOLA_PARAMS}
         return {"state": jax.tree.map(np.asarray, state), **step, **params}
 
     def fn(a):
-        return core.hola_decode_step(
-            a["state"], *(a[n] for n in names), *(a[n] for n in HOLA_PARAMS)
-        )
+        xs = (a[n] for n in names)
+        return core.hola_decode_step(a["state"], *xs, _read_params(a), rule=HOLA_RULE)
 
     specs = {"state": HOLA_STATE_SPEC, **dict.fromkeys(names, BH)}
     specs.update(dict.fromkeys(HOLA_PARAMS, HD))

@@ -1,13 +1,13 @@
 """The Pallas HOLA cache read (``pallas_kernels/hola_cache``) against the XLA cache path (SPEC §5).
 
 Interpret mode on any backend: the kernel against ``core.hola.cache.read_blocks`` (its contract)
-on random stacked caches, and ``hola_forward(cache_read=kernel)`` (the two-phase cache path:
-merges first, then one read of all blocks) against ``hola_forward`` (the XLA block scan), values
-and gradients (q, k, v, g, β, γ_q, γ_k, the sink, the gate and the initial state's float leaves)
-at awkward lengths, with and without an initial state, ``C`` and ``w`` on and off multiples of 8
-(the entry pads them). ``ops.hola(impl="pallas")`` routes one stream to the kernel and keeps the
-XLA scan for packed rows and ``cumulative_attention``. TPU lowering by ahead-of-time compiles on
-libtpu's abstract topologies (no chip needed; skipped without libtpu).
+on random stacked caches, and ``hola_forward(kernels=HolaKernels(cache_read=kernel))`` (the
+two-phase cache path: merges first, then one read of all blocks) against ``hola_forward`` (the XLA
+block scan), values and gradients (q, k, v, g, β, γ_q, γ_k, the sink, the gate and the initial
+state's float leaves) at awkward lengths, with and without an initial state, ``C`` and ``w`` on
+and off multiples of 8 (the entry pads them). ``ops.hola(impl="pallas")`` routes one stream to
+the kernel and keeps the XLA scan for packed rows and ``cumulative_attention``. TPU lowering by
+ahead-of-time compiles on libtpu's abstract topologies (no chip needed; skipped without libtpu).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from nested_jax.core.hola.cache import read_blocks
-from nested_jax.core.hola.forward import hola_forward
+from nested_jax.core.hola.forward import HolaKernels, hola_forward
 from nested_jax.ops import hola as ops_hola
 from pallas_kernels.hola_cache import BlockSizes, hola_cache_read_pallas
 
@@ -56,7 +56,7 @@ def _seq(T, seed=0):
 def _params(seed=3):
     rng = np.random.default_rng(seed)
     f = np.float32
-    return dict(
+    return ops_hola.HolaReadParams(
         gamma_q=jnp.asarray(rng.uniform(0.5, 2.0, (H, K)), f),
         gamma_k=jnp.asarray(rng.uniform(0.5, 2.0, (H, K)), f),
         sink_logit=jnp.asarray(rng.normal(size=(H,)), f),
@@ -67,6 +67,20 @@ def _params(seed=3):
 # --------------------------------------------------------------------------------------------------
 # The kernel against read_blocks
 # --------------------------------------------------------------------------------------------------
+
+
+def kernel_read(**kw):
+    """The kernel under ``read_blocks``'s contract ``(qh, kh, vh, (ck, cv, cval), filled, params,
+    read_norm, cache_scale)`` (``ops.hola`` wraps it the same way, per mesh shard)."""
+
+    def read(qh, kh, vh, cache, filled, params, read_norm, cache_scale):
+        ck, cv, cval = cache
+        return hola_cache_read_pallas(
+            qh, kh, vh, ck, cv, cval, filled, params.gamma_q, params.gamma_k, params.sink_logit,
+            read_norm, cache_scale, interpret=True, **kw,
+        )  # fmt: skip
+
+    return read
 
 
 def _read_case(n, C, W, block_q, read_norm, seed=0):
@@ -90,18 +104,17 @@ def _read_case(n, C, W, block_q, read_norm, seed=0):
     filled = np.ones((n, C), bool)
     filled[-1, C // 2 + 1 :] = False
     w_out = rng.normal(size=(B, H, L, V)).astype(f)
+    gate = np.zeros((H,), f)  # not read by the cache read
 
     def run(read):
         def loss(*a):
-            o = read(*a[:5], cval, filled, *a[5:], read_norm, 0.3)
+            params = ops_hola.HolaReadParams(*a[5:], gate)
+            o = read(*a[:3], (*a[3:5], cval), filled, params, read_norm, 0.3)
             return jnp.sum(o * w_out), o
 
         return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(8)), has_aux=True))(*xs)
 
-    kernel = functools.partial(
-        hola_cache_read_pallas, block_sizes=BlockSizes(block_q), interpret=True
-    )
-    (_, o), g = run(kernel)
+    (_, o), g = run(kernel_read(block_sizes=BlockSizes(block_q)))
     (_, o_ref), g_ref = run(read_blocks)
     names = ("o", "dq", "dk", "dv", "dck", "dcv", "dgamma_q", "dgamma_k", "dsink")
     errors = {}
@@ -128,10 +141,10 @@ def test_kernel_matches_read_blocks_grid(n, C, W, block_q, read_norm):
 
 
 # --------------------------------------------------------------------------------------------------
-# The two-phase cache path (hola_forward(cache_read=kernel)) against the XLA block scan
+# The two-phase cache path (HolaKernels(cache_read=kernel)) against the XLA block scan
 # --------------------------------------------------------------------------------------------------
 
-_KERNEL_READ = functools.partial(hola_cache_read_pallas, interpret=True)
+_KERNEL_READ = kernel_read()
 
 
 @functools.cache
@@ -139,12 +152,15 @@ def _forward_vg(window, block, eviction, read_norm, with_state, read):
     """Jitted ``((o, final state), grads)`` of ``Σ w ⊙ o + Σ sin(S_T) + Σ cos(cache_k, block_v)``
     w.r.t. the sequence, the four parameters and (``with_state``) the initial state's float
     leaves."""
-    kw = dict(window=window, block_size=block, eviction=eviction, read_norm=read_norm,
-              chunk_size=8, cache_read=read)  # fmt: skip
+    rule = ops_hola.HolaRule(window=window, block_size=block, eviction=eviction,
+                             read_norm=read_norm)  # fmt: skip
 
     def loss(x, p, s0_diff, s0, w):
         s0 = s0._replace(**s0_diff) if with_state else None
-        o, st = hola_forward(*(x[n] for n in SEQ), **p, initial_state=s0, **kw)
+        o, st = hola_forward(
+            *(x[n] for n in SEQ), p, rule=rule, initial_state=s0, chunk_size=8,
+            kernels=HolaKernels(cache_read=read),
+        )  # fmt: skip
         extra = jnp.sum(jnp.cos(st.cache_k)) + jnp.sum(jnp.cos(st.block_v))
         return jnp.sum(o * w) + jnp.sum(jnp.sin(st.S)) + extra, (o, st)
 
@@ -166,9 +182,10 @@ def _forward_case(T, *, window, block, prefix=0, eviction="beta_e", read_norm="r
     s0 = None
     if prefix:
         pre = _seq(prefix, seed=7)
-        kw = dict(window=window, block_size=block, eviction=eviction, read_norm=read_norm,
-                  chunk_size=8)  # fmt: skip
-        _, s0 = jax.jit(functools.partial(hola_forward, **kw))(*(pre[n] for n in SEQ), **p)
+        rule = ops_hola.HolaRule(window=window, block_size=block, eviction=eviction,
+                                 read_norm=read_norm)  # fmt: skip
+        fwd = functools.partial(hola_forward, rule=rule, chunk_size=8)
+        _, s0 = jax.jit(fwd)(*(pre[n] for n in SEQ), p)
     w = jnp.asarray(np.random.default_rng(5).normal(size=(B, T, H, V)), jnp.float32)
     static = (window, block, eviction, read_norm, prefix > 0)
     (o, st), grads = _forward_vg(*static, _KERNEL_READ)(x, p, s0, w)
@@ -223,19 +240,19 @@ def _pallas_calls(T, rule, segment_ids=None):
     x, p = _seq(T), _params()
 
     def f(x, p):
-        return ops_hola.hola(*(x[n] for n in SEQ), **p, rule=rule, segment_ids=segment_ids,
-                             impl="pallas")  # fmt: skip
+        return ops_hola.hola(*(x[n] for n in SEQ), p, rule=rule, segment_ids=segment_ids,
+                             chunk_size=8, impl="pallas")  # fmt: skip
 
     text = str(jax.make_jaxpr(f)(x, p))
     return {name for name in ("hola_cache_fwd", "gated_delta") if name in text}
 
 
 def test_ops_pallas_routes_one_stream_to_the_kernel_and_the_rest_to_xla():
-    rule = ops_hola.HolaRule(window=4, block_size=8, chunk_size=8)
+    rule = ops_hola.HolaRule(window=4, block_size=8)
     assert _pallas_calls(20, rule) == {"hola_cache_fwd", "gated_delta"}
     sid = jnp.asarray(np.repeat(np.arange(2)[None], B, 0).repeat(10, 1), jnp.int32)
     assert _pallas_calls(20, rule, sid) == {"gated_delta"}  # packed rows: the XLA scan
-    cum = ops_hola.HolaRule(window=4, block_size=8, chunk_size=8, eviction="cumulative_attention")
+    cum = ops_hola.HolaRule(window=4, block_size=8, eviction="cumulative_attention")
     assert _pallas_calls(20, cum) == {"gated_delta"}  # its merges need the reads
 
 
@@ -358,11 +375,12 @@ def test_ops_hola_pallas_compiles_for_tpu_with_both_kernels():
         sds((Bt, T, Ht), f32), rep((Ht, D), f32), rep((Ht, D), f32), rep((Ht,), f32),
         rep((Ht,), f32),
     )  # fmt: skip
-    rule = ops_hola.HolaRule(window=64, block_size=256, chunk_size=64)
+    rule = ops_hola.HolaRule(window=64, block_size=256)
     for impl in ("pallas", "chunked"):
 
         def local(*a, impl=impl):
-            return ops_hola.hola(*a, rule=rule, impl=impl)[0]
+            params = ops_hola.HolaReadParams(*a[5:])
+            return ops_hola.hola(*a[:5], params, rule=rule, chunk_size=64, impl=impl)[0]
 
         in_specs = (P("batch"),) * 5 + (P(),) * 4
         sharded = jax.shard_map(
@@ -389,12 +407,12 @@ def test_ops_pallas_on_a_2x2_mesh_equals_chunked():
     from nested_jax.train.config import MeshConfig
 
     x, p = _seq(40), _params()
-    rule = ops_hola.HolaRule(window=8, block_size=16, chunk_size=8)
+    rule = ops_hola.HolaRule(window=8, block_size=16)
     w = jnp.asarray(np.random.default_rng(5).normal(size=(B, 40, H, V)), jnp.float32)
 
     def vg(impl):
         def loss(x, p):
-            o, st = ops_hola.hola(*(x[n] for n in SEQ), **p, rule=rule, impl=impl)
+            o, st = ops_hola.hola(*(x[n] for n in SEQ), p, rule=rule, chunk_size=8, impl=impl)
             return jnp.sum(o * w) + jnp.sum(jnp.cos(st.cache_k)), o
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))

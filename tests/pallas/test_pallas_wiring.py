@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from nested_jax import ops
-from nested_jax.core.hola.forward import hola_forward
+from nested_jax.core.hola.forward import HolaKernels, hola_forward
 from nested_jax.layers.gdn import GatedDeltaNet
 from nested_jax.layers.hola import HolaMixer
 from nested_jax.layers.options import HolaOptions
@@ -99,7 +99,7 @@ _CACHE_LEAVES = ("cache_k", "cache_v", "cache_score", "cache_pos", "cache_valid"
 
 def _hola_params(seed=3):
     rng = np.random.default_rng(seed)
-    return dict(
+    return ops_hola.HolaReadParams(
         gamma_q=jnp.asarray(rng.uniform(0.5, 2.0, (H, K)), jnp.float32),
         gamma_k=jnp.asarray(rng.uniform(0.5, 2.0, (H, K)), jnp.float32),
         sink_logit=jnp.asarray(rng.normal(size=(H,)), jnp.float32),
@@ -108,15 +108,16 @@ def _hola_params(seed=3):
 
 
 @functools.cache
-def _hola_vg(impl, rule, packed, with_state):
+def _hola_vg(impl, rule, chunk, packed, with_state):
     """Jitted ``((o, final HolaState), grads)`` of ``Σ w ⊙ o + Σ sin(S_T)`` w.r.t. q, k, v, g,
     β, the four cache-read parameters and (``with_state``) the initial state's float leaves."""
 
     def loss(x, p, s0_diff, s0, sid, w):
         s0 = s0._replace(**s0_diff) if with_state else None
         o, st = ops_hola.hola(
-            *(x[n] for n in SEQ), **p, rule=rule, initial_state=s0, segment_ids=sid, impl=impl
-        )
+            *(x[n] for n in SEQ), p, rule=rule, initial_state=s0, segment_ids=sid,
+            chunk_size=chunk, impl=impl,
+        )  # fmt: skip
         return jnp.sum(o * w) + jnp.sum(jnp.sin(st.S)), (o, st)
 
     def run(x, p, s0, sid, w):
@@ -132,18 +133,18 @@ def _hola_vg(impl, rule, packed, with_state):
 def _hola_case(T, *, chunk, packed=False, prefix=0, eviction="beta_e", window=3, block=8):
     """``impl="pallas"`` vs ``"chunked"``: values and gradients. ``prefix > 0``: continue a state
     built by ``prefix`` earlier tokens (a partly filled block buffer when ``prefix % block``)."""
-    rule = ops_hola.HolaRule(window=window, block_size=block, eviction=eviction, chunk_size=chunk)
+    rule = ops_hola.HolaRule(window=window, block_size=block, eviction=eviction)
     x, p = _seq(T), _hola_params()
     s0 = None
     if prefix:
         pre = _seq(prefix, seed=7)
-        _, s0 = ops_hola.hola(*(pre[n] for n in SEQ), **p, rule=rule, impl="chunked")
+        _, s0 = ops_hola.hola(*(pre[n] for n in SEQ), p, rule=rule, chunk_size=chunk)
         s0 = s0._replace(S=s0.S + 0.3 * _readout(s0.S.shape, 9))  # a state of order one
     sid = _segments(T) if packed else None
     w = _readout((2, T, H, V), 5)
     args = (x, p, s0, sid, w)
-    got = _hola_vg("pallas", rule, packed, prefix > 0)(*args)
-    want = _hola_vg("chunked", rule, packed, prefix > 0)(*args)
+    got = _hola_vg("pallas", rule, chunk, packed, prefix > 0)(*args)
+    want = _hola_vg("chunked", rule, chunk, packed, prefix > 0)(*args)
     errors = _assert_close(got, want, "hola")
     if prefix:  # the initial state's gradient is there and not trivially zero
         assert float(jnp.max(jnp.abs(want[1][2]["S"]))) > 0
@@ -177,11 +178,11 @@ def test_hola_pallas_state_path_is_the_kernel_and_the_cache_path_is_not():
     bit; the cache leaves of the state equal the chunked ones bit for bit (packed rows; the
     compiled programs of ``test_hola_pallas_equals_chunked[63-16-True-0]``)."""
     T, chunk = 63, 16
-    rule = ops_hola.HolaRule(window=3, block_size=8, chunk_size=chunk)
+    rule = ops_hola.HolaRule(window=3, block_size=8)
     x, p, sid, w = _seq(T), _hola_params(), _segments(T), _readout((2, T, H, V), 5)
-    p["gate_logit"] = jnp.full((H,), -jnp.inf, jnp.float32)  # not weak-typed: no recompile
-    (o, st), _ = _hola_vg("pallas", rule, True, False)(x, p, None, sid, w)
-    (_, st_c), _ = _hola_vg("chunked", rule, True, False)(x, p, None, sid, w)
+    p = p._replace(gate_logit=jnp.full((H,), -jnp.inf, jnp.float32))  # not weak-typed
+    (o, st), _ = _hola_vg("pallas", rule, chunk, True, False)(x, p, None, sid, w)
+    (_, st_c), _ = _hola_vg("chunked", rule, chunk, True, False)(x, p, None, sid, w)
     seq = tuple(x[n] for n in SEQ)
     kernel = jax.jit(functools.partial(ops.gated_delta, chunk_size=chunk, impl="pallas"))
     o_k, S_k = kernel(*seq, segment_ids=sid)
@@ -193,14 +194,16 @@ def test_hola_pallas_state_path_is_the_kernel_and_the_cache_path_is_not():
 
 def test_hola_pallas_errors():
     x, p = _seq(20), _hola_params()
-    args = (*(x[n] for n in SEQ), *p.values())
-    rule = ops_hola.HolaRule(window=3, block_size=8, chunk_size=12)
+    args = (*(x[n] for n in SEQ), p)
+    rule = ops_hola.HolaRule(window=3, block_size=8)
     with pytest.raises(ValueError, match="BlockSizes: chunk must be a positive multiple of 8"):
-        ops_hola.hola(*args, rule=rule, impl="pallas")
+        ops_hola.hola(*args, rule=rule, chunk_size=12, impl="pallas")
     with pytest.raises(ValueError, match="^hola: impl must be one of"):
         ops_hola.hola(*args, rule=rule, impl="auto")
-    with pytest.raises(ValueError, match="^hola_forward: state_path must be a function"):
-        hola_forward(*args, state_path="pallas")
+    with pytest.raises(ValueError, match="^hola_forward: kernels.state_path must be a function"):
+        hola_forward(*args, kernels=HolaKernels(state_path="pallas"))
+    with pytest.raises(ValueError, match="^hola_forward: kernels must be a HolaKernels"):
+        hola_forward(*args, kernels=dict(state_path=ops.gated_delta))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,18 +264,18 @@ def test_hola_mixer_pallas_prefill_and_decode():
 
 def test_hola_step_takes_every_impl():
     """One token has one form: ``hola_step`` gives the same bits for every ``impl``."""
-    rule = ops_hola.HolaRule(window=3, block_size=8, chunk_size=16)
+    rule = ops_hola.HolaRule(window=3, block_size=8)
     x, p = _seq(1), _hola_params()
     st = ops_hola.init_hola_state(2, H, K, V, rule.window, rule.block_size)
     st = st._replace(S=_readout(st.S.shape, 8))
     one = tuple(x[n][:, 0] for n in SEQ)
     step = jax.jit(ops_hola.hola_step, static_argnames=("rule", "impl"))
-    outs = {i: step(st, *one, *p.values(), rule=rule, impl=i) for i in IMPLS}
+    outs = {i: step(st, *one, p, rule=rule, impl=i) for i in IMPLS}
     for impl in ("recurrent", "pallas"):
         for a, b in zip(jax.tree.leaves(outs[impl]), jax.tree.leaves(outs["chunked"]), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=impl)
     with pytest.raises(ValueError, match="^hola_step: impl must be one of"):
-        ops_hola.hola_step(st, *one, *p.values(), rule=rule, impl="auto")
+        ops_hola.hola_step(st, *one, p, rule=rule, impl="auto")
 
 
 def test_hola_config_accepts_pallas():

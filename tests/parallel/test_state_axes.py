@@ -63,10 +63,14 @@ def test_linear_rules_pin_their_final_state(mesh, impl):
 
 def test_hola_pins_its_state_and_cache(mesh):
     q, k, v, g, beta = _inputs(1)
-    params = (jnp.ones((H, K)), jnp.ones((H, K)), jnp.zeros((H,)), jnp.zeros((H,)))
-    rule = HolaRule(window=2, block_size=4, chunk_size=4)
+    params = ops.HolaReadParams(
+        jnp.ones((H, K)), jnp.ones((H, K)), jnp.zeros((H,)), jnp.zeros((H,))
+    )
+    rule = HolaRule(window=2, block_size=4)
     with jax.set_mesh(mesh):
-        _, state = jax.jit(lambda: ops.hola.hola(q, k, v, g, beta, *params, rule=rule))()
+        _, state = jax.jit(
+            lambda: ops.hola.hola(q, k, v, g, beta, params, rule=rule, chunk_size=4)
+        )()
     _assert_head_sharded(state)  # S, the cache, the block buffer and their scores
     assert state.pos.ndim == 0  # the shared position counter is left alone
 

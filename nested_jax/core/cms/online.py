@@ -34,27 +34,24 @@ Modules: this one holds the online mode (``CMSState``, ``cms_initial_state``, ``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.checks import check_positive_int
 from nested_jax.core.cms.levels import (
-    INNERS,
     CMSLevel,
     _apply,
     _check_levels,
     _check_mix,
-    _check_variant,
     _check_x,
 )
 from nested_jax.core.dgd import dgd_step_size
 from nested_jax.core.periods import accumulate, apply_at_boundary, period_boundary, reset_to_slower
 from nested_jax.core.scan import cast_like, scan_remat, zeros_typed
-from nested_jax.rules import check_periods
+from nested_jax.rules import CMSRule, check_periods
 
 __all__ = [
     "CMSState",
@@ -181,23 +178,24 @@ def _apply_boundaries(lv, acc, fire, variant):
     return tuple(new_lv), tuple(new_acc)
 
 
-def _check_modes(variant, inner, delta_fn, delta):
-    """Trace-time checks of :func:`cms_online`'s variant, inner rule and source of ``δ``."""
-    _check_variant(variant)
-    if inner not in INNERS:
-        raise ValueError(f"inner must be one of {INNERS}, got {inner!r}")
+def _check_modes(rule, delta_fn, delta):
+    """Trace-time checks of :func:`cms_online`'s rule and source of ``δ`` (the rule checked its
+    own fields when it was built)."""
+    if not isinstance(rule, CMSRule):
+        raise ValueError(f"rule must be a CMSRule, got {type(rule).__name__}")
     if (delta_fn is None) == (delta is None):
         raise ValueError("give exactly one of delta_fn (callable) or delta (array [B, T, d])")
     if delta_fn is not None and not callable(delta_fn):
         raise ValueError(f"delta_fn must be callable, got {type(delta_fn).__name__}")
 
 
-def _validate_levels(levels, x, periods, variant, lr, mix_logits, initial_state):
-    """Trace-time checks of ``x``, the levels (or carried state), periods, mixing and ``η``.
+def _validate_levels(levels, x, rule, mix_logits, initial_state):
+    """Trace-time checks of ``x``, the levels (or carried state) against the rule's periods,
+    the mixing logits and the rule's ``η``.
 
     Returns:
-      ``(x, state, periods, mix_logits, lrs)`` normalised (``state`` fresh from ``levels`` when
-      ``initial_state`` is None).
+      ``(x, state, mix_logits, lrs)`` normalised (``state`` fresh from ``levels`` when
+      ``initial_state`` is None; ``lrs`` one scalar per level).
     """
     x = jnp.asarray(x)
     if x.ndim != 3:
@@ -214,14 +212,14 @@ def _validate_levels(levels, x, periods, variant, lr, mix_logits, initial_state)
         k = len(initial_state.levels)
         state = initial_state
     x = _check_x(x, d)
-    periods = check_periods(periods, k, variant)
-    mix_logits = _check_mix(mix_logits, k, variant)
-    return x, state, periods, mix_logits, _per_level("lr", lr, k)
+    check_periods(rule.periods, k, rule.variant)
+    mix_logits = _check_mix(mix_logits, k, rule.variant)
+    return x, state, mix_logits, _per_level("online_lr", rule.online_lr, k)
 
 
-def _check_signal(delta, side, remat_every, shape):
-    """Trace-time checks of the precomputed ``δ``, the ``side`` inputs and ``remat_every``;
-    returns ``δ`` as an array (or None)."""
+def _check_signal(delta, side, shape):
+    """Trace-time checks of the precomputed ``δ`` and the ``side`` inputs; returns ``δ`` as an
+    array (or None)."""
     B, T, _ = shape
     if delta is not None:
         delta = jnp.asarray(delta)
@@ -233,8 +231,6 @@ def _check_signal(delta, side, remat_every, shape):
                 raise ValueError(
                     f"side leaves must have shape [B={B}, T={T}, ...], got {jnp.shape(leaf)}"
                 )
-    if remat_every is not None:
-        check_positive_int("remat_every (or None)", remat_every)
     return delta
 
 
@@ -318,22 +314,26 @@ def _accumulate_levels(lv, acc, ins, gtaps, vm, inner, lrs, variant) -> list:
     return new_acc
 
 
-def _chunk_step(*, delta_fn, variant, mix_logits, inner, lrs, periods, c, grid0, end):
+def _chunk_step(rule, lrs, *, delta_fn, mix_logits, c, grid0, end):
     """The ``lax.scan`` body over chunks: ``((levels, accum), inp) -> ((levels, accum), y)``.
 
+    ``rule``: the ``CMSRule`` (periods, variant, inner optimizer); ``lrs``: its rates, one
+    scalar per level.
     ``grid0``: absolute position of slot 0 (a multiple of ``c``); ``end``: slots before the call's
     end (``off + T``). Level ℓ fires at a chunk whose absolute end is a multiple of ``C^(ℓ)``,
     only if the chunk is complete (tokens past the call never trigger a boundary).
     """
 
+    variant = rule.variant
+
     def step(carry, inp):
         lv, acc = carry
         vm = inp["valid"][None, :, None].astype(inp["x"].dtype)
         y, ins, gtaps = _surprise_signals(lv, inp, vm, delta_fn, variant, mix_logits)
-        new_acc = _accumulate_levels(lv, acc, ins, gtaps, vm, inner, lrs, variant)
+        new_acc = _accumulate_levels(lv, acc, ins, gtaps, vm, rule.online_inner, lrs, variant)
         consumed = (inp["j"] + 1) * c  # slots up to this chunk's end
         complete = consumed <= end
-        fire = [complete & period_boundary(grid0 + consumed, p) for p in periods]
+        fire = [complete & period_boundary(grid0 + consumed, p) for p in rule.periods]
         return _apply_boundaries(lv, new_acc, fire, variant), y
 
     return step
@@ -343,16 +343,12 @@ def cms_online(
     levels,
     x,
     *,
-    periods: Sequence[int],
+    rule=CMSRule(),
     delta_fn: Callable | None = None,
     delta=None,
     side: Any = None,
-    variant: str = "sequential",
-    lr=1e-2,
-    inner: str = "sgd",
     mix_logits=None,
     initial_state: CMSState | None = None,
-    remat_every: int | None = None,
 ):
     """CMS in ``online`` mode: each level learns from the local surprise at its own period.
 
@@ -363,54 +359,53 @@ def cms_online(
     applies ``θ_ℓ ← θ_ℓ − accum_ℓ`` and clears it; ``nested`` then resets faster levels. Output
     at token ``t`` uses the weights in force before ``t`` (read before write). Tokens past the end
     of ``x`` never trigger a boundary; their partial accumulation stays in the state.
-    Differentiable w.r.t. ``levels``, ``x``, ``lr``, ``mix_logits`` (through all updates).
+    Differentiable w.r.t. ``levels``, ``x``, ``mix_logits`` (through all updates; the rates are
+    the rule's static floats).
 
     Args:
       levels: tuple of ``k`` :class:`CMSLevel` (unbatched ``w_up [d, h]``…): the initial weights,
         broadcast to every row. Ignored when ``initial_state`` is given (its levels are used).
       x: ``[B, T, d]`` CMS inputs (any ``T``; need not be a multiple of any period).
-      periods: ``(C^(1), …, C^(k))`` positive, strictly increasing ints (``nested``: each divides
-        the next).
+      rule: ``CMSRule``: ``periods`` ``(C^(1), …, C^(k))`` in tokens, one per level (positive,
+        strictly increasing; ``nested``: each divides the next), ``variant``
+        (``"sequential" | "nested" | "independent"``), ``online_lr`` (``η``: one float or one per
+        level), ``online_inner`` (``"sgd"`` or ``"dgd"``: per layer, SPEC §3.1,
+        ``γ = η/(1+η‖a‖²)``) and ``remat_every`` (checkpoint the chunk scan every n chunks with
+        ``scan_remat`` to bound the memory of differentiating through a long stream; None: no
+        checkpoints). A config section that extends the rule (``CMSOptions``) is one too.
       delta_fn: ``(y [B, c, d], side_chunk) -> δ [B, c, d]``, the local surprise ``∂L_t/∂y_t``
         (see :func:`surprise_from_loss`). Exactly one of ``delta_fn`` / ``delta``.
       delta: precomputed ``δ [B, T, d]`` (e.g. from a frozen pass; then not the surprise of the
         updated weights).
       side: optional pytree of ``[B, T, ...]`` arrays (targets, loss masks), chunked with ``x``
         and handed to ``delta_fn`` (padded slots are zeros; their δ is masked anyway).
-      variant: ``"sequential" | "nested" | "independent"``.
-      lr: ``η``: a scalar or one scalar per level.
-      inner: ``"sgd"`` or ``"dgd"`` (per layer, SPEC §3.1, ``γ = η/(1+η‖a‖²)``).
       mix_logits: ``[k]`` for ``independent`` (outer parameters, not updated online).
       initial_state: :class:`CMSState` from a previous call (or :func:`cms_initial_state`).
-      remat_every: checkpoint the chunk scan every n chunks (``scan_remat``) to bound the memory of
-        differentiating through a long stream.
 
     Returns:
       ``(y [B, T, d], CMSState)``, ``y`` in ``x``'s dtype (accumulators are f32).
     """
-    _check_modes(variant, inner, delta_fn, delta)
-    x, state, periods, mix_logits, lrs = _validate_levels(
-        levels, x, periods, variant, lr, mix_logits, initial_state
-    )
-    delta = _check_signal(delta, side, remat_every, x.shape)
+    _check_modes(rule, delta_fn, delta)
+    x, state, mix_logits, lrs = _validate_levels(levels, x, rule, mix_logits, initial_state)
+    delta = _check_signal(delta, side, x.shape)
     B, T, d = x.shape
     if T == 0:
         return x, state
-    c = math.gcd(*periods)
+    c = math.gcd(*rule.periods)
     off, n = _chunk_grid(state.pos, T, c, resumed=initial_state is not None)
     xs = _chunk_inputs(x, delta, side, off, n, c)
     step = _chunk_step(
-        delta_fn=delta_fn, variant=variant, mix_logits=mix_logits, inner=inner, lrs=lrs,
-        periods=periods, c=c, grid0=state.pos - off, end=off + T,
+        rule, lrs, delta_fn=delta_fn, mix_logits=mix_logits, c=c, grid0=state.pos - off,
+        end=off + T,
     )  # fmt: skip
     carry0 = (tuple(state.levels), tuple(state.accum))
     # each row's weights are updated from that row's x: the carry is typed like x's rows (under
     # jax.shard_map / on Explicit meshes levels broadcast from shared weights are not)
     carry0 = jax.tree.map(lambda a: cast_like(a, x[:, 0, 0]), carry0)
-    if remat_every is None:
+    if rule.remat_every is None:
         (lv_f, acc_f), ys = lax.scan(step, carry0, xs)
     else:
-        (lv_f, acc_f), ys = scan_remat(step, carry0, xs, remat_every)
+        (lv_f, acc_f), ys = scan_remat(step, carry0, xs, rule.remat_every)
     ys = jnp.moveaxis(ys, 0, 1).reshape((B, n * c, d))
     y = lax.dynamic_slice_in_dim(ys, off, T, axis=1).astype(x.dtype)
     return y, CMSState(levels=lv_f, accum=acc_f, pos=state.pos + T)

@@ -1,4 +1,4 @@
-"""HOLA's decoding state and per-token form (SPEC §5): ``HolaState``, ``hola_decode_step``.
+"""HOLA's state, parameters and per-token form (SPEC §5): ``HolaState``, ``hola_decode_step``.
 
 The block-parallel ``hola_forward``, the residual pass and the scores are in
 :mod:`nested_jax.core.hola.forward`. Per head and token
@@ -9,12 +9,14 @@ The block-parallel ``hola_forward``, the residual pass and the scores are in
     o_t = S_tᵀ (scale · q_t) + σ(λ_h) Σ_{j∈V_t} softmax_j(cache_scale · q̃_tᵀ k̃_j) v_j
     A_n = top-w(A_{n-1} ∪ block n)                 at the end of block n (position ≡ −1 mod C)
 
-:class:`HolaRule` holds the static options (``window``, ``block_size``, ``eviction``,
-``read_norm``, the two scales, ``chunk_size``) as one frozen value. ``hola_decode_step`` is one
-token; ``hola_recurrent`` is the same step in a ``lax.scan`` over a sequence (the per-token form
-of ``hola_forward``, equal to it token by token). The state's size is independent of the number of
-tokens: per head ``K·V + (w + C)(K + V)`` floats plus ``O(w + C)`` scores and positions. The
-trace-time argument checks shared with ``core.hola.forward`` live here too.
+``HolaRule`` (:mod:`nested_jax.rules`) holds the static options (``window``, ``block_size``,
+``eviction``, ``read_norm``, the two scales) as one frozen value and :class:`HolaReadParams` the
+four learnable per-head arrays of the cache read; every form takes both whole.
+``hola_decode_step`` is one token; ``hola_recurrent`` is the same step in a ``lax.scan`` over a
+sequence (the per-token form of ``hola_forward``, equal to it token by token). The state's size is
+independent of the number of tokens: per head ``K·V + (w + C)(K + V)`` floats plus ``O(w + C)``
+scores and positions. The trace-time argument checks shared with ``core.hola.forward`` live here
+too.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from jax import lax
 from nested_jax.core.checks import check_positive_int
 from nested_jax.core.hola.cache import attend, merge_top_w, read_normalize
 from nested_jax.core.scan import zeros_typed
-from nested_jax.rules import EVICTIONS, READ_NORMS
+from nested_jax.rules import HolaRule
 
 __all__ = [
+    "HolaReadParams",
     "HolaState",
     "init_hola_state",
     "hola_decode_step",
@@ -38,6 +41,25 @@ __all__ = [
 ]
 
 _F32 = jnp.float32
+
+
+class HolaReadParams(NamedTuple):
+    """The learnable per-layer parameters of HOLA's cache read (SPEC §5), one pytree.
+
+    ``o_t = S_tᵀ (scale · q_t) + σ(λ_h) Σ_{j∈V_t} softmax_j(cache_scale · q̃_tᵀ k̃_j) v_j`` with
+    ``q̃ = N_q(q)``, ``k̃ = N_k(k)`` and a sink of logit ``s_h`` and value 0.
+
+    Attributes:
+      gamma_q, gamma_k: ``[H, K]`` read-norm scales of ``N_q``, ``N_k`` (``read_norm="rmsnorm"``;
+        unused for ``"l2"``).
+      sink_logit: ``[H]`` the sink's logit ``s_h``.
+      gate_logit: ``[H]`` the gate ``λ_h``; the cache read is scaled by ``σ(λ_h)``.
+    """
+
+    gamma_q: jax.Array
+    gamma_k: jax.Array
+    sink_logit: jax.Array
+    gate_logit: jax.Array
 
 
 class HolaState(NamedTuple):
@@ -114,27 +136,38 @@ def _check_array(fn, name, x, shape, floating=True):
         raise ValueError(f"{fn}: {name} must have a floating dtype, got {x.dtype}")
 
 
-def _check_options(fn, eviction, read_norm):
-    if eviction not in EVICTIONS:
-        raise ValueError(f"{fn}: eviction must be one of {EVICTIONS}, got {eviction!r}")
-    if read_norm not in READ_NORMS:
-        raise ValueError(f"{fn}: read_norm must be one of {READ_NORMS}, got {read_norm!r}")
+def _check_rule(fn, rule):
+    if not isinstance(rule, HolaRule):
+        raise ValueError(f"{fn}: rule must be a HolaRule, got {type(rule).__name__}")
 
 
-def _check_params(fn, H, K, gamma_q, gamma_k, sink_logit, gate_logit):
-    _check_array(fn, "gamma_q", gamma_q, (H, K))
-    _check_array(fn, "gamma_k", gamma_k, (H, K))
-    _check_array(fn, "sink_logit", sink_logit, (H,))
-    _check_array(fn, "gate_logit", gate_logit, (H,))
+def _check_params(fn, params, H, K):
+    if not isinstance(params, HolaReadParams):
+        raise ValueError(
+            f"{fn}: params must be a HolaReadParams(gamma_q, gamma_k, sink_logit, gate_logit), "
+            f"got {type(params).__name__}"
+        )
+    _check_array(fn, "params.gamma_q", params.gamma_q, (H, K))
+    _check_array(fn, "params.gamma_k", params.gamma_k, (H, K))
+    _check_array(fn, "params.sink_logit", params.sink_logit, (H,))
+    _check_array(fn, "params.gate_logit", params.gate_logit, (H,))
 
 
-def _check_state(fn, state, B, H, K, V, W, C):
+def _check_state(fn, state, B, H, K, V, rule, name="state"):
+    """``state`` is a ``HolaState`` with batch ``B``, heads ``H``, widths ``K, V`` and the rule's
+    ``window`` and ``block_size`` entries."""
     if not isinstance(state, HolaState):
         raise ValueError(
-            f"{fn}: state must be a HolaState (see init_hola_state), got {type(state)}"
+            f"{fn}: {name} must be a HolaState (see init_hola_state), got {type(state)}"
         )
-    for name, shape in _state_shapes(B, H, K, V, W, C).items():
-        _check_array(fn, f"state.{name}", getattr(state, name), shape, floating=False)
+    w, c = state.cache_k.shape[2], state.block_k.shape[2]
+    if (w, c) != (rule.window, rule.block_size):
+        raise ValueError(
+            f"{fn}: {name} holds window={w}, block_size={c} entries; the rule says "
+            f"window={rule.window}, block_size={rule.block_size}"
+        )
+    for field, shape in _state_shapes(B, H, K, V, w, c).items():
+        _check_array(fn, f"{name}.{field}", getattr(state, field), shape, floating=False)
 
 
 def _state_shapes(B, H, K, V, W, C):
@@ -193,43 +226,26 @@ def _sigmoid_gate(gate_logit):
 # --------------------------------------------------------------------------------------------------
 
 
-def hola_decode_step(
-    state,
-    q_t,
-    k_t,
-    v_t,
-    g_t,
-    beta_t,
-    gamma_q,
-    gamma_k,
-    sink_logit,
-    gate_logit,
-    *,
-    eviction="beta_e",
-    read_norm="rmsnorm",
-    scale=None,
-    cache_scale=None,
-):
+def hola_decode_step(state, q_t, k_t, v_t, g_t, beta_t, params, *, rule=HolaRule()):
     """One token of HOLA (SPEC §5): equals ``hola_forward`` token by token.
 
     The token is written to the block buffer slot ``pos % C`` with its fixed score, the cache read
     sees ``A_{n-1}`` ∪ the filled buffer ∪ sink, and when the buffer completes a block it is merged
-    into the cache (``top-w``) and cleared. ``window`` and ``block_size`` come from the state's
-    shapes.
+    into the cache (``top-w``) and cleared.
 
     Args:
-      state: ``HolaState``.
+      state: ``HolaState`` with the rule's ``window`` and ``block_size`` entries.
       q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; g_t, beta_t: ``[B, H]``.
-      gamma_q, gamma_k, sink_logit, gate_logit, eviction, read_norm, scale, cache_scale: as in
-        ``hola_forward``.
+      params: :class:`HolaReadParams`; rule: ``HolaRule`` (``chunk_size`` has no meaning for one
+        token); both as in ``hola_forward``.
 
     Returns:
       ``(o_t [B, H, V] in v_t's dtype, new HolaState)`` with the same shapes as ``state``.
     """
-    params = (gamma_q, gamma_k, sink_logit, gate_logit)
-    B, H, K, V, W, C = _check_step(state, (q_t, k_t, v_t, g_t, beta_t), params, eviction, read_norm)
-    sc = K**-0.5 if scale is None else scale
-    cs = K**-0.5 if cache_scale is None else cache_scale
+    B, H, K, V = _check_step(state, (q_t, k_t, v_t, g_t, beta_t), params, rule)
+    W, C, eviction, read_norm = rule.window, rule.block_size, rule.eviction, rule.read_norm
+    gamma_q, gamma_k = params.gamma_q, params.gamma_k
+    sc, cs = rule.scales(K)
 
     q, k, v = (x.astype(_F32) for x in (q_t, k_t, v_t))
     g, b = g_t.astype(_F32), beta_t.astype(_F32)
@@ -248,13 +264,13 @@ def hola_decode_step(
     o_cache, pc, pb = attend(
         qn, ck_n, state.cache_v.astype(_F32),
         state.cache_valid, read_normalize(bk, gamma_k, read_norm), bv,
-        jnp.broadcast_to(filled, (B, H, 1, C)), sink_logit, cs,
+        jnp.broadcast_to(filled, (B, H, 1, C)), params.sink_logit, cs,
     )  # fmt: skip
     cscore = state.cache_score.astype(_F32)
     if eviction == "cumulative_attention":
         cscore = cscore + lax.stop_gradient(pc[:, :, 0])
         bs = bs + lax.stop_gradient(pb[:, :, 0])
-    o = o_state + _sigmoid_gate(gate_logit)[None, :, None] * o_cache[:, :, 0]
+    o = o_state + _sigmoid_gate(params.gate_logit)[None, :, None] * o_cache[:, :, 0]
 
     cache = (
         state.cache_k.astype(_F32),
@@ -269,9 +285,9 @@ def hola_decode_step(
     return o.astype(v_t.dtype), new_state
 
 
-def _check_step(state, xs, params, eviction, read_norm):
+def _check_step(state, xs, params, rule):
     """Trace-time checks of :func:`hola_decode_step`'s arguments (``xs = (q_t, k_t, v_t, g_t,
-    beta_t)``); returns ``(B, H, K, V, W, C)`` with ``W, C`` from the state's shapes."""
+    beta_t)``); returns ``(B, H, K, V)``."""
     fn = "hola_decode_step"
     q_t, k_t, v_t, g_t, beta_t = xs
     for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
@@ -286,13 +302,10 @@ def _check_step(state, xs, params, eviction, read_norm):
     _check_array(fn, "v_t", v_t, (B, H, V))
     _check_array(fn, "g_t", g_t, (B, H))
     _check_array(fn, "beta_t", beta_t, (B, H))
-    _check_params(fn, H, K, *params)
-    _check_options(fn, eviction, read_norm)
-    if not isinstance(state, HolaState):
-        raise ValueError(f"{fn}: state must be a HolaState, got {type(state)}")
-    W, C = state.cache_k.shape[2], state.block_k.shape[2]
-    _check_state(fn, state, B, H, K, V, W, C)
-    return B, H, K, V, W, C
+    _check_params(fn, params, H, K)
+    _check_rule(fn, rule)
+    _check_state(fn, state, B, H, K, V, rule)
+    return B, H, K, V
 
 
 def _gdn_token(S_prev, q, k, v, g, b, scale):
@@ -343,25 +356,7 @@ def _close_block(cache, blk, pos, pos_new, r, W, eviction):
     return lax.cond(pos_new % C == 0, merge_and_clear, keep, (cache, *blk))
 
 
-def hola_recurrent(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    gamma_q,
-    gamma_k,
-    sink_logit,
-    gate_logit,
-    *,
-    window=64,
-    block_size=256,
-    eviction="beta_e",
-    read_norm="rmsnorm",
-    scale=None,
-    cache_scale=None,
-    initial_state=None,
-):
+def hola_recurrent(q, k, v, g, beta, params, *, rule=HolaRule(), initial_state=None):
     """HOLA per token (SPEC §5): ``hola_decode_step`` in a ``lax.scan`` over ``t = 0 … T−1``.
 
     ``(o_t, state_{t+1}) = hola_decode_step(state_t, q_t, k_t, v_t, g_t, β_t, …)`` from
@@ -374,29 +369,26 @@ def hola_recurrent(
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.
-      gamma_q, gamma_k, sink_logit, gate_logit, window, block_size, eviction, read_norm, scale,
-        cache_scale: as in ``core.hola.forward.hola_forward``.
-      initial_state: optional ``HolaState`` with the same ``B, H, K, V, window, block_size``.
+      params: :class:`HolaReadParams`; rule: ``HolaRule``; both as in
+        ``core.hola.forward.hola_forward``.
+      initial_state: optional ``HolaState`` with the same ``B, H, K, V`` and the rule's
+        ``window, block_size``.
 
     Returns:
       ``(o [B, T, H, V] in v's dtype, HolaState)`` (state leaves f32, as ``hola_decode_step``'s).
     """
     fn = "hola_recurrent"
     B, T, H, K, V = _validate_seq(fn, q, k, v, g, beta)
-    _check_params(fn, H, K, gamma_q, gamma_k, sink_logit, gate_logit)
-    check_positive_int(f"{fn}: window", window)
-    check_positive_int(f"{fn}: block_size", block_size)
-    _check_options(fn, eviction, read_norm)
+    _check_params(fn, params, H, K)
+    _check_rule(fn, rule)
     if initial_state is None:
-        state0 = init_hola_state(B, H, K, V, window, block_size)
+        state0 = init_hola_state(B, H, K, V, rule.window, rule.block_size)
     else:
-        _check_state(fn, initial_state, B, H, K, V, window, block_size)
+        _check_state(fn, initial_state, B, H, K, V, rule, name="initial_state")
         state0 = _as_carry(initial_state)
-    params = (gamma_q, gamma_k, sink_logit, gate_logit)
-    opts = dict(eviction=eviction, read_norm=read_norm, scale=scale, cache_scale=cache_scale)
 
     def body(state, xs):
-        o_t, state = hola_decode_step(state, *xs, *params, **opts)
+        o_t, state = hola_decode_step(state, *xs, params, rule=rule)
         return state, o_t
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))  # [T, B, H, ...]

@@ -40,48 +40,56 @@ Decisions (documented options, SPEC §5):
   ascending), so the block-parallel forward and token-by-token decoding give the same state layout.
 - The per-token residuals ``e_t`` for the scores are recomputed by a forward-only WY/UT chunk pass
   (``gdn_residuals``; derivation in its docstring) under ``stop_gradient``; the differentiable state
-  path is ``associative.gated_delta_chunked`` (or any function with its contract, ``state_path``:
-  ``ops.hola`` passes the Pallas kernel for ``impl="pallas"``; the residual pass and the cache
-  path stay XLA). This costs one extra forward of the state path and no
+  path is ``associative.gated_delta_chunked`` (or any function with its contract,
+  ``HolaKernels.state_path``: ``ops.hola`` passes the Pallas kernel for ``impl="pallas"``; the
+  residual pass stays XLA). This costs one extra forward of the state path and no
   backward. ``"recency"``, ``"beta_v"`` and ``"cumulative_attention"`` skip that pass.
 - ``segment_ids`` (packed sequences, SPEC §0): each document runs as if alone — own GDN state
   and scores from zero, own block grid from its first token, own cache (starts empty, top-w over its
   own tokens only), reads masked to its own document (the sink stays visible). Equations in
-  core/README.md §5; the scan is ``hola_cache.cache_blocks_packed``. Not with ``initial_state``;
+  core/README.md §5; the scan is ``hola.packed.cache_blocks_packed``. Not with ``initial_state``;
   decoding (``hola_decode_step``) is one stream and takes no segment ids.
 
 Memory per head of the decoding state: ``K·V + (w + C)(K + V)`` floats plus ``O(w + C)``
 scores/positions (SPEC §5), independent of the number of tokens seen.
 
+The static options come as one ``HolaRule`` (``rule=``; ``window`` w, ``block_size`` C,
+``eviction``, ``read_norm``, ``scale``, ``cache_scale``) and the learnable per-head arrays as one
+``HolaReadParams`` (``γ_q, γ_k, s_h, λ_h``). ``chunk_size`` (the WY/UT chunk of the state path
+and of the residual pass) is a plain keyword: it changes speed and memory, not values (up to
+rounding).
+
 Modules: this one holds the block-parallel form (``hola_forward``), the forward-only residual pass
-(``gdn_residuals``) and the insertion scores (``hola_scores``); ``hola_decode`` holds the state
-(``HolaState``, ``init_hola_state``), the per-token forms (``hola_decode_step``,
-``hola_recurrent``) and the shared argument checks; ``hola_cache`` the top-w cache read and merge.
-Every public name is importable from here.
+(``gdn_residuals``) and the insertion scores (``hola_scores``); ``hola.decode`` holds the state and
+parameter types (``HolaState``, ``HolaReadParams``, ``init_hola_state``), the per-token forms
+(``hola_decode_step``, ``hola_recurrent``) and the shared argument checks; ``hola.cache`` the
+top-w cache read and merge, ``hola.stream`` and ``hola.packed`` the block scans.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
 
 from nested_jax.core.associative.forms import gated_delta_chunked
 from nested_jax.core.checks import check_positive_int
-from nested_jax.core.hola.cache import cache_blocks, cache_blocks_packed, doc_starts
 from nested_jax.core.hola.decode import (
     _F32,
     HolaState,
     _check_array,
-    _check_options,
     _check_params,
+    _check_rule,
     _check_segments,
     _check_state,
     _sigmoid_gate,
     _validate_seq,
     init_hola_state,
 )
+from nested_jax.core.hola.packed import cache_blocks_packed, doc_starts
+from nested_jax.core.hola.stream import cache_blocks
 from nested_jax.core.scan import (
     cast_like,
     chunk,
@@ -91,10 +99,12 @@ from nested_jax.core.scan import (
     to_head_chunks,
 )
 from nested_jax.core.wy import state_pass, w_u
+from nested_jax.rules import HolaRule
 
 __all__ = [
     "gdn_residuals",
     "hola_scores",
+    "HolaKernels",
     "hola_forward",
 ]
 
@@ -228,71 +238,78 @@ def hola_scores(
 # --------------------------------------------------------------------------------------------------
 
 
+class HolaKernels(NamedTuple):
+    """The two parts of ``hola_forward`` that have another implementation (``ops.hola`` passes
+    the Pallas kernels for ``impl="pallas"``); the defaults are the XLA forms.
+
+    Attributes:
+      state_path: the gated delta rule of the state path, called as
+        ``state_path(q, k, v, g, beta, scale=, initial_state=, segment_ids=, chunk_size=)`` and
+        returning ``(o [B, T, H, V], S_T [B, H, K, V] f32)`` with ``gated_delta_chunked``'s
+        contract (``initial_state`` None = zero). The residual pass of the scores and the cache
+        path do not use it.
+      cache_read: None (the cache path reads block by block inside its scan) or every block's
+        cache read at once, with the contract of ``hola.cache.read_blocks``. Given, the one-stream
+        cache path runs in two phases (``hola.stream.cache_blocks``: the merges first, then one
+        read of all blocks); not used by ``cumulative_attention`` (its merges need the reads) nor
+        with ``segment_ids`` (the packed scan).
+    """
+
+    state_path: Callable = gated_delta_chunked
+    cache_read: Callable | None = None
+
+
 def hola_forward(
     q,
     k,
     v,
     g,
     beta,
-    gamma_q,
-    gamma_k,
-    sink_logit,
-    gate_logit,
+    params,
     *,
-    window=64,
-    block_size=256,
-    eviction="beta_e",
-    read_norm="rmsnorm",
-    scale=None,
-    cache_scale=None,
+    rule=HolaRule(),
     initial_state=None,
     segment_ids=None,
     chunk_size=64,
-    state_path: Callable = gated_delta_chunked,
-    cache_read: Callable | None = None,
+    kernels: HolaKernels = HolaKernels(),
 ):
     """HOLA layer math, block-parallel (SPEC §5): ``o_t = S_tᵀ (scale q_t) + σ(λ_h) o_cache,t``.
 
-    The state path ``(o_state, S_T)`` is ``state_path`` (``gated_delta_chunked`` by default); the
-    cache path is a ``lax.scan`` over blocks of
-    ``block_size`` absolute positions carrying the persistent cache (fixed size ``window``). Per
-    block every query attends over ``[A_{n-1} ‖ block (causal) ‖ sink]``, then
-    ``A_n = top-w(A_{n-1} ∪ block)``. A trailing unfinished block is returned as the state's block
-    buffer (not merged), so continuing with ``initial_state`` (another ``hola_forward`` call or
-    ``hola_decode_step``) gives the same result as one call over the concatenated sequence.
+    The state path ``(o_state, S_T)`` is ``kernels.state_path`` (``gated_delta_chunked`` by
+    default); the cache path is a ``lax.scan`` over blocks of ``block_size`` absolute positions
+    carrying the persistent cache (fixed size ``window``). Per block every query attends over
+    ``[A_{n-1} ‖ block (causal) ‖ sink]``, then ``A_n = top-w(A_{n-1} ∪ block)``. A trailing
+    unfinished block is returned as the state's block buffer (not merged), so continuing with
+    ``initial_state`` (another ``hola_forward`` call or ``hola_decode_step``) gives the same result
+    as one call over the concatenated sequence.
 
     Packed rows (``segment_ids``, SPEC §0): every document runs as if alone — GDN state and scores
     restart from zero at its start, its blocks count from its own first token (document position
     ``p_t = t − D_t``), its cache starts empty and holds only its own tokens, and a query reads
     only its own document's cache entries and block tokens plus the sink (equations in
-    core/README.md §5; scan ``hola_cache.cache_blocks_packed``). Outputs and gradients equal those
+    core/README.md §5; scan ``hola.packed.cache_blocks_packed``). Outputs and gradients equal those
     of each document alone (tested); ``recency`` scores and ``cache_pos`` are document positions.
 
     Args:
       q, k: ``[B, T, H, K]`` (the state path expects unit-norm q, k as in GDN layers).
       v: ``[B, T, H, V]``.
       g: ``[B, T, H]`` log decay; beta: ``[B, T, H]`` in ``[0, 1]``.
-      gamma_q, gamma_k: ``[H, K]`` read-norm scales of the cache path (unused for "l2").
-      sink_logit: ``[H]`` per-head sink logit (the sink's value is zero).
-      gate_logit: ``[H]`` per-head gate ``λ_h``; the cache read is scaled by ``σ(λ_h)``.
-      window: cache capacity ``w``; block_size: block length ``C``.
-      eviction: one of ``EVICTIONS``; read_norm: one of ``READ_NORMS``.
-      scale: state-path query scale, default ``K ** -0.5``; cache_scale: cache logit scale, default
-        ``K ** -0.5``.
-      initial_state: optional ``HolaState`` with the same ``B, H, K, V, window, block_size``.
+      params: ``HolaReadParams(gamma_q, gamma_k, sink_logit, gate_logit)``: the read-norm scales
+        ``[H, K]`` of the cache path (unused for "l2"), the per-head sink logit ``[H]`` (the
+        sink's value is zero) and the per-head gate ``λ_h [H]`` (the cache read is scaled by
+        ``σ(λ_h)``).
+      rule: ``HolaRule``: cache capacity ``window`` (w), block length ``block_size`` (C),
+        ``eviction`` (one of ``EVICTIONS``), ``read_norm`` (one of ``READ_NORMS``), the
+        state-path query ``scale`` and the cache logit scale ``cache_scale`` (None:
+        ``K ** -0.5``). A config section that extends the rule (``HolaOptions``) is one too.
+      initial_state: optional ``HolaState`` with the same ``B, H, K, V`` and the rule's
+        ``window, block_size``.
       segment_ids: optional ``int [B, T]`` packed-document ids (a document starts where the id
         changes); not together with ``initial_state``.
-      chunk_size: chunk length of the state path and of the residual pass.
-      state_path: the gated delta rule of the state path, called as
-        ``state_path(q, k, v, g, beta, scale=, initial_state=, segment_ids=, chunk_size=)`` and
-        returning ``(o [B, T, H, V], S_T [B, H, K, V] f32)`` with ``gated_delta_chunked``'s
-        contract (``initial_state`` None = zero); ``ops.hola`` passes the Pallas kernel for
-        ``impl="pallas"``. The residual pass of the scores and the cache path do not use it.
-      cache_read: optional; every block's cache read at once, with the contract of
-        ``hola_cache.read_blocks`` (``ops.hola`` passes the Pallas kernel for ``impl="pallas"``).
-        Given, the one-stream cache path runs in two phases (``hola_cache.cache_blocks``: the
-        merges first, then one read of all blocks); not used by ``cumulative_attention`` (its
-        merges need the reads) nor with ``segment_ids`` (the packed scan).
+      chunk_size: chunk length of the WY/UT state path and of the residual pass (speed and
+        memory only: values equal up to rounding).
+      kernels: :class:`HolaKernels`: the state path and the every-block cache read (default: the
+        XLA forms; ``ops.hola`` passes the Pallas kernels for ``impl="pallas"``).
 
     Returns:
       ``(o [B, T, H, V] in v's dtype, HolaState)``. With ``segment_ids`` the state is that of each
@@ -300,88 +317,71 @@ def hola_forward(
       length, so it continues every row exactly only when those lengths agree (e.g. ``B = 1``).
     """
     fn = "hola_forward"
-    params = (gamma_q, gamma_k, sink_logit)
-    sizes = (window, block_size, chunk_size)
-    state0, S0 = _check_forward(
-        fn, q, k, v, g, beta, (*params, gate_logit), sizes, eviction, read_norm, initial_state,
-        segment_ids,
-    )  # fmt: skip
-    if not callable(state_path):
-        raise ValueError(f"{fn}: state_path must be a function, got {state_path!r}")
-    if cache_read is not None and not callable(cache_read):
-        raise ValueError(f"{fn}: cache_read must be a function or None, got {cache_read!r}")
-    o_state, S_T = state_path(
-        q, k, v, g, beta, scale=scale, initial_state=S0, segment_ids=segment_ids,
+    xs = (q, k, v, g, beta)
+    state0, S0 = _check_forward(fn, xs, params, rule, chunk_size, initial_state, segment_ids)
+    _check_kernels(fn, kernels)
+    o_state, S_T = kernels.state_path(
+        q, k, v, g, beta, scale=rule.scale, initial_state=S0, segment_ids=segment_ids,
         chunk_size=chunk_size,
     )  # fmt: skip
     o_cache, cache, blk, pos = _cache_path(
-        q, k, v, g, beta, params, state0, S0, segment_ids, sizes, eviction, read_norm, cache_scale,
-        cache_read,
+        xs, params, state0, S0, rule=rule, segment_ids=segment_ids, chunk_size=chunk_size,
+        cache_read=kernels.cache_read,
     )  # fmt: skip
-    o = o_state.astype(_F32) + _sigmoid_gate(gate_logit)[None, None, :, None] * o_cache
+    o = o_state.astype(_F32) + _sigmoid_gate(params.gate_logit)[None, None, :, None] * o_cache
     return o.astype(v.dtype), HolaState(S_T, *cache, *blk, pos=pos)
 
 
-def _check_forward(
-    fn, q, k, v, g, beta, params, sizes, eviction, read_norm, initial_state, segment_ids
-):
-    """Argument checks of ``hola_forward``; returns ``(state0, S0)``: the ``HolaState`` it
-    continues (an empty one without ``initial_state``) and the GDN state ``S_{-1}`` (or None)."""
-    B, T, H, K, V = _validate_seq(fn, q, k, v, g, beta)
-    _check_params(fn, H, K, *params)
-    window, block_size, chunk_size = sizes
-    check_positive_int(f"{fn}: window", window)
-    check_positive_int(f"{fn}: block_size", block_size)
+def _check_kernels(fn, kernels):
+    if not isinstance(kernels, HolaKernels):
+        raise ValueError(f"{fn}: kernels must be a HolaKernels, got {type(kernels).__name__}")
+    if not callable(kernels.state_path):
+        raise ValueError(f"{fn}: kernels.state_path must be a function, got {kernels.state_path!r}")
+    read = kernels.cache_read
+    if read is not None and not callable(read):
+        raise ValueError(f"{fn}: kernels.cache_read must be a function or None, got {read!r}")
+
+
+def _check_forward(fn, xs, params, rule, chunk_size, initial_state, segment_ids):
+    """Argument checks of ``hola_forward`` (``xs = (q, k, v, g, beta)``); returns
+    ``(state0, S0)``: the ``HolaState`` it continues (an empty one without ``initial_state``) and
+    the GDN state ``S_{-1}`` (or None)."""
+    B, T, H, K, V = _validate_seq(fn, *xs)
+    _check_params(fn, params, H, K)
+    _check_rule(fn, rule)
     check_positive_int(f"{fn}: chunk_size", chunk_size)
-    _check_options(fn, eviction, read_norm)
     _check_segments(fn, segment_ids, B, T, initial_state)
     if initial_state is None:
         # the empty state is scanned over the inputs: typed like their [B, H] rows (scan.py)
-        rows = k[:, :1].sum(1)[..., 0]  # [B, H]
-        state0 = init_hola_state(B, H, K, V, window, block_size)
+        rows = xs[1][:, :1].sum(1)[..., 0]  # [B, H]
+        state0 = init_hola_state(B, H, K, V, rule.window, rule.block_size)
         return state0._replace(**{f: cast_like(getattr(state0, f), rows) for f in _ROWS}), None
-    _check_state(fn, initial_state, B, H, K, V, window, block_size)
+    _check_state(fn, initial_state, B, H, K, V, rule, name="initial_state")
     return initial_state, initial_state.S
 
 
-def _cache_path(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    params,
-    state0,
-    S0,
-    segment_ids,
-    sizes,
-    eviction,
-    read_norm,
-    cache_scale,
-    cache_read=None,
-):
-    """The cache half of ``hola_forward`` (SPEC §5): insertion scores, then the block scan over one
-    stream continuing ``state0`` (``S0`` is None for a fresh start) or over packed documents.
+def _cache_path(xs, params, state0, S0, *, rule, segment_ids, chunk_size, cache_read):
+    """The cache half of ``hola_forward`` (SPEC §5; ``xs = (q, k, v, g, beta)``): insertion
+    scores, then the block scan over one stream continuing ``state0`` (``S0`` is None for a fresh
+    start) or over packed documents.
 
     Returns ``(o_cache [B, T, H, V] f32, cache, block buffer, pos)`` (``HolaState`` parts).
     """
+    q, k, v, g, beta = xs
     B, T, H, K = q.shape
-    window, block_size, chunk_size = sizes
     if segment_ids is None:
         positions = jnp.broadcast_to(state0.pos + jnp.arange(T, dtype=jnp.int32), (B, T))
     else:
         doc, positions = doc_starts(segment_ids)
-    scores = _insertion_scores(k, v, g, beta, positions, S0, segment_ids, eviction, chunk_size)
-    cs = K**-0.5 if cache_scale is None else cache_scale
+    scores = _insertion_scores(k, v, g, beta, positions, S0, segment_ids, rule.eviction, chunk_size)
+    _, cs = rule.scales(K)
     if segment_ids is None:
         o_cache, cache, blk = cache_blocks(
-            q, k, v, scores, *params, state0, S0 is not None,
-            window, block_size, eviction, read_norm, cs, cache_read,
+            q, k, v, scores, params, state0, lead=S0 is not None, rule=rule, cache_scale=cs,
+            read=cache_read,
         )  # fmt: skip
         return o_cache, cache, blk, state0.pos + T
-    return cache_blocks_packed(
-        q, k, v, scores, doc, positions, *params, window, block_size, eviction, read_norm, cs
-    )
+    return cache_blocks_packed(q, k, v, scores, doc, positions, params, rule=rule, cache_scale=cs)
 
 
 def _insertion_scores(k, v, g, beta, positions, S0, segment_ids, eviction, chunk_size):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from nested_jax.rules import HolaRule
+
 EPS = 1e-6
 
 
@@ -29,23 +31,19 @@ def _norm(x, gamma, read_norm):
     return gamma * x / np.sqrt(np.mean(x * x) + EPS)
 
 
-def hola_reference(
-    q, k, v, g, beta, gamma_q, gamma_k, sink_logit, gate_logit, *, window, block_size,
-    eviction="beta_e", read_norm="rmsnorm", scale=None, cache_scale=None, segment_ids=None,
-):  # fmt: skip
+def hola_reference(q, k, v, g, beta, params, *, rule=HolaRule(), segment_ids=None):
     """Token-by-token HOLA (SPEC §5), the twin of ``hola_forward``.
 
     Args:
       q, k: ``[B, T, H, K]`` (the state path uses them as given: unit-norm in the layers).
       v: ``[B, T, H, V]``.
       g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.
-      gamma_q, gamma_k: ``[H, K]`` RMSNorm scales of the cache read (``read_norm="rmsnorm"``).
-      sink_logit, gate_logit: ``[H]`` (sink logit, pre-sigmoid gate ``λ``).
-      window: cache capacity ``w``; block_size: ``C``.
-      eviction: ``beta_e`` (default), ``e``, ``beta_v``, ``recency`` or ``cumulative_attention``.
-      read_norm: ``rmsnorm`` or ``l2``.
-      scale: state-read scale (default ``K**-0.5``); cache_scale: logit scale (default
-        ``K**-0.5``).
+      params: ``HolaReadParams(gamma_q, gamma_k, sink_logit, gate_logit)`` (or any 4-sequence of
+        them): ``[H, K]`` RMSNorm scales of the cache read (``read_norm="rmsnorm"``), ``[H]`` sink
+        logit and pre-sigmoid gate ``λ``.
+      rule: ``HolaRule``: ``window`` (w), ``block_size`` (C), ``eviction`` (``beta_e``, ``e``,
+        ``beta_v``, ``recency`` or ``cumulative_attention``), ``read_norm`` (``rmsnorm`` or
+        ``l2``), ``scale`` (state read) and ``cache_scale`` (logits), None for ``K**-0.5``.
       segment_ids: optional int ``[B, T]`` document ids of packed rows.
 
     Returns a dict with ``o``, ``o_state``, ``o_cache`` ``[B,T,H,V]``, ``score`` ``[B,T,H]``
@@ -55,14 +53,13 @@ def hola_reference(
     ``[B][H]`` lists of the final cache's positions inside the row's last document.
     """
     q, k, v, g, beta, gamma_q, gamma_k, sink_logit, gate_logit = (
-        np.asarray(a, np.float64)
-        for a in (q, k, v, g, beta, gamma_q, gamma_k, sink_logit, gate_logit)
+        np.asarray(a, np.float64) for a in (q, k, v, g, beta, *params)
     )
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C, W = block_size, window
-    sc = K**-0.5 if scale is None else scale
-    cs = K**-0.5 if cache_scale is None else cache_scale
+    W, C, eviction, read_norm = rule.window, rule.block_size, rule.eviction, rule.read_norm
+    sc = K**-0.5 if rule.scale is None else rule.scale
+    cs = K**-0.5 if rule.cache_scale is None else rule.cache_scale
     o_state = np.zeros((B, T, H, V))
     o_cache = np.zeros((B, T, H, V))
     score = np.zeros((B, T, H))
