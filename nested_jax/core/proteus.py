@@ -36,6 +36,7 @@ import numpy as np
 
 from nested_jax.core.checks import check_positive_int
 from nested_jax.core.scan import segment_starts
+from nested_jax.rules import ProteusRule
 
 __all__ = [
     "proteus_block_len",
@@ -311,6 +312,16 @@ def _mask_tree(tree, mask):
 
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_schedule_rule(fn: str, schedule) -> tuple[int, int]:
+    """``schedule`` must be a :class:`ProteusRule` (it checks its own fields); returns
+    ``(context_len, blocks)`` = ``(N, E)``. ``E = 1`` (off) may leave ``N`` unset (0)."""
+    if not isinstance(schedule, ProteusRule):
+        raise ValueError(
+            f"{fn}: schedule must be a ProteusRule(blocks, context_len), got {schedule!r}"
+        )
+    return schedule.context_len, schedule.blocks
 
 
 def _check_schedule(fn: str, context_len, num_blocks) -> tuple[int, int]:

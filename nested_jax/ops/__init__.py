@@ -41,7 +41,7 @@ from nested_jax.ops.linear import (
 )
 from nested_jax.ops.rnn import LSTMState, lstm, lstm_step
 from nested_jax.ops.titans import titans_memory, titans_memory_step
-from nested_jax.rules import CMSRule, HolaRule, HopeRule, ProteusRule
+from nested_jax.rules import CMSRule, HolaRule, HopeRule, ProteusRule, TitansRule
 
 __all__ = [
     "IMPLS",
@@ -74,4 +74,5 @@ __all__ = [
     "ProteusRule",
     "HolaRule",
     "CMSRule",
+    "TitansRule",
 ]
