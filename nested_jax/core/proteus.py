@@ -11,7 +11,9 @@ of key rows; MLP memory: blocks of hidden units, i.e. rows of ``W_2`` and column
 
 Beyond ``N`` the schedule stays fully open (``k = E``; ``Δ`` is never stretched). ``E = 1`` is the
 plain backbone (every mask is all ones). :class:`ProteusRule` holds ``(E, N)`` as one frozen value
-(built from the ``model.proteus`` config section; ops take it as ``rule``).
+(built from the ``model.proteus`` config section; ops take it as ``rule``, the Proteus-wrapped
+Titans and GDN forms as ``schedule``); the functions of this module keep plain
+``(context_len, num_blocks)`` ints.
 
 **Block split** (when ``E`` does not divide the size ``D`` of the blocked axis): every block has
 ``⌊D/E⌋`` coordinates and the *last* block absorbs the remainder (the paper's reading,
