@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import nested_jax.core as core
+from nested_jax import ops
 from nested_jax.core.titans import reference as ref
 from nested_jax.layers.options import TitansOptions
 from nested_jax.layers.titans import NeuralMemory
@@ -61,6 +62,7 @@ def test_defaults_are_the_papers_rule():
     with pytest.raises(dataclasses.FrozenInstanceError):
         rule.memory_chunk = 4  # type: ignore[misc]
     assert set(TITANS_ACTIVATIONS) <= set(core.titans.net.ACTIVATIONS)
+    assert core.TitansRule is ops.TitansRule is ops_titans.TitansRule is TitansRule  # one class
 
 
 @pytest.mark.parametrize(
