@@ -37,11 +37,12 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from nested_jax.core import gated_delta_chunked, titans_linear_chunked  # noqa: E402
+from nested_jax.core import TitansRule, gated_delta_chunked, titans_linear_chunked  # noqa: E402
 
 D_IN, D, H, K = 8, 16, 2, 8  # input width, model width, heads, head dim (K = V)
 BATCH, T, LAG = 16, 32, 2  # 16 sequences of 32 tokens; target: token t − 2
 CHUNK = 8
+TITANS = TitansRule(memory_chunk=CHUNK)  # the memory rule, one frozen value (SPEC §2)
 STEPS, LR = 20, 0.5
 
 
@@ -85,7 +86,7 @@ def titans_layer(p, h):
     q, k, v = heads(p, h)
     gates = jax.nn.sigmoid((h @ p["wgates"]).reshape(1, h.shape[0], 3, H))
     theta, eta, alpha = 0.5 * gates[:, :, 0], gates[:, :, 1], 0.1 * gates[:, :, 2]
-    o, _ = titans_linear_chunked(q, k, v, theta, eta, alpha, chunk_size=CHUNK)
+    o, _ = titans_linear_chunked(q, k, v, theta, eta, alpha, rule=TITANS)
     return o.reshape(h.shape[0], H * K) @ p["wo"]
 
 

@@ -2,14 +2,15 @@
 
 - :class:`HopeRule` (SPEC §3.2): chunk sizes, ablation flags, truncated backprop, remat.
 - :class:`ProteusRule` (SPEC §4): the schedule ``(E, N)``.
+- :class:`TitansRule` (SPEC §2): chunk, read order, gates, softclamp, activation, backprop.
 - :class:`HolaRule` (SPEC §5): cache capacity, block length, eviction, read, scales.
 - :class:`CMSRule` (SPEC §3.3): periods, variant, online inner step; :func:`check_periods`.
 
 Plain Python (no jax), at the bottom of the layer map, so that both sides of the one door use the
 same values: the core functions and ops take a rule (``rule=``), and the config sections of
-``nested_jax.layers.options`` are built on them: ``HopeOptions``, ``ProteusOptions``,
-``HolaOptions`` and ``CMSOptions`` *are* their rules plus the layer's own fields (defaults written
-once, here). Every
+``nested_jax.layers.options`` are built on them: ``HopeOptions``, ``TitansOptions``,
+``HolaOptions``, ``CMSOptions`` and ``ProteusOptions`` *are* their rules plus the layer's own
+fields (defaults written once, here; a section re-declares only its training defaults). Every
 rule is frozen and hashable (a jit static) and checks itself in ``__post_init__``, raising
 ``ValueError("<Class>.<field>: ...")``; a config section that inherits a rule reports its own
 class name.
@@ -27,10 +28,12 @@ __all__ = [
     "EVICTIONS",
     "HOPE_FLAGS",
     "READ_NORMS",
+    "TITANS_ACTIVATIONS",
     "CMSRule",
     "HolaRule",
     "HopeRule",
     "ProteusRule",
+    "TitansRule",
     "check_periods",
 ]
 
@@ -265,9 +268,10 @@ class ProteusRule:
     """The Proteus schedule as one typed value (SPEC §4): ``E`` blocks opened over context ``N``.
 
     These defaults are the ``model.proteus`` config defaults (``ProteusOptions`` is this class
-    under its config name). The functions of ``core.proteus`` keep their plain
-    ``(context_len, num_blocks)`` arguments; an op that receives a rule passes
-    ``rule.context_len, rule.blocks`` on.
+    under its config name). The Proteus-wrapped memories (``proteus_titans_*``,
+    ``proteus_gated_delta_*``) take it whole as ``schedule=``; the block-schedule helpers of
+    ``core.proteus`` (``proteus_active_blocks``, ``proteus_spans``, the masks) keep their plain
+    ``(context_len, num_blocks)`` arguments.
 
     Attributes:
       blocks: ``E``; 1 = off (the plain backbone, bit for bit). SPEC §4's default for Proteus
@@ -293,6 +297,65 @@ class ProteusRule:
     def enabled(self) -> bool:
         """True when the schedule gates the memory (``blocks > 1``)."""
         return self.blocks > 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Titans (SPEC §2)
+
+# The elementwise σ between the layers of an MLP memory, by name (``core.titans.net`` maps each
+# to its function); a name keeps the rule hashable and comparable.
+TITANS_ACTIVATIONS = ("silu", "gelu", "relu", "tanh", "sigmoid")
+
+
+@dataclass(frozen=True)
+class TitansRule:
+    """The Titans memory rule as one typed value (SPEC §2): chunk, read order, gates, softclamp.
+
+    The defaults are the paper's rule (SPEC §2): the chunked parallel form with ``b = 16`` (SPEC
+    §0.1), read after write, per-token gates, no softclamp, SiLU, full backprop. Every Titans
+    form of ``nested_jax.core`` takes it whole (``rule=TitansRule()``), and so do the Proteus
+    forms, the context-parallel form, the twin (``core.titans.reference``), ``ops.titans`` and
+    the Pallas kernel. The ``model.titans`` config section ``TitansOptions`` extends it: its
+    fields are these under the same names (the YAML keys), with the training defaults
+    ``grad_clip = 10`` and ``grad_horizon = 64``.
+
+    Attributes:
+      memory_chunk: chunk size ``b`` of the chunked forms: every surprise of a chunk is taken at
+        the chunk-start weights (SPEC §2 parallel form); ``1`` is the exact per-token rule. The
+        per-token forms (``*_step``, ``*_recurrent``) have no chunks and ignore it.
+      read_before_write: read ``y_t = M_{t-1}(q_t)`` instead of the paper's ``M_t(q_t)`` (SPEC §2
+        option).
+      per_chunk_gates: ``θ, η, α`` replaced by their means over each chunk (SPEC §2 option the
+        paper allows; a chunked form sees later tokens of the chunk). The per-token forms ignore
+        it (they have no chunks).
+      grad_clip: softclamp ``c`` of the inner gradient, ``u ← u·c·tanh(‖u‖/c)/‖u‖`` with ``‖u‖``
+        the norm over all layers; ``0`` = off, the paper's rule.
+      activation: ``σ`` between the layers of an MLP memory, one of ``TITANS_ACTIVATIONS`` (SPEC
+        §2: default SiLU); the matrix memory (``L_M = 1``) has none.
+      grad_horizon: truncated backprop: the carried state is a ``stop_gradient`` before every
+        position that is a positive multiple of it (a multiple of ``memory_chunk`` in the
+        chunked forms); ``0`` = full backprop. Values unchanged, gradients change.
+      remat: recompute each chunk in the backward pass of the chunked forms, storing only the
+        carried state per chunk (values and gradients unchanged; an engineering knob, on: the
+        cheaper memory).
+    """
+
+    memory_chunk: int = 16
+    read_before_write: bool = False
+    per_chunk_gates: bool = False
+    grad_clip: float = 0.0
+    activation: str = "silu"
+    grad_horizon: int = 0
+    remat: bool = True
+
+    def __post_init__(self) -> None:
+        _check_ints(self, {"memory_chunk": 1, "grad_horizon": 0})
+        for name in ("read_before_write", "per_chunk_gates", "remat"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(self, name, f"expected bool, got {getattr(self, name)!r}")
+        if not _is_float(self.grad_clip) or not self.grad_clip >= 0:
+            _fail(self, "grad_clip", f"must be a float >= 0 (0 = off), got {self.grad_clip!r}")
+        _check_choices(self, {"activation": TITANS_ACTIVATIONS})
 
 
 # --------------------------------------------------------------------------------------------------

@@ -150,6 +150,11 @@ def core_associative(t: int) -> None:
 def core_titans(t: int) -> None:
     from nested_jax import core as c
 
+    clip1, chunk4 = c.TitansRule(grad_clip=1.0), c.TitansRule(memory_chunk=4)
+    clip10, chunk4_clip10 = (
+        c.TitansRule(grad_clip=10.0),
+        c.TitansRule(memory_chunk=4, grad_clip=10.0),
+    )
     x = _seq(t, 1)
     xs = tuple(x[n] for n in ("q", "k", "v", "theta", "eta", "alpha"))
     s0 = c.TitansLinearState(x["s0"], jnp.zeros_like(x["s0"]))
@@ -158,17 +163,17 @@ def core_titans(t: int) -> None:
     for seg in (None, _segments(t)):
         tag = f"core/titans/T{t}/seg{seg is not None}"
         record(f"{tag}/linear_rec", lambda s, *a: c.titans_linear_recurrent(
-            *a, initial_state=s, segment_ids=seg, grad_clip=1.0), s0, *xs)  # fmt: skip
+            *a, initial_state=s, segment_ids=seg, rule=clip1), s0, *xs)  # fmt: skip
         record(f"{tag}/linear_chk", lambda s, *a: c.titans_linear_chunked(
-            *a, initial_state=s, segment_ids=seg, chunk_size=4), s0, *xs)  # fmt: skip
+            *a, initial_state=s, segment_ids=seg, rule=chunk4), s0, *xs)  # fmt: skip
         record(f"{tag}/mlp_rec", lambda s, *a: c.titans_mlp_recurrent(
-            *a, initial_state=s, segment_ids=seg), m0, *xs)  # fmt: skip
+            *a, initial_state=s, segment_ids=seg, rule=clip10), m0, *xs)  # fmt: skip
         record(f"{tag}/mlp_chk", lambda s, *a: c.titans_mlp_chunked(
-            *a, initial_state=s, segment_ids=seg, chunk_size=4), m0, *xs)  # fmt: skip
+            *a, initial_state=s, segment_ids=seg, rule=chunk4_clip10), m0, *xs)  # fmt: skip
     record(f"core/titans/T{t}/pool", lambda a: c.titans_pool_gates(a, 4), xs[3])
     one = tuple(a[:, 0] for a in xs)
     record("core/titans/linear_step", c.titans_linear_step, s0, *one)
-    record("core/titans/mlp_step", c.titans_mlp_step, m0, *one)
+    record("core/titans/mlp_step", lambda s, *a: c.titans_mlp_step(s, *a, rule=clip10), m0, *one)
     record("core/titans/mlp_apply", lambda w, z: c.titans_mlp_apply(w, z), m0.weights, x["q"])
 
 
@@ -181,29 +186,31 @@ def core_proteus(t: int) -> None:
     s0 = x["s0"]
     ts0 = c.TitansLinearState(s0, jnp.zeros_like(s0))
     m0 = c.titans_mlp_state(c.titans_mlp_init_weights(jax.random.key(4), H, (K, 8, K)), B)
-    pk = dict(context_len=16, num_blocks=4)
+    sch = c.ProteusRule(blocks=4, context_len=16)
+    chunk4, clip10 = c.TitansRule(memory_chunk=4), c.TitansRule(grad_clip=10.0)
+    chunk4_clip10 = c.TitansRule(memory_chunk=4, grad_clip=10.0)
     for t0 in (0, 3):
         tag = f"core/proteus/T{t}/t0{t0}"
         record(f"{tag}/gdn_rec", lambda s, *a: c.proteus_gated_delta_recurrent(
-            *a, initial_state=s, t0=t0, **pk), s0, *gdn)  # fmt: skip
+            *a, initial_state=s, t0=t0, schedule=sch), s0, *gdn)  # fmt: skip
         record(f"{tag}/gdn_chk", lambda s, *a: c.proteus_gated_delta_chunked(
-            *a, initial_state=s, t0=t0, chunk_size=4, **pk), s0, *gdn)  # fmt: skip
+            *a, initial_state=s, t0=t0, chunk_size=4, schedule=sch), s0, *gdn)  # fmt: skip
         record(f"{tag}/tl_rec", lambda s, *a: c.proteus_titans_linear_recurrent(
-            *a, initial_state=s, t0=t0, **pk), ts0, *tit)  # fmt: skip
+            *a, initial_state=s, t0=t0, schedule=sch), ts0, *tit)  # fmt: skip
         record(f"{tag}/tl_chk", lambda s, *a: c.proteus_titans_linear_chunked(
-            *a, initial_state=s, t0=t0, chunk_size=4, **pk), ts0, *tit)  # fmt: skip
+            *a, initial_state=s, t0=t0, rule=chunk4, schedule=sch), ts0, *tit)  # fmt: skip
         record(f"{tag}/tm_rec", lambda s, *a: c.proteus_titans_mlp_recurrent(
-            *a, initial_state=s, t0=t0, **pk), m0, *tit)  # fmt: skip
+            *a, initial_state=s, t0=t0, rule=clip10, schedule=sch), m0, *tit)  # fmt: skip
         record(f"{tag}/tm_chk", lambda s, *a: c.proteus_titans_mlp_chunked(
-            *a, initial_state=s, t0=t0, chunk_size=4, **pk), m0, *tit)  # fmt: skip
+            *a, initial_state=s, t0=t0, rule=chunk4_clip10, schedule=sch), m0, *tit)  # fmt: skip
     one_g = tuple(a[:, 0] for a in gdn)
     one_t = tuple(a[:, 0] for a in tit)
     record("core/proteus/gdn_step", lambda s, *a: c.proteus_gated_delta_step(
-        s, *a, t=jnp.asarray(5), **pk), s0, *one_g)  # fmt: skip
+        s, *a, t=jnp.asarray(5), schedule=sch), s0, *one_g)  # fmt: skip
     record("core/proteus/tl_step", lambda s, *a: c.proteus_titans_linear_step(
-        s, *a, t=jnp.asarray(5), **pk), ts0, *one_t)  # fmt: skip
+        s, *a, t=jnp.asarray(5), schedule=sch), ts0, *one_t)  # fmt: skip
     record("core/proteus/tm_step", lambda s, *a: c.proteus_titans_mlp_step(
-        s, *a, t=jnp.asarray(5), **pk), m0, *one_t)  # fmt: skip
+        s, *a, t=jnp.asarray(5), rule=clip10, schedule=sch), m0, *one_t)  # fmt: skip
     for n in range(1, 20, 3):
         _put(f"core/proteus/masks/t{n}", (
             c.proteus_key_mask(jnp.asarray(n), 16, 4, K), c.proteus_hidden_mask(n, 16, 4, 8),
@@ -428,7 +435,8 @@ def ops_all(t: int) -> None:
         tit = tuple(x[n] for n in ("q", "k", "v", "theta", "eta", "alpha"))
         for dims in ((K, K), (K, 8, K)):
             for prot in (ops.ProteusRule(), ops.ProteusRule(2, 8)):
-                spec = ops_titans.TitansMemorySpec(dims, chunk=4, proteus=prot)
+                rule_t = ops.TitansRule(memory_chunk=4, grad_clip=10.0)
+                spec = ops_titans.TitansMemorySpec(dims, rule=rule_t, proteus=prot)
                 w0 = ops_titans.titans_mlp_init_weights(jax.random.key(1), H, dims)
                 for seg in (None, _segments(t)):
                     tag = f"ops/titans/T{t}/{impl}/L{len(dims) - 1}/E{prot.blocks}"

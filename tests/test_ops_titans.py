@@ -14,7 +14,7 @@ from nested_jax.layers.options import ProteusOptions, TitansOptions
 from nested_jax.models.config import ModelConfig
 from nested_jax.models.registry import get_mixer
 from nested_jax.ops import titans as T
-from nested_jax.rules import ProteusRule
+from nested_jax.rules import ProteusRule, TitansRule
 
 B, L, H, D = 2, 7, 2, 4  # T = 7: not a multiple of any chunk; 2-layer memory (D → 8 → D)
 DIMS = (D, 8, D)
@@ -35,7 +35,7 @@ def _m0(seed=0):
 
 
 def test_chunk_one_equals_recurrent_values_and_gradients():
-    spec = T.TitansMemorySpec(DIMS, chunk=1)
+    spec = T.TitansMemorySpec(DIMS, rule=TitansRule(memory_chunk=1))
     xs, m0 = _inputs(), _m0()
 
     def loss(m0, xs, impl):
@@ -79,8 +79,8 @@ def test_proteus_packed_rows_through_ops_equal_the_layer_and_the_core_wrapper():
     @jax.jit
     def run(xs):
         y_ref, _ = proteus_titans_mlp_chunked(
-            *(a[:, cut:] for a in xs), initial_state=mem.initial_state(B), context_len=8,
-            num_blocks=2, t0=cut, chunk_size=mem.spec.chunk, grad_clip=mem.spec.grad_clip,
+            *(a[:, cut:] for a in xs), initial_state=mem.initial_state(B), rule=mem.spec.rule,
+            schedule=ProteusRule(blocks=2, context_len=8), t0=cut,
         )  # fmt: skip
         return via_ops(xs)[0], y_ref
 
@@ -91,8 +91,8 @@ def test_proteus_packed_rows_through_ops_equal_the_layer_and_the_core_wrapper():
 @pytest.mark.parametrize("impl,chunk", [("chunked", 2), ("recurrent", 4)])
 def test_decode_step_equals_the_sequence_form(impl, chunk):
     """Proteus E = 2 over N = 8 (Δ = 4, chunk 2 divides it); T = 7 crosses the span start at 5.
-    The recurrent impl decodes per token whatever ``spec.chunk``."""
-    spec = T.TitansMemorySpec(DIMS, chunk=chunk, proteus=ProteusRule(2, 8))
+    The recurrent impl decodes per token whatever ``spec.rule.memory_chunk``."""
+    spec = T.TitansMemorySpec(DIMS, rule=TitansRule(memory_chunk=chunk), proteus=ProteusRule(2, 8))
     xs, m0 = _inputs(2), _m0(1)
     cache = T.titans_memory_init_cache(spec, B, H, impl=impl)
     assert cache.q.shape == (B, 1 if impl == "recurrent" else chunk, H, D)
@@ -118,7 +118,7 @@ def test_decode_step_equals_the_sequence_form(impl, chunk):
 
 
 def test_impl_errors_name_the_op():
-    spec = T.TitansMemorySpec(DIMS, chunk=2)
+    spec = T.TitansMemorySpec(DIMS, rule=TitansRule(memory_chunk=2))
     xs, m0 = _inputs(), _m0()
     st = T.titans_mlp_state(m0, B)
     cache = T.titans_memory_init_cache(spec, B, H)
@@ -141,19 +141,22 @@ def test_impl_errors_name_the_op():
 
 def test_spec_is_hashable_and_checks():
     assert hash(T.TitansMemorySpec([4, 4])) == hash(T.TitansMemorySpec((4, 4)))
-    with pytest.raises(ValueError, match=r"^TitansMemorySpec\.chunk: "):
-        T.TitansMemorySpec(DIMS, chunk=0)
+    assert T.TitansMemorySpec(DIMS).rule == TitansRule()  # the paper's rule by default
+    chunk = lambda b: TitansRule(memory_chunk=b)  # noqa: E731
+    with pytest.raises(ValueError, match=r"^TitansMemorySpec\.rule: must be a TitansRule"):
+        T.TitansMemorySpec(DIMS, rule={"memory_chunk": 2})
     with pytest.raises(ValueError, match=r"^TitansMemorySpec\.proteus: must be a ProteusRule"):
         T.TitansMemorySpec(DIMS, proteus=(2, 8))
     with pytest.raises(ValueError, match="per_chunk_gates"):
-        T.titans_memory_init_cache(T.TitansMemorySpec(DIMS, per_chunk_gates=True), B, H)
+        pooled = TitansRule(per_chunk_gates=True)
+        T.titans_memory_init_cache(T.TitansMemorySpec(DIMS, rule=pooled), B, H)
     with pytest.raises(ValueError, match="memory_chunk"):  # chunk 4 does not divide Δ = 6
         T.titans_memory_init_cache(
-            T.TitansMemorySpec(DIMS, chunk=4, proteus=ProteusRule(4, 24)), B, H
+            T.TitansMemorySpec(DIMS, rule=chunk(4), proteus=ProteusRule(4, 24)), B, H
         )
-    cache = T.titans_memory_init_cache(T.TitansMemorySpec(DIMS, chunk=2), B, H)
+    cache = T.titans_memory_init_cache(T.TitansMemorySpec(DIMS, rule=chunk(2)), B, H)
     with pytest.raises(ValueError, match="decode chunk"):
         T.titans_memory_step(
-            cache, *(a[:, 0] for a in _inputs()), spec=T.TitansMemorySpec(DIMS, chunk=4),
+            cache, *(a[:, 0] for a in _inputs()), spec=T.TitansMemorySpec(DIMS, rule=chunk(4)),
             initial_weights=_m0(),
         )  # fmt: skip

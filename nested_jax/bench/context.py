@@ -39,6 +39,7 @@ from nested_jax.bench.common import emit, make_parser, progress
 from nested_jax.core.associative.forms import gated_delta_chunked
 from nested_jax.core.context import gated_delta_context_parallel, titans_linear_context_parallel
 from nested_jax.core.titans.linear import titans_linear_chunked
+from nested_jax.rules import TitansRule
 
 RULES = ("gdn", "titans")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -71,10 +72,10 @@ def _rule(rule: str, args, split: bool):
         if split:
             return lambda x: gated_delta_context_parallel(**x, axis_name="seq", chunk_size=chunk)
         return lambda x: gated_delta_chunked(**x, chunk_size=chunk)
-    chunk = args.titans_chunk
+    titans = TitansRule(memory_chunk=args.titans_chunk)
     if split:
-        return lambda x: titans_linear_context_parallel(**x, axis_name="seq", chunk_size=chunk)
-    return lambda x: titans_linear_chunked(**x, chunk_size=chunk)
+        return lambda x: titans_linear_context_parallel(**x, axis_name="seq", rule=titans)
+    return lambda x: titans_linear_chunked(**x, rule=titans)
 
 
 def _forward(rule: str, args, devices: int | None):

@@ -102,6 +102,7 @@ from nested_jax.bench.optim_toy import (  # noqa: F401  (re-exported)
 )
 from nested_jax.core.associative.forms import gated_delta_chunked
 from nested_jax.core.associative.proteus import proteus_gated_delta_chunked
+from nested_jax.rules import ProteusRule
 
 # --------------------------------------------------------------------------------------------------
 # Proteus overhead
@@ -123,11 +124,12 @@ def proteus_overhead(T: int = 2048, B: int = 1, H: int = 4, D: int = 64, repeats
 
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
 
-    e16 = functools.partial(proteus_gated_delta_chunked, context_len=T, num_blocks=16)
+    e16 = functools.partial(proteus_gated_delta_chunked, schedule=ProteusRule(16, context_len=T))
+    e1 = functools.partial(proteus_gated_delta_chunked, schedule=ProteusRule(1, context_len=T))
     fns = {
         "E16": grad_of(e16),
         "E16_S0": grad_of(e16, with_state=True),
-        "E1": grad_of(functools.partial(proteus_gated_delta_chunked, context_len=T, num_blocks=1)),
+        "E1": grad_of(e1),
         "gdn": grad_of(gated_delta_chunked),
     }
     times = time_interleaved(

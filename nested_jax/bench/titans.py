@@ -50,6 +50,7 @@ from nested_jax.core.titans.chunk import titans_mlp_chunked
 from nested_jax.core.titans.linear import titans_linear_chunked, titans_linear_recurrent
 from nested_jax.core.titans.mlp import titans_mlp_init_weights, titans_mlp_recurrent
 from nested_jax.core.titans.net import TitansMLPState
+from nested_jax.rules import TitansRule
 
 DEFAULT_MEM_SEQ_LENS = (512, 1024, 2048, 4096)
 
@@ -102,12 +103,16 @@ def _gdn_grad(chunk_size: int):
 
 def memory_programs(chunk_size: int, gdn_chunk_size: int = 64):
     """Jitted fwd+bwd programs: ``{"L1_chunked", "L1_recurrent", "L2_chunked", "L2_recurrent",
-    "gdn_chunked"}``; the L2 ones take the initial weights ``[H, d_l, d_{l+1}]`` first."""
+    "gdn_chunked"}``; the L2 ones take the initial weights ``[H, d_l, d_{l+1}]`` first. The matrix
+    memory runs the paper's rule, the MLP memory the layers' softclamp (``grad_clip = 10``, the
+    ``model.titans`` default), both in chunks of ``chunk_size``."""
+    linear = TitansRule(memory_chunk=chunk_size)
+    mlp = TitansRule(memory_chunk=chunk_size, grad_clip=10.0)
     return {
-        "L1_chunked": _linear_grad(functools.partial(titans_linear_chunked, chunk_size=chunk_size)),
+        "L1_chunked": _linear_grad(functools.partial(titans_linear_chunked, rule=linear)),
         "L1_recurrent": _linear_grad(titans_linear_recurrent),
-        "L2_chunked": _mlp_grad(functools.partial(titans_mlp_chunked, chunk_size=chunk_size)),
-        "L2_recurrent": _mlp_grad(titans_mlp_recurrent),
+        "L2_chunked": _mlp_grad(functools.partial(titans_mlp_chunked, rule=mlp)),
+        "L2_recurrent": _mlp_grad(functools.partial(titans_mlp_recurrent, rule=mlp)),
         "gdn_chunked": _gdn_grad(gdn_chunk_size),
     }
 

@@ -9,6 +9,10 @@ memories, which have no zero state), and returns ``(output, final_state)``; ever
 
     from nested_jax.core import gated_delta_chunked, titans_linear_chunked, dgd_update
 
+A mechanism's static options are one frozen rule of :mod:`nested_jax.rules`, passed whole and
+re-exported here: ``rule=TitansRule()`` (Titans), ``rule=HopeRule()`` (Hope), and the Proteus
+schedule ``schedule=ProteusRule(blocks, context_len)`` of the Proteus-wrapped memories.
+
 The names below are the public core API, written out so readers and tools can follow them.
 Upper-case constants (VARIANTS, EVICTIONS, ...) stay in their modules: at package level their
 meaning would be ambiguous.
@@ -116,7 +120,7 @@ from nested_jax.core.titans.proteus import (
     proteus_titans_mlp_recurrent,
     proteus_titans_mlp_step,
 )
-from nested_jax.rules import CMSRule, HolaRule, HopeRule, check_periods
+from nested_jax.rules import CMSRule, HolaRule, HopeRule, ProteusRule, TitansRule, check_periods
 
 __all__ = [
     "linear_attention_step",
@@ -136,6 +140,7 @@ __all__ = [
     "dgd_step_size",
     "dgd_update",
     "dgd_update_layers",
+    "ProteusRule",
     "proteus_block_len",
     "proteus_active_blocks",
     "proteus_chunk_constant",
@@ -155,6 +160,7 @@ __all__ = [
     "hola_scores",
     "hola_forward",
     "hola_decode_step",
+    "TitansRule",
     "TitansLinearState",
     "titans_linear_step",
     "titans_linear_recurrent",

@@ -31,6 +31,7 @@ up to that factor and activation memory per device as ``1/P`` up to the same fac
   (the surprise goes through the nonlinearity), so no exact fold exists; those run with the whole
   sequence on one device (split batch and heads instead);
 - no ``grad_clip`` for Titans: the softclamp couples the value columns through ``‖Mᵀk − v‖``;
+  no ``grad_horizon`` either (a device cannot cut the gradient of a state it only folds in);
 - packed documents (``segment_ids``, GDN only): a document start on a device cuts that device
   off from the incoming state, so the identity run counts only until this device's first start
   (the module's ``carried`` mask: ``ℓ_t`` zeroed from it on, ``L`` zeroed if it exists) and the
@@ -38,8 +39,9 @@ up to that factor and activation memory per device as ``1/P`` up to the same fac
   (``initial_state=None``, how the LM shell trains). Titans restarts its chunk grid at every
   document start, which a device cannot know for a document that began on an earlier device, so
   Titans takes no ``segment_ids``;
-- Titans: ``T_loc`` must be a multiple of ``chunk_size``, so that the devices' chunks are the
-  single-device chunks (GDN's chunk form is exact for any chunking, so it takes any ``T_loc``).
+- Titans: ``T_loc`` must be a multiple of ``rule.memory_chunk``, so that the devices' chunks are
+  the single-device chunks (GDN's chunk form is exact for any chunking, so it takes any
+  ``T_loc``).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ from jax import lax
 from nested_jax.core.associative.forms import gated_delta_chunked, validate_seq
 from nested_jax.core.scan import segment_starts, zeros_typed
 from nested_jax.core.titans.linear import TitansLinearState, state_of, titans_linear_chunked
-from nested_jax.core.titans.net import validate_chunk_size, validate_common
+from nested_jax.core.titans.net import check_rule, validate_common
+from nested_jax.rules import TitansRule
 
 __all__ = [
     "affine_state_context",
@@ -205,44 +208,47 @@ def titans_linear_context_parallel(
     *,
     axis_name: str,
     initial_state=None,
-    chunk_size: int = 16,
-    read_before_write: bool = False,
-    per_chunk_gates: bool = False,
-    remat: bool = True,
+    rule: TitansRule = TitansRule(),
 ):
     """Titans matrix memory with momentum, time split over ``axis_name`` (SPEC §2, ``L_M = 1``).
 
     The joint state ``x = [M; S]`` (memory and momentum stacked, ``n = 2K``) is affine per value
     column over a stretch of chunks (module doc), so this equals ``titans_linear_chunked`` on the
-    whole sequence. ``grad_clip`` is not offered: the softclamp is not affine.
+    whole sequence with the same rule.
 
     Args:
       q, k: ``[B, T_loc, H, K]``; v: ``[B, T_loc, H, V]``; theta, eta, alpha: ``[B, T_loc, H]``.
       axis_name: the mesh axis that splits time.
       initial_state: None (zeros), ``TitansLinearState(M, S)`` or a bare ``M`` entering the whole
         sequence.
-      chunk_size: b; ``T_loc`` must be a multiple of it (the devices' chunks are the global ones).
-      read_before_write, per_chunk_gates, remat: as in ``titans_linear_chunked``.
+      rule: :class:`~nested_jax.rules.TitansRule`, as in ``titans_linear_chunked``:
+        ``memory_chunk`` must divide ``T_loc`` (the devices' chunks are the global ones);
+        ``read_before_write``, ``per_chunk_gates`` and ``remat`` apply; ``grad_clip`` and
+        ``grad_horizon`` must be 0 (the softclamp is not affine; the module doc says why).
 
     Returns:
       ``(o [B, T_loc, H, V] in v's dtype, TitansLinearState(M, S) f32)`` after the whole sequence.
     """
     fn = "titans_linear_context_parallel"
-    B, T, H, K, V = validate_common(fn, q, k, v, theta, eta, alpha, None, per_token=False)
-    validate_chunk_size(fn, chunk_size)
-    if T % chunk_size:
+    check_rule(fn, rule)
+    B, T, H, K, V = validate_common(fn, q, k, v, theta, eta, alpha, per_token=False)
+    for name in ("grad_clip", "grad_horizon"):
+        if getattr(rule, name):
+            raise ValueError(
+                f"{fn}: rule.{name} must be 0 (not offered with context parallelism), got "
+                f"{getattr(rule, name)!r}"
+            )
+    if T % rule.memory_chunk:
         raise ValueError(
-            f"{fn}: chunk_size must divide the local length T_loc = {T} (so each device's chunks "
-            f"are the single-device chunks), got {chunk_size}"
+            f"{fn}: rule.memory_chunk must divide the local length T_loc = {T} (so each device's "
+            f"chunks are the single-device chunks), got {rule.memory_chunk}"
         )
     st = state_of(fn, initial_state, B, H, K, V)
 
     def run(states, values):
         o, final = titans_linear_chunked(
-            q, k, values, theta, eta, alpha, initial_state=TitansLinearState(*states),
-            chunk_size=chunk_size, read_before_write=read_before_write,
-            per_chunk_gates=per_chunk_gates, remat=remat,
-        )  # fmt: skip
+            q, k, values, theta, eta, alpha, initial_state=TitansLinearState(*states), rule=rule
+        )
         return o, tuple(final)
 
     o, (M, S) = affine_state_context(run, (st.M, st.S), v, axis_name)

@@ -11,7 +11,9 @@ of key rows; MLP memory: blocks of hidden units, i.e. rows of ``W_2`` and column
 
 Beyond ``N`` the schedule stays fully open (``k = E``; ``Δ`` is never stretched). ``E = 1`` is the
 plain backbone (every mask is all ones). :class:`ProteusRule` holds ``(E, N)`` as one frozen value
-(built from the ``model.proteus`` config section; ops take it as ``rule``).
+(built from the ``model.proteus`` config section; ops take it as ``rule``, the Proteus-wrapped
+Titans and GDN forms as ``schedule``); the functions of this module keep plain
+``(context_len, num_blocks)`` ints.
 
 **Block split** (when ``E`` does not divide the size ``D`` of the blocked axis): every block has
 ``⌊D/E⌋`` coordinates and the *last* block absorbs the remainder (the paper's reading,
@@ -36,6 +38,7 @@ import numpy as np
 
 from nested_jax.core.checks import check_positive_int
 from nested_jax.core.scan import segment_starts
+from nested_jax.rules import ProteusRule
 
 __all__ = [
     "proteus_block_len",
@@ -311,6 +314,16 @@ def _mask_tree(tree, mask):
 
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_schedule_rule(fn: str, schedule) -> tuple[int, int]:
+    """``schedule`` must be a :class:`ProteusRule` (it checks its own fields); returns
+    ``(context_len, blocks)`` = ``(N, E)``. ``E = 1`` (off) may leave ``N`` unset (0)."""
+    if not isinstance(schedule, ProteusRule):
+        raise ValueError(
+            f"{fn}: schedule must be a ProteusRule(blocks, context_len), got {schedule!r}"
+        )
+    return schedule.context_len, schedule.blocks
 
 
 def _check_schedule(fn: str, context_len, num_blocks) -> tuple[int, int]:

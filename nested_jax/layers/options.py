@@ -8,10 +8,11 @@ dataclass here and one field on ``ModelConfig`` (``model.<section>.<field>`` in 
 flags. Field types stay plain (int / float / str / bool / tuple) so the strict config loader can
 check them; each section validates its values in ``__post_init__`` and names the field
 (``<Section>.<field>: ...``). A mechanism whose math takes static options gets them as one frozen
-value: the typed rules of :mod:`nested_jax.rules` (``HopeRule``, ``ProteusRule``, ``HolaRule``,
-``CMSRule``; re-exported by ``nested_jax.ops``). ``HopeOptions``, ``ProteusOptions``,
-``HolaOptions`` and ``CMSOptions`` extend their rules (the rule's fields, defaults and checks are
-written once, there), so a section is a rule plus its layer's own fields.
+value: the typed rules of :mod:`nested_jax.rules` (``HopeRule``, ``TitansRule``, ``HolaRule``,
+``CMSRule``, ``ProteusRule``; re-exported by ``nested_jax.ops``). ``HopeOptions``, ``TitansOptions``,
+``HolaOptions``, ``CMSOptions`` and ``ProteusOptions`` extend their rules (the rule's fields, defaults
+and checks are written once, there; a section re-declares only its training defaults), so a section
+is a rule plus its layer's own fields.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nested_jax.layers.rope import ROPE_SCALINGS, RopeScaling
-from nested_jax.rules import CMSRule, HolaRule, HopeRule, ProteusRule
+from nested_jax.rules import CMSRule, HolaRule, HopeRule, ProteusRule, TitansRule
 
 __all__ = ["OPTION_SECTIONS"]
 
@@ -49,19 +50,22 @@ OPTION_SECTIONS["hola"] = HolaOptions
 
 
 @dataclass(frozen=True)
-class TitansOptions:
+class TitansOptions(TitansRule):
     """Titans memory and architecture options (SPEC §2; ``model.titans.<field>``).
 
-    Read by the ``titans_lmm``, ``titans_mac``, ``titans_mag`` and ``titans_mal`` mixers.
+    Read by the ``titans_lmm``, ``titans_mac``, ``titans_mag`` and ``titans_mal`` mixers. The
+    memory rule's fields (``memory_chunk``, ``read_before_write``, ``per_chunk_gates``,
+    ``grad_clip``, ``activation``, ``grad_horizon``, ``remat``) and their checks are
+    :class:`TitansRule`'s, under the same names; this section re-declares the two whose training
+    default is not the paper's (``grad_clip``, ``grad_horizon``; ``layers.titans`` says why) and
+    adds the layer's own fields. The layers pass the section itself as the rule.
     """
 
+    grad_clip: float = 10.0  # softclamp of the inner gradient norm; 0 = off (the paper's rule)
+    grad_horizon: int = 64  # truncated backprop: memory state gradients stop every n tokens; 0=off
     memory_layers: int = 2  # L_M ∈ {1, 2, 3, 4}; 1 = matrix memory
     memory_hidden: int = 0  # hidden width of an MLP memory (L_M ≥ 2); 0 -> 4 * head_dim
-    memory_chunk: int = 16  # chunk size b of titans_mlp_chunked (gradients at chunk start)
     memory_impl: str = "chunked"  # chunked | recurrent (exact per-token rule) | pallas (L_M = 1)
-    read_before_write: bool = False  # read y_t = M_{t-1}(q_t) instead of M_t(q_t)
-    per_chunk_gates: bool = False  # θ, η, α mean-pooled per chunk (non-causal inside a chunk)
-    grad_clip: float = 10.0  # softclamp of the inner gradient norm; 0 = off
     theta_init: float = 0.02  # initial inner lr θ; θ/(1−η) ≳ 1 makes the backward explode at T=4096
     theta_max: float = 0.1  # cap: θ_t = theta_max·σ(·), bias set so θ starts at theta_init
     eta_init: float = 0.9  # initial momentum η
@@ -69,9 +73,10 @@ class TitansOptions:
     persistent_tokens: int = 4  # N_p learned key/value tokens prepended to attention (MAC/MAG/MAL)
     segment_len: int = 64  # N_s, MAC segment length (a multiple of memory_chunk when chunked)
     window: int = 64  # sliding window of the MAG / MAL attention; 0 = global causal
-    grad_horizon: int = 64  # truncated backprop: memory state gradients stop every n tokens; 0=off
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
 
@@ -81,11 +86,9 @@ class TitansOptions:
             )
         for name, low in (
             ("memory_hidden", 0),
-            ("memory_chunk", 1),
             ("persistent_tokens", 0),
             ("segment_len", 1),
             ("window", 0),
-            ("grad_horizon", 0),
         ):
             value = getattr(self, name)
             if not is_int(value) or value < low:
@@ -105,13 +108,6 @@ class TitansOptions:
                 "TitansOptions.memory_chunk: memory_impl='pallas' needs a multiple of 8 (the "
                 f"kernel's chunk is a whole number of TPU sublanes), got {self.memory_chunk}"
             )
-        for name in ("read_before_write", "per_chunk_gates"):
-            if not isinstance(getattr(self, name), bool):
-                value = getattr(self, name)
-                raise ValueError(f"TitansOptions.{name}: expected bool, got {value!r}")
-        gc = self.grad_clip
-        if isinstance(gc, bool) or not isinstance(gc, int | float) or gc < 0:
-            raise ValueError(f"TitansOptions.grad_clip: must be a float >= 0, got {gc!r}")
         for name in ("theta_init", "eta_init", "alpha_init"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:

@@ -76,7 +76,6 @@ from nested_jax.layers.conv import ShortConv
 from nested_jax.layers.deltanet import l2_normalize
 from nested_jax.layers.norm import GatedRMSNorm, RMSNorm
 from nested_jax.layers.rope import apply_rope
-from nested_jax.ops.linear import ProteusRule
 from nested_jax.ops.titans import (
     MemoryCache,
     TitansMemorySpec,
@@ -89,9 +88,9 @@ from nested_jax.ops.titans import (
     titans_mlp_init_weights,
     titans_mlp_state,
 )
+from nested_jax.rules import ProteusRule
 
 __all__ = [
-    "MemoryCache",
     "NeuralMemory",
     "MemoryBranch",
     "BranchCache",
@@ -149,7 +148,9 @@ class NeuralMemory(nnx.Module):
     ``L_M`` layers; L_M = 1 is the matrix memory) and the gate map ``[θ, η, α] = σ(x W_g + b)``
     (``W_g [d_in, 3H]``, biases at ``logit(theta_init / eta_init / alpha_init)``). The memory
     rule runs through :mod:`nested_jax.ops.titans` with ``impl = opts.memory_impl`` and the static
-    :class:`~nested_jax.ops.titans.TitansMemorySpec` built here (``spec``).
+    ``TitansMemorySpec`` built here once (``spec``): the memory's ``dims``, the options themselves
+    as its rule (a ``TitansOptions`` is a ``TitansRule``, which reaches the core form whole) and
+    the Proteus schedule.
 
     ``proteus`` (``ProteusOptions`` or None): with ``blocks = E > 1`` the memory is gated by the
     Proteus schedule (SPEC §4, see the module docstring); ``E = 1`` / None is the plain memory.
@@ -160,9 +161,6 @@ class NeuralMemory(nnx.Module):
         self.n_heads, self.head_dim, self.dtype = n_heads, head_dim, dtype
         self.n_layers = opts.memory_layers
         self.impl = opts.memory_impl
-        # The recurrent rule is the chunk-1 rule (also its decode buffer).
-        self.chunk = 1 if opts.memory_impl == "recurrent" else opts.memory_chunk
-        self.grad_clip = float(opts.grad_clip) or None
         self.theta_max = float(opts.theta_max)
         hidden = opts.resolved_memory_hidden(head_dim)
         self.dims = (head_dim,) + (hidden,) * (self.n_layers - 1) + (head_dim,)
@@ -175,11 +173,7 @@ class NeuralMemory(nnx.Module):
                     f"ProteusOptions.blocks: {rule.blocks} blocks need {what} >= blocks, "
                     f"got {blocked}"
                 )
-        self.spec = TitansMemorySpec(
-            dims=self.dims, chunk=self.chunk, read_before_write=opts.read_before_write,
-            per_chunk_gates=opts.per_chunk_gates, grad_clip=self.grad_clip,
-            grad_horizon=opts.grad_horizon, proteus=rule,
-        )  # fmt: skip
+        self.spec = TitansMemorySpec(dims=self.dims, rule=opts, proteus=rule)
         init = titans_mlp_init_weights(rngs.params(), n_heads, self.dims)
         for i, w in enumerate(init):
             setattr(self, f"w{i}", nnx.Param(partitioned(lambda *_, w=w: w, MEMORY_HEADS)(None)))
@@ -232,8 +226,9 @@ class NeuralMemory(nnx.Module):
         )  # fmt: skip
 
     def read(self, weights: tuple, z: jax.Array) -> jax.Array:
-        """``M*(z)``: read without update, ``z [B, T, H, D]`` → ``[B, T, H, D]`` f32."""
-        return titans_mlp_apply(weights, z.astype(jnp.float32))
+        """``M*(z)``: read without update (the rule's activation), ``z [B, T, H, D]`` →
+        ``[B, T, H, D]`` f32."""
+        return titans_mlp_apply(weights, z.astype(jnp.float32), rule=self.spec.rule)
 
     def init_cache(self, batch_size: int) -> MemoryCache:
         """Decode state at position 0: ``n = −1`` marks "not started" and the weights are zero

@@ -42,7 +42,7 @@ from nested_jax.ops.linear import (
 )
 from nested_jax.ops.rnn import lstm, lstm_step
 from nested_jax.ops.titans import titans_memory, titans_memory_step
-from nested_jax.rules import CMSRule, HolaRule, HopeRule, ProteusRule
+from nested_jax.rules import CMSRule, HolaRule, HopeRule, ProteusRule, TitansRule
 
 __all__ = [
     "IMPLS",
@@ -76,4 +76,5 @@ __all__ = [
     "ProteusRule",
     "HolaRule",
     "CMSRule",
+    "TitansRule",
 ]

@@ -19,11 +19,12 @@ value. The implementation is never switched silently (not on sequence length, no
   kernel yet and raises ``ValueError``. This module is the kernels' only importer (``ops.hola``
   reaches the kernel through :func:`gated_delta`).
 
-The single-token steps (``*_step``) are the decode forms; ``proteus_key_rows`` is the Proteus
+The single-token steps (``linear_attention_step``, ``delta_rule_step``, ``gated_delta_step``,
+the core's, importable from here) are the decode forms; ``proteus_key_rows`` is the Proteus
 key-row gate of the linear rules (SPEC §4), which turns each rule into its Proteus form from a zero
 state (the layers' path); ``proteus_gated_delta`` is the Proteus GDN that continues any state at a
-static ``t0`` (``core.associative.proteus``); the schedule is a :class:`ProteusRule`
-(``ProteusOptions.rule()``), re-exported here for layers.
+static ``t0`` (``core.associative.proteus``, which takes the rule whole as ``schedule``); the
+schedule is a :class:`ProteusRule` (``ProteusOptions.rule()``), importable from here too.
 """
 
 from __future__ import annotations
@@ -33,11 +34,9 @@ import functools
 import jax.numpy as jnp
 
 from nested_jax.core.associative import forms as _assoc
-from nested_jax.core.associative.forms import (
-    delta_rule_step,
-    gated_delta_step,
-    linear_attention_step,
-)
+from nested_jax.core.associative.forms import delta_rule_step as delta_rule_step
+from nested_jax.core.associative.forms import gated_delta_step as gated_delta_step
+from nested_jax.core.associative.forms import linear_attention_step as linear_attention_step
 from nested_jax.core.associative.proteus import (
     proteus_gated_delta_chunked,
     proteus_gated_delta_recurrent,
@@ -56,12 +55,8 @@ __all__ = [
     "linear_attention",
     "delta_rule",
     "gated_delta",
-    "linear_attention_step",
-    "delta_rule_step",
-    "gated_delta_step",
     "proteus_key_rows",
     "proteus_gated_delta",
-    "ProteusRule",
 ]
 
 
@@ -343,15 +338,14 @@ def proteus_gated_delta(
             impl=impl,
         )  # fmt: skip
     _check_impl("proteus_gated_delta", impl, ("chunked", "recurrent", "pallas"))
-    kw = dict(context_len=rule.context_len, num_blocks=rule.blocks, scale=scale, t0=t0)
     if impl == "recurrent":
         o, state = proteus_gated_delta_recurrent(
-            q, k, v, g, beta, initial_state=initial_state, **kw
+            q, k, v, g, beta, schedule=rule, scale=scale, initial_state=initial_state, t0=t0
         )
     else:
         backbone = pallas_gated_delta if impl == "pallas" else _assoc.gated_delta_chunked
         o, state = proteus_gated_delta_chunked(
-            q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size,
-            backbone=backbone, **kw,
+            q, k, v, g, beta, schedule=rule, scale=scale, initial_state=initial_state, t0=t0,
+            chunk_size=chunk_size, backbone=backbone,
         )  # fmt: skip
     return o, pin_head_state(state)

@@ -4,12 +4,13 @@ Layers call these functions, never a core form directly, so the implementation i
 (``TitansOptions.memory_impl``). It is never switched silently: an ``impl`` that cannot run raises
 ``ValueError``.
 
-- ``"chunked"``: ``core.titans.chunk.titans_mlp_chunked`` with chunks of ``spec.chunk`` (surprises
-  at the chunk start, dual-form reads; the training default).
-- ``"recurrent"``: the per-token ground truth ``titans_mlp_recurrent`` (``spec.chunk`` is ignored;
-  decoding is the chunk-1 rule).
+- ``"chunked"``: ``core.titans.chunk.titans_mlp_chunked`` with chunks of
+  ``spec.rule.memory_chunk`` (surprises at the chunk start, dual-form reads; the training
+  default).
+- ``"recurrent"``: the per-token ground truth ``titans_mlp_recurrent`` (``memory_chunk`` is
+  ignored; decoding is the chunk-1 rule).
 - ``"pallas"``: the matrix memory (``L_M = 1``) by ``pallas_kernels/titans_linear`` with chunks of
-  ``spec.chunk`` (a multiple of 8): the same rule as ``"chunked"`` (values and gradients), the
+  ``memory_chunk`` (a multiple of 8): the same rule as ``"chunked"`` (values and gradients), the
   Mosaic kernel in a program lowered for TPU (an ahead-of-time compile on a CPU host included),
   the Pallas interpreter on any other platform, and inside a mesh one kernel call per (batch,
   heads) shard (``ops._pallas``). An MLP memory (``L_M ≥ 2``) or Proteus raises ``ValueError``
@@ -19,10 +20,13 @@ Layers call these functions, never a core form directly, so the implementation i
 
 Chunked and recurrent run the Proteus schedule when ``spec.proteus.blocks > 1`` (SPEC §4); all
 three run packed rows with an exact reset (``segment_ids``). The composition lives in
-:mod:`nested_jax.core.titans.memory`; :class:`TitansMemorySpec` holds the static options (frozen,
-hashable). Re-exported for layers: the state types (``TitansMLPState``, ``MemoryCache``),
-``titans_mlp_init_weights`` (the learned ``M_0``), ``titans_mlp_state`` (``(M_0, 0)`` over the
-batch) and ``titans_mlp_apply`` (the read ``M*(z)`` without update).
+:mod:`nested_jax.core.titans.memory`; its ``TitansMemorySpec`` holds the static options (frozen,
+hashable): the memory's ``dims``, the rule (a ``TitansRule``, which every form receives whole)
+and the Proteus schedule. Importable from here for layers (``__all__`` lists the three ops
+defined here): ``TitansMemorySpec``, ``TitansRule``, the state types (``TitansMLPState``,
+``MemoryCache``), ``titans_memory_start``, ``titans_mlp_init_weights`` (the learned ``M_0``),
+``titans_mlp_state`` (``(M_0, 0)`` over the batch) and ``titans_mlp_apply`` (the read ``M*(z)``
+without update).
 """
 
 from __future__ import annotations
@@ -31,26 +35,22 @@ import functools
 
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.titans import memory as _tm
-from nested_jax.core.titans.memory import MemoryCache, TitansMemorySpec, titans_memory_start
-from nested_jax.core.titans.mlp import titans_mlp_apply, titans_mlp_init_weights, titans_mlp_state
+from nested_jax.core.titans.memory import MemoryCache, TitansMemorySpec
+from nested_jax.core.titans.memory import titans_memory_start as titans_memory_start
+from nested_jax.core.titans.mlp import titans_mlp_apply as titans_mlp_apply
+from nested_jax.core.titans.mlp import titans_mlp_init_weights as titans_mlp_init_weights
+from nested_jax.core.titans.mlp import titans_mlp_state as titans_mlp_state
 from nested_jax.core.titans.net import TitansMLPState
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._pallas import pallas_per_shard
 from nested_jax.ops._state import pin_head_state
-from pallas_kernels.titans_linear import BlockSizes as _TitansBlocks
+from nested_jax.rules import TitansRule as TitansRule
 from pallas_kernels.titans_linear import titans_linear_pallas as _titans_linear_pallas
 
 __all__ = [
-    "TitansMemorySpec",
-    "TitansMLPState",
-    "MemoryCache",
     "titans_memory",
     "titans_memory_step",
     "titans_memory_init_cache",
-    "titans_memory_start",
-    "titans_mlp_init_weights",
-    "titans_mlp_state",
-    "titans_mlp_apply",
 ]
 
 
@@ -94,11 +94,8 @@ def _pallas_kernel(q, k, v, theta, eta, alpha, m0, s0, segment_ids=None, reset_m
     """The kernel on one shard: ``(y, M, S)``."""
     reset = None if reset_m is None else (reset_m, reset_s)
     y, (M, S) = _titans_linear_pallas(
-        q, k, v, theta, eta, alpha, initial_state=(m0, s0), segment_ids=segment_ids,
-        reset_state=reset, block_sizes=_TitansBlocks(chunk=spec.chunk),
-        read_before_write=spec.read_before_write, grad_clip=spec.grad_clip,
-        grad_horizon=spec.grad_horizon, per_chunk_gates=spec.per_chunk_gates,
-        interpret=interpret,
+        q, k, v, theta, eta, alpha, initial_state=(m0, s0), rule=spec.rule,
+        segment_ids=segment_ids, reset_state=reset, interpret=interpret,
     )  # fmt: skip
     return y, M, S
 
@@ -131,11 +128,12 @@ def titans_memory(
     """Titans memory over a row, SPEC §2 (Proteus-gated when ``spec.proteus.blocks > 1``, §4).
 
     ``S_t = η_t S_{t-1} − θ_t ∇ℓ(M; k_t, v_t)``, ``M_t = (1 − α_t) M_{t-1} + S_t``,
-    ``y_t = M_t(q_t)`` (``M_{t-1}`` with ``spec.read_before_write``), ``ℓ = ½‖M(k) − v‖²``.
+    ``y_t = M_t(q_t)`` (``M_{t-1}`` with ``spec.rule.read_before_write``), ``ℓ = ½‖M(k) − v‖²``.
 
     Args:
       q, k, v: ``[B, T, H, D]``; theta, eta, alpha: ``[B, T, H]``.
-      spec: :class:`TitansMemorySpec`.
+      spec: ``TitansMemorySpec(dims, rule, proteus)``; ``spec.rule`` (a ``TitansRule``, e.g. a
+        config's ``TitansOptions``) reaches the core form whole.
       initial_state: ``TitansMLPState`` with ``W_l, S_l [B, H, d_l, d_{l+1}]``
         (``titans_mlp_state(weights, B)``); required (None raises ``ValueError``: the memory
         has no zero state).
@@ -143,8 +141,8 @@ def titans_memory(
         to ``reset_state`` (default ``initial_state``) and restarts the chunk grid; with Proteus the
         schedule follows the row position and the locked coordinates reset too.
       reset_state: the state of a document start.
-      impl: ``"chunked"`` | ``"recurrent"`` | ``"pallas"`` (``L_M = 1`` without Proteus, chunk
-        a multiple of 8; module docstring).
+      impl: ``"chunked"`` | ``"recurrent"`` | ``"pallas"`` (``L_M = 1`` without Proteus,
+        ``memory_chunk`` a multiple of 8; module docstring).
 
     Returns:
       ``(y [B, T, H, D], final TitansMLPState f32)``; the state's leaves pinned to ``("batch",
@@ -178,7 +176,7 @@ def titans_memory_step(
       state: the decode state, a :class:`MemoryCache` from :func:`titans_memory_init_cache` with
         the same ``impl``.
       q, k, v: ``[B, H, D]``; theta, eta, alpha: ``[B, H]``.
-      spec: :class:`TitansMemorySpec`.
+      spec: ``TitansMemorySpec``, as :func:`titans_memory`.
       initial_weights: the learned ``M_0``, tuple of ``[H, d_l, d_{l+1}]`` (a fresh cache starts
         from it).
       commit: optional bool scalar: close the chunk after this token (the caller guarantees it is
@@ -200,12 +198,12 @@ def titans_memory_init_cache(
     spec: TitansMemorySpec, batch_size: int, num_heads: int, *, impl: str = "chunked"
 ) -> MemoryCache:
     """Empty decode cache at position 0 (placeholder weights, replaced by ``M_0`` on the first
-    step; :func:`titans_memory_start`). Buffers ``[B, b, H, D]`` with ``b = spec.chunk``
+    step; ``titans_memory_start``). Buffers ``[B, b, H, D]`` with ``b = spec.rule.memory_chunk``
     (``1`` for ``impl="recurrent"``).
 
     Raises:
-      ValueError: ``spec.per_chunk_gates`` (cannot decode), Proteus with ``b ∤ Δ`` (SPEC §4), or
-        an ``impl`` that cannot run.
+      ValueError: ``spec.rule.per_chunk_gates`` (cannot decode), Proteus with ``b ∤ Δ`` (SPEC
+        §4), or an ``impl`` that cannot run.
     """
     recurrent = _recurrent("titans_memory_init_cache", impl, spec)
     return _tm.titans_memory_init_cache(spec, batch_size, num_heads, recurrent=recurrent)

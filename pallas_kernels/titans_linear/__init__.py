@@ -3,6 +3,6 @@
 ``titans_linear_pallas`` (``ops.py``) is the entry; ``kernel.py`` holds the ``pallas_call`` bodies.
 """
 
-from pallas_kernels.titans_linear.ops import BlockSizes, titans_linear_pallas
+from pallas_kernels.titans_linear.ops import titans_linear_pallas
 
-__all__ = ["BlockSizes", "titans_linear_pallas"]
+__all__ = ["titans_linear_pallas"]

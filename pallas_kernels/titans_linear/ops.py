@@ -2,7 +2,8 @@
 gate coefficients, ``custom_vjp``.
 
 ``titans_linear_pallas`` has the contract of ``nested_jax.core.titans.linear.titans_linear_chunked``
-with ``chunk_size = block_sizes.chunk`` (returns ``(o [B, T, H, V] in v's dtype, (M, S) f32
+and takes the same :class:`~nested_jax.rules.TitansRule` (``rule=``; its ``memory_chunk`` is the
+kernels' chunk, a multiple of 8) (returns ``(o [B, T, H, V] in v's dtype, (M, S) f32
 [B, H, K, V])``). The gate coefficients of every chunk (cumulative products of ``η`` and
 ``1 − α``, resets folded into the gates, the rows of the last real token and of a
 document-local chunk start) are computed here in plain ``jnp`` by the core's own
@@ -12,7 +13,6 @@ that O(T·C) preparation; the kernels of ``kernel.py`` do everything that touche
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -28,42 +28,21 @@ from nested_jax.core.titans.chunk import (
 )
 from nested_jax.core.titans.linear import TitansLinearState, state_of
 from nested_jax.core.titans.net import (
+    check_rule,
     segment_resets,
     validate_common,
     validate_horizon,
     validate_segment_ids,
 )
-from pallas_kernels.common import check_chunk, from_heads_major, heads_major
+from nested_jax.rules import TitansRule
+from pallas_kernels.common import SUBLANES, from_heads_major, heads_major
 from pallas_kernels.titans_linear.kernel import (
     scalar_names,
     titans_linear_bwd_call,
     titans_linear_fwd_call,
 )
 
-__all__ = ["BlockSizes", "titans_linear_pallas"]
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Chunking of the Titans kernels.
-
-    Unlike a pure tiling, the chunk is part of the rule: all surprises of a chunk are taken at
-    the chunk-start memory (SPEC §2), so ``BlockSizes(chunk=b)`` equals
-    ``titans_linear_chunked(chunk_size=b)``.
-
-    Attributes:
-      chunk: tokens per chunk ``b`` (a positive multiple of 8); ``T`` is padded to a multiple.
-    """
-
-    chunk: int
-
-    def __post_init__(self):
-        check_chunk(self.chunk)
-
-    @classmethod
-    def get_default(cls) -> BlockSizes:
-        """``chunk=16`` (the core chunked rule's and the Titans layers' default)."""
-        return cls(chunk=16)
+__all__ = ["titans_linear_pallas"]
 
 
 def _gate_chunks(x, C):
@@ -211,13 +190,7 @@ def _as_state(fn, x, q, B, H, K, V, name):
     return st.M, st.S
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "block_sizes", "read_before_write", "grad_clip", "grad_horizon", "per_chunk_gates",
-        "interpret",
-    ),
-)  # fmt: skip
+@functools.partial(jax.jit, static_argnames=("rule", "interpret"))
 def titans_linear_pallas(
     q,
     k,
@@ -227,18 +200,14 @@ def titans_linear_pallas(
     alpha,
     *,
     initial_state=None,
-    block_sizes: BlockSizes | None = None,
-    read_before_write: bool = False,
-    grad_clip: float | None = None,
+    rule: TitansRule = TitansRule(),
     segment_ids=None,
     reset_state=None,
-    grad_horizon: int = 0,
-    per_chunk_gates: bool = False,
     interpret: bool = False,
 ):
     """Titans matrix memory by the Pallas chunk kernels (SPEC §2, ``L_M = 1``; SPEC §0.1).
 
-    Equals ``titans_linear_chunked(..., chunk_size=block_sizes.chunk)``: per token
+    Equals ``titans_linear_chunked(..., rule=rule)``: per token
     ``S_t = η_t S_{t-1} − θ_t k_t (M⁰ᵀk_t − v_t)ᵀ``, ``M_t = (1 − α_t) M_{t-1} + S_t``,
     ``o_t = M_tᵀ q_t`` (``M_{t-1}ᵀ q_t`` with ``read_before_write``), the surprise taken at the
     memory ``M⁰`` of the chunk start. Gradients: ``custom_vjp`` with the reverse-chunk kernel.
@@ -249,32 +218,34 @@ def titans_linear_pallas(
         (computed in f32).
       initial_state: None (zeros), ``TitansLinearState(M, S)`` / ``(M, S)`` or a bare ``M``,
         ``[B, H, K, V]``.
-      block_sizes: :class:`BlockSizes` (its chunk is the rule's ``b``); default
-        ``BlockSizes.get_default()`` (16).
-      read_before_write: read ``o_t = M_{t-1}ᵀ q_t``.
-      grad_clip: softclamp ``c`` of ``‖u_t‖ = ‖k_t‖‖e_t‖`` (None or 0: off).
+      rule: :class:`~nested_jax.rules.TitansRule` (a jit static), as ``titans_linear_chunked``:
+        ``memory_chunk`` (the chunk ``b``, a multiple of 8: the kernels' chunk is a whole number
+        of TPU sublanes; ``T`` is padded to a multiple), ``read_before_write``, ``grad_clip``
+        (softclamp ``c`` of ``‖u_t‖ = ‖k_t‖‖e_t‖``, 0 = off), ``per_chunk_gates`` and
+        ``grad_horizon`` (the carried state's cotangent is zeroed before every chunk that starts
+        at a positive multiple of it). ``remat`` does not apply (the backward kernel recomputes
+        each chunk from the saved chunk-start states).
       segment_ids: optional ``[B, T]`` int (packed rows): the state resets to ``reset_state`` at
         every document start and every document keeps its own chunk grid, as
         ``titans_mlp_chunked`` does.
       reset_state: the state of a document start (same forms as ``initial_state``; default
         ``initial_state``). Only with ``segment_ids``.
-      grad_horizon: truncated backprop, a multiple of the chunk (0 = off): the carried state's
-        cotangent is zeroed before every chunk that starts at a positive multiple of it.
-      per_chunk_gates: θ, η, α replaced by their per-chunk means (``titans_pool_gates``).
       interpret: run the Pallas interpreter (any backend) instead of compiling for TPU.
 
     Returns:
       ``(o [B, T, H, V] in v's dtype, TitansLinearState(M, S) f32 [B, H, K, V])``.
     """
     fn = "titans_linear_pallas"
-    if block_sizes is None:
-        block_sizes = BlockSizes.get_default()
-    if not isinstance(block_sizes, BlockSizes):
-        raise ValueError(f"{fn}: block_sizes must be a BlockSizes, got {block_sizes!r}")
-    B, T, H, K, V = validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
-    C = block_sizes.chunk
+    check_rule(fn, rule)
+    C = rule.memory_chunk
+    if C % SUBLANES:
+        raise ValueError(
+            f"{fn}: rule.memory_chunk must be a multiple of {SUBLANES} (the kernels' chunk is a "
+            f"whole number of TPU sublanes), got {C}"
+        )
+    B, T, H, K, V = validate_common(fn, q, k, v, theta, eta, alpha, per_token=False)
     validate_segment_ids(fn, segment_ids, B, T)
-    validate_horizon(fn, grad_horizon, C)
+    validate_horizon(fn, rule)
     if reset_state is not None and segment_ids is None:
         raise ValueError(f"{fn}: reset_state needs segment_ids (it is the state of a reset)")
     m0, s0 = _as_state(fn, initial_state, q, B, H, K, V, "initial_state")
@@ -283,8 +254,9 @@ def titans_linear_pallas(
         reset = (m0, s0) if reset_state is None else state_of(fn, reset_state, B, H, K, V,
                                                                 name="reset_state")  # fmt: skip
         reset = tuple(reset)
-    if per_chunk_gates:
+    if rule.per_chunk_gates:
         theta, eta, alpha = (chunk_pool(x.astype(jnp.float32), C, T) for x in (theta, eta, alpha))
-    static = (C, bool(read_before_write), grad_clip or None, int(grad_horizon), bool(interpret))
+    clip = float(rule.grad_clip) or None
+    static = (C, rule.read_before_write, clip, rule.grad_horizon, bool(interpret))
     o, (M, S) = _titans(q, k, v, theta, eta, alpha, m0, s0, reset, segment_ids, static)
     return o, TitansLinearState(M, S)

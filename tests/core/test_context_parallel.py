@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from nested_jax.core import gated_delta_chunked, titans_linear_chunked
 from nested_jax.core.context import gated_delta_context_parallel, titans_linear_context_parallel
 from nested_jax.core.titans.linear import TitansLinearState
+from nested_jax.rules import TitansRule
 
 SEQ = P(None, "seq")  # [B, T, ...] with T split over "seq"
 
@@ -93,7 +94,7 @@ def test_gdn_context_parallel_equals_single_device(devices, chunk):
 def test_titans_linear_context_parallel_equals_single_device(devices, rbw):
     q, k, v, theta, eta, alpha, state = _titans_inputs(jax.random.key(1))
     chunk = 4
-    opts = dict(chunk_size=chunk, read_before_write=rbw)
+    opts = dict(rule=TitansRule(memory_chunk=chunk, read_before_write=rbw))
 
     def single(q, k, v, theta, eta, alpha, M, S):
         o, st = titans_linear_chunked(
@@ -132,8 +133,13 @@ def test_one_device_is_the_plain_rule():
 
 def test_titans_context_parallel_rejects_a_chunk_that_splits_devices():
     q, k, v, theta, eta, alpha, _ = _titans_inputs(jax.random.key(3), T=10)
-    with pytest.raises(ValueError, match="chunk_size must divide the local length T_loc = 10"):
-        titans_linear_context_parallel(q, k, v, theta, eta, alpha, axis_name="seq", chunk_size=4)
+    xs = (q, k, v, theta, eta, alpha)
+    with pytest.raises(ValueError, match="memory_chunk must divide the local length T_loc = 10"):
+        titans_linear_context_parallel(*xs, axis_name="seq", rule=TitansRule(memory_chunk=4))
+    for field in ("grad_clip", "grad_horizon"):  # not affine / not cut across devices
+        with pytest.raises(ValueError, match=rf"rule\.{field} must be 0"):
+            rule = TitansRule(memory_chunk=5, **{field: 10 if field == "grad_clip" else 5})
+            titans_linear_context_parallel(*xs, axis_name="seq", rule=rule)
 
 
 def test_gdn_context_parallel_names_a_bad_argument():

@@ -40,6 +40,8 @@ B, T, H, K, V = 4, 5, 2, 4, 4  # T = 5: chunk size 2 leaves a padded tail chunk
 HID = 4  # hidden width of the MLP memories (a multiple of the Proteus block count)
 C = 2  # chunk sizes of the chunked forms
 PROTEUS = dict(context_len=8, num_blocks=2)
+SCHEDULE = dict(schedule=core.ProteusRule(blocks=2, context_len=8))  # the same, as one rule
+CHUNK = core.TitansRule(memory_chunk=C)
 TOL = 2e-5
 
 BTH = P(DATA, None, HEADS)  # [B, T, H, ...] arrays and [B, T, H] gates
@@ -99,11 +101,13 @@ EXCLUDED = {
     "HopeState": "state type (NamedTuple)",
     "HopeDecodeState": "state type (NamedTuple)",
     "HopeRule": "configuration value (frozen dataclass)",
+    "TitansRule": "configuration value (frozen dataclass)",
+    "ProteusRule": "configuration value (frozen dataclass)",
     "init_hola_state": "builds a zero state from Python ints (used as an input here)",
     "titans_mlp_init_weights": "random parameter initialiser from a PRNG key",
     "titans_mlp_state": "broadcasts weights to a batch (used to build inputs here)",
     "titans_mlp_apply": "MLP read of given weights; runs inside the titans_mlp rules",
-    "titans_pool_gates": "per-chunk mean of gates; runs inside titans_*(per_chunk_gates=True)",
+    "titans_pool_gates": "per-chunk mean of gates; runs inside titans_* (rule.per_chunk_gates)",
     "cms_init_levels": "random parameter initialiser from a PRNG key",
     "cms_initial_state": "broadcasts levels to a batch (used by cms_online here)",
     "cms_level_apply": "one MLP level; runs inside cms_forward",
@@ -337,7 +341,7 @@ def _proteus_gdn_case(fn, **kw):
         return {**_qkv(rng), **_gates(rng, "g", "beta"), "initial_state": s0}
 
     def call(a):
-        return fn(*(a[n] for n in names[:5]), initial_state=a["initial_state"], **PROTEUS, **kw)
+        return fn(*(a[n] for n in names[:5]), initial_state=a["initial_state"], **SCHEDULE, **kw)
 
     specs = {**dict.fromkeys(names, BTH), "initial_state": BH}
     return Case(call, make, specs, (BTH, BH))
@@ -422,9 +426,9 @@ CASES = {
     "gated_delta_recurrent": _assoc_case(core.gated_delta_recurrent, ("g", "beta")),
     "gated_delta_chunked": _assoc_case(core.gated_delta_chunked, ("g", "beta"), chunk_size=C),
     "titans_linear_recurrent": _titans_linear_case(core.titans_linear_recurrent),
-    "titans_linear_chunked": _titans_linear_case(core.titans_linear_chunked, chunk_size=C),
+    "titans_linear_chunked": _titans_linear_case(core.titans_linear_chunked, rule=CHUNK),
     "titans_mlp_recurrent": _titans_mlp_case(core.titans_mlp_recurrent),
-    "titans_mlp_chunked": _titans_mlp_case(core.titans_mlp_chunked, chunk_size=C),
+    "titans_mlp_chunked": _titans_mlp_case(core.titans_mlp_chunked, rule=CHUNK),
     "hope_recurrent": _hope_case(core.hope_recurrent),
     "hope_chunked": _hope_case(core.hope_chunked, momentum=True, chunk_memory=C),
     "hope_decode": _hope_decode_case(),
@@ -436,14 +440,14 @@ CASES = {
         core.proteus_gated_delta_chunked, chunk_size=C
     ),
     "proteus_titans_linear_recurrent": _titans_linear_case(
-        core.proteus_titans_linear_recurrent, **PROTEUS
+        core.proteus_titans_linear_recurrent, **SCHEDULE
     ),
     "proteus_titans_linear_chunked": _titans_linear_case(
-        core.proteus_titans_linear_chunked, chunk_size=C, **PROTEUS
+        core.proteus_titans_linear_chunked, rule=CHUNK, **SCHEDULE
     ),
-    "proteus_titans_mlp_recurrent": _titans_mlp_case(core.proteus_titans_mlp_recurrent, **PROTEUS),
+    "proteus_titans_mlp_recurrent": _titans_mlp_case(core.proteus_titans_mlp_recurrent, **SCHEDULE),
     "proteus_titans_mlp_chunked": _titans_mlp_case(
-        core.proteus_titans_mlp_chunked, chunk_size=C, **PROTEUS
+        core.proteus_titans_mlp_chunked, rule=CHUNK, **SCHEDULE
     ),
     "proteus_hope_recurrent": _hope_case(core.proteus_hope_recurrent, momentum=True, **PROTEUS),
     "proteus_hope_chunked": _hope_case(

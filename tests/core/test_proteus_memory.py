@@ -42,6 +42,7 @@ from nested_jax.core.titans.proteus import (
     proteus_titans_mlp_recurrent,
     proteus_titans_mlp_step,
 )
+from nested_jax.rules import ProteusRule, TitansRule
 
 # --------------------------------------------------------------------------------------------------
 # Independent schedule (SPEC §4, written again here on purpose)
@@ -96,11 +97,12 @@ def ref_proteus_gdn(q, k, v, g, beta, S0, N, E, t0):
     return o, states
 
 
-N60 = dict(context_len=60, num_blocks=4)  # Δ = 15: chunks of 16 straddle every boundary
-rec = jax.jit(proteus_gated_delta_recurrent, static_argnames=("context_len", "num_blocks", "t0"))
-chk = jax.jit(
-    proteus_gated_delta_chunked, static_argnames=("context_len", "num_blocks", "t0", "chunk_size")
-)
+N60 = dict(schedule=ProteusRule(blocks=4, context_len=60))  # Δ = 15: chunks of 16 straddle all
+OFF60 = ProteusRule(blocks=1, context_len=60)  # E = 1: the plain backbone
+E4N8 = ProteusRule(blocks=4, context_len=8)
+CHUNK4 = TitansRule(memory_chunk=4)
+rec = jax.jit(proteus_gated_delta_recurrent, static_argnames=("schedule", "t0"))
+chk = jax.jit(proteus_gated_delta_chunked, static_argnames=("schedule", "t0", "chunk_size"))
 
 
 def test_spans_match_schedule():
@@ -180,7 +182,7 @@ def _same_jaxpr(f, g, *args):
 def test_gdn_single_block_and_beyond_context_are_the_backbone():
     q, k, v, g, beta, S0 = gdn_inputs(T=20)
     args = (q, k, v, g, beta, S0)
-    for kw in (dict(context_len=60, num_blocks=1, t0=7), dict(context_len=60, num_blocks=4, t0=45)):
+    for kw in (dict(schedule=OFF60, t0=7), dict(**N60, t0=45)):
         # E = 1, or every position past the last opening ((E−1)Δ = 45): the plain function
         assert _same_jaxpr(
             lambda *a, kw=kw: proteus_gated_delta_recurrent(*a[:5], initial_state=a[5], **kw),
@@ -196,13 +198,13 @@ def test_gdn_single_block_and_beyond_context_are_the_backbone():
         )
     tok = tuple(x[:, 0] for x in (q, k, v, g, beta))
     assert _same_jaxpr(
-        lambda S, *a: proteus_gated_delta_step(S, *a, t=3, context_len=60, num_blocks=1),
+        lambda S, *a: proteus_gated_delta_step(S, *a, t=3, schedule=OFF60),
         gated_delta_step,
         S0,
         *tok,
     )
     # and the bits, compiled separately
-    o1, s1 = rec(*args[:5], initial_state=S0, t0=7, context_len=60, num_blocks=1)
+    o1, s1 = rec(*args[:5], initial_state=S0, t0=7, schedule=OFF60)
     o0, s0 = jax.jit(gated_delta_recurrent)(*args[:5], initial_state=S0)
     np.testing.assert_array_equal(o1, o0)
     np.testing.assert_array_equal(s1, s0)
@@ -279,7 +281,7 @@ def test_gdn_chunked_from_zero_state_equals_recurrent_values_and_grads():
 
 def _long_gdn():
     q, k, v, g, beta, S0 = gdn_inputs(B=1, T=100, H=1, K=8, V=5, seed=3)
-    kw = dict(context_len=64, num_blocks=4)  # Δ = 16 = chunk: partial spans 16, 16, 16; tail 52
+    kw = dict(schedule=ProteusRule(blocks=4, context_len=64))  # Δ = 16 = chunk: spans 16 ×3, 52
     return (q, k, v, g, beta), S0, kw
 
 
@@ -313,27 +315,27 @@ def test_gdn_streaming_with_offset(form):
 def test_gdn_errors():
     q, k, v, g, beta, S0 = gdn_inputs(B=1, T=5, H=1, K=3, V=2)
     with pytest.raises(ValueError, match="key dim K"):
-        proteus_gated_delta_recurrent(q, k, v, g, beta, context_len=8, num_blocks=4)
+        proteus_gated_delta_recurrent(q, k, v, g, beta, schedule=E4N8)
     q, k, v, g, beta, S0 = gdn_inputs(B=1, T=5, H=1, K=8, V=2)
     with pytest.raises(ValueError, match="t0"):
-        proteus_gated_delta_chunked(q, k, v, g, beta, context_len=8, num_blocks=4, t0=jnp.int32(3))
+        proteus_gated_delta_chunked(q, k, v, g, beta, schedule=E4N8, t0=jnp.int32(3))
     with pytest.raises(ValueError, match="t0"):
-        proteus_gated_delta_recurrent(q, k, v, g, beta, context_len=8, num_blocks=4, t0=-1)
+        proteus_gated_delta_recurrent(q, k, v, g, beta, schedule=E4N8, t0=-1)
     with pytest.raises(ValueError, match="t0"):
         proteus_gated_delta_recurrent(
-            q, k, v, g, beta, context_len=8, num_blocks=4, t0=jnp.zeros((3,), jnp.int32)
+            q, k, v, g, beta, schedule=E4N8, t0=jnp.zeros((3,), jnp.int32)
         )
-    with pytest.raises(ValueError, match="context_len"):
-        proteus_gated_delta_chunked(q, k, v, g, beta, context_len=8.0, num_blocks=4)
+    with pytest.raises(ValueError, match=r"^ProteusRule\.context_len: must be an int"):
+        proteus_gated_delta_chunked(q, k, v, g, beta, schedule=ProteusRule(4, 8.0))
+    with pytest.raises(ValueError, match=r"^proteus_gated_delta_chunked: schedule must be a Prot"):
+        proteus_gated_delta_chunked(q, k, v, g, beta, schedule=(4, 8))
     with pytest.raises(ValueError, match="initial_state"):
-        proteus_gated_delta_chunked(
-            q, k, v, g, beta, context_len=8, num_blocks=4, initial_state=S0[..., :1]
-        )
+        proteus_gated_delta_chunked(q, k, v, g, beta, schedule=E4N8, initial_state=S0[..., :1])
     with pytest.raises(ValueError, match="beta"):
-        proteus_gated_delta_recurrent(q, k, v, g, beta[:, :2], context_len=8, num_blocks=4)
+        proteus_gated_delta_recurrent(q, k, v, g, beta[:, :2], schedule=E4N8)
     with pytest.raises(ValueError, match="t "):
         proteus_gated_delta_step(
-            S0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], t=0, context_len=8, num_blocks=4
+            S0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], t=0, schedule=E4N8
         )
 
 
@@ -443,30 +445,23 @@ def titans_inputs(L, B=2, T=37, H=2, seed=0):
     return TitansMLPState(W, S), (q, k, v, th, et, al)
 
 
-NOCLIP = dict(grad_clip=None)
-mlp_rec = jax.jit(
-    proteus_titans_mlp_recurrent,
-    static_argnames=("context_len", "num_blocks", "t0", "read_before_write", "grad_clip"),
-)
-mlp_chk = jax.jit(
-    proteus_titans_mlp_chunked,
-    static_argnames=("context_len", "num_blocks", "t0", "chunk_size", "grad_clip"),
-)
+mlp_rec = jax.jit(proteus_titans_mlp_recurrent, static_argnames=("schedule", "t0", "rule"))
 
 
 @pytest.mark.parametrize("L", [1, 2])
 def test_titans_recurrent_matches_reference_and_streams(L):
     st, seq = titans_inputs(L)
     for rbw in (True, False):
-        y, new = mlp_rec(*seq, initial_state=st, t0=5, read_before_write=rbw, **N60, **NOCLIP)
+        rule = TitansRule(read_before_write=rbw)
+        y, new = mlp_rec(*seq, initial_state=st, t0=5, rule=rule, **N60)
         y_ref, W_ref, S_ref = ref_proteus_titans(st.weights, st.momentum, *seq, 60, 4, 5, rbw=rbw)
         np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
         chex.assert_trees_all_close(
             (*new.weights, *new.momentum), (*W_ref, *S_ref), rtol=1e-5, atol=1e-5
         )
     # streaming: [0, 20) then [20, 37) carrying the state equals one call (y, new: rbw = False)
-    y1, s1 = mlp_rec(*(x[:, :20] for x in seq), initial_state=st, t0=5, **N60, **NOCLIP)
-    y2, s2 = mlp_rec(*(x[:, 20:] for x in seq), initial_state=s1, t0=25, **N60, **NOCLIP)
+    y1, s1 = mlp_rec(*(x[:, :20] for x in seq), initial_state=st, t0=5, **N60)
+    y2, s2 = mlp_rec(*(x[:, 20:] for x in seq), initial_state=s1, t0=25, **N60)
     np.testing.assert_allclose(np.concatenate([y1, y2], 1), y, rtol=1e-6, atol=1e-6)
     chex.assert_trees_all_close(s2, new, rtol=1e-6, atol=1e-6)
     if L == 1:  # the matrix-memory API is the same memory
@@ -563,16 +558,17 @@ def test_titans_chunked_equals_recurrent_and_reference(L, t0, B, T):
     else:
         st0 = st
         rec_fn, chk_fn = _mlp(proteus_titans_mlp_recurrent), _mlp(proteus_titans_mlp_chunked)
-    kw = dict(t0=t0, **N60, **(NOCLIP if L == 2 else {}))
+    kw = dict(t0=t0, **N60)
     (_, (y_r, s_r)), g_r = _titans_grads(rec_fn, st0, seq, **kw)
-    # chunk_size = 1 is the recurrence (remat only changes what the backward pass recomputes)
-    (_, (y_c, s_c)), g_c = _titans_grads(chk_fn, st0, seq, chunk_size=1, remat=False, **kw)
+    # memory_chunk = 1 is the recurrence (remat only changes what the backward pass recomputes)
+    chunk1 = TitansRule(memory_chunk=1, remat=False)
+    (_, (y_c, s_c)), g_c = _titans_grads(chk_fn, st0, seq, rule=chunk1, **kw)
     np.testing.assert_allclose(y_c, y_r, rtol=1e-4, atol=1e-4)
     for a, b in zip(jax.tree.leaves((s_c, g_c)), jax.tree.leaves((s_r, g_r)), strict=True):
         scale = max(1.0, float(np.abs(b).max()))
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * scale)
     # chunks of 4 inside each span: gradients at (gated) chunk starts, as the reference does it
-    y4, s4 = jax.jit(partial(chk_fn, chunk_size=4, **kw))(st0, *seq)
+    y4, s4 = jax.jit(partial(chk_fn, rule=CHUNK4, **kw))(st0, *seq)
     y_ref, W_ref, S_ref = ref_proteus_titans(st.weights, st.momentum, *seq, 60, 4, t0, chunk=4)
     np.testing.assert_allclose(y4, y_ref, rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(
@@ -591,16 +587,16 @@ def test_titans_single_block_and_beyond_context_are_the_backbone():
     st, seq = titans_inputs(2, B=1, T=12)
     lin0 = TitansLinearState(st.weights[0][..., :8], st.momentum[0][..., :8])
     lin_seq = seq  # K = V = 8: a square matrix memory
-    for kw in (dict(context_len=60, num_blocks=1, t0=7), dict(context_len=60, num_blocks=4, t0=45)):
+    for kw in (dict(schedule=OFF60, t0=7), dict(**N60, t0=45)):
         assert _same_jaxpr(
             lambda s, *a, kw=kw: proteus_titans_mlp_recurrent(*a, initial_state=s, **kw),
             lambda s, *a: titans_mlp_recurrent(*a, initial_state=s), st, *seq,
         )  # fmt: skip
         assert _same_jaxpr(
             lambda s, *a, kw=kw: proteus_titans_mlp_chunked(
-                *a, initial_state=s, chunk_size=4, **kw
+                *a, initial_state=s, rule=CHUNK4, **kw
             ),
-            lambda s, *a: titans_mlp_chunked(*a, initial_state=s, chunk_size=4), st, *seq,
+            lambda s, *a: titans_mlp_chunked(*a, initial_state=s, rule=CHUNK4), st, *seq,
         )  # fmt: skip
         assert _same_jaxpr(
             lambda s, *a, kw=kw: proteus_titans_linear_recurrent(*a, initial_state=s, **kw),
@@ -612,11 +608,11 @@ def test_titans_single_block_and_beyond_context_are_the_backbone():
         )  # fmt: skip
     tok = tuple(x[:, 0] for x in seq)
     assert _same_jaxpr(
-        lambda s, *a: proteus_titans_mlp_step(s, *a, t=46, context_len=60, num_blocks=4),
+        lambda s, *a: proteus_titans_mlp_step(s, *a, t=46, **N60),
         titans_mlp_step, st, *tok,
     )  # fmt: skip
     assert _same_jaxpr(
-        lambda s, *a: proteus_titans_linear_step(s, *a, t=2, context_len=60, num_blocks=1),
+        lambda s, *a: proteus_titans_linear_step(s, *a, t=2, schedule=OFF60),
         titans_linear_step, lin0, *tok,
     )  # fmt: skip
     # beyond N with a traced position: the backbone's values
@@ -631,9 +627,12 @@ def test_titans_single_block_and_beyond_context_are_the_backbone():
 def test_titans_errors():
     st, seq = titans_inputs(2, B=1, T=4)
     with pytest.raises(ValueError, match="activation"):
-        proteus_titans_mlp_recurrent(*seq, initial_state=st, activation=jax.nn.sigmoid, **N60)
+        sigmoid = TitansRule(activation="sigmoid")
+        proteus_titans_mlp_recurrent(*seq, initial_state=st, rule=sigmoid, **N60)
     with pytest.raises(ValueError, match="hidden"):
-        proteus_titans_mlp_chunked(*seq, initial_state=st, context_len=60, num_blocks=16)
+        proteus_titans_mlp_chunked(*seq, initial_state=st, schedule=ProteusRule(16, 60))
+    with pytest.raises(ValueError, match=r"^proteus_titans_mlp_chunked: rule must be a TitansRule"):
+        proteus_titans_mlp_chunked(*seq, initial_state=st, rule=ProteusRule(4, 60), **N60)
     st1, seq1 = titans_inputs(1, B=1, T=4)
     with pytest.raises(ValueError, match="residual"):
         proteus_titans_mlp_recurrent(*seq1, initial_state=st1, residual=True, **N60)

@@ -24,8 +24,10 @@ from nested_jax.core.titans.mlp import (
     titans_mlp_step,
 )
 from nested_jax.core.titans.net import TitansMLPState
+from nested_jax.rules import TitansRule
 
 TOL = 1e-4  # SPEC §0: f32 max abs error relative to the output scale
+CHUNK4 = TitansRule(memory_chunk=4)
 # Unoptimised XLA backend: compile time dominates these tests and halves with it; numerics are f32
 # either way. Only the temp-memory test compiles with the defaults (it measures the real program).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -120,13 +122,14 @@ def test_linear_chunk1_equals_recurrent_values_and_grads():
 
     def rec(q, k, v, th, et, al, M, S):
         return titans_linear_recurrent(
-            q, k, v, th, et, al, initial_state=TitansLinearState(M, S), read_before_write=rbw
-        )
+            q, k, v, th, et, al, initial_state=TitansLinearState(M, S),
+            rule=TitansRule(read_before_write=rbw),
+        )  # fmt: skip
 
     def chk(q, k, v, th, et, al, M, S):
         return titans_linear_chunked(
-            q, k, v, th, et, al, initial_state=TitansLinearState(M, S), chunk_size=1,
-            read_before_write=rbw,
+            q, k, v, th, et, al, initial_state=TitansLinearState(M, S),
+            rule=TitansRule(memory_chunk=1, read_before_write=rbw),
         )  # fmt: skip
 
     args = (*x, M0, S0)
@@ -143,11 +146,13 @@ def test_mlp_chunk1_equals_recurrent_values_and_grads():
     x = _inputs(1, B, T, H, D, D)
     st = _mlp_state(3, B, H, (D, hid, D))  # L_M = 2, residual (auto since K == V)
 
+    # the layers' softclamp (TitansOptions.grad_clip) keeps this memory finite at θ up to 0.9
     def rec(st, *a):
-        return titans_mlp_recurrent(*a, initial_state=st)
+        return titans_mlp_recurrent(*a, initial_state=st, rule=TitansRule(grad_clip=10.0))
 
     def chk(st, *a):
-        return titans_mlp_chunked(*a, initial_state=st, chunk_size=1)
+        rule = TitansRule(memory_chunk=1, grad_clip=10.0)
+        return titans_mlp_chunked(*a, initial_state=st, rule=rule)
 
     (y_r, st_r), g_r = _grads(rec, (st, *x))
     (y_c, st_c), g_c = _grads(chk, (st, *x))
@@ -161,10 +166,9 @@ def test_recurrent_equals_independent_per_token_reference():
     B, T, H, K, V = 1, 19, 2, 8, 6
     x = _inputs(2, B, T, H, K, V)
     st = _mlp_state(4, B, H, (K, 10, V))  # K != V: no residual
-    y, st_r = _run(
-        titans_mlp_recurrent, *x, initial_state=st, read_before_write=True, grad_clip=None
-    )
-    y_ref, (w_ref, s_ref) = _run(ref.per_token_rule, *x, initial_state=st, read_before_write=True)
+    rbw = TitansRule(read_before_write=True)
+    y, st_r = _run(titans_mlp_recurrent, *x, initial_state=st, rule=rbw)
+    y_ref, (w_ref, s_ref) = _run(ref.per_token_rule, *x, initial_state=st, rule=rbw)
     _close(y, y_ref, what="mlp y")
     _assert_tree_close((st_r.weights, st_r.momentum), (w_ref, s_ref), "mlp state")
 
@@ -188,23 +192,19 @@ def test_chunked_matches_slow_chunk_rule_values_and_grads(layers, b):
     dims = (K, V) if layers == 1 else (K, hid, V)
     st = _mlp_state(7, B, H, dims)
     residual = layers >= 2
+    rule = TitansRule(memory_chunk=b, read_before_write=rbw)
 
     def fast(st, *a):
         if layers == 1:
             o, s = titans_linear_chunked(
-                *a, initial_state=TitansLinearState(st.weights[0], st.momentum[0]), chunk_size=b,
-                read_before_write=rbw,
-            )  # fmt: skip
+                *a, initial_state=TitansLinearState(st.weights[0], st.momentum[0]), rule=rule
+            )
             return o, (s.M,), (s.S,)
-        y, s = titans_mlp_chunked(
-            *a, initial_state=st, chunk_size=b, read_before_write=rbw, grad_clip=None
-        )
+        y, s = titans_mlp_chunked(*a, initial_state=st, rule=rule)
         return y, s.weights, s.momentum
 
     def slow(st, *a):
-        y, (w, m) = ref.chunk_rule(
-            *a, initial_state=st, chunk_size=b, residual=residual, read_before_write=rbw
-        )
+        y, (w, m) = ref.chunk_rule(*a, initial_state=st, rule=rule, residual=residual)
         return y, w, m
 
     out_f, g_f = _grads(fast, (st, *x))
@@ -220,18 +220,17 @@ def test_deep_memories_match_slow_chunk_rule(layers):
     x = _inputs(11, B, T, H, D, D)
     x = (x[0], x[1], 3.0 * x[2], *x[3:])  # large values so the softclamp binds
     dims = (D, 9, 7, D) if layers == 3 else (D, 9, 7, 5, D)
-    act = jax.nn.silu if layers == 3 else jax.nn.gelu
+    act = "silu" if layers == 3 else "gelu"
     st = _mlp_state(13, B, H, dims)
-    kw = dict(chunk_size=8, activation=act)
-    y, s = _run(titans_mlp_chunked, *x, initial_state=st, grad_clip=0.5, **kw)
-    y_ref, (w_ref, s_ref) = _run(
-        ref.chunk_rule, *x, initial_state=st, residual=True, grad_clip=0.5, **kw
-    )
+    rule = TitansRule(memory_chunk=8, activation=act, grad_clip=0.5)
+    y, s = _run(titans_mlp_chunked, *x, initial_state=st, rule=rule)
+    y_ref, (w_ref, s_ref) = _run(ref.chunk_rule, *x, initial_state=st, residual=True, rule=rule)
     _close(y, y_ref, what="y")
     _assert_tree_close((s.weights, s.momentum), (w_ref, s_ref), "state")
     # The clip binds here (otherwise this test would not pin it): the first surprise is > 0.5.
     w0 = [w[0, 0] for w in st.weights]
-    u = ref.surprise(w0, x[1][0, 0, 0], x[2][0, 0, 0], act, True, None)
+    act_fn = jax.nn.silu if layers == 3 else jax.nn.gelu
+    u = ref.surprise(w0, x[1][0, 0, 0], x[2][0, 0, 0], act_fn, True, 0.0)
     assert float(jnp.sqrt(sum(jnp.sum(g**2) for g in u))) > 2 * 0.5
 
 
@@ -239,19 +238,20 @@ def test_per_chunk_gates_equal_pooled_gates_in_slow_rule():
     B, T, H, K, V = 2, 13, 1, 6, 5
     q, k, v, th, et, al = _inputs(17, B, T, H, K, V)
     M0 = 0.3 * _normal(0, (B, H, K, V))
-    o, s = _run(
-        titans_linear_chunked, q, k, v, th, et, al, initial_state=M0, chunk_size=4,
-        per_chunk_gates=True,
-    )  # fmt: skip
+    pooled_rule = TitansRule(memory_chunk=4, per_chunk_gates=True)
+    o, s = _run(titans_linear_chunked, q, k, v, th, et, al, initial_state=M0, rule=pooled_rule)
     pooled = [titans_pool_gates(g, 4) for g in (th, et, al)]
     np.testing.assert_allclose(pooled[0][:, 12], th[:, 12])  # the 1-token last chunk keeps its gate
     np.testing.assert_allclose(pooled[1][:, 5], et[:, 4:8].mean(1), rtol=1e-6)
+    init = ((M0,), (jnp.zeros_like(M0),))
     o_ref, (w_ref, _) = _run(
-        ref.chunk_rule, q, k, v, *pooled, initial_state=((M0,), (jnp.zeros_like(M0),)),
-        chunk_size=4,
-    )  # fmt: skip
+        ref.chunk_rule, q, k, v, *pooled, initial_state=init, rule=TitansRule(memory_chunk=4)
+    )
     _close(o, o_ref, what="o")
     _close(s.M, w_ref[0], what="M")
+    # the twin pools the gates itself, chunk by chunk
+    o_twin, _ = _run(ref.chunk_rule, q, k, v, th, et, al, initial_state=init, rule=pooled_rule)
+    _close(o_twin, o_ref, what="twin's pooled o")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -282,7 +282,7 @@ def test_alpha_one_erases_memory():
     T = 14
     for fn, t0 in (
         (titans_linear_recurrent, 6),
-        (functools.partial(titans_linear_chunked, chunk_size=4), 7),
+        (functools.partial(titans_linear_chunked, rule=TitansRule(memory_chunk=4)), 7),
     ):
         x = list(_inputs(21, 1, T, 1, K, V))
         for i, val in ((3, 0.0), (4, 0.0), (5, 1.0)):  # theta, eta, alpha at t0
@@ -308,11 +308,11 @@ def test_eta_zero_removes_momentum():
     u = k[..., :, None] * (jnp.einsum("bhk,bhkv->bhv", k, M) - v)[..., None, :]
     np.testing.assert_allclose(st.S, -th[..., None, None] * u, atol=1e-6)
     one = [a[:, None] for a in (q, k, v, th, zero, al)]
-    _, st_c = _run(titans_linear_chunked, *one, initial_state=TitansLinearState(M, S), chunk_size=4)
+    _, st_c = _run(titans_linear_chunked, *one, initial_state=TitansLinearState(M, S), rule=CHUNK4)
     np.testing.assert_allclose(st_c.S, -th[..., None, None] * u, atol=1e-6)
 
     mst = _mlp_state(3, B, H, (K, 8, V), momentum_scale=1.0)
-    _, mnew = _run(titans_mlp_step, mst, q, k, v, th, zero, al, grad_clip=None)
+    _, mnew = _run(titans_mlp_step, mst, q, k, v, th, zero, al)
     ug = jax.grad(lambda w: 0.5 * jnp.sum((titans_mlp_apply(w, k[:, None])[:, 0] - v) ** 2))(
         mst.weights
     )
@@ -328,7 +328,7 @@ def test_theta_zero_leaves_memory_unchanged(layers):
     zero = jnp.zeros_like(th)
     dims = (D, D) if layers == 1 else (D, 8, D)
     st = _mlp_state(5, B, H, dims, momentum_scale=0.0)
-    for fn in (titans_mlp_recurrent, functools.partial(titans_mlp_chunked, chunk_size=4)):
+    for fn in (titans_mlp_recurrent, functools.partial(titans_mlp_chunked, rule=CHUNK4)):
         y, new = _run(fn, q, k, v, zero, zero, zero, initial_state=st)
         for w0, w in zip(st.weights, new.weights, strict=True):
             np.testing.assert_allclose(w, w0, atol=1e-7)
@@ -348,7 +348,7 @@ def test_repeated_pair_is_recalled(layers):
     v = jnp.repeat(v, T, axis=1)
     g = lambda val: jnp.full((B, T, H), val)  # noqa: E731
     if layers == 1:
-        o, s = _run(titans_linear_chunked, k, k, v, g(0.3), g(0.5), g(0.01), chunk_size=4)
+        o, s = _run(titans_linear_chunked, k, k, v, g(0.3), g(0.5), g(0.01), rule=CHUNK4)
         recall = jnp.einsum("bhk,bhkv->bhv", k[:, 0], s.M)
     else:
         st = _mlp_state(6, B, H, (D, 16, D), momentum_scale=0.0)
@@ -367,7 +367,7 @@ def test_causality(rbw):
     B, T, H, D, t0 = 1, 23, 2, 6, 10
     x = _inputs(60, B, T, H, D, D)
     st = _mlp_state(8, B, H, (D, 8, D))
-    kw = dict(chunk_size=8, read_before_write=rbw)
+    kw = dict(rule=TitansRule(memory_chunk=8, read_before_write=rbw))
     y1, _ = _run(titans_mlp_chunked, *x, initial_state=st, **kw)
     x2 = [a.at[:, t0:].multiply(0.5) for a in x]
     y2, _ = _run(titans_mlp_chunked, *x2, initial_state=st, **kw)
@@ -386,19 +386,20 @@ def test_decode_with_anchor_equals_chunked(layers):
     B, T, H, D, b, prefill = 1, 19, 2, 6, 4, 8
     x = _inputs(100, B, T, H, D, D)
     st = _mlp_state(9, B, H, (D, D) if layers == 1 else (D, 8, D))
+    rule = TitansRule(memory_chunk=b)
     if layers == 1:
         lin0 = TitansLinearState(st.weights[0], st.momentum[0])
-        y_full, s_full = _run(titans_linear_chunked, *x, initial_state=lin0, chunk_size=b)
+        y_full, s_full = _run(titans_linear_chunked, *x, initial_state=lin0, rule=rule)
         full_w = (s_full.M,)
         _, state = _run(
-            titans_linear_chunked, *(a[:, :prefill] for a in x), initial_state=lin0, chunk_size=b
+            titans_linear_chunked, *(a[:, :prefill] for a in x), initial_state=lin0, rule=rule
         )
         step, get_w = titans_linear_step, lambda s: s.M
     else:
-        y_full, s_full = _run(titans_mlp_chunked, *x, initial_state=st, chunk_size=b)
+        y_full, s_full = _run(titans_mlp_chunked, *x, initial_state=st, rule=rule)
         full_w = s_full.weights
         _, state = _run(
-            titans_mlp_chunked, *(a[:, :prefill] for a in x), initial_state=st, chunk_size=b
+            titans_mlp_chunked, *(a[:, :prefill] for a in x), initial_state=st, rule=rule
         )
         step, get_w = titans_mlp_step, lambda s: s.weights
 
@@ -419,17 +420,17 @@ def test_softclamp_bounds_each_write():
     """With grad_clip=c the first write has ‖S_1‖_F ≤ θ c even for a huge surprise."""
     q, k, v, th, et, al = _one_token(70)
     M = jnp.zeros((2, 2, 6, 6))
-    _, st = _run(titans_linear_step, M, q, k, 1e4 * v, th, et, al, grad_clip=2.0)
+    _, st = _run(titans_linear_step, M, q, k, 1e4 * v, th, et, al, rule=TitansRule(grad_clip=2.0))
     norms = jnp.linalg.norm(st.S, axis=(-2, -1))
     assert bool(jnp.all(norms <= 2.0 * th + 1e-4)) and bool(jnp.all(norms > 1.9 * th))
 
 
 def test_bf16_inputs_keep_f32_state():
     x = [a.astype(jnp.bfloat16) for a in _inputs(80, 1, 9, 1, 4, 4)]
-    o, s = _run(titans_linear_chunked, *x, chunk_size=4)
+    o, s = _run(titans_linear_chunked, *x, rule=CHUNK4)
     assert o.dtype == jnp.bfloat16 and s.M.dtype == jnp.float32 and s.S.dtype == jnp.float32
     st = _mlp_state(1, 1, 1, (4, 8, 4))
-    y, ms = _run(titans_mlp_chunked, *x, initial_state=st, chunk_size=4)
+    y, ms = _run(titans_mlp_chunked, *x, initial_state=st, rule=CHUNK4)
     assert y.dtype == jnp.bfloat16 and all(w.dtype == jnp.float32 for w in ms.weights)
 
 
@@ -461,7 +462,7 @@ def _separate_segments(st, seg, *a, chunk_size):
             y, (w, s_) = ref.chunk_rule(
                 *(row(x)[:, lo:hi] for x in a),
                 initial_state=(tuple(map(row, st.weights)), tuple(map(row, st.momentum))),
-                chunk_size=chunk_size, residual=True,
+                rule=TitansRule(memory_chunk=chunk_size), residual=True,
             )  # fmt: skip
             parts.append(y)
         ys.append(jnp.concatenate(parts, 1))
@@ -482,7 +483,7 @@ def test_segment_ids_chunked_equals_separate_segments_values_and_grads():
 
     def fast(st, *a):
         y, s = titans_mlp_chunked(
-            *a, initial_state=st, chunk_size=b, grad_clip=None, segment_ids=seg
+            *a, initial_state=st, rule=TitansRule(memory_chunk=b), segment_ids=seg
         )
         return y, s.weights, s.momentum
 
@@ -502,56 +503,58 @@ def test_segment_ids_reset_state_and_grad_horizon():
     x = _inputs(111, B, T, H, D, D)
     st, st_r = _mlp_state(21, B, H, (D, 8, D)), _mlp_state(22, B, H, (D, 8, D))
     seg = _segments(T, last=13)
+    rule = TitansRule(memory_chunk=b)
     y, _ = _run(
-        titans_mlp_chunked, *x, initial_state=st, chunk_size=b, segment_ids=seg, reset_state=st_r
+        titans_mlp_chunked, *x, initial_state=st, rule=rule, segment_ids=seg, reset_state=st_r
     )
     st_r1 = jax.tree.map(lambda a: a[1:], st_r)
-    y_ref, _ = _run(
-        titans_mlp_chunked, *(a[1:, 8:13] for a in x), initial_state=st_r1, chunk_size=b
-    )
+    y_ref, _ = _run(titans_mlp_chunked, *(a[1:, 8:13] for a in x), initial_state=st_r1, rule=rule)
     _close(y[1:, 8:13], y_ref, what="segment [8, 13) from reset_state")
     y_rec, _ = _run(titans_mlp_recurrent, *x, initial_state=st, segment_ids=seg, reset_state=st_r)
     y_ref, _ = _run(titans_mlp_recurrent, *(a[1:, 8:13] for a in x), initial_state=st_r1)
     _close(y_rec[1:, 8:13], y_ref, what="recurrent segment [8, 13) from reset_state")
-    for fn, kw in ((titans_mlp_chunked, {"chunk_size": b}), (titans_mlp_recurrent, {})):
+    for fn in (titans_mlp_chunked, titans_mlp_recurrent):
 
-        def last_out(k0, fn=fn, kw=kw, n=0):
+        def last_out(k0, fn=fn, n=0):
             k = x[1].at[:, 0].set(k0)
-            return fn(x[0], k, *x[2:], initial_state=st, grad_horizon=n, **kw)[0][:, -1].sum()
+            cut = TitansRule(memory_chunk=b, grad_horizon=n)
+            return fn(x[0], k, *x[2:], initial_state=st, rule=cut)[0][:, -1].sum()
 
         g_cut = jax.grad(functools.partial(last_out, n=8))(x[1][:, 0])
         g_full = jax.grad(last_out)(x[1][:, 0])
         assert float(jnp.abs(g_cut).max()) == 0.0 and float(jnp.abs(g_full).max()) > 0.0
-        y_cut = fn(*x, initial_state=st, grad_horizon=8, **kw)[0]
-        _close(y_cut, fn(*x, initial_state=st, **kw)[0], tol=1e-6, what="grad_horizon values")
-    with pytest.raises(ValueError, match="grad_horizon must be a multiple of chunk_size"):
-        titans_mlp_chunked(*x, initial_state=st, chunk_size=4, grad_horizon=6)
+        y_cut = fn(*x, initial_state=st, rule=TitansRule(memory_chunk=b, grad_horizon=8))[0]
+        _close(y_cut, fn(*x, initial_state=st, rule=rule)[0], tol=1e-6, what="horizon values")
+    with pytest.raises(ValueError, match=r"rule\.grad_horizon must be a multiple of rule\.memory"):
+        titans_mlp_chunked(*x, initial_state=st, rule=TitansRule(memory_chunk=4, grad_horizon=6))
 
 
 def test_segment_ids_reset_to_initial_state():
     """A segment gives what a separate call on it gives (recurrent and chunked, the chunked one
-    also for segments starting mid-chunk); chunk_size=1 == recurrent."""
+    also for segments starting mid-chunk); memory_chunk=1 == recurrent."""
     B, T, H, D, b = 2, 23, 2, 6, 4
     x = _inputs(120, B, T, H, D, D)
     seg = _segments(T)
     M0 = _normal(12, (B, H, D, D), 0.3)
     init = TitansLinearState(M0, _normal(13, (B, H, D, D), 0.1))
     o_r, s_r = _run(titans_linear_recurrent, *x, initial_state=init, segment_ids=seg)
-    o_1, s_1 = _run(titans_linear_chunked, *x, initial_state=init, segment_ids=seg, chunk_size=1)
+    chunk1 = TitansRule(memory_chunk=1)
+    o_1, s_1 = _run(titans_linear_chunked, *x, initial_state=init, segment_ids=seg, rule=chunk1)
     _close(o_1, o_r, what="chunk 1 vs recurrent o")
     _assert_tree_close(s_1, s_r, "chunk 1 vs recurrent state")
-    o_c, s_c = _run(titans_linear_chunked, *x, initial_state=init, segment_ids=seg, chunk_size=b)
+    rule = TitansRule(memory_chunk=b)
+    o_c, s_c = _run(titans_linear_chunked, *x, initial_state=init, segment_ids=seg, rule=rule)
     part = [a[1:, 8:20] for a in x]
     init1 = TitansLinearState(M0[1:], init.S[1:])
     o_sep, _ = _run(titans_linear_recurrent, *part, initial_state=init1)
     _close(o_r[1:, 8:20], o_sep, what="recurrent segment [8, 20)")
-    o_sep, _ = _run(titans_linear_chunked, *part, initial_state=init1, chunk_size=b)
+    o_sep, _ = _run(titans_linear_chunked, *part, initial_state=init1, rule=rule)
     _close(o_c[1:, 8:20], o_sep, what="chunked segment [8, 20)")
     _, s_sep = _run(titans_linear_recurrent, *(a[1:, 20:] for a in x), initial_state=init1)
     _close(s_r.M[1:], s_sep.M, what="final M of the last segment")
     part = [a[:1, 7:] for a in x]  # row 0: the segment starting mid-chunk at 7
     init0 = TitansLinearState(M0[:1], init.S[:1])
-    o_sep, s_sep = _run(titans_linear_chunked, *part, initial_state=init0, chunk_size=b)
+    o_sep, s_sep = _run(titans_linear_chunked, *part, initial_state=init0, rule=rule)
     _close(o_c[:1, 7:], o_sep, what="chunked segment [7, 23) (mid-chunk start)")
     _close(s_c.M[:1], s_sep.M, what="chunked final M of row 0")
     with pytest.raises(ValueError, match=r"segment_ids must have shape \[B, T\]"):
@@ -569,7 +572,7 @@ def _temp_bytes(T):
     x = _inputs(0, B, T, H, D, D)
 
     def loss(st, *a):
-        y, s = titans_mlp_chunked(*a, initial_state=st, chunk_size=b)
+        y, s = titans_mlp_chunked(*a, initial_state=st, rule=TitansRule(memory_chunk=b))
         return jnp.sum(y**2) + sum(jnp.sum(w) for w in s.weights)
 
     f = jax.jit(jax.grad(loss, argnums=tuple(range(7)))).lower(st, *x)
@@ -599,10 +602,12 @@ def test_bad_inputs_raise_value_error_naming_the_argument():
         titans_linear_chunked(q, k[..., :3], v, th, et, al)
     with pytest.raises(ValueError, match=r"initial_state.M must have shape \[B, H, K, V\]"):
         titans_linear_chunked(q, k, v, th, et, al, initial_state=jnp.zeros((2, 2, 3, 4)))
-    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
-        titans_linear_chunked(q, k, v, th, et, al, chunk_size=0)
-    with pytest.raises(ValueError, match="grad_clip must be a positive"):
-        titans_linear_recurrent(q, k, v, th, et, al, grad_clip=-1.0)
+    with pytest.raises(ValueError, match=r"^TitansRule\.memory_chunk: must be an int >= 1"):
+        titans_linear_chunked(q, k, v, th, et, al, rule=TitansRule(memory_chunk=0))
+    with pytest.raises(ValueError, match=r"^TitansRule\.grad_clip: must be a float >= 0"):
+        titans_linear_recurrent(q, k, v, th, et, al, rule=TitansRule(grad_clip=-1.0))
+    with pytest.raises(ValueError, match=r"^titans_linear_chunked: rule must be a TitansRule"):
+        titans_linear_chunked(q, k, v, th, et, al, rule={"memory_chunk": 4})
     with pytest.raises(ValueError, match=r"q_t must have shape \[B, H, D\]"):
         titans_linear_step(
             jnp.zeros((2, 2, 4, 3)), q, k[:, 0], v[:, 0], th[:, 0], et[:, 0], al[:, 0]
@@ -620,6 +625,5 @@ def test_bad_inputs_raise_value_error_naming_the_argument():
         titans_mlp_chunked(q, k, v, th, et, al, initial_state=st, residual=True)
     # the MLP memory has no zero state: a missing initial_state names the constructor
     for fn in (titans_mlp_chunked, titans_mlp_recurrent, ref.chunk_rule, ref.per_token_rule):
-        kw = {"chunk_size": 2} if fn is ref.chunk_rule else {}
         with pytest.raises(ValueError, match=r"initial_state: .*titans_mlp_state\(weights, B\)"):
-            fn(q, k, v, th, et, al, **kw)
+            fn(q, k, v, th, et, al)

@@ -16,6 +16,7 @@ from nested_jax.layers import DeltaNet, GatedDeltaNet
 from nested_jax.layers.options import OPTION_SECTIONS, ProteusOptions
 from nested_jax.models.config import ModelConfig
 from nested_jax.models.lm import build_model
+from nested_jax.rules import ProteusRule
 
 D_MODEL, H, D = 16, 2, 8
 N, E = 16, 4  # training context and blocks: Δ = 4, fully open from t = 13
@@ -45,7 +46,7 @@ class _CoreReference(GatedDeltaNet):
 
     def _rule(self, q, k, v, g, beta, *, state, segment_ids, single_step: bool):
         assert segment_ids is None and state is None and not single_step
-        kw = dict(context_len=N, num_blocks=E, t0=0)
+        kw = dict(schedule=ProteusRule(blocks=E, context_len=N), t0=0)
         if self.core_impl == "chunked":
             return proteus_gated_delta_chunked(q, k, v, g, beta, chunk_size=4, **kw)
         return proteus_gated_delta_recurrent(q, k, v, g, beta, **kw)

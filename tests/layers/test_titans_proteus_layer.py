@@ -14,6 +14,7 @@ from nested_jax.core.titans.proteus import proteus_titans_mlp_chunked, proteus_t
 from nested_jax.layers.options import ProteusOptions, TitansOptions
 from nested_jax.models.config import ModelConfig
 from nested_jax.models.registry import get_mixer
+from nested_jax.rules import ProteusRule
 from tests.layers.test_titans_layers import D_MODEL, OPTS, B, T, _cached, _full, _pos, _x
 
 # shapes, options, inputs and call helpers are those of the plain Titans layer tests
@@ -53,13 +54,11 @@ def test_memory_equals_core_proteus_and_keeps_locked_coordinates(opts):
     xs = _memory_inputs(m, _x())
     st0 = mem.initial_state(B)
     y, st = nnx.jit(lambda mem, xs: mem(*xs))(mem, xs)
-    kw = dict(context_len=32, num_blocks=4, grad_clip=mem.grad_clip)
+    kw = dict(rule=mem.spec.rule, schedule=ProteusRule(blocks=4, context_len=32))
     if mem.impl == "recurrent":
         y_ref, st_ref = proteus_titans_mlp_recurrent(*xs, initial_state=st0, **kw)
     else:
-        y_ref, st_ref = proteus_titans_mlp_chunked(
-            *xs, initial_state=st0, chunk_size=mem.chunk, **kw
-        )
+        y_ref, st_ref = proteus_titans_mlp_chunked(*xs, initial_state=st0, **kw)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(st, st_ref, rtol=1e-5, atol=1e-5)
     # T = 21 < (E−1)Δ + 1 = 25: block 3 (the last) never opened, so its coordinates keep the
@@ -127,8 +126,8 @@ def test_packed_rows_with_proteus():
         xs = (q, k, v, *mem.gates(x))
         y_mem, _ = nnx.jit(lambda mem, xs, s: mem(*xs, state=carried, segment_ids=s))(mem, xs, s)
         y_ref, _ = proteus_titans_mlp_chunked(
-            *(a[:, cut:] for a in xs), initial_state=mem.initial_state(B), context_len=32,
-            num_blocks=4, t0=cut, chunk_size=mem.chunk, grad_clip=mem.grad_clip,
+            *(a[:, cut:] for a in xs), initial_state=mem.initial_state(B), rule=mem.spec.rule,
+            schedule=ProteusRule(blocks=4, context_len=32), t0=cut,
         )  # fmt: skip
         np.testing.assert_allclose(
             np.asarray(y_mem[:, cut:]), np.asarray(y_ref), rtol=1e-5, atol=1e-5, err_msg=str(cut)

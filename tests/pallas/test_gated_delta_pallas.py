@@ -18,7 +18,6 @@ import pytest
 from nested_jax import ops
 from nested_jax.core.associative.forms import gated_delta_chunked, gated_delta_recurrent
 from pallas_kernels.gated_delta import BlockSizes, gated_delta_pallas
-from pallas_kernels.titans_linear import BlockSizes as TitansBlockSizes
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(
@@ -122,12 +121,12 @@ def test_bf16_operands():
     assert _rel(s, s_ref) < F32_TOL  # the state never leaves f32
 
 
-@pytest.mark.parametrize("blocks", [BlockSizes, TitansBlockSizes], ids=["gated_delta", "titans"])
 @pytest.mark.parametrize("chunk", [0, -8, 12, 8.0, True, None])
-def test_block_sizes_validation(blocks, chunk):
-    """Both kernels' ``BlockSizes`` refuse a chunk that is not a positive multiple of 8."""
+def test_block_sizes_validation(chunk):
+    """``BlockSizes`` refuses a chunk that is not a positive multiple of 8 (the Titans kernel's
+    chunk is its rule's ``memory_chunk``, checked in ``test_titans_linear_pallas``)."""
     with pytest.raises(ValueError, match=r"^BlockSizes: chunk must be a positive multiple of 8"):
-        blocks(chunk=chunk)
+        BlockSizes(chunk=chunk)
 
 
 def test_block_sizes_default_and_frozen():

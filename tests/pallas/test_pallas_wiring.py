@@ -351,7 +351,7 @@ def test_proteus_gated_delta_dispatch():
     args = tuple(x[n] for n in SEQ)
     kw = dict(initial_state=s0, t0=3, chunk_size=16)
     o_c, S_c = ops.linear.proteus_gated_delta(*args, rule=rule, impl="chunked", **kw)
-    o_ref, S_ref = proteus_gated_delta_chunked(*args, context_len=32, num_blocks=4, **kw)
+    o_ref, S_ref = proteus_gated_delta_chunked(*args, schedule=rule, **kw)
     np.testing.assert_array_equal(o_c, o_ref)
     np.testing.assert_array_equal(S_c, S_ref)
     o_r, S_r = ops.linear.proteus_gated_delta(*args, rule=rule, impl="recurrent", **kw)
@@ -369,7 +369,7 @@ def test_proteus_gated_delta_dispatch():
     with pytest.raises(ValueError, match="BlockSizes: chunk must be a positive multiple of 8"):
         ops.linear.proteus_gated_delta(*args, rule=rule, chunk_size=12, impl="pallas", t0=3)
     with pytest.raises(ValueError, match="backbone must be a function"):
-        proteus_gated_delta_chunked(*args, context_len=32, num_blocks=4, t0=3, backbone=None)
+        proteus_gated_delta_chunked(*args, schedule=rule, t0=3, backbone=None)
 
 
 def test_proteus_gdn_layer_pallas_equals_chunked():

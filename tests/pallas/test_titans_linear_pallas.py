@@ -27,9 +27,9 @@ from nested_jax.core.titans.net import segment_resets
 from nested_jax.layers.options import TitansOptions
 from nested_jax.models.config import ModelConfig
 from nested_jax.models.lm import build_model
-from nested_jax.ops.linear import ProteusRule
 from nested_jax.ops.titans import TitansMemorySpec, titans_memory_init_cache, titans_mlp_state
-from pallas_kernels.titans_linear import BlockSizes, titans_linear_pallas
+from nested_jax.rules import ProteusRule, TitansRule
+from pallas_kernels.titans_linear import titans_linear_pallas
 from tests.pallas.test_gated_delta_pallas import tpu_batch_mesh
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -87,17 +87,12 @@ def _loss_and_grads(fn, args, st, sid, **kw):
     return out, grads
 
 
-def _errors(T, C, *, init, seg, rbw=False, clip=None, against="chunked", **shape):
+def _errors(T, C, *, init, seg, rbw=False, clip=0.0, against="chunked", **shape):
     args, st, sid = _inputs(T, init=init, seg=seg, **shape)
-    kw = dict(read_before_write=rbw, grad_clip=clip)
-    out, grads = _loss_and_grads(
-        titans_linear_pallas, args, st, sid, block_sizes=BlockSizes(C), interpret=True, **kw
-    )
-    if against == "chunked":
-        ref = lambda *a, **k: titans_linear_chunked(*a, chunk_size=C, **k)  # noqa: E731
-    else:
-        ref = titans_linear_recurrent
-    ref_out, ref_grads = _loss_and_grads(ref, args, st, sid, **kw)
+    rule = TitansRule(memory_chunk=C, read_before_write=rbw, grad_clip=clip)
+    out, grads = _loss_and_grads(titans_linear_pallas, args, st, sid, rule=rule, interpret=True)
+    ref = titans_linear_chunked if against == "chunked" else titans_linear_recurrent
+    ref_out, ref_grads = _loss_and_grads(ref, args, st, sid, rule=rule)
     leaves = jax.tree.leaves((out, grads))
     ref_leaves = jax.tree.leaves((ref_out, ref_grads))
     assert len(leaves) == len(ref_leaves) == (11 if init else 9)
@@ -143,13 +138,13 @@ def test_matches_chunked_values_and_grads(case):
 @pytest.mark.parametrize("C", [16, 64])
 @pytest.mark.parametrize("init", [False, True])
 @pytest.mark.parametrize("seg", [False, True])
-@pytest.mark.parametrize("rbw,clip", [(False, None), (True, 0.5)])
+@pytest.mark.parametrize("rbw,clip", [(False, 0.0), (True, 0.5)])
 def test_matches_chunked_grid(T, C, init, seg, rbw, clip):
     _check(T=T, C=C, init=init, seg=seg, rbw=rbw, clip=clip, K=32, V=24)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rbw,clip", [(False, None), (True, 0.5)])
+@pytest.mark.parametrize("rbw,clip", [(False, 0.0), (True, 0.5)])
 def test_one_token_equals_recurrent(rbw, clip):
     """``T = 1``: one chunk of one real token, where the chunk rule is the per-token rule."""
     _check(T=1, C=8, init=True, seg=False, rbw=rbw, clip=clip, against="recurrent")
@@ -160,7 +155,7 @@ def test_padding_never_reaches_the_state():
     """T = 20 with chunk 16 pads 12 tokens: the final state equals the run on the first 16
     tokens continued by the last 4 (a separate call from the mid state), and equals the core."""
     args, st, _ = _inputs(20, init=True, B=1, H=1, K=8, V=8)
-    kw = dict(block_sizes=BlockSizes(8), interpret=True)
+    kw = dict(rule=TitansRule(memory_chunk=8), interpret=True)
     _, full = titans_linear_pallas(*args, initial_state=st, **kw)
     head = [x[:, :16] for x in args]
     tail = [x[:, 16:] for x in args]
@@ -178,19 +173,15 @@ def test_grad_horizon_matches_core():
     from nested_jax.core.titans.net import TitansMLPState
 
     args, st, _ = _inputs(40, init=True, B=1, H=2, K=8, V=8)
+    cut = TitansRule(memory_chunk=8, grad_horizon=16, grad_clip=10.0)
+    full = TitansRule(memory_chunk=8, grad_clip=10.0)
 
     def pallas(args, st):
-        o, (M, S) = titans_linear_pallas(
-            *args, initial_state=st, block_sizes=BlockSizes(8), grad_horizon=16,
-            grad_clip=10.0, interpret=True,
-        )  # fmt: skip
+        o, (M, S) = titans_linear_pallas(*args, initial_state=st, rule=cut, interpret=True)
         return o, M, S
 
     def core(args, st):
-        o, s = titans_mlp_chunked(
-            *args, initial_state=TitansMLPState((st[0],), (st[1],)), chunk_size=8,
-            grad_horizon=16, grad_clip=10.0,
-        )  # fmt: skip
+        o, s = titans_mlp_chunked(*args, initial_state=TitansMLPState((st[0],), (st[1],)), rule=cut)
         return o, s.weights[0], s.momentum[0]
 
     def loss(fn):
@@ -204,57 +195,54 @@ def test_grad_horizon_matches_core():
     assert _rel(lp, lc) < F32_TOL
     for a, b in zip(jax.tree.leaves(gp), jax.tree.leaves(gc), strict=True):
         assert _rel(a, b) < F32_TOL
+
     # and the cut is real: without it the initial state's gradient differs
-    _, g_full = jax.value_and_grad(
-        lambda st: jnp.sum(
-            titans_linear_pallas(
-                *args, initial_state=st, block_sizes=BlockSizes(8), grad_clip=10.0, interpret=True
-            )[0]
-            ** 2  # fmt: skip
-        )
-    )(st)
-    _, g_cut = jax.value_and_grad(
-        lambda st: jnp.sum(
-            titans_linear_pallas(
-                *args,
-                initial_state=st,
-                block_sizes=BlockSizes(8),
-                grad_clip=10.0,
-                grad_horizon=16,
-                interpret=True,
-            )[0]
-            ** 2  # fmt: skip
-        )
-    )(st)
+    def squared(rule):
+        def f(st):
+            o, _ = titans_linear_pallas(*args, initial_state=st, rule=rule, interpret=True)
+            return jnp.sum(o**2)
+
+        return jax.value_and_grad(f)(st)
+
+    (_, g_full), (_, g_cut) = squared(full), squared(cut)
     assert _rel(g_cut[0], g_full[0]) > 1e-3
 
 
 @pytest.mark.slow
 def test_bf16_operands():
     args, st, sid = _inputs(40, init=True, seg=True, dtype=jnp.bfloat16)
+    rule = TitansRule(memory_chunk=8)
     o, (M, S) = titans_linear_pallas(
-        *args, initial_state=st, segment_ids=sid, block_sizes=BlockSizes(8), interpret=True
+        *args, initial_state=st, segment_ids=sid, rule=rule, interpret=True
     )
     # the chunk rule on the same (bf16-exact) values in f32
     f32 = [x.astype(jnp.float32) for x in args]
     o_ref, (M_ref, S_ref) = titans_linear_chunked(
-        *f32, initial_state=st, segment_ids=sid, chunk_size=8
+        *f32, initial_state=st, segment_ids=sid, rule=rule
     )
     assert o.dtype == jnp.bfloat16 and M.dtype == S.dtype == jnp.float32
     assert _rel(o, o_ref) < BF16_TOL
     assert _rel(M, M_ref) < F32_TOL and _rel(S, S_ref) < F32_TOL  # the states never leave f32
 
 
-def test_block_sizes_default_and_frozen_and_argument_errors():
-    bs = BlockSizes.get_default()
-    assert bs == BlockSizes(chunk=16)
-    with pytest.raises(AttributeError):
-        bs.chunk = 8  # type: ignore[misc]
+@pytest.mark.parametrize("chunk", [4, 12])
+def test_the_rule_chunk_must_fill_tpu_sublanes(chunk):
+    """The kernels' chunk is the rule's ``memory_chunk``: a multiple of 8 (TPU sublanes)."""
+    args, _, _ = _inputs(8)
+    with pytest.raises(
+        ValueError, match=r"^titans_linear_pallas: rule\.memory_chunk must be a mul"
+    ):
+        titans_linear_pallas(*args, rule=TitansRule(memory_chunk=chunk), interpret=True)
+
+
+def test_argument_errors():
     args, st, sid = _inputs(8)
-    with pytest.raises(ValueError, match="block_sizes must be a BlockSizes"):
-        titans_linear_pallas(*args, block_sizes=16, interpret=True)
-    with pytest.raises(ValueError, match="grad_horizon must be a multiple of chunk_size=16"):
-        titans_linear_pallas(*args, grad_horizon=8, interpret=True)
+    with pytest.raises(ValueError, match="rule must be a TitansRule"):
+        titans_linear_pallas(*args, rule=16, interpret=True)
+    with pytest.raises(
+        ValueError, match=r"rule\.grad_horizon must be a multiple of rule\.memory_c"
+    ):
+        titans_linear_pallas(*args, rule=TitansRule(grad_horizon=8), interpret=True)
     with pytest.raises(ValueError, match="reset_state needs segment_ids"):
         titans_linear_pallas(*args, reset_state=jnp.zeros((2, 2, 16, 12)), interpret=True)
     with pytest.raises(ValueError, match=r"initial_state.M must have shape \[B, H, K, V\]"):
@@ -270,7 +258,8 @@ def test_block_sizes_default_and_frozen_and_argument_errors():
 
 def test_ops_titans_memory_pallas_matches_chunked_and_refuses_what_it_lacks():
     (q, k, v, th, et, al), st, sid = _inputs(40, init=True, seg=True, K=8, V=8)
-    spec = TitansMemorySpec(dims=(8, 8), chunk=8, grad_clip=10.0, read_before_write=True)
+    rule = TitansRule(memory_chunk=8, grad_clip=10.0, read_before_write=True)
+    spec = TitansMemorySpec(dims=(8, 8), rule=rule)
     state = titans_mlp_state((st[0][0],), 2)  # learned M_0 broadcast over the batch, S = 0
     reset = titans_mlp_state((st[1][1],), 2)
     kw = dict(spec=spec, initial_state=state, segment_ids=sid, reset_state=reset)
@@ -278,13 +267,13 @@ def test_ops_titans_memory_pallas_matches_chunked_and_refuses_what_it_lacks():
     y_c, s_c = ops.titans_memory(q, k, v, th, et, al, impl="chunked", **kw)
     for a, b in zip(jax.tree.leaves((y_p, s_p)), jax.tree.leaves((y_c, s_c)), strict=True):
         assert _rel(a, b) < F32_TOL
-    mlp = TitansMemorySpec(dims=(8, 16, 8), chunk=8)
+    mlp = TitansMemorySpec(dims=(8, 16, 8), rule=TitansRule(memory_chunk=8))
     mlp_state = titans_mlp_state((jnp.zeros((2, 8, 16)), jnp.zeros((2, 16, 8))), 2)
     with pytest.raises(ValueError, match="impl='pallas' covers only the matrix memory"):
         ops.titans_memory(q, k, v, th, et, al, spec=mlp, initial_state=mlp_state, impl="pallas")
     with pytest.raises(ValueError, match="titans_memory_init_cache: impl='pallas' covers only"):
         titans_memory_init_cache(mlp, 2, 2, impl="pallas")
-    proteus = TitansMemorySpec(dims=(8, 8), chunk=8, proteus=ProteusRule(blocks=2, context_len=32))
+    proteus = TitansMemorySpec(dims=(8, 8), rule=rule, proteus=ProteusRule(2, context_len=32))
     with pytest.raises(ValueError, match="impl='pallas' covers only the plain matrix memory"):
         ops.titans_memory(q, k, v, th, et, al, spec=proteus, initial_state=state, impl="pallas")
     # decoding with impl="pallas" is the chunked decode path (the same chunk rule)
@@ -358,7 +347,7 @@ def _compile_on(topology, head_dim, resets, chunk, which):
     def local(q, k, v, th, et, al, m0, s0, sid):
         return titans_linear_pallas(
             q, k, v, th, et, al, initial_state=(m0, s0), segment_ids=sid if resets else None,
-            grad_clip=10.0, grad_horizon=64, block_sizes=BlockSizes(chunk),
+            rule=TitansRule(memory_chunk=chunk, grad_clip=10.0, grad_horizon=64),
         )  # fmt: skip
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("batch"),) * 9, out_specs=P("batch"))
@@ -428,7 +417,8 @@ def test_ops_pallas_on_a_2x2_mesh_equals_chunked():
     over tensor 2): one kernel call per shard under ``jax.shard_map``, values and gradients of
     ``impl="chunked"`` (packed rows, learned ``M_0`` with its gradient)."""
     (q, k, v, th, et, al), st, sid = _inputs(40, init=True, seg=True, K=8, V=8)
-    spec = TitansMemorySpec(dims=(8, 8), chunk=8, grad_clip=10.0, grad_horizon=16)
+    rule = TitansRule(memory_chunk=8, grad_clip=10.0, grad_horizon=16)
+    spec = TitansMemorySpec(dims=(8, 8), rule=rule)
 
     def vg(impl):
         def loss(xs, m0):
@@ -458,7 +448,7 @@ def test_the_kernel_without_an_initial_state_differentiates_inside_a_typed_shard
     (q, k, v, th, et, al), _, _ = _inputs(16, K=8, V=8)
 
     def loss(q, k, v, th, et, al):
-        o, (M, S) = titans_linear_pallas(q, k, v, th, et, al, block_sizes=BlockSizes(8))
+        o, (M, S) = titans_linear_pallas(q, k, v, th, et, al, rule=TitansRule(memory_chunk=8))
         return jnp.sum(o) + jnp.sum(M) + jnp.sum(S)
 
     seq = P("fsdp", None, "tensor")

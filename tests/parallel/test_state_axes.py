@@ -80,7 +80,7 @@ def test_titans_memory_pins_weights_and_momenta(mesh, layers):
     q, k, v, _, _ = _inputs(2)
     gates = [np.full((B, T, H), c, np.float32) for c in (0.05, 0.9, 0.01)]  # θ, η, α
     dims = (K,) * (layers + 1)
-    spec = ops.titans.TitansMemorySpec(dims=dims, chunk=4)
+    spec = ops.titans.TitansMemorySpec(dims=dims, rule=ops.TitansRule(memory_chunk=4))
     state = ops.titans.titans_mlp_state(
         ops.titans.titans_mlp_init_weights(jax.random.key(0), H, dims), B
     )

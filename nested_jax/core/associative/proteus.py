@@ -9,17 +9,19 @@ the mask ``g_t`` opens the first ``k(t) = min(E, 1 + ⌊(t−1)/Δ⌋)`` blocks 
     S_t  = where(g_t, α_t S̃ + β_t k_t (v_t − α_t S̃ᵀk_t)ᵀ, S_{t-1})   # locked rows keep their bits
     o_t  = (g_t ⊙ S_t)ᵀ (scale · q_t) = S_tᵀ (g_t ⊙ scale · q_t)
 
-Forms: ``*_step`` (one token at ``t``), ``*_recurrent`` (``lax.scan`` of the step, ground truth;
-``t0`` may be traced, ``[]`` or ``[B]``), ``*_chunked`` (static ``t0``; equals the recurrent form
-to rounding, see :func:`proteus_gated_delta_chunked`). Static dispatch: ``num_blocks == 1``, or a
-static ``t0`` with every position of the call past the last opening, calls the plain backbone (bit
-for bit). Not covered: ``segment_ids``. The chunk form takes its backbone as ``backbone``
-(``gated_delta_chunked`` or a function with its contract, e.g. the Pallas kernel that
-``ops.linear.proteus_gated_delta`` passes for ``impl="pallas"``).
+The schedule ``(E, N)`` is one :class:`~nested_jax.rules.ProteusRule` (``schedule=``); the rest
+are GDN's plain keywords. Forms: ``*_step`` (one token at ``t``), ``*_recurrent`` (``lax.scan`` of
+the step, ground truth; ``t0`` may be traced, ``[]`` or ``[B]``), ``*_chunked`` (static ``t0``;
+equals the recurrent form to rounding, see :func:`proteus_gated_delta_chunked`). Static dispatch:
+``schedule.blocks == 1``, or a static ``t0`` with every position of the call past the last
+opening, calls the plain backbone (bit for bit). Not covered: ``segment_ids``. The chunk form
+takes its backbone as ``backbone`` (``gated_delta_chunked`` or a function with its contract, e.g.
+the Pallas kernel that ``ops.linear.proteus_gated_delta`` passes for ``impl="pallas"``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -34,7 +36,7 @@ from nested_jax.core.associative.forms import (
 from nested_jax.core.checks import check_positive_int
 from nested_jax.core.proteus import (
     _check_blocked,
-    _check_schedule,
+    _check_schedule_rule,
     _check_static_t0,
     _check_t0,
     _is_int,
@@ -47,6 +49,7 @@ from nested_jax.core.proteus import (
     proteus_spans,
 )
 from nested_jax.core.scan import state_zeros, zeros_typed
+from nested_jax.rules import ProteusRule
 
 __all__ = [
     "proteus_gated_delta_step",
@@ -85,7 +88,7 @@ def _check_gdn(fn, q, k, v, g, beta, initial_state):
 
 
 def proteus_gated_delta_step(
-    state, q_t, k_t, v_t, g_t, beta_t, *, t, context_len: int, num_blocks: int, scale=None
+    state, q_t, k_t, v_t, g_t, beta_t, *, t, schedule: ProteusRule, scale=None
 ):
     """One GDN token with Proteus key-row blocks at 1-based position ``t`` (SPEC §1, §4).
 
@@ -96,14 +99,15 @@ def proteus_gated_delta_step(
       state: ``[B, H, K, V]`` previous state.
       q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; g_t, beta_t: ``[B, H]``.
       t: 1-based absolute position of this token, int or integer array ``[]`` / ``[B]``.
-      context_len: training context ``N``; num_blocks: ``E`` (``K ≥ E``).
+      schedule: :class:`~nested_jax.rules.ProteusRule` ``(E, N)``: ``E`` blocks (``K ≥ E``)
+        opened over the training context ``N``.
       scale: multiplies ``q_t``; default ``K ** -0.5``.
 
     Returns:
       ``(o_t [B, H, V] in v_t's dtype, new_state [B, H, K, V] f32)``.
     """
     fn = "proteus_gated_delta_step"
-    n, e = _check_schedule(fn, context_len, num_blocks)
+    n, e = _check_schedule_rule(fn, schedule)
     if getattr(q_t, "ndim", None) != 3:
         raise ValueError(f"{fn}: q_t must have shape [B, H, K], got {getattr(q_t, 'shape', None)}")
     B, _, K = q_t.shape
@@ -112,22 +116,25 @@ def proteus_gated_delta_step(
     if _statically_open(t - 1 if _is_int(t) else t, n, e):
         return gated_delta_step(state, q_t, k_t, v_t, g_t, beta_t, scale=scale)
     pos = _positions(t, B)
-    return _gdn_masked_step(state, q_t, k_t, v_t, g_t, beta_t, pos, n, e, scale)
+    return _gdn_masked_step(state, (q_t, k_t, v_t, g_t, beta_t), pos, schedule, scale)
 
 
-def _gdn_masked_step(S, q_t, k_t, v_t, g_t, b_t, pos, n, e, scale):
-    """``pos`` int32 ``[B]`` 1-based positions; key mask per batch row."""
+def _gdn_masked_step(S, token, pos, schedule: ProteusRule, scale):
+    """``token = (q, k, v, g, β)`` of one position; ``pos`` int32 ``[B]`` 1-based positions; key
+    mask per batch row."""
+    q_t, *rest = token
     K = q_t.shape[-1]
+    n, e = schedule.context_len, schedule.blocks
     ids = jnp.asarray(proteus_block_ids(K, e))
     open_k = ids < proteus_active_blocks(pos, n, e)[:, None]  # [B, K]
     q_t = _zero_where(open_k[:, None, :], q_t)
     return proteus_gated_step(
-        gated_delta_step, S, open_k[:, None, :, None], q_t, k_t, v_t, g_t, b_t, scale=scale
+        gated_delta_step, S, open_k[:, None, :, None], q_t, *rest, scale=scale
     )
 
 
 def proteus_gated_delta_recurrent(
-    q, k, v, g, beta, *, context_len: int, num_blocks: int, scale=None, initial_state=None, t0=0
+    q, k, v, g, beta, *, schedule: ProteusRule, scale=None, initial_state=None, t0=0
 ):
     """GDN with Proteus key-row blocks, token by token (SPEC §1, §4; ground truth).
 
@@ -135,7 +142,7 @@ def proteus_gated_delta_recurrent(
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.
-      context_len: training context ``N`` (Python int); num_blocks: ``E`` (``K ≥ E``).
+      schedule: :class:`~nested_jax.rules.ProteusRule` ``(E, N)`` (``K ≥ E``).
       scale: multiplies q; default ``K ** -0.5``.
       initial_state: optional ``[B, H, K, V]``; zero when None.
       t0: tokens already seen: a Python int (static; enables the fully-open dispatch) or an integer
@@ -145,7 +152,7 @@ def proteus_gated_delta_recurrent(
       ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
     """
     fn = "proteus_gated_delta_recurrent"
-    n, e = _check_schedule(fn, context_len, num_blocks)
+    n, e = _check_schedule_rule(fn, schedule)
     B, T, H, K, V = _check_gdn(fn, q, k, v, g, beta, initial_state)
     _check_blocked(fn, "key dim K", K, e)
     _check_t0(fn, t0, B)
@@ -155,8 +162,8 @@ def proteus_gated_delta_recurrent(
     s0 = state_zeros(k, v) if initial_state is None else initial_state.astype(jnp.float32)
 
     def body(S, xs):
-        i, q_t, k_t, v_t, g_t, b_t = xs
-        o_t, S = _gdn_masked_step(S, q_t, k_t, v_t, g_t, b_t, pos0 + i + 1, n, e, scale)
+        i, *token = xs
+        o_t, S = _gdn_masked_step(S, token, pos0 + i + 1, schedule, scale)
         return S, o_t
 
     tm = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731
@@ -172,8 +179,7 @@ def proteus_gated_delta_chunked(
     g,
     beta,
     *,
-    context_len: int,
-    num_blocks: int,
+    schedule: ProteusRule,
     scale=None,
     initial_state=None,
     t0: int = 0,
@@ -202,7 +208,7 @@ def proteus_gated_delta_chunked(
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.
-      context_len: training context ``N``; num_blocks: ``E`` (``K ≥ E``), Python ints.
+      schedule: :class:`~nested_jax.rules.ProteusRule` ``(E, N)`` (``K ≥ E``).
       scale: multiplies q; default ``K ** -0.5``.
       initial_state: optional ``[B, H, K, V]``; zero when None.
       t0: tokens already seen (static Python int ``≥ 0``).
@@ -218,18 +224,17 @@ def proteus_gated_delta_chunked(
       ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32)``.
     """
     fn = "proteus_gated_delta_chunked"
-    n, e = _check_schedule(fn, context_len, num_blocks)
+    n, e = _check_schedule_rule(fn, schedule)
     B, T, H, K, V = _check_gdn(fn, q, k, v, g, beta, initial_state)
     _check_blocked(fn, "key dim K", K, e)
     t0 = _check_static_t0(fn, t0)
     check_positive_int(f"{fn}: chunk_size", chunk_size)
     if not callable(backbone):
         raise ValueError(f"{fn}: backbone must be a function, got {backbone!r}")
-    spans = proteus_spans(T, t0, n, e)
-    if _statically_open(t0, n, e) or not spans:
-        return backbone(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size
-        )
+    run = functools.partial(backbone, scale=scale, chunk_size=chunk_size)
+    spans = [] if _statically_open(t0, n, e) else proteus_spans(T, t0, n, e)
+    if not spans:
+        return run(q, k, v, g, beta, initial_state=initial_state)
     ids = proteus_block_ids(K, e)
     active = np.concatenate([np.full(b - a, act) for a, b, act in spans])  # static k(t), [T]
     tok_open = jnp.asarray(ids[None, :] < active[:, None])[None, :, None, :]  # [1, T, 1, K]
@@ -237,25 +242,22 @@ def proteus_gated_delta_chunked(
     open_start = ids < spans[0][2]
     open_end = ids < spans[-1][2]
     if initial_state is None:
-        o, S = backbone(qm, km, v, g, beta, scale=scale, chunk_size=chunk_size)
+        o, S = run(qm, km, v, g, beta)
         return o, _zero_where(open_end[:, None], S)  # locked rows: exactly the zero start
     S0 = initial_state.astype(jnp.float32)
     s_start = _zero_where(open_start[:, None], S0)
     if len(spans) == 1:  # nothing opens inside the call
-        o, S = backbone(
-            qm, km, v, g, beta, scale=scale, initial_state=s_start, chunk_size=chunk_size
-        )
+        o, S = run(qm, km, v, g, beta, initial_state=s_start)
         return o, jnp.where(open_end[:, None], S, S0)
-    o, S = _gdn_with_injections(
-        qm, km, v, g, beta, S0, s_start, spans, ids, scale, chunk_size, backbone
-    )
+    o, S = _gdn_with_injections(run, (qm, km, v, g, beta), S0, s_start, spans, ids)
     return o, jnp.where(open_end[:, None], S, S0)
 
 
-def _gdn_with_injections(qm, km, v, g, beta, S0, s_start, spans, ids, scale, chunk_size, backbone):
-    """One ``backbone`` (``gated_delta_chunked``) call with the rows of each newly opened block
-    injected from ``S0`` right before the block's first token (see
-    :func:`proteus_gated_delta_chunked`)."""
+def _gdn_with_injections(run, xs, S0, s_start, spans, ids):
+    """One ``run`` (the backbone with its ``scale`` and ``chunk_size``) call over ``xs = (q, k, v,
+    g, β)`` (q, k masked) with the rows of each newly opened block injected from ``S0`` right
+    before the block's first token (see :func:`proteus_gated_delta_chunked`)."""
+    qm, km, v, g, beta = xs
     B, _, H, K = qm.shape
     vdt = jnp.promote_types(v.dtype, jnp.float32)
     pieces = {name: [] for name in ("q", "k", "v", "g", "beta")}
@@ -281,10 +283,7 @@ def _gdn_with_injections(qm, km, v, g, beta, S0, s_start, spans, ids, scale, chu
         real.append((n_ext, n_ext + b - a))
         n_ext += b - a
     cat = {name: jnp.concatenate(p, axis=1) for name, p in pieces.items()}
-    o, S = backbone(
-        cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"],
-        scale=scale, initial_state=s_start, chunk_size=chunk_size,
-    )  # fmt: skip
+    o, S = run(cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"], initial_state=s_start)
     # static slices, not a gather: the gather's transpose is a scatter that XLA constant-folds
     o = jnp.concatenate([o[:, a:b] for a, b in real], axis=1)
     return o.astype(v.dtype), S

@@ -10,5 +10,9 @@
 - :mod:`~nested_jax.core.titans.proteus`: the Proteus-wrapped forms (SPEC §4).
 - :mod:`~nested_jax.core.titans.reference`: the independent twin the fast forms are tested against.
 
+Every form takes the memory's static options whole, ``rule=TitansRule()``
+(:class:`nested_jax.rules.TitansRule`, default the paper's rule), and the Proteus forms the
+schedule whole, ``schedule=ProteusRule(blocks, context_len)``.
+
 The public names are exported by :mod:`nested_jax.core`; import the modules for the rest.
 """

@@ -30,16 +30,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.dgd import softclamp_factor
 from nested_jax.core.scan import chunk, from_head_chunks, to_head_chunks
 from nested_jax.core.titans.net import (
-    DEFAULT_MLP_GRAD_CLIP,
     MLP_STATE_CONSTRUCTOR,
-    Activation,
     TitansMLPState,
     _backward,
     _check_state,
@@ -47,12 +44,16 @@ from nested_jax.core.titans.net import (
     _resolve_residual,
     _shape,
     _stop_gradient_where,
+    activation_of,
+    check_rule,
+    horizon_cuts,
     segment_resets,
     validate_chunk_size,
     validate_common,
     validate_horizon,
     validate_segment_ids,
 )
+from nested_jax.rules import TitansRule
 
 __all__ = ["titans_mlp_chunked", "titans_pool_gates"]
 
@@ -88,16 +89,17 @@ def chunk_coefficients(eta, alpha):
     return A, C, E, peta, D
 
 
-def _surprise_factors(W, k, v, th, activation, residual, grad_clip):
+def _surprise_factors(W, k, v, th, rule: TitansRule, residual: bool):
     """Rank-1 factors ``(a_l, δ_l)`` of every token's surprise at ``W``; θ with the softclamp."""
+    activation = activation_of(rule)
     out, inputs, pre = _forward(W, k, activation, residual)
     deltas = _backward(W, pre, out - v, activation)
-    if grad_clip is not None:
+    if rule.grad_clip:
         sq = sum(
             jnp.sum(jnp.square(a), -1) * jnp.sum(jnp.square(d), -1)
             for a, d in zip(inputs, deltas, strict=True)
         )
-        th = th * softclamp_factor(sq, grad_clip)
+        th = th * softclamp_factor(sq, float(rule.grad_clip))
     return inputs, deltas, th
 
 
@@ -186,11 +188,12 @@ def _local_start_terms(bound, reset, after, unrolled, factors, Wa, Wi, surprise)
     return factors, Wa
 
 
-def _dual_read(q, mats, coef_w, D, factors, *, rbw, activation, residual):
-    """``y_t = M_t(q_t)`` (``M_{t−1}`` with ``rbw``) of every token by the dual form, layer by
-    layer ``H = Σ_m coef_m ⊙ (Z m) − (D ⊙ θ ⊙ Z Aᵀ) Δ`` (no per-token weights)."""
+def _dual_read(q, mats, coef_w, D, factors, *, rule: TitansRule, residual: bool):
+    """``y_t = M_t(q_t)`` (``M_{t−1}`` with ``rule.read_before_write``) of every token by the dual
+    form, layer by layer ``H = Σ_m coef_m ⊙ (Z m) − (D ⊙ θ ⊙ Z Aᵀ) Δ`` (no per-token weights)."""
     inputs, deltas, th_c = factors
-    rows = slice(0, -1) if rbw else slice(1, None)
+    activation = activation_of(rule)
+    rows = slice(0, -1) if rule.read_before_write else slice(1, None)
     Dr = D[..., rows, :] * th_c[..., None, :]
     z = q
     for i, ms in enumerate(mats):
@@ -202,7 +205,7 @@ def _dual_read(q, mats, coef_w, D, factors, *, rbw, activation, residual):
     return z + q if residual else z
 
 
-def _chunk_body(carry, xs, *, init, activation, residual, rbw, grad_clip):
+def _chunk_body(carry, xs, *, init, rule: TitansRule, residual: bool):
     """One chunk for all (B, H). Carry ``(W, S)`` (``(W, S, W^a)`` for packed rows); xs arrays
     ``[B, H, b, ...]``, ``sel [b+1]``, ``reset`` and ``bound`` (``[B, 1, b]`` 0/1, or None).
 
@@ -225,10 +228,7 @@ def _chunk_body(carry, xs, *, init, activation, residual, rbw, grad_clip):
     before it, so ``W_r`` only needs the surprises at ``W^a``.
     """
     q, k, v, th, et, al, sel, reset, bound = xs
-    surprise = functools.partial(
-        _surprise_factors, k=k, v=v, th=th, activation=activation, residual=residual,
-        grad_clip=grad_clip,
-    )  # fmt: skip
+    surprise = functools.partial(_surprise_factors, k=k, v=v, th=th, rule=rule, residual=residual)
     packed = reset is not None
     if packed:
         W0, S0, Wa = carry
@@ -250,7 +250,7 @@ def _chunk_body(carry, xs, *, init, activation, residual, rbw, grad_clip):
         factors, Wa = _local_start_terms(
             bound, reset, after, unrolled, factors, Wa, init[0], surprise
         )
-    y = _dual_read(q, mats, coef_w, D, factors, rbw=rbw, activation=activation, residual=residual)
+    y = _dual_read(q, mats, coef_w, D, factors, rule=rule, residual=residual)
     # State after the chunk's last real token.
     inputs, deltas, th_c = factors
     W_new, S_new = _state_at(sel, mats, coef_w, coef_s, D, peta, th_c, inputs, deltas)
@@ -274,8 +274,8 @@ def titans_pool_gates(x, chunk_size: int):
         one possibly shorter (mean over its real tokens only).
 
     Returns:
-      ``[B, T, H]``. ``titans_*_chunked(..., per_chunk_gates=True)`` equals the chunked form fed
-      with these pooled gates.
+      ``[B, T, H]``. ``titans_*_chunked`` with ``rule.per_chunk_gates`` (and ``memory_chunk =
+      chunk_size``) equals the chunked form fed with these pooled gates.
     """
     validate_chunk_size("titans_pool_gates", chunk_size)
     if _shape(x) is None or x.ndim != 3:
@@ -292,23 +292,23 @@ def local_chunk_starts(resets, b):
     return ((lp % b == 0) & (lp > 0)).astype(jnp.float32)
 
 
-def _chunked_core(
-    weights, momentum, q, k, v, theta, eta, alpha, *,
-    chunk_size, activation, residual, rbw, grad_clip, per_chunk_gates, remat, segment_ids=None,
-    reset_state=None, grad_horizon=0,
-):  # fmt: skip
+def _chunked_core(state, xs, *, rule: TitansRule, residual: bool, segment_ids=None,
+                  reset_state=None):  # fmt: skip
     """Shared chunked engine (validated inputs): ``(y [B,T,H,V] f32, (W, S) f32 tuples)``.
 
-    ``reset_state``: ``(W, S)`` tuples a segment start resets to (default the initial carry);
-    ``grad_horizon``: cut the carried state's gradient before every chunk starting at a positive
-    multiple of it (a multiple of ``chunk_size``).
+    ``state = (weights, momentum)`` tuples, ``xs = (q, k, v, θ, η, α)``; chunks of
+    ``rule.memory_chunk``. ``reset_state``: ``(W, S)`` tuples a segment start resets to (default
+    the initial carry); ``rule.grad_horizon``: cut the carried state's gradient before every
+    chunk starting at a positive multiple of it (a multiple of the chunk).
     """
+    weights, momentum = state
+    q = xs[0]
     B, T, H, _ = q.shape
-    b = chunk_size
+    b = rule.memory_chunk
     N = -(-T // b)
     f32 = jnp.float32
-    q, k, v, theta, eta, alpha = (x.astype(f32) for x in (q, k, v, theta, eta, alpha))
-    if per_chunk_gates:
+    q, k, v, theta, eta, alpha = (x.astype(f32) for x in xs)
+    if rule.per_chunk_gates:
         theta, eta, alpha = (chunk_pool(x, b, T) for x in (theta, eta, alpha))
     last = jnp.minimum(b, T - b * jnp.arange(N))  # row index (1..b) of each chunk's last real token
     sel = jax.nn.one_hot(last, b + 1, dtype=f32)
@@ -317,17 +317,11 @@ def _chunked_core(
     if reset_state is not None:
         init = tuple(tuple(a.astype(f32) for a in part) for part in reset_state)
     xs = tuple(to_head_chunks(x, b) for x in (q, k, v, theta, eta, alpha)) + (sel,)
-    cut = None
-    if grad_horizon:
-        starts = np.arange(N) * b
-        cut = jnp.asarray((starts % grad_horizon == 0) & (starts > 0))
+    cut = horizon_cuts(N, b, rule.grad_horizon)
 
     def run(carry, xs):
-        body = lambda c, x: _chunk_body(  # noqa: E731
-            c, x, init=init, activation=activation, residual=residual, rbw=rbw,
-            grad_clip=grad_clip,
-        )  # fmt: skip
-        if remat:
+        body = functools.partial(_chunk_body, init=init, rule=rule, residual=residual)
+        if rule.remat:
             body = jax.checkpoint(body, prevent_cse=False)
         if cut is not None:
             inner = body
@@ -360,33 +354,31 @@ def titans_mlp_chunked(
     alpha,
     *,
     initial_state: TitansMLPState | None = None,
-    chunk_size: int = 16,
-    activation: Activation = jax.nn.silu,
+    rule: TitansRule = TitansRule(),
     residual=None,
-    read_before_write: bool = False,
-    grad_clip: float | None = DEFAULT_MLP_GRAD_CLIP,
-    per_chunk_gates: bool = False,
-    remat: bool = True,
     segment_ids=None,
     reset_state: TitansMLPState | None = None,
-    grad_horizon: int = 0,
 ):
-    """Titans memory in chunks of ``chunk_size`` (SPEC §2 parallel form, dual-form reads).
+    """Titans memory in chunks of ``rule.memory_chunk`` (SPEC §2 parallel form, dual-form reads).
 
     Gradients inside a chunk are taken at the chunk-start weights; momentum and decay are exact;
     each token reads with its own ``M_t`` (or ``M_{t-1}``) through the dual form.
-    ``chunk_size=1`` equals ``titans_mlp_recurrent``. Any ``T`` (the last chunk is padded; padding
-    never reaches the state).
+    ``memory_chunk = 1`` equals ``titans_mlp_recurrent``. Any ``T`` (the last chunk is padded;
+    padding never reaches the state).
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; theta, eta, alpha: ``[B, T, H]``.
       initial_state: ``TitansMLPState`` ``[B, H, d_l, d_{l+1}]`` arrays
         (``titans_mlp_state(weights, B)``). Required: the MLP memory has no zero state (None
         raises ``ValueError``).
-      chunk_size: b.
-      activation, residual, read_before_write, grad_clip: as ``titans_mlp_step``.
-      per_chunk_gates: replace θ, η, α by their per-chunk means (``titans_pool_gates``).
-      remat: recompute each chunk in the backward pass (saves only the carried state per chunk).
+      rule: :class:`~nested_jax.rules.TitansRule` (default: the paper's rule), every field:
+        ``memory_chunk`` (b), ``read_before_write``, ``grad_clip``, ``activation`` (as
+        ``titans_mlp_step``), ``per_chunk_gates`` (θ, η, α replaced by their per-chunk means,
+        ``titans_pool_gates``), ``remat`` (recompute each chunk in the backward pass, saving only
+        the carried state per chunk) and ``grad_horizon`` (truncated backprop, a multiple of
+        ``memory_chunk``, 0 = off: the carried state is a ``stop_gradient`` before every chunk
+        starting at a positive multiple of it; values unchanged).
+      residual: add ``z`` to the memory's output; None = auto (see ``titans_mlp_apply``).
       segment_ids: optional ``[B, T]`` int (packed sequences): the state resets to
         ``reset_state`` at every segment start, and each segment keeps its own chunk grid
         (chunks of b tokens from its first token; a token's surprise is taken at the weights at
@@ -396,27 +388,22 @@ def titans_mlp_chunked(
         (skipped by ``lax.cond`` elsewhere).
       reset_state: the state a segment start resets to (default ``initial_state``; a caller that
         carries the state across calls passes the learned initial state here).
-      grad_horizon: truncated backprop, a multiple of ``chunk_size`` (0 = off): the carried state
-        is a ``stop_gradient`` before every chunk starting at a positive multiple of it. Values
-        are unchanged; gradients stop flowing through the inner loop after that many tokens.
 
     Returns:
       ``(y [B, T, H, V] in v's dtype, final TitansMLPState f32)``.
     """
     fn = "titans_mlp_chunked"
+    check_rule(fn, rule)
     state = require_initial_state(fn, initial_state, MLP_STATE_CONSTRUCTOR)
-    B, T, H, K, V = validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
-    validate_chunk_size(fn, chunk_size)
+    B, T, H, K, V = validate_common(fn, q, k, v, theta, eta, alpha, per_token=False)
     _check_state(fn, state, B, H, K, V, name="initial_state")
     validate_segment_ids(fn, segment_ids, B, T)
-    validate_horizon(fn, grad_horizon, chunk_size)
+    validate_horizon(fn, rule)
     if reset_state is not None:
         _check_state(fn + " (reset_state)", reset_state, B, H, K, V)
     res = _resolve_residual(fn, residual, len(state.weights), K, V)
     y, (W, S) = _chunked_core(
-        state.weights, state.momentum, q, k, v, theta, eta, alpha,
-        chunk_size=chunk_size, activation=activation, residual=res, rbw=read_before_write,
-        grad_clip=grad_clip, per_chunk_gates=per_chunk_gates, remat=remat,
-        segment_ids=segment_ids, reset_state=reset_state, grad_horizon=grad_horizon,
+        (state.weights, state.momentum), (q, k, v, theta, eta, alpha), rule=rule, residual=res,
+        segment_ids=segment_ids, reset_state=reset_state,
     )  # fmt: skip
     return y.astype(v.dtype), TitansMLPState(W, S)

@@ -2,13 +2,14 @@
 
 The rule itself lives in :mod:`nested_jax.core.titans.mlp` (``L_M = 1`` is the matrix memory);
 this module composes it the way a layer runs it, as pure functions of arrays and a
-:class:`TitansMemorySpec` (static options, hashable):
+:class:`TitansMemorySpec` (static, hashable: the memory's ``dims``, its rule, a
+:class:`~nested_jax.rules.TitansRule` passed whole to every form, and its Proteus schedule):
 
 - :func:`titans_memory_sequence`: ``(y [B, T, H, D], final state)`` of a whole row: the
   chunked (``titans_mlp_chunked``) or recurrent (``titans_mlp_recurrent``) rule, packed rows
   (``segment_ids``: exact reset to ``reset_state`` at a document start), truncated backprop
-  (``grad_horizon``) and the Proteus schedule (``spec.proteus``, a ``ProteusRule`` with
-  ``blocks = E > 1``, below).
+  (``spec.rule.grad_horizon``) and the Proteus schedule (``spec.proteus``, a ``ProteusRule``
+  with ``blocks = E > 1``, below).
 - :func:`titans_memory_step`: one token with chunk buffering, equal to row ``t`` of the sequence
   form (chunks aligned at position 0), and :func:`titans_memory_init_cache` /
   :func:`titans_memory_start` for its :class:`MemoryCache`.
@@ -31,6 +32,7 @@ chunk grid restarts at every span), checked by :func:`titans_memory_init_cache`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -49,15 +51,10 @@ from nested_jax.core.proteus import (
     run_proteus_spans_packed,
 )
 from nested_jax.core.titans.chunk import titans_mlp_chunked
-from nested_jax.core.titans.mlp import (
-    DEFAULT_MLP_GRAD_CLIP,
-    titans_mlp_recurrent,
-    titans_mlp_state,
-    titans_mlp_step,
-)
+from nested_jax.core.titans.mlp import titans_mlp_recurrent, titans_mlp_state, titans_mlp_step
 from nested_jax.core.titans.net import MLP_STATE_CONSTRUCTOR, TitansMLPState
 from nested_jax.core.titans.proteus import proteus_titans_mlp_masks, proteus_titans_mlp_step
-from nested_jax.rules import ProteusRule
+from nested_jax.rules import ProteusRule, TitansRule
 
 __all__ = [
     "TitansMemorySpec",
@@ -77,22 +74,17 @@ class TitansMemorySpec:
 
     Attributes:
       dims: ``(d_0 = K, d_1, …, d_L = V)``, ``L = L_M`` layers (``L = 1``: matrix memory).
-      chunk: chunk size ``b`` of the chunked rule (gradients at chunk starts; ignored by the
-        recurrent rule, whose decode chunk is 1).
-      read_before_write: ``y_t = M_{t-1}(q_t)`` instead of ``M_t(q_t)``.
-      per_chunk_gates: ``θ, η, α`` mean-pooled over each chunk (non-causal: cannot decode).
-      grad_clip: softclamp ``c`` of the inner gradient norm, ``None`` = off.
-      grad_horizon: truncated backprop every ``n`` tokens (values unchanged), 0 = off.
+      rule: the memory rule, a :class:`TitansRule` (a config's ``TitansOptions`` is one), passed
+        whole to the forms: chunk ``memory_chunk`` (ignored by the recurrent rule, whose decode
+        chunk is 1), ``read_before_write``, ``per_chunk_gates`` (non-causal: cannot decode),
+        ``grad_clip``, ``activation``, ``grad_horizon``, ``remat``. Default ``TitansRule()``, the
+        paper's rule.
       proteus: the Proteus schedule, a :class:`ProteusRule` ``(E, N)`` (``E = 1``, the
         default: the plain memory, bit for bit).
     """
 
     dims: tuple[int, ...]
-    chunk: int = 16
-    read_before_write: bool = False
-    per_chunk_gates: bool = False
-    grad_clip: float | None = DEFAULT_MLP_GRAD_CLIP
-    grad_horizon: int = 0
+    rule: TitansRule = TitansRule()
     proteus: ProteusRule = ProteusRule()
 
     def __post_init__(self):
@@ -100,8 +92,8 @@ class TitansMemorySpec:
         object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
         if len(self.dims) < 2 or min(self.dims) < 1:
             raise ValueError(f"TitansMemorySpec.dims: need (K, ..., V) >= 1, got {self.dims}")
-        if self.chunk < 1:
-            raise ValueError(f"TitansMemorySpec.chunk: must be >= 1, got {self.chunk}")
+        if not isinstance(self.rule, TitansRule):
+            raise ValueError(f"TitansMemorySpec.rule: must be a TitansRule, got {self.rule!r}")
         if not isinstance(self.proteus, ProteusRule):
             raise ValueError(
                 f"TitansMemorySpec.proteus: must be a ProteusRule, got {self.proteus!r}"
@@ -137,13 +129,9 @@ class MemoryCache(NamedTuple):
     t: jax.Array
 
 
-def _rule_kw(spec: TitansMemorySpec) -> dict:
-    return dict(read_before_write=spec.read_before_write, grad_clip=spec.grad_clip)
-
-
 def _decode_chunk(spec: TitansMemorySpec, recurrent: bool) -> int:
     """The decode buffer length: the recurrent rule is the chunk-1 rule."""
-    return 1 if recurrent else spec.chunk
+    return 1 if recurrent else spec.rule.memory_chunk
 
 
 # --------------------------------------------------------------------------------------------------
@@ -153,13 +141,10 @@ def _decode_chunk(spec: TitansMemorySpec, recurrent: bool) -> int:
 
 def _run_rule(state, xs, spec, recurrent, segment_ids, reset_state):
     """One call of the plain rule on ``xs = (q, k, v, θ, η, α)``: ``(y, final state)``."""
-    kw = dict(segment_ids=segment_ids, reset_state=reset_state, grad_horizon=spec.grad_horizon)
-    if recurrent:
-        return titans_mlp_recurrent(*xs, initial_state=state, **kw, **_rule_kw(spec))
-    return titans_mlp_chunked(
-        *xs, initial_state=state, chunk_size=spec.chunk, per_chunk_gates=spec.per_chunk_gates,
-        **kw, **_rule_kw(spec),
-    )  # fmt: skip
+    form = titans_mlp_recurrent if recurrent else titans_mlp_chunked
+    return form(
+        *xs, initial_state=state, rule=spec.rule, segment_ids=segment_ids, reset_state=reset_state
+    )
 
 
 def titans_memory_masks(spec: TitansMemorySpec, active) -> TitansMLPState:
@@ -278,7 +263,7 @@ def titans_memory_init_cache(
       ValueError: ``per_chunk_gates`` (the pooled gates look at later tokens of the chunk), or
         Proteus with a decode chunk that does not divide ``Δ = N // E``.
     """
-    if spec.per_chunk_gates:
+    if spec.rule.per_chunk_gates:
         raise ValueError(
             "ModelConfig.titans.per_chunk_gates: per-chunk gates pool over later tokens of the "
             "chunk, so the model cannot decode token by token; use per_chunk_gates=false"
@@ -321,11 +306,10 @@ def _step_token(cache: MemoryCache, xs, spec):
     st = TitansMLPState(cache.weights, cache.momentum)
     if spec.proteus.enabled:
         y, st = proteus_titans_mlp_step(
-            st, *xs, t=cache.t + 1, context_len=spec.proteus.context_len,
-            num_blocks=spec.proteus.blocks, **_rule_kw(spec),
-        )  # fmt: skip
+            st, *xs, t=cache.t + 1, rule=spec.rule, schedule=spec.proteus
+        )
     else:
-        y, st = titans_mlp_step(st, *xs, **_rule_kw(spec))
+        y, st = titans_mlp_step(st, *xs, rule=spec.rule)
     return y, cache._replace(weights=st.weights, momentum=st.momentum, t=cache.t + 1)
 
 
@@ -346,9 +330,10 @@ def _step_chunk(cache: MemoryCache, xs, spec, chunk: int, commit):
         st = proteus_gate(st, tree)
     # Later slots hold stale tokens: rows ≤ n of the dual form never read them, and the final
     # state is used only when every slot is filled by the current chunk.
-    ys, new = titans_mlp_chunked(
-        *run_bufs, initial_state=st, chunk_size=chunk, remat=False, **_rule_kw(spec)
-    )
+    # One chunk of b tokens: no later chunk start to cut the gradient at (grad_horizon) and
+    # nothing to save by recomputing it in the backward pass (remat); values unchanged.
+    rule = dataclasses.replace(spec.rule, remat=False, grad_horizon=0)
+    ys, new = titans_mlp_chunked(*run_bufs, initial_state=st, rule=rule)
     if spec.proteus.enabled:
         new = proteus_gated_update(st0, new, tree)
     y = jax.lax.dynamic_index_in_dim(ys, n, 1, keepdims=False)

@@ -24,11 +24,15 @@ Chunked form (SPEC §2 parallel form, dual-form reads): ``titans_mlp_chunked`` a
 the state type, argument checks and the forward / manual backward of
 ``M`` live in :mod:`nested_jax.core.titans.net`.
 
-Gradient softclamp (``grad_clip=c``): ``u_t ← u_t · c·tanh(‖u_t‖/c)/‖u_t‖`` with
+Static options: one :class:`~nested_jax.rules.TitansRule` (``rule=``, default ``TitansRule()``,
+the paper's rule): ``read_before_write``, ``grad_clip``, ``activation`` (``σ`` by name) and
+``grad_horizon``; the per-token forms ignore the chunk options (``memory_chunk``,
+``per_chunk_gates``, ``remat``).
+
+Gradient softclamp (``rule.grad_clip = c > 0``): ``u_t ← u_t · c·tanh(‖u_t‖/c)/‖u_t‖`` with
 ``‖u_t‖² = Σ_l ‖a_l‖²‖δ_l‖²`` (Frobenius norm over all layers). It bounds every write by ``c``
-(so ``‖S‖ ≤ c·Σ η^i θ``), is the identity to first order for ``‖u‖ ≪ c``, and is smooth. The MLP
-API defaults to ``c = 10`` (does not bind for unit-norm keys and O(1) values, but stops a runaway
-deep memory); ``None`` disables it. The factor is a per-token scalar, so it folds into ``θ_t``.
+(so ``‖S‖ ≤ c·Σ η^i θ``), is the identity to first order for ``‖u‖ ≪ c``, and is smooth; ``0``
+(the paper's rule) disables it. The factor is a per-token scalar, so it folds into ``θ_t``.
 
 Shapes: ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, gates ``theta, eta, alpha [B, T, H]`` in
 ``(0, 1)`` (``[0, 1]`` works: ``η = 0`` no momentum, ``α = 1`` erase, ``θ = 0`` no write). Weights
@@ -40,15 +44,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.dgd import softclamp_factor
 from nested_jax.core.titans.net import (
-    DEFAULT_MLP_GRAD_CLIP,
     MLP_STATE_CONSTRUCTOR,
-    Activation,
     TitansMLPState,
     _check_state,
     _f32_state,
@@ -57,11 +58,14 @@ from nested_jax.core.titans.net import (
     _shape,
     _stop_gradient_where,
     _validate_weights,
+    activation_of,
+    check_rule,
+    horizon_cuts,
     segment_resets,
     validate_common,
-    validate_horizon,
     validate_segment_ids,
 )
+from nested_jax.rules import TitansRule
 
 __all__ = [
     "titans_mlp_init_weights",
@@ -72,19 +76,21 @@ __all__ = [
 ]
 
 
-def titans_mlp_apply(weights, z, *, activation: Activation = jax.nn.silu, residual=None):
+def titans_mlp_apply(weights, z, *, rule: TitansRule = TitansRule(), residual=None):
     """Reads the memory: ``M(z)`` for every position (SPEC §2; no update).
 
     Args:
       weights: tuple of ``W_l [B, H, d_l, d_{l+1}]``.
       z: ``[B, T, H, K]`` queries.
-      activation: elementwise σ between layers (default SiLU).
+      rule: :class:`~nested_jax.rules.TitansRule`; only ``rule.activation`` (σ between layers,
+        SiLU by default) applies to a read.
       residual: add ``z`` to the output; None = auto (``L ≥ 2`` and ``K == V``).
 
     Returns:
       ``[B, T, H, V]`` in z's dtype.
     """
     fn = "titans_mlp_apply"
+    check_rule(fn, rule)
     if _shape(z) is None or z.ndim != 4:
         raise ValueError(f"{fn}: z must have shape [B, T, H, K] (rank 4), got {_shape(z)}")
     B, _, H, K = z.shape
@@ -92,7 +98,8 @@ def titans_mlp_apply(weights, z, *, activation: Activation = jax.nn.silu, residu
     _validate_weights(fn, "weights", weights, B, H, K, V)
     res = _resolve_residual(fn, residual, len(weights), K, V)
     zh = jnp.moveaxis(z, 1, 2).astype(jnp.float32)  # [B, H, T, K]
-    y, _, _ = _forward(tuple(w.astype(jnp.float32) for w in weights), zh, activation, res)
+    ws = tuple(w.astype(jnp.float32) for w in weights)
+    y, _, _ = _forward(ws, zh, activation_of(rule), res)
     return jnp.moveaxis(y, 2, 1).astype(z.dtype)
 
 
@@ -155,25 +162,30 @@ def titans_mlp_state(weights, batch_size: int | None = None) -> TitansMLPState:
 # --------------------------------------------------------------------------------------------------
 
 
-def _step_math(state, q, k, v, th, et, al, activation, residual, rbw, grad_clip, anchor=None):
-    """One token for all (B, H) in f32. ``q, k [B,H,K]``, ``v [B,H,V]``, gates ``[B,H]``.
+def _step_math(state, token, rule: TitansRule, residual: bool, anchor=None):
+    """One token for all (B, H) in f32: ``token = (q, k, v, θ, η, α)`` with ``q, k [B,H,K]``,
+    ``v [B,H,V]``, gates ``[B,H]``.
 
     The surprise is taken at ``anchor`` when given (the chunk rule), else at the current weights.
     """
     W, S = state
+    q, k, v, th, et, al = token
+    activation = activation_of(rule)
 
     def loss(ws):  # sum over (B, H) of independent losses → per-(b, h) gradients
         out, _, _ = _forward(ws, k[..., None, :], activation, residual)
         return 0.5 * jnp.sum(jnp.square(out[..., 0, :] - v))
 
     u = jax.grad(loss)(W if anchor is None else anchor)
-    if grad_clip is not None:
+    if rule.grad_clip:
         sq = sum(jnp.sum(jnp.square(g), axis=(-2, -1)) for g in u)
-        th = th * softclamp_factor(sq, grad_clip)
+        th = th * softclamp_factor(sq, float(rule.grad_clip))
     bc = lambda x: x[..., None, None]  # noqa: E731
     S = tuple(bc(et) * s - bc(th) * g for s, g in zip(S, u, strict=True))
     W_new = tuple(bc(1.0 - al) * w + s for w, s in zip(W, S, strict=True))
-    y, _, _ = _forward(W if rbw else W_new, q[..., None, :], activation, residual)
+    y, _, _ = _forward(
+        W if rule.read_before_write else W_new, q[..., None, :], activation, residual
+    )
     return y[..., 0, :], TitansMLPState(W_new, S)
 
 
@@ -186,48 +198,44 @@ def titans_mlp_step(
     eta_t,
     alpha_t,
     *,
-    activation: Activation = jax.nn.silu,
+    rule: TitansRule = TitansRule(),
     residual=None,
-    read_before_write: bool = False,
-    grad_clip: float | None = DEFAULT_MLP_GRAD_CLIP,
     anchor=None,
 ):
     """One token of the Titans memory update and read (SPEC §2).
 
     ``u = ∇_W ½‖M_{t-1}(k_t) − v_t‖²``, ``S_t = η_t S_{t-1} − θ_t u``,
     ``M_t = (1 − α_t) M_{t-1} + S_t``, ``y_t = M_t(q_t)`` (``M_{t-1}(q_t)`` with
-    ``read_before_write``).
+    ``rule.read_before_write``).
 
-    Decoding consistently with ``titans_mlp_chunked(chunk_size=b)``: pass ``anchor`` = the weights
-    at the start of the current chunk (set ``anchor = state.weights`` before every token whose
-    position is a multiple of b); the surprise is then ``∇ℓ(anchor; k_t, v_t)``, which is exactly
-    the chunk rule, so token-by-token decoding equals the chunked forward.
+    Decoding consistently with ``titans_mlp_chunked`` (chunks of ``b = rule.memory_chunk``): pass
+    ``anchor`` = the weights at the start of the current chunk (set ``anchor = state.weights``
+    before every token whose position is a multiple of b); the surprise is then
+    ``∇ℓ(anchor; k_t, v_t)``, which is exactly the chunk rule, so token-by-token decoding equals
+    the chunked forward.
 
     Args:
       state: ``TitansMLPState`` with ``W_l, S_l [B, H, d_l, d_{l+1}]``.
       q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; theta_t, eta_t, alpha_t: ``[B, H]``.
-      activation, residual: the memory architecture (see ``titans_mlp_apply``).
-      read_before_write: read with ``M_{t-1}``.
-      grad_clip: softclamp threshold for ``‖u‖`` (None: off).
+      rule: :class:`~nested_jax.rules.TitansRule`: ``read_before_write``, ``grad_clip``
+        (softclamp of ``‖u‖``, 0 = off) and ``activation`` apply.
+      residual: add ``z`` to the memory's output; None = auto (see ``titans_mlp_apply``).
       anchor: optional tuple like ``state.weights``: take the surprise there (chunk rule).
 
     Returns:
       ``(y_t [B, H, V] in v_t's dtype, new TitansMLPState f32)``.
     """
     fn = "titans_mlp_step"
-    B, _, H, K, V = validate_common(
-        fn, q_t, k_t, v_t, theta_t, eta_t, alpha_t, grad_clip, per_token=True
-    )
+    check_rule(fn, rule)
+    B, _, H, K, V = validate_common(fn, q_t, k_t, v_t, theta_t, eta_t, alpha_t, per_token=True)
     _check_state(fn, state, B, H, K, V)
     res = _resolve_residual(fn, residual, len(state.weights), K, V)
     f = lambda x: x.astype(jnp.float32)  # noqa: E731
     if anchor is not None:
         _validate_weights(fn, "anchor", anchor, B, H, K, V)
         anchor = tuple(f(w) for w in anchor)
-    y, new = _step_math(
-        _f32_state(state), f(q_t), f(k_t), f(v_t), f(theta_t), f(eta_t), f(alpha_t),
-        activation, res, read_before_write, grad_clip, anchor,
-    )  # fmt: skip
+    token = tuple(f(x) for x in (q_t, k_t, v_t, theta_t, eta_t, alpha_t))
+    y, new = _step_math(_f32_state(state), token, rule, res, anchor)
     return y.astype(v_t.dtype), new
 
 
@@ -240,13 +248,10 @@ def titans_mlp_recurrent(
     alpha,
     *,
     initial_state: TitansMLPState | None = None,
-    activation: Activation = jax.nn.silu,
+    rule: TitansRule = TitansRule(),
     residual=None,
-    read_before_write: bool = False,
-    grad_clip: float | None = DEFAULT_MLP_GRAD_CLIP,
     segment_ids=None,
     reset_state: TitansMLPState | None = None,
-    grad_horizon: int = 0,
 ):
     """Titans memory over a sequence token by token (``lax.scan`` of the step; ground truth).
 
@@ -255,23 +260,24 @@ def titans_mlp_recurrent(
       initial_state: ``TitansMLPState`` (weights usually learned outer params, momentum zero;
         ``titans_mlp_state(weights, B)``), arrays ``[B, H, d_l, d_{l+1}]``. Required: the MLP
         memory has no zero state (None raises ``ValueError``).
-      activation, residual, read_before_write, grad_clip: as ``titans_mlp_step``.
+      rule: :class:`~nested_jax.rules.TitansRule`, as ``titans_mlp_step``; ``rule.grad_horizon =
+        n`` (truncated backprop) makes the carried state a ``stop_gradient`` before every
+        position that is a positive multiple of n (values unchanged; 0 = off).
+      residual: as ``titans_mlp_step``.
       segment_ids: optional ``[B, T]`` int (packed sequences, SPEC §0): the state resets to
         ``reset_state`` before the first token of every segment after the first.
       reset_state: the state a segment start resets to (default ``initial_state``; a caller that
         carries the state across calls passes the learned initial state here).
-      grad_horizon: truncated backprop, ``n ≥ 0``: the carried state is a ``stop_gradient``
-        before every position that is a positive multiple of n (values unchanged; 0 = off).
 
     Returns:
       ``(y [B, T, H, V] in v's dtype, final TitansMLPState f32)``.
     """
     fn = "titans_mlp_recurrent"
+    check_rule(fn, rule)
     state = require_initial_state(fn, initial_state, MLP_STATE_CONSTRUCTOR)
-    B, T, H, K, V = validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token=False)
+    B, T, H, K, V = validate_common(fn, q, k, v, theta, eta, alpha, per_token=False)
     _check_state(fn, state, B, H, K, V, name="initial_state")
     validate_segment_ids(fn, segment_ids, B, T)
-    validate_horizon(fn, grad_horizon, 1)
     res = _resolve_residual(fn, residual, len(state.weights), K, V)
     tm = lambda x: jnp.moveaxis(x, 1, 0).astype(jnp.float32)  # noqa: E731
     st0 = _f32_state(state)
@@ -279,18 +285,15 @@ def titans_mlp_recurrent(
         _check_state(fn + " (reset_state)", reset_state, B, H, K, V)
     st_r = st0 if reset_state is None else _f32_state(reset_state)
     resets = None if segment_ids is None else tm(segment_resets(segment_ids))
-    cut = None
-    if grad_horizon:
-        t_idx = np.arange(T)
-        cut = jnp.asarray((t_idx % grad_horizon == 0) & (t_idx > 0))
+    cut = horizon_cuts(T, 1, rule.grad_horizon)
 
     def body(st, xs):
-        *xs, r, c = xs
+        *token, r, c = xs
         if c is not None:
             st = _stop_gradient_where(c, st)
         if r is not None:
             st = jax.tree.map(lambda a, b: jnp.where(r[:, None, None, None] > 0, b, a), st, st_r)
-        y, st = _step_math(st, *xs, activation, res, read_before_write, grad_clip)
+        y, st = _step_math(st, token, rule, res)
         return st, y
 
     xs = tuple(map(tm, (q, k, v, theta, eta, alpha))) + (resets, cut)

@@ -4,7 +4,9 @@ Shared by the per-token forms (:mod:`nested_jax.core.titans.mlp`) and the chunke
 (:mod:`nested_jax.core.titans.chunk`); the math is in ``titans_mlp``'s docstring. Here:
 
 - :class:`TitansMLPState` (weights and momenta ``[B, H, d_l, d_{l+1}]``) and the argument checks
-  every form runs at trace time (messages name the calling function).
+  every form runs at trace time (messages name the calling function), the rule's included
+  (:func:`check_rule`; a :class:`~nested_jax.rules.TitansRule` checks its own fields).
+- :func:`activation_of`: the rule's activation name as its function.
 - ``_forward`` / ``_backward``: ``M(z)`` with its layer inputs ``a_l`` and pre-activations, and the
   backpropagated ``δ_l``; one token's inner gradient for layer ``l`` is the rank-1 ``a_l δ_lᵀ``.
 - ``segment_resets``: packed-row resets (SPEC §0) as the float mask the forms multiply with.
@@ -17,14 +19,23 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from nested_jax.core.scan import segment_starts
+from nested_jax.rules import TitansRule
 
-__all__ = ["DEFAULT_MLP_GRAD_CLIP", "MLP_STATE_CONSTRUCTOR", "TitansMLPState"]
+__all__ = ["ACTIVATIONS", "MLP_STATE_CONSTRUCTOR", "TitansMLPState", "activation_of", "check_rule"]
 
 Activation = Callable[[jax.Array], jax.Array]
-DEFAULT_MLP_GRAD_CLIP = 10.0
+# The functions behind ``TitansRule.activation`` (every name of ``rules.TITANS_ACTIVATIONS``).
+ACTIVATIONS: dict[str, Activation] = {
+    "silu": jax.nn.silu,
+    "gelu": jax.nn.gelu,
+    "relu": jax.nn.relu,
+    "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid,
+}
 # What the error for a missing ``initial_state`` tells the caller to pass (SPEC §0: no zero state).
 MLP_STATE_CONSTRUCTOR = "titans_mlp_state(weights, B)"
 
@@ -73,7 +84,19 @@ def _validate_weights(fn: str, name: str, ws, B, H, K, V) -> None:
         d_in = s[3]
 
 
-def validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token: bool):
+def check_rule(fn: str, rule) -> TitansRule:
+    """``rule`` must be a :class:`TitansRule` (a config's ``TitansOptions`` is one); returns it."""
+    if not isinstance(rule, TitansRule):
+        raise ValueError(f"{fn}: rule must be a TitansRule, got {rule!r}")
+    return rule
+
+
+def activation_of(rule: TitansRule) -> Activation:
+    """The function of ``rule.activation`` (SPEC §2: σ between the memory's layers)."""
+    return ACTIVATIONS[rule.activation]
+
+
+def validate_common(fn, q, k, v, theta, eta, alpha, per_token: bool):
     """Checks q, k, v and gates; returns ``(B, T, H, K, V)`` (``T`` is None for a step)."""
     rank, lead = (3, "[B, H") if per_token else (4, "[B, T, H")
     sfx = "_t" if per_token else ""
@@ -96,8 +119,6 @@ def validate_common(fn, q, k, v, theta, eta, alpha, grad_clip, per_token: bool):
                 f"{fn}: {name} must have shape {lead}] = {q.shape[:-1]}, got {_shape(x)}"
             )
         _check_float(fn, name, x)
-    if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
-        raise ValueError(f"{fn}: grad_clip must be a positive float or None, got {grad_clip!r}")
     if per_token:
         B, H, K = q.shape
         return B, None, H, K, v.shape[-1]
@@ -116,14 +137,24 @@ def validate_segment_ids(fn, segment_ids, B, T):
         raise ValueError(f"{fn}: segment_ids must have an integer dtype, got {segment_ids.dtype}")
 
 
-def validate_horizon(fn, grad_horizon, chunk_size):
-    if not isinstance(grad_horizon, int) or isinstance(grad_horizon, bool) or grad_horizon < 0:
-        raise ValueError(f"{fn}: grad_horizon must be an int >= 0, got {grad_horizon!r}")
-    if grad_horizon % chunk_size:
+def validate_horizon(fn, rule: TitansRule):
+    """A chunked form cuts the state between chunks: ``rule.grad_horizon`` must be a multiple of
+    ``rule.memory_chunk``."""
+    if rule.grad_horizon % rule.memory_chunk:
         raise ValueError(
-            f"{fn}: grad_horizon must be a multiple of chunk_size={chunk_size} (the state is cut "
-            f"between chunks), got {grad_horizon}"
+            f"{fn}: rule.grad_horizon must be a multiple of rule.memory_chunk={rule.memory_chunk} "
+            f"(the state is cut between chunks), got {rule.grad_horizon}"
         )
+
+
+def horizon_cuts(n_steps: int, step: int, grad_horizon: int):
+    """``[n_steps]`` bool (static): step ``i`` starts at position ``i·step``, a positive multiple
+    of ``grad_horizon``, where the carried state's gradient is cut; None when ``grad_horizon`` is 0
+    (full backprop)."""
+    if not grad_horizon:
+        return None
+    starts = np.arange(n_steps) * step
+    return jnp.asarray((starts % grad_horizon == 0) & (starts > 0))
 
 
 def _stop_gradient_where(flag, tree):

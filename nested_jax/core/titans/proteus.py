@@ -20,21 +20,22 @@ Blocked axes (contiguous blocks, remainder in the last block):
   memory outputs 0, so the gradient on locked coordinates is exactly 0 and the step's own read is
   ``Read(g ⊙ M_t)``; activations with ``σ(0) ≠ 0`` are refused.
 
-Forms: ``*_step``; ``*_recurrent`` (``lax.scan`` of the step; ``t0`` may be traced); ``*_chunked``
-(static ``t0``): each span of constant mask (``proteus_spans``) is one backbone chunked call from
-the gated state, then the locked coordinates are put back with ``where``. The Titans chunked form
-takes gradients at chunk starts, and **its chunk grid restarts at every Δ-boundary** (the mask
-changes there); with ``chunk_size = 1`` it equals the recurrent form, and when ``chunk_size``
-divides ``Δ`` and ``t0`` the grid is the global one. Spans of one length run as one ``lax.scan``
+Every form takes the memory rule whole, ``rule=TitansRule()`` (as its backbone does), and the
+schedule whole, ``schedule=ProteusRule(blocks=E, context_len=N)``. Forms: ``*_step``;
+``*_recurrent`` (``lax.scan`` of the step; ``t0`` may be traced); ``*_chunked`` (static ``t0``):
+each span of constant mask (``proteus_spans``) is one backbone chunked call from the gated state,
+then the locked coordinates are put back with ``where``. The Titans chunked form takes gradients
+at chunk starts, and **its chunk grid restarts at every Δ-boundary** (the mask changes there);
+with ``rule.memory_chunk = 1`` it equals the recurrent form, and when ``memory_chunk`` divides
+``Δ`` and ``t0`` the grid is the global one. Spans of one length run as one ``lax.scan``
 (``run_proteus_spans``); a Titans padding token is not a no-op (``M ← M + S``), so spans are
-grouped by length, never padded. Static
-dispatch as in ``core/associative/proteus.py``: ``E = 1`` or fully open calls are the backbone bit
-for bit.
+grouped by length, never padded. Static dispatch as in ``core/associative/proteus.py``: ``E = 1``
+or fully open calls are the backbone bit for bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ from jax import lax
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.proteus import (
     _check_blocked,
-    _check_schedule,
+    _check_schedule_rule,
     _check_silent_at_zero,
     _check_static_t0,
     _check_t0,
@@ -68,7 +69,13 @@ from nested_jax.core.titans.linear import (
     titans_linear_step,
 )
 from nested_jax.core.titans.mlp import titans_mlp_recurrent, titans_mlp_step
-from nested_jax.core.titans.net import DEFAULT_MLP_GRAD_CLIP, MLP_STATE_CONSTRUCTOR, TitansMLPState
+from nested_jax.core.titans.net import (
+    MLP_STATE_CONSTRUCTOR,
+    TitansMLPState,
+    activation_of,
+    check_rule,
+)
+from nested_jax.rules import ProteusRule, TitansRule
 
 __all__ = [
     "proteus_titans_linear_step",
@@ -153,6 +160,20 @@ def _token_rows(open_k):
     return open_k if open_k.ndim == 1 else open_k[:, None, :]
 
 
+def _linear_setup(fn, xs, schedule, rule, t0, per_token: bool):
+    """Shared checks of the matrix-memory wrappers (``xs = (q, k, v, θ, η, α)``); returns
+    ``(N, E, K)``."""
+    check_rule(fn, rule)
+    n, e = _check_schedule_rule(fn, schedule)
+    B, _, K = _check_titans_seq(fn, *xs, per_token=per_token)
+    _check_blocked(fn, "key dim K", K, e)
+    if per_token:
+        _check_t0(fn, t0, B, name="t (1-based)", low=1)
+    else:
+        _check_t0(fn, t0, B)
+    return n, e, K
+
+
 def proteus_titans_linear_step(
     state,
     q_t,
@@ -163,50 +184,45 @@ def proteus_titans_linear_step(
     alpha_t,
     *,
     t,
-    context_len: int,
-    num_blocks: int,
-    read_before_write: bool = False,
-    grad_clip: float | None = None,
+    rule: TitansRule = TitansRule(),
+    schedule: ProteusRule,
 ):
     """One Titans matrix-memory token (L_M = 1) with Proteus key-row blocks (SPEC §2, §4).
 
     With ``g`` the key-row mask at ``t``, ``M̃ = g ⊙ M``, ``S̃ = g ⊙ S``, ``k̃ = g ⊙ k_t``:
     ``u = k̃ (M̃ᵀk̃ − v_t)ᵀ = g ⊙ ∇ℓ(M̃; k_t, v_t)``, ``S_t = where(g, η S̃ − θ u, S)``,
     ``M_t = where(g, (1 − α) M̃ + S_t, M)``, ``o_t = M_tᵀ (g ⊙ q_t)`` (``M_{t-1}`` with
-    ``read_before_write``).
+    ``rule.read_before_write``).
 
     Args:
       state: ``TitansLinearState(M, S)`` or a bare ``M`` (zero momentum), ``[B, H, K, V]``.
       q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; theta_t, eta_t, alpha_t: ``[B, H]``.
       t: 1-based absolute position, int or integer array ``[]`` / ``[B]``.
-      context_len: ``N``; num_blocks: ``E`` (``K ≥ E``).
-      read_before_write, grad_clip: as ``titans_linear_step``.
+      rule: :class:`~nested_jax.rules.TitansRule`, as ``titans_linear_step``.
+      schedule: :class:`~nested_jax.rules.ProteusRule` ``(E, N)`` (``K ≥ E``; ``E = 1``: the
+        backbone).
 
     Returns:
       ``(o_t [B, H, V] in v_t's dtype, TitansLinearState f32)``.
     """
     fn = "proteus_titans_linear_step"
-    n, e = _check_schedule(fn, context_len, num_blocks)
-    B, H, K = _check_titans_seq(fn, q_t, k_t, v_t, theta_t, eta_t, alpha_t, per_token=True)
-    _check_blocked(fn, "key dim K", K, e)
-    _check_t0(fn, t, B, name="t (1-based)", low=1)
-    kw = dict(read_before_write=read_before_write, grad_clip=grad_clip)
+    token = (q_t, k_t, v_t, theta_t, eta_t, alpha_t)
+    n, e, K = _linear_setup(fn, token, schedule, rule, t, per_token=True)
+    step = functools.partial(titans_linear_step, rule=rule)
     if _statically_open(t - 1 if _is_int(t) else t, n, e):
-        return titans_linear_step(state, q_t, k_t, v_t, theta_t, eta_t, alpha_t, **kw)
+        return step(state, *token)
     st = _linear_state(fn, state, k_t, v_t)
-    open_k = _key_open(proteus_active_blocks(_positions(t, B), n, e), K, e)
-    return _titans_key_step(
-        titans_linear_step, st, open_k, q_t, k_t, v_t, theta_t, eta_t, alpha_t, kw
-    )
+    open_k = _key_open(proteus_active_blocks(_positions(t, q_t.shape[0]), n, e), K, e)
+    return _titans_key_step(step, st, open_k, token)
 
 
-def _titans_key_step(step_fn, st, open_k, q_t, k_t, v_t, th, et, al, kw):
+def _titans_key_step(step_fn, st, open_k, token):
     """Gated step of a key-row-blocked Titans memory: masked q, k on the gated state, then merge."""
     rows = _token_rows(open_k)
+    q_t, k_t, *rest = token
     return proteus_gated_step(
-        step_fn, st, _state_rows(open_k), _zero_where(rows, q_t), _zero_where(rows, k_t),
-        v_t, th, et, al, **kw,
-    )  # fmt: skip
+        step_fn, st, _state_rows(open_k), _zero_where(rows, q_t), _zero_where(rows, k_t), *rest
+    )
 
 
 def proteus_titans_linear_recurrent(
@@ -217,12 +233,10 @@ def proteus_titans_linear_recurrent(
     eta,
     alpha,
     *,
-    context_len: int,
-    num_blocks: int,
     initial_state=None,
+    rule: TitansRule = TitansRule(),
+    schedule: ProteusRule,
     t0=0,
-    read_before_write: bool = False,
-    grad_clip: float | None = None,
 ):
     """Titans matrix memory with Proteus key-row blocks, token by token (SPEC §2, §4; ground truth).
 
@@ -230,35 +244,31 @@ def proteus_titans_linear_recurrent(
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; theta, eta, alpha: ``[B, T, H]``.
-      context_len: ``N``; num_blocks: ``E`` (``K ≥ E``), Python ints.
       initial_state: None (zeros), ``TitansLinearState(M, S)`` or a bare ``M``, ``[B, H, K, V]``.
+      rule: :class:`~nested_jax.rules.TitansRule`, as ``titans_linear_recurrent``.
+      schedule: :class:`~nested_jax.rules.ProteusRule` ``(E, N)`` (``K ≥ E``).
       t0: tokens already seen: Python int, or integer array ``[]`` / ``[B]`` (traced).
-      read_before_write, grad_clip: as ``titans_linear_recurrent``.
 
     Returns:
       ``(o [B, T, H, V] in v's dtype, TitansLinearState(M, S) f32 [B, H, K, V])``.
     """
     fn = "proteus_titans_linear_recurrent"
-    n, e = _check_schedule(fn, context_len, num_blocks)
-    B, H, K = _check_titans_seq(fn, q, k, v, theta, eta, alpha, per_token=False)
-    _check_blocked(fn, "key dim K", K, e)
-    _check_t0(fn, t0, B)
-    kw = dict(read_before_write=read_before_write, grad_clip=grad_clip)
+    xs = (q, k, v, theta, eta, alpha)
+    n, e, K = _linear_setup(fn, xs, schedule, rule, t0, per_token=False)
     if _statically_open(t0, n, e):
-        return titans_linear_recurrent(
-            q, k, v, theta, eta, alpha, initial_state=initial_state, **kw
-        )
+        return titans_linear_recurrent(*xs, initial_state=initial_state, rule=rule)
     st = _linear_state(fn, initial_state, k, v)
-    pos0 = _positions(t0, B)
+    pos0 = _positions(t0, q.shape[0])
+    step = functools.partial(titans_linear_step, rule=rule)
 
     def body(s, xs):
         i, *tok = xs
         open_k = _key_open(proteus_active_blocks(pos0 + i + 1, n, e), K, e)
-        o_t, s = _titans_key_step(titans_linear_step, s, open_k, *tok, kw)
+        o_t, s = _titans_key_step(step, s, open_k, tok)
         return s, o_t
 
     tm = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731
-    xs = (jnp.arange(q.shape[1], dtype=jnp.int32), *map(tm, (q, k, v, theta, eta, alpha)))
+    xs = (jnp.arange(q.shape[1], dtype=jnp.int32), *map(tm, xs))
     st, o = lax.scan(body, st, xs)
     return jnp.moveaxis(o, 0, 1), st
 
@@ -271,67 +281,56 @@ def proteus_titans_linear_chunked(
     eta,
     alpha,
     *,
-    context_len: int,
-    num_blocks: int,
     initial_state=None,
+    rule: TitansRule = TitansRule(),
+    schedule: ProteusRule,
     t0: int = 0,
-    chunk_size: int = 16,
-    read_before_write: bool = False,
-    grad_clip: float | None = None,
-    per_chunk_gates: bool = False,
-    remat: bool = True,
 ):
     """Titans matrix memory with Proteus key-row blocks in chunk form (SPEC §2, §4).
 
     Each span of constant mask ``g`` (``proteus_spans``) is one ``titans_linear_chunked`` call on
     ``(g ⊙ q, g ⊙ k)`` from ``(g ⊙ M, g ⊙ S)``; the locked rows of ``M`` and ``S`` are then put
     back with ``where``. The chunk grid restarts at every span (the mask changes there), so with
-    ``chunk_size = 1`` this equals the recurrent form, and with ``chunk_size`` dividing ``Δ`` and
-    ``t0`` the chunks are the global ones.
+    ``rule.memory_chunk = 1`` this equals the recurrent form, and with ``memory_chunk`` dividing
+    ``Δ`` and ``t0`` the chunks are the global ones.
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; theta, eta, alpha: ``[B, T, H]``; any T.
-      context_len: ``N``; num_blocks: ``E`` (``K ≥ E``), Python ints.
       initial_state: None (zeros), ``TitansLinearState(M, S)`` or a bare ``M``, ``[B, H, K, V]``.
+      rule: :class:`~nested_jax.rules.TitansRule`, as ``titans_linear_chunked`` (pooled gates are
+        pooled over chunks of each span).
+      schedule: :class:`~nested_jax.rules.ProteusRule` ``(E, N)`` (``K ≥ E``).
       t0: tokens already seen (static Python int ``≥ 0``).
-      chunk_size, read_before_write, grad_clip, per_chunk_gates, remat: as
-        ``titans_linear_chunked`` (pooled gates are pooled over chunks of each span).
 
     Returns:
       ``(o [B, T, H, V] in v's dtype, TitansLinearState(M, S) f32 [B, H, K, V])``.
     """
     fn = "proteus_titans_linear_chunked"
-    n, e = _check_schedule(fn, context_len, num_blocks)
-    B, H, K = _check_titans_seq(fn, q, k, v, theta, eta, alpha, per_token=False)
-    _check_blocked(fn, "key dim K", K, e)
+    xs = (q, k, v, theta, eta, alpha)
     t0 = _check_static_t0(fn, t0)
-    if not _is_int(chunk_size) or chunk_size < 1:
-        raise ValueError(f"{fn}: chunk_size must be a positive int, got {chunk_size!r}")
-    kw = dict(
-        read_before_write=read_before_write, grad_clip=grad_clip,
-        per_chunk_gates=per_chunk_gates, remat=remat,
-    )  # fmt: skip
+    n, e, K = _linear_setup(fn, xs, schedule, rule, t0, per_token=False)
+    run = functools.partial(titans_linear_chunked, rule=rule)
+    if _statically_open(t0, n, e):
+        return run(*xs, initial_state=initial_state)
     spans = proteus_spans(q.shape[1], t0, n, e)
-    if _statically_open(t0, n, e) or not spans:
-        return titans_linear_chunked(
-            q, k, v, theta, eta, alpha, initial_state=initial_state, chunk_size=chunk_size, **kw
-        )
+    if not spans:
+        return run(*xs, initial_state=initial_state)
     st = _linear_state(fn, initial_state, k, v)
 
     def open_fn(s, xs):
-        return titans_linear_chunked(*xs, initial_state=s, chunk_size=chunk_size, **kw)
+        return run(*xs, initial_state=s)
 
     def span_fn(s, xs, active):
         open_k = _key_open(active, K, e)
         rows = _state_rows(open_k)
         qs, ks, *rest = xs
-        o, cand = titans_linear_chunked(
+        o, cand = run(
             _zero_where(_seq_rows(open_k), qs), _zero_where(_seq_rows(open_k), ks), *rest,
-            initial_state=proteus_gate(s, rows), chunk_size=chunk_size, **kw,
+            initial_state=proteus_gate(s, rows),
         )  # fmt: skip
         return o, proteus_gated_update(s, cand, rows)
 
-    return run_proteus_spans(span_fn, open_fn, st, (q, k, v, theta, eta, alpha), spans, e)
+    return run_proteus_spans(span_fn, open_fn, st, xs, spans, e)
 
 
 # MLP memory ------------------------------------------------------------------------------------
@@ -386,9 +385,10 @@ def proteus_titans_mlp_masks(active, dims, num_blocks: int):
     return tuple(masks)
 
 
-def _mlp_setup(fn, state, q, context_len, num_blocks, t0, activation, residual):
+def _mlp_setup(fn, state, schedule, rule, t0, residual):
     """Shared checks; returns ``(n, e, dims)``. Refuses what the hidden-unit gating cannot do."""
-    n, e = _check_schedule(fn, context_len, num_blocks)
+    check_rule(fn, rule)
+    n, e = _check_schedule_rule(fn, schedule)
     dims = _mlp_dims(fn, state)
     L = len(dims) - 1
     _check_blocked(
@@ -400,16 +400,18 @@ def _mlp_setup(fn, state, q, context_len, num_blocks, t0, activation, residual):
         # a residual z + Wᵀz would read the unmasked query: masking q, k is only exact without it
         raise ValueError(f"{fn}: residual=True with L_M = 1 is not supported with num_blocks > 1")
     if L >= 2:
-        _check_silent_at_zero(fn, activation)
+        _check_silent_at_zero(fn, activation_of(rule))
     return n, e, dims
 
 
-def _mlp_gated_step(st, masks, q_t, k_t, v_t, th, et, al, kw, L):
+def _mlp_gated_step(step_fn, st, masks, token):
+    """Gated step of an MLP memory (key rows of q, k masked too for ``L = 1``), then merge."""
     mask_tree = TitansMLPState(masks, masks)
-    if L == 1:
+    q_t, k_t, *rest = token
+    if len(masks) == 1:
         rows = masks[0][..., 0]  # [K] or [B, 1, K]
         q_t, k_t = _zero_where(rows, q_t), _zero_where(rows, k_t)
-    return proteus_gated_step(titans_mlp_step, st, mask_tree, q_t, k_t, v_t, th, et, al, **kw)
+    return proteus_gated_step(step_fn, st, mask_tree, q_t, k_t, *rest)
 
 
 def proteus_titans_mlp_step(
@@ -422,12 +424,9 @@ def proteus_titans_mlp_step(
     alpha_t,
     *,
     t,
-    context_len: int,
-    num_blocks: int,
-    activation: Callable = jax.nn.silu,
+    rule: TitansRule = TitansRule(),
+    schedule: ProteusRule,
     residual=None,
-    read_before_write: bool = False,
-    grad_clip: float | None = DEFAULT_MLP_GRAD_CLIP,
 ):
     """One token of the Titans MLP memory with Proteus blocks (SPEC §2, §4).
 
@@ -440,26 +439,25 @@ def proteus_titans_mlp_step(
       state: ``TitansMLPState`` with ``W_l, S_l [B, H, d_l, d_{l+1}]``.
       q_t, k_t: ``[B, H, K]``; v_t: ``[B, H, V]``; theta_t, eta_t, alpha_t: ``[B, H]``.
       t: 1-based absolute position, int or integer array ``[]`` / ``[B]``.
-      context_len: ``N``; num_blocks: ``E``.
-      activation: σ with ``σ(0) = 0``; residual, read_before_write, grad_clip: as
-        ``titans_mlp_step``.
+      rule: :class:`~nested_jax.rules.TitansRule`, as ``titans_mlp_step`` (its activation must
+        satisfy ``σ(0) = 0`` when ``E > 1``).
+      schedule: :class:`~nested_jax.rules.ProteusRule` ``(E, N)``.
+      residual: as ``titans_mlp_step``.
 
     Returns:
       ``(y_t [B, H, V] in v_t's dtype, TitansMLPState f32)``.
     """
     fn = "proteus_titans_mlp_step"
-    B, _, _ = _check_titans_seq(fn, q_t, k_t, v_t, theta_t, eta_t, alpha_t, per_token=True)
+    token = (q_t, k_t, v_t, theta_t, eta_t, alpha_t)
+    B, _, _ = _check_titans_seq(fn, *token, per_token=True)
     _check_t0(fn, t, B, name="t (1-based)", low=1)
     t_prev = t - 1 if _is_int(t) else t
-    n, e, dims = _mlp_setup(fn, state, q_t, context_len, num_blocks, t_prev, activation, residual)
-    kw = dict(
-        activation=activation, residual=residual, read_before_write=read_before_write,
-        grad_clip=grad_clip,
-    )  # fmt: skip
+    n, e, dims = _mlp_setup(fn, state, schedule, rule, t_prev, residual)
+    step = functools.partial(titans_mlp_step, rule=rule, residual=residual)
     if _statically_open(t_prev, n, e):
-        return titans_mlp_step(state, q_t, k_t, v_t, theta_t, eta_t, alpha_t, **kw)
+        return step(state, *token)
     masks = proteus_titans_mlp_masks(proteus_active_blocks(_positions(t, B), n, e), dims, e)
-    return _mlp_gated_step(state, masks, q_t, k_t, v_t, theta_t, eta_t, alpha_t, kw, len(dims) - 1)
+    return _mlp_gated_step(step, state, masks, token)
 
 
 def proteus_titans_mlp_recurrent(
@@ -470,14 +468,11 @@ def proteus_titans_mlp_recurrent(
     eta,
     alpha,
     *,
-    context_len: int,
-    num_blocks: int,
     initial_state: TitansMLPState | None = None,
+    rule: TitansRule = TitansRule(),
+    schedule: ProteusRule,
     t0=0,
-    activation: Callable = jax.nn.silu,
     residual=None,
-    read_before_write: bool = False,
-    grad_clip: float | None = DEFAULT_MLP_GRAD_CLIP,
 ):
     """Titans MLP memory with Proteus blocks, token by token (SPEC §2, §4; ground truth).
 
@@ -485,37 +480,34 @@ def proteus_titans_mlp_recurrent(
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; theta, eta, alpha: ``[B, T, H]``.
-      context_len: ``N``; num_blocks: ``E``, Python ints.
       initial_state: ``TitansMLPState`` (``[B, H, d_l, d_{l+1}]`` arrays,
         ``titans_mlp_state(weights, B)``); required (None raises ``ValueError``).
+      rule, schedule, residual: as :func:`proteus_titans_mlp_step`.
       t0: tokens already seen: Python int, or integer array ``[]`` / ``[B]`` (traced).
-      activation, residual, read_before_write, grad_clip: as :func:`proteus_titans_mlp_step`.
 
     Returns:
       ``(y [B, T, H, V] in v's dtype, final TitansMLPState f32)``.
     """
     fn = "proteus_titans_mlp_recurrent"
     state = require_initial_state(fn, initial_state, MLP_STATE_CONSTRUCTOR)
-    B, _, _ = _check_titans_seq(fn, q, k, v, theta, eta, alpha, per_token=False)
+    xs = (q, k, v, theta, eta, alpha)
+    B, _, _ = _check_titans_seq(fn, *xs, per_token=False)
     _check_t0(fn, t0, B)
-    n, e, dims = _mlp_setup(fn, state, q, context_len, num_blocks, t0, activation, residual)
-    kw = dict(
-        activation=activation, residual=residual, read_before_write=read_before_write,
-        grad_clip=grad_clip,
-    )  # fmt: skip
+    n, e, dims = _mlp_setup(fn, state, schedule, rule, t0, residual)
     if _statically_open(t0, n, e):
-        return titans_mlp_recurrent(q, k, v, theta, eta, alpha, initial_state=state, **kw)
+        return titans_mlp_recurrent(*xs, initial_state=state, rule=rule, residual=residual)
     pos0 = _positions(t0, B)
     f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
+    step = functools.partial(titans_mlp_step, rule=rule, residual=residual)
 
     def body(s, xs):
         i, *tok = xs
         masks = proteus_titans_mlp_masks(proteus_active_blocks(pos0 + i + 1, n, e), dims, e)
-        y_t, s = _mlp_gated_step(s, masks, *tok, kw, len(dims) - 1)
+        y_t, s = _mlp_gated_step(step, s, masks, tok)
         return s, y_t
 
     tm = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731
-    xs = (jnp.arange(q.shape[1], dtype=jnp.int32), *map(tm, (q, k, v, theta, eta, alpha)))
+    xs = (jnp.arange(q.shape[1], dtype=jnp.int32), *map(tm, xs))
     st, y = lax.scan(body, f32(state), xs)
     return jnp.moveaxis(y, 0, 1), st
 
@@ -528,17 +520,11 @@ def proteus_titans_mlp_chunked(
     eta,
     alpha,
     *,
-    context_len: int,
-    num_blocks: int,
     initial_state: TitansMLPState | None = None,
+    rule: TitansRule = TitansRule(),
+    schedule: ProteusRule,
     t0: int = 0,
-    chunk_size: int = 16,
-    activation: Callable = jax.nn.silu,
     residual=None,
-    read_before_write: bool = False,
-    grad_clip: float | None = DEFAULT_MLP_GRAD_CLIP,
-    per_chunk_gates: bool = False,
-    remat: bool = True,
 ):
     """Titans MLP memory with Proteus blocks in chunk form (SPEC §2, §4).
 
@@ -546,40 +532,38 @@ def proteus_titans_mlp_chunked(
     gated state (weights and momentum; masked q, k for ``L = 1``), then the locked coordinates are
     put back with ``where``. Locked coordinates stay exactly 0 inside the span (silent units, zero
     gradients), so reads are those of the gated memory. The chunk grid restarts at every span;
-    ``chunk_size = 1`` equals the recurrent form.
+    ``rule.memory_chunk = 1`` equals the recurrent form.
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; theta, eta, alpha: ``[B, T, H]``; any T.
-      context_len: ``N``; num_blocks: ``E``, Python ints.
       initial_state: ``TitansMLPState`` (``[B, H, d_l, d_{l+1}]`` arrays,
         ``titans_mlp_state(weights, B)``); required (None raises ``ValueError``).
+      rule: :class:`~nested_jax.rules.TitansRule`, as ``titans_mlp_chunked`` (``σ(0) = 0``
+        required when ``E > 1``).
+      schedule: :class:`~nested_jax.rules.ProteusRule` ``(E, N)``.
       t0: tokens already seen (static Python int ``≥ 0``).
-      chunk_size, activation, residual, read_before_write, grad_clip, per_chunk_gates, remat: as
-        ``titans_mlp_chunked`` (``σ(0) = 0`` required when ``num_blocks > 1``).
+      residual: as ``titans_mlp_chunked``.
 
     Returns:
       ``(y [B, T, H, V] in v's dtype, final TitansMLPState f32)``.
     """
     fn = "proteus_titans_mlp_chunked"
     state = require_initial_state(fn, initial_state, MLP_STATE_CONSTRUCTOR)
-    _check_titans_seq(fn, q, k, v, theta, eta, alpha, per_token=False)
+    xs = (q, k, v, theta, eta, alpha)
+    _check_titans_seq(fn, *xs, per_token=False)
     t0 = _check_static_t0(fn, t0)
-    n, e, dims = _mlp_setup(fn, state, q, context_len, num_blocks, t0, activation, residual)
-    if not _is_int(chunk_size) or chunk_size < 1:
-        raise ValueError(f"{fn}: chunk_size must be a positive int, got {chunk_size!r}")
-    kw = dict(
-        chunk_size=chunk_size, activation=activation, residual=residual,
-        read_before_write=read_before_write, grad_clip=grad_clip,
-        per_chunk_gates=per_chunk_gates, remat=remat,
-    )  # fmt: skip
+    n, e, dims = _mlp_setup(fn, state, schedule, rule, t0, residual)
+    run = functools.partial(titans_mlp_chunked, rule=rule, residual=residual)
+    if _statically_open(t0, n, e):
+        return run(*xs, initial_state=state)
     spans = proteus_spans(q.shape[1], t0, n, e)
-    if _statically_open(t0, n, e) or not spans:
-        return titans_mlp_chunked(q, k, v, theta, eta, alpha, initial_state=state, **kw)
+    if not spans:
+        return run(*xs, initial_state=state)
     L = len(dims) - 1
     st = jax.tree.map(lambda x: x.astype(jnp.float32), state)
 
     def open_fn(s, xs):
-        return titans_mlp_chunked(*xs, initial_state=s, **kw)
+        return run(*xs, initial_state=s)
 
     def span_fn(s, xs, active):
         masks = proteus_titans_mlp_masks(active, dims, e)
@@ -588,7 +572,7 @@ def proteus_titans_mlp_chunked(
         if L == 1:
             rows = _seq_rows(_key_open(active, dims[0], e))
             qs, ks = _zero_where(rows, qs), _zero_where(rows, ks)
-        o, cand = titans_mlp_chunked(qs, ks, *rest, initial_state=proteus_gate(s, tree), **kw)
+        o, cand = run(qs, ks, *rest, initial_state=proteus_gate(s, tree))
         return o, proteus_gated_update(s, cand, tree)
 
-    return run_proteus_spans(span_fn, open_fn, st, (q, k, v, theta, eta, alpha), spans, e)
+    return run_proteus_spans(span_fn, open_fn, st, xs, spans, e)

@@ -17,6 +17,12 @@ Per token (SPEC §2; with chunk size ``b`` every surprise is taken at the chunk-
 
 Memory ``M_W(z) = σ(…σ(z W_1)…) W_L (+ z if residual)`` with weights ``W_ℓ [d_{ℓ−1}, d_ℓ]`` (row
 vectors, as in ``titans_mlp``); a linear memory is ``L = 1``, ``W_1 = M [K, V]``, ``y = Mᵀ q``.
+
+The twins take the same :class:`~nested_jax.rules.TitansRule` as the fast forms (default
+``TitansRule()``, the paper's rule): ``memory_chunk``, ``read_before_write``, ``grad_clip``,
+``activation`` and ``per_chunk_gates`` (each chunk's gates replaced by their mean, computed here
+chunk by chunk). ``remat`` and ``grad_horizon`` only change how the fast forms backpropagate; the
+twins always backpropagate through the whole sequence.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from nested_jax.core.scan import segment_starts
+from nested_jax.core.titans.net import activation_of
+from nested_jax.rules import TitansRule
 
 
 def mlp(ws, z, activation, residual):
@@ -54,24 +62,26 @@ def surprise(ws, k, v, activation, residual, grad_clip):
       ws: list of ``[d_{ℓ−1}, d_ℓ]`` weights (one head).
       k: ``[d_0]`` key; v: ``[d_L]`` value.
       activation, residual: as :func:`mlp`.
-      grad_clip: ``None`` or ``c > 0``: softclamp the whole gradient (all layers together) to norm
-        ``c·tanh(‖u‖/c)``.
+      grad_clip: ``0`` (off) or ``c > 0``: softclamp the whole gradient (all layers together) to
+        norm ``c·tanh(‖u‖/c)``.
 
     Returns:
       list of ``[d_{ℓ−1}, d_ℓ]``, like ``ws``.
     """
     u = jax.grad(lambda w: 0.5 * jnp.sum((mlp(w, k, activation, residual) - v) ** 2))(ws)
-    if grad_clip is not None:
+    if grad_clip:
         n = jnp.sqrt(sum(jnp.sum(g**2) for g in u))
         f = grad_clip * jnp.tanh(n / grad_clip) / n
         u = [g * f for g in u]
     return u
 
 
-def chunk_rule_single(
-    ws, ss, q, k, v, theta, eta, alpha, reset=None, *,
-    chunk_size, activation, residual, rbw, grad_clip,
-):  # fmt: skip
+def _mean_gates(gates):
+    """``(θ, η, α)`` of one chunk ``[n]`` each → each replaced by its mean over the chunk."""
+    return tuple(jnp.full_like(g, jnp.mean(g)) for g in gates)
+
+
+def chunk_rule_single(ws, ss, xs, reset=None, *, rule: TitansRule, residual):
     """The chunk rule of SPEC §2 for one (batch, head).
 
     Chunk by chunk (the last one shorter, no padding): every surprise at the chunk-start weights
@@ -83,22 +93,25 @@ def chunk_rule_single(
 
     Args:
       ws, ss: weights and momenta, lists of ``[d_{ℓ−1}, d_ℓ]``.
-      q, k: ``[T, K]``; v: ``[T, V]``; theta, eta, alpha: ``[T]`` gates.
+      xs: ``(q, k, v, theta, eta, alpha)``: ``q, k [T, K]``, ``v [T, V]``, gates ``[T]``.
       reset: optional ``bool [T]``: a packed document starts at this token.
-      chunk_size, activation, residual, rbw (read before write), grad_clip: as :func:`chunk_rule`.
+      rule, residual: as :func:`chunk_rule`.
 
     Returns:
       ``(y [T, V], weights, momenta)``.
     """
-    T = q.shape[0]
+    chunk_size, activation, clip = rule.memory_chunk, activation_of(rule), rule.grad_clip
+    T = xs[0].shape[0]
     init = (list(ws), list(ss))
     reset = jnp.zeros((T,), bool) if reset is None else reset
     grads = jax.vmap(
-        lambda kt, vt, w: surprise(w, kt, vt, activation, residual, grad_clip), (0, 0, None)
+        lambda kt, vt, w: surprise(w, kt, vt, activation, residual, clip), (0, 0, None)
     )
 
     def one_chunk(carry, xs):
         q, k, v, th, et, al, rs = xs
+        if rule.per_chunk_gates:
+            th, et, al = _mean_gates((th, et, al))
         us0 = grads(k, v, carry[0])  # at the chunk start
         usi = grads(k, v, init[0])  # at the initial weights (a document restarted in the chunk)
         after = jnp.cumsum(rs) > 0
@@ -111,12 +124,12 @@ def chunk_rule_single(
             ss = [jnp.where(r, a, b) for a, b in zip(init[1], ss, strict=True)]
             ss_new = [et * s - th * g for s, g in zip(ss, u, strict=True)]
             ws_new = [(1.0 - al) * w + s for w, s in zip(ws, ss_new, strict=True)]
-            y = mlp(ws if rbw else ws_new, qt, activation, residual)
+            y = mlp(ws if rule.read_before_write else ws_new, qt, activation, residual)
             return (ws_new, ss_new), y
 
         return jax.lax.scan(token, carry, (us0, usi, after, rs, q, th, et, al))
 
-    xs = (q, k, v, theta, eta, alpha, reset)
+    xs = (*xs, reset)
     n_full = (T // chunk_size) * chunk_size
     carry, ys = init, []
     if n_full:
@@ -149,30 +162,28 @@ def chunk_rule(
     alpha,
     *,
     initial_state=None,
-    chunk_size,
-    activation=jax.nn.silu,
+    rule: TitansRule = TitansRule(),
     residual=False,
-    read_before_write=False,
-    grad_clip=None,
     segment_ids=None,
 ):
     """Twin of ``titans_mlp_chunked`` / ``titans_linear_chunked`` (SPEC §2 chunked form).
 
-    Inside a chunk of ``chunk_size`` tokens every surprise ``u_t`` is taken at the chunk-start
-    weights; momentum, decay and the reads then run token by token with the weights materialised.
-    ``chunk_size=1`` is the exact per-token rule (:func:`per_token_rule`). With ``segment_ids``
-    (packed rows, SPEC §0) the state before a document's first token is the initial one and the
-    rest of that chunk takes its surprise at the initial weights.
+    Inside a chunk of ``rule.memory_chunk`` tokens every surprise ``u_t`` is taken at the
+    chunk-start weights; momentum, decay and the reads then run token by token with the weights
+    materialised. ``memory_chunk = 1`` is the exact per-token rule (:func:`per_token_rule`). With
+    ``segment_ids`` (packed rows, SPEC §0) the state before a document's first token is the
+    initial one and the rest of that chunk takes its surprise at the initial weights.
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
       theta, eta, alpha: ``[B, T, H]`` inner lr, momentum and forget gates.
       initial_state: ``(weights, momentum)`` (e.g. a ``TitansMLPState``), tuples of
         ``[B, H, d_{ℓ−1}, d_ℓ]`` (initial weights and momenta); required.
-      chunk_size: ``b``; the last chunk may be shorter (no padding).
-      activation: elementwise ``σ``; residual: ``M(z) + z``.
-      read_before_write: ``y_t = M_{t−1}(q_t)``.
-      grad_clip: ``None`` or the softclamp norm of :func:`surprise`.
+      rule: :class:`~nested_jax.rules.TitansRule` (module docstring): ``memory_chunk`` (``b``;
+        the last chunk may be shorter, no padding), ``read_before_write`` (``y_t =
+        M_{t−1}(q_t)``), ``grad_clip`` (the softclamp norm of :func:`surprise`), ``activation``
+        (``σ``), ``per_chunk_gates``.
+      residual: ``M(z) + z``.
       segment_ids: optional int ``[B, T]`` document ids.
 
     Returns:
@@ -181,11 +192,7 @@ def chunk_rule(
     weights, momentum = _initial("chunk_rule", initial_state)
 
     def single(ws, ss, q, k, v, th, et, al, reset):
-        return chunk_rule_single(
-            ws, ss, q, k, v, th, et, al, reset,
-            chunk_size=chunk_size, activation=activation, residual=residual,
-            rbw=read_before_write, grad_clip=grad_clip,
-        )  # fmt: skip
+        return chunk_rule_single(ws, ss, (q, k, v, th, et, al), reset, rule=rule, residual=residual)
 
     # vmap over heads (axis 0 of per-batch [H, ...] states, axis 1 of [T, H, ...] inputs),
     # then over batch.
@@ -209,27 +216,27 @@ def per_token_rule(
     alpha,
     *,
     initial_state=None,
-    activation=jax.nn.silu,
+    rule: TitansRule = TitansRule(),
     residual=False,
-    read_before_write=False,
-    grad_clip=None,
 ):
     """Twin of ``titans_mlp_recurrent`` / ``titans_linear_recurrent``: the exact per-token rule.
 
     A ``lax.scan`` whose step takes ``jax.grad`` at the current weights (SPEC §2 recurrence): what
-    ``chunk_rule(chunk_size=1)`` computes, compiled once instead of T times. Arguments and returns
-    as :func:`chunk_rule` (no chunking, no ``segment_ids``).
+    ``chunk_rule`` with ``memory_chunk = 1`` computes, compiled once instead of T times. Arguments
+    and returns as :func:`chunk_rule` (no chunking: ``memory_chunk`` and ``per_chunk_gates`` do
+    not apply; no ``segment_ids``).
     """
     weights, momentum = _initial("per_token_rule", initial_state)
+    activation, clip = activation_of(rule), rule.grad_clip
 
     def single(ws, ss, q, k, v, th, et, al):
         def token(carry, xs):
             ws, ss = carry
             qt, kt, vt, a, b, c = xs
-            u = surprise(ws, kt, vt, activation, residual, grad_clip)
+            u = surprise(ws, kt, vt, activation, residual, clip)
             ss_new = [b * s - a * g for s, g in zip(ss, u, strict=True)]
             ws_new = [(1.0 - c) * w + s for w, s in zip(ws, ss_new, strict=True)]
-            y = mlp(ws if read_before_write else ws_new, qt, activation, residual)
+            y = mlp(ws if rule.read_before_write else ws_new, qt, activation, residual)
             return (ws_new, ss_new), y
 
         (ws, ss), y = jax.lax.scan(token, (list(ws), list(ss)), (q, k, v, th, et, al))
