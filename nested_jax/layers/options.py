@@ -8,11 +8,11 @@ dataclass here and one field on ``ModelConfig`` (``model.<section>.<field>`` in 
 flags. Field types stay plain (int / float / str / bool / tuple) so the strict config loader can
 check them; each section validates its values in ``__post_init__`` and names the field
 (``<Section>.<field>: ...``). A mechanism whose math takes static options gets them as one frozen
-value: the typed rules of :mod:`nested_jax.rules` (``HopeRule``, ``TitansRule``, ``HolaRule``,
-``CMSRule``, ``ProteusRule``; re-exported by ``nested_jax.ops``). ``HopeOptions``, ``TitansOptions``,
-``HolaOptions``, ``CMSOptions`` and ``ProteusOptions`` extend their rules (the rule's fields, defaults
-and checks are written once, there; a section re-declares only its training defaults), so a section
-is a rule plus its layer's own fields.
+value: the typed rules of :mod:`nested_jax.rules` (``HopeRule``, ``TitansRule``,
+``HolaRule``, ``CMSRule``, ``ProteusRule``; re-exported by ``nested_jax.ops``).
+``HopeOptions``, ``TitansOptions``, ``HolaOptions``, ``CMSOptions`` and ``ProteusOptions``
+extend their rules (the rule's fields, defaults and checks are written once, there; a section
+re-declares only its training defaults), so a section is a rule plus its layer's own fields.
 """
 
 from __future__ import annotations
