@@ -26,7 +26,6 @@ __all__ = [
     "CMS_VARIANTS",
     "DGD_TARGETS",
     "EVICTIONS",
-    "HOPE_FLAGS",
     "READ_NORMS",
     "TITANS_ACTIVATIONS",
     "CMSRule",
@@ -71,98 +70,87 @@ def _check_choices(owner, choices: dict[str, tuple[str, ...]]) -> None:
 # --------------------------------------------------------------------------------------------------
 # Hope (SPEC §3.2)
 
-# The rule flags hope_step / hope_decode_step take as keywords (HopeRule.flags()).
 DGD_TARGETS = ("gradient", "proximal")  # SPEC §3.2 Decision (DGD target)
-HOPE_FLAGS = (
+_HOPE_BOOLS = (
     "dgd",
-    "dgd_target",
-    "step",
     "momentum",
-    "momentum_coef",
     "decay",
     "inner_k",
     "inner_v",
     "inner_q",
     "adaptive_q",
     "stop_gradient_targets",
-    "eta_max",
-    "grad_clip",
+    "remat",
 )
-# The bounds a plain (paper) rule has: no η cap below sigmoid's 1, no inner-gradient softclamp.
-HOPE_UNBOUNDED = {"eta_max": 1.0, "grad_clip": 0.0}
-_HOPE_BOOLS = tuple(
-    f for f in HOPE_FLAGS if f not in ("dgd_target", "step", "momentum_coef", *HOPE_UNBOUNDED)
-)
-_HOPE_BOOLS += ("remat",)
 
 
 @dataclass(frozen=True)
 class HopeRule:
     """The Hope memory rule as one typed value (SPEC §3.2): chunk sizes, ablation flags, backprop.
 
-    These defaults are the ``model.hope`` config defaults (``HopeOptions`` extends this class).
-    The keyword defaults of the core functions (``hope_chunked``, ``hope_step``, ...) are the
-    plain per-token rule instead: ``chunk_memory = chunk_other = 1``, ``momentum=False``,
-    ``remat=False``; they build a rule from their keywords, so one check serves both.
+    The defaults are the paper's plain rule: exact per-token Hope (both chunk sizes 1), the DGD
+    step with the Sherman–Morrison ``γ`` on eq. 88's target, data-dependent retention, every
+    memory adapting, no momentum, no bound on the inner rate or gradient. Every core form
+    (``hope_chunked``, ``hope_reference``, ``hope_step``, ``hope_decode_step``, the Proteus forms)
+    and ``ops.hope`` take one value of this class as ``rule=``; the config section
+    ``HopeOptions`` (``model.hope``) extends it and re-declares the training defaults only.
 
-    Attributes:
+    Fields of the rule (SPEC §3.2; they choose the model):
+
       chunk_memory: chunk size of ``M_memory``; chunk_other: of ``M_k, M_v, M_η, M_α`` (``M_q``);
-        the larger a multiple of the smaller (SPEC §3.2 Decision; 1 = per token).
-      dgd: DGD inner step (False: plain GD with retention; Table 6 ablation).
+        the larger a multiple of the smaller. Chunk ``n`` of a group takes its projections,
+        targets and signals at the group's state at the end of chunk ``n−1`` (SPEC §3.2 Decision,
+        the paper's chunk-wise training, §8.2); 1 = exact per-token Hope.
+      dgd: the DGD inner step (SPEC §3.1); False: plain GD with retention ``αW − η g xᵀ``
+        (Table 6 ablation).
       dgd_target: what the DGD step regresses ``W x`` onto (SPEC §3.2 Decision): ``gradient``
         (``u = −g``, eq. 88 as printed: ``αW − γ(W x + g)xᵀ``) or ``proximal`` (``u = W x − g``,
-        the proximal step on the inner loss itself: ``αW − γ g xᵀ``, a normalised delta rule for a
-        linear memory).
+        the proximal step on the inner loss itself: ``αW − γ g xᵀ``).
       step: DGD step size, ``exact`` (Sherman–Morrison ``γ = η/(1+η‖x‖²)``) or ``paper``
-        (``η/(1+η)``).
-      momentum, momentum_coef: inner momentum ``S_t = μ S_{t−1} + u_t`` with ``μ ∈ [0, 1)``.
-      decay: data-dependent retention ``α_t`` (False: ``α = 1``).
-      inner_k, inner_v, inner_q: whether ``M_k``, ``M_v``, ``M_q`` adapt in the inner loop.
-      adaptive_q: ``q_t = M_q(x_t)`` (self-modifying) instead of ``q_t = W_q x_t``.
-      stop_gradient_targets: stop the outer gradient through ``v̂ = M_0(v)``.
-      eta_max: cap of the inner rate, ``η_t = eta_max · σ(w_ηᵀ M_η(x_t) + b_η)`` (1 = the paper's
-        plain sigmoid); in ``(0, 1]``.
-      grad_clip: softclamp of each layer's inner gradient ``G_ℓ = g_ℓ x_ℓᵀ`` (as Titans'
+        (eq. 57's ``η/(1+η)``, exact when ``‖x‖ = 1``).
+      momentum, momentum_coef: inner momentum ``S_t = μ S_{t−1} + u_t``, ``W_t = α_t W_{t−1} +
+        S_t`` with ``μ ∈ [0, 1)`` (SPEC §3.2: optional, a Table 6 ablation; off: ``S_t = u_t``).
+      decay: data-dependent retention ``α_t`` (False: ``α = 1``; Table 6 ablation).
+      inner_k, inner_v, inner_q: whether ``M_k``, ``M_v``, ``M_q`` adapt in the inner loop
+        (Table 6); ``M_η``, ``M_α``, ``M_memory`` always do.
+      adaptive_q: ``q_t = M_q(x_t)`` (self-modifying) instead of the paper's ``q_t = W_q x_t``.
+      stop_gradient_targets: stop the outer gradient through ``v̂ = M_0(v)`` (SPEC §3.2 option).
+
+    Engineering knobs (not in the paper; off or neutral by default):
+
+      eta_max: cap of the inner rate, ``η_t = eta_max · σ(w_ηᵀ M_η(x_t) + b_η)`` in ``(0, 1]``
+        (1 = the paper's plain sigmoid). Changes the model.
+      grad_clip: softclamp ``c`` of each layer's inner gradient ``G_ℓ = g_ℓ x_ℓᵀ`` (as Titans'
         ``grad_clip``): the layer's rate becomes ``η_t · c·tanh(n/c)/n`` with ``n = ‖g_ℓ‖‖x_ℓ‖``,
-        so ``‖η G‖ ≤ η c`` (0 = off, the paper's rule). Why it is on (issue 17, measured): in a
-        tiny MQAR model trained at T=32 the value path ``v = M_v(x)`` is not normalised and every
-        memory regresses onto ``v̂ = M(v)``, so once ``M_v``'s gain passes 1 its own targets grow
-        with it (``M_v(M_v(x))``); at a chunk start the layer signal jumped from ‖g‖≈4 to 660,
-        momentum carried the jump on, ‖x‖² of ``W_1`` reached 1e23 and α, η saturated: NaN 1–21
-        tokens past the training length, and 6 NaN steps in 300 of training. With ``c = 4`` the
-        same run trained with no NaN step and stayed finite at 4× and 16× its length; capping η
-        alone (0.2, 0.05) did not stop it (η was 0.11 when it began).
-      grad_horizon: truncated backprop every ``grad_horizon`` tokens, a multiple of the larger
-        chunk (0 = full backprop; values unchanged).
-      remat: rematerialise each chunk in the backward pass (values and gradients unchanged).
-        Measured (core fwd+bwd, B=4, T=256, H=2, D=h=64, CPU): 1.6x faster and 4.9x less
-        temporary memory than storing the per-token weights of every chunk.
+        so ``‖η G‖ ≤ η c`` (0 = off, the paper's rule). Changes the model; it keeps the inner
+        loop finite where self-generated targets ``M_v(M_v(x))`` grow (docs/RESULTS.md, "Hope
+        engineering defaults").
+      grad_horizon: truncated backprop, the carried state a ``stop_gradient`` after every
+        ``grad_horizon`` tokens, a multiple of the larger chunk (0 = full backprop). Values
+        unchanged, gradients cut.
+      remat: rematerialise each chunk in the backward pass (``jax.checkpoint``); values and
+        gradients unchanged, temporary memory per chunk instead of per token.
       remat_every: with ``remat``, the backward stores the carry (memories, momenta, snapshot) of
         every ``remat_every``-th chunk and recomputes the chunks between (``core.scan.scan_remat``);
         0 = ``⌈√N⌉`` for ``N`` chunks (memory ∝ √N), 1 = every chunk (no extra forward).
-        Measured on the tiny Hope LM (``bench hope``, T=256, 2026-12-03): 0 and 1 run within 6%
-        (726 vs 683 tok/s: storing every carry costs about what the extra forward saves); at
-        T=2048 the default needs 1066 MiB of temporaries (5067 MiB storing every carry, measured
-        on an earlier build).
       remat_levels: with ``remat_every = 0``, the levels of nested checkpoints: ``L`` blocks of
         ``r^(L−1), …, r`` chunks with ``r = ⌈N^(1/L)⌉``, so the backward holds about ``L·r`` carries
-        (2: ``2√N``; 3: ``3∛N``, one more recomputed forward). A compute-for-memory knob; values
-        unchanged.
-      chunk_updates: how a chunk's in-order updates run: ``parallel`` (one triangular solve per
-        memory layer, ``core.hope.parallel``, the default) or ``scan`` (token by token). Values
-        equal up to rounding; ``parallel`` measured 2.2x the tiny LM's fwd+bwd tokens/s (726 vs
-        333, ``bench hope`` 2026-12-03). It was opt-in while a tiny MQAR run (T=32, lr 3e-3) went
-        NaN with it; that NaN is the inner loop's divergence (``grad_clip`` above), which the
-        ``scan`` form shows too at 300 steps (6 NaN steps of 300 without the softclamp, 0 with
-        it, in both forms).
+        (2: ``2√N``; 3: ``3∛N``, one more recomputed forward). Values unchanged.
+      chunk_updates: how a chunk's in-order updates run: ``scan`` (token by token) or
+        ``parallel`` (one triangular solve per memory layer, ``core.hope.parallel``). Values
+        equal up to rounding.
+
+    The per-token forms (``hope_step``, ``hope_recurrent``) read the fields of the rule but not
+    the chunk sizes and the backprop knobs (a token is its own chunk); decoding reads the chunk
+    sizes and the fields of the rule.
     """
 
-    chunk_memory: int = 16
-    chunk_other: int = 4
+    chunk_memory: int = 1
+    chunk_other: int = 1
     dgd: bool = True
     dgd_target: str = "gradient"
     step: str = "exact"
-    momentum: bool = True
+    momentum: bool = False
     momentum_coef: float = 0.9
     decay: bool = True
     inner_k: bool = True
@@ -171,12 +159,12 @@ class HopeRule:
     adaptive_q: bool = False
     stop_gradient_targets: bool = False
     grad_horizon: int = 0
-    remat: bool = True
+    remat: bool = False
     remat_every: int = 0
     remat_levels: int = 2
-    chunk_updates: str = "parallel"
+    chunk_updates: str = "scan"
     eta_max: float = 1.0
-    grad_clip: float = 4.0
+    grad_clip: float = 0.0
 
     def __post_init__(self) -> None:
         _check_ints(
@@ -248,15 +236,6 @@ class HopeRule:
     def mu(self):
         """The momentum coefficient in effect: ``μ`` with ``momentum``, else 0."""
         return self.momentum_coef if self.momentum else 0.0
-
-    def flags(self) -> dict:
-        """The ablation flags as keywords of ``hope_step`` and ``hope_decode_step``."""
-        return {name: getattr(self, name) for name in HOPE_FLAGS}
-
-    def kwargs(self) -> dict:
-        """Every field as keywords of ``hope.hope_chunked`` (and ``proteus_hope_chunked``); the
-        rule's own fields only, also on a config section that extends the rule."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(HopeRule)}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -242,42 +242,52 @@ def _hope_setup(t: int, seed: int = 0, adaptive_q: bool = False):
     return mems, ro, x, q
 
 
+def _hope_rule(**changes):
+    """A ``HopeRule``: the training defaults of ``HopeOptions`` (chunks 16 / 4, momentum, remat,
+    parallel chunk updates, inner-gradient softclamp 4) with ``changes``."""
+    from nested_jax.rules import HopeRule
+
+    training = dict(chunk_memory=16, chunk_other=4, momentum=True, remat=True,
+                    chunk_updates="parallel", grad_clip=4.0)  # fmt: skip
+    return HopeRule(**{**training, **changes})
+
+
 def core_hope(t: int) -> None:
     from nested_jax import core as c
+    from nested_jax.rules import ProteusRule
 
     rules = {
-        "default": c.HopeRule(chunk_memory=4, chunk_other=2, momentum_coef=0.7, remat=False),
-        "parallel": c.HopeRule(chunk_memory=4, chunk_other=2, chunk_updates="parallel"),
-        "nomomentum": c.HopeRule(chunk_memory=8, chunk_other=4, momentum=False, step="paper"),
+        "default": _hope_rule(chunk_memory=4, chunk_other=2, momentum_coef=0.7, remat=False),
+        "parallel": _hope_rule(chunk_memory=4, chunk_other=2, chunk_updates="parallel"),
+        "nomomentum": _hope_rule(chunk_memory=8, chunk_other=4, momentum=False, step="paper"),
     }
+    schedule = ProteusRule(blocks=4, context_len=16)
     for adaptive in (False, True):
         mems, ro, x, q = _hope_setup(t, adaptive_q=adaptive)
         for rname, rule in rules.items():
-            kw = rule.kwargs()
             tag = f"core/hope/T{t}/aq{adaptive}/{rname}"
 
             def init(m, rule=rule):
                 return c.hope_init_state(m, B, momentum=rule.momentum)
 
             for seg in (None, _segments(t)):
-                record(f"{tag}/seg{seg is not None}/chunked", lambda x, q, m, r, kw=kw, s=seg,
-                       i=init: c.hope_chunked(x, q, r, initial_state=i(m), segment_ids=s, **kw),
+                record(f"{tag}/seg{seg is not None}/chunked", lambda x, q, m, r, rule=rule, s=seg,
+                       i=init: c.hope_chunked(x, q, r, initial_state=i(m), rule=rule,
+                                              segment_ids=s),
                        x, q, mems, ro)  # fmt: skip
-            rec_kw = {k: v for k, v in kw.items() if k not in ("chunk_memory", "chunk_other")}
-            for k in ("remat", "remat_every", "remat_levels", "grad_horizon", "chunk_updates"):
-                rec_kw.pop(k, None)
-            record(f"{tag}/recurrent", lambda x, q, m, r, kw=rec_kw, i=init: c.hope_recurrent(
-                x, q, r, initial_state=i(m), **kw), x, q, mems, ro)  # fmt: skip
-            pk = dict(context_len=16, num_blocks=4)
-            record(f"{tag}/proteus_chunked", lambda x, q, m, r, kw=kw, i=init: (
-                c.proteus_hope_chunked(x, q, r, initial_state=i(m), t0=2, **pk, **kw)),
+            record(f"{tag}/recurrent", lambda x, q, m, r, rule=rule, i=init: c.hope_recurrent(
+                x, q, r, initial_state=i(m), rule=rule), x, q, mems, ro)  # fmt: skip
+            record(f"{tag}/proteus_chunked", lambda x, q, m, r, rule=rule, i=init: (
+                c.proteus_hope_chunked(x, q, r, initial_state=i(m), t0=2, schedule=schedule,
+                                       rule=rule)),
                 x, q, mems, ro)  # fmt: skip
-            record(f"{tag}/proteus_recurrent", lambda x, q, m, r, kw=rec_kw, i=init: (
-                c.proteus_hope_recurrent(x, q, r, initial_state=i(m), t0=2, **pk, **kw)),
+            record(f"{tag}/proteus_recurrent", lambda x, q, m, r, rule=rule, i=init: (
+                c.proteus_hope_recurrent(x, q, r, initial_state=i(m), t0=2, schedule=schedule,
+                                         rule=rule)),
                 x, q, mems, ro)  # fmt: skip
             record(f"{tag}/decode", lambda x, q, m, r, rule=rule: c.hope_decode(
                 x, q, r, rule=rule, initial_state=c.hope_decode_state(
-                    m, B, momentum=rule.momentum), context_len=16, num_blocks=4),
+                    m, B, momentum=rule.momentum), schedule=schedule),
                 x, q, mems, ro)  # fmt: skip
     mems, ro, x, q = _hope_setup(t, 1)
     record(f"core/hope/T{t}/mlp_memory_apply", c.mlp_memory_apply, mems.k, x)
@@ -459,7 +469,7 @@ def ops_all(t: int) -> None:
                 tag = f"ops/titans_step/T{t}/{impl}/L{len(dims) - 1}/E{prot.blocks}"
                 record(tag, decode, w0, *tit)
 
-        rule_h = ops_hope.HopeRule(chunk_memory=4, chunk_other=2, momentum_coef=0.7, remat=False)
+        rule_h = _hope_rule(chunk_memory=4, chunk_other=2, momentum_coef=0.7, remat=False)
         mems, ro, hx, hq = _hope_setup(t, 2)
         for prot in (ops.ProteusRule(), ops.ProteusRule(4, 16)):
             for seg in (None, _segments(t)):

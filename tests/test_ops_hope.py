@@ -4,13 +4,12 @@
 ``proteus_hope_chunked`` and the packed-rows span runner), values and gradients at T = 13;
 ``impl="recurrent"`` (the per-token twin) equals it to rounding; decoding through the op equals the
 sequence form token by token, plain and under Proteus (the layer tests check the packed-row
-semantics through the op: documents alone, row positions); the typed rule matches ``HopeOptions``;
-impl and decode checks name the op.
+semantics through the op: documents alone, row positions); a ``HopeOptions`` passed as the rule
+runs its training defaults; impl and decode checks name the op.
 """
 
 import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,9 @@ from nested_jax.ops.hope import HopeMemories, HopeReadout, HopeRule, MLPMemory
 from nested_jax.rules import ProteusRule
 
 B, T, H, D, HID = 2, 13, 2, 4, 4
-RULE = HopeRule(chunk_memory=4, chunk_other=2, momentum_coef=0.7, remat=False)
+# a training-like rule: momentum, the parallel chunk updates, the inner-gradient softclamp
+RULE = HopeRule(chunk_memory=4, chunk_other=2, momentum=True, momentum_coef=0.7,
+                chunk_updates="parallel", grad_clip=4.0)  # fmt: skip
 PROTEUS = dict(proteus=ProteusRule(blocks=4, context_len=16))  # Δ = 4: k = 1, 2, 3, then open
 CUT = 8  # a document start: a Proteus span start and a chunk start of both groups
 
@@ -68,12 +69,13 @@ def _state(mems, rule):
 
 def _old_packed(x, q, state, readout, rule, segment_ids, n, e):
     """The layer's former packed-rows Proteus path (its closures), verbatim."""
-    reset, kw = state, rule.kwargs()
+    reset = state
 
     def call(st, xs, seg, init):
         return hope_chunked(
-            xs[0], xs[1], readout, initial_state=st, segment_ids=seg, initial_memories=init, **kw
-        )
+            xs[0], xs[1], readout, initial_state=st, rule=rule, segment_ids=seg,
+            initial_memories=init,
+        )  # fmt: skip
 
     def span_fn(st, xs, seg, active):
         tree = proteus_hope_masks(st, active, e)
@@ -93,11 +95,12 @@ def _old_packed(x, q, state, readout, rule, segment_ids, n, e):
 def _core(x, q, state, ro, segment_ids, proteus):
     """What the layer computed before ops.hope, per case."""
     if not proteus:
-        return hope_chunked(x, q, ro, initial_state=state, segment_ids=segment_ids, **RULE.kwargs())
-    n, e = PROTEUS["proteus"].context_len, PROTEUS["proteus"].blocks
+        return hope_chunked(x, q, ro, initial_state=state, rule=RULE, segment_ids=segment_ids)
+    schedule = PROTEUS["proteus"]
+    n, e = schedule.context_len, schedule.blocks
     if segment_ids is None:
         return proteus_hope_chunked(
-            x, q, ro, initial_state=state, context_len=n, num_blocks=e, t0=0, **RULE.kwargs()
+            x, q, ro, initial_state=state, schedule=schedule, t0=0, rule=RULE
         )
     return _old_packed(x, q, state, ro, RULE, segment_ids, n, e)
 
@@ -189,20 +192,29 @@ def test_decode_equals_sequence_form_token_by_token(proteus):
         _close(a, b)
 
 
-def test_rule_defaults_are_hope_options_defaults():
-    """HopeRule's defaults are HopeOptions's; its keywords are hope_chunked's."""
-    assert HopeOptions().rule() == HopeRule()
-    opts = HopeOptions(chunk_memory=2, chunk_other=8, momentum=False, adaptive_q=True, remat=False)
-    rule = opts.rule()
+def test_hope_options_are_the_rule_with_the_training_defaults():
+    """A ``HopeOptions`` is the rule the op runs: passed whole, it gives the program of the
+    explicit rule its training defaults name (chunks 16 / 4, momentum, remat, the parallel chunk
+    updates, the inner-gradient softclamp 4), not the paper's per-token ``HopeRule()``. Tracing
+    only (equal jaxprs, so equal bits)."""
+    training = HopeRule(chunk_memory=16, chunk_other=4, momentum=True, remat=True,
+                        chunk_updates="parallel", grad_clip=4.0)  # fmt: skip
+    opts = HopeOptions()
+    assert isinstance(opts, HopeRule)
     for f in dataclasses.fields(HopeRule):
-        assert getattr(rule, f.name) == getattr(opts, f.name), f.name
-    params = inspect.signature(hope_chunked).parameters
-    assert set(rule.kwargs()) <= set(params) and set(rule.kwargs()) == {
-        f.name for f in dataclasses.fields(HopeRule)
-    }
-    assert rule.mu == 0.0 and HopeRule().mu == 0.9
+        assert getattr(opts, f.name) == getattr(training, f.name), f.name
+    assert opts.mu == 0.9 and HopeRule().mu == 0.0
     with pytest.raises(dataclasses.FrozenInstanceError):
-        rule.chunk_memory = 4
+        opts.chunk_memory = 4
+    mems, ro, x, q = _setup()
+
+    def program(rule, fn=ops_hope.hope_memories):
+        st = _state(mems, rule)
+        return str(jax.make_jaxpr(lambda x, q: fn(x, q, ro, initial_state=st, rule=rule))(x, q))
+
+    assert program(opts) == program(training)
+    assert program(opts, hope_chunked) == program(training, hope_chunked)  # core reads it as well
+    assert program(opts) != program(HopeRule(momentum=True))  # the options do change the model
 
 
 @pytest.mark.parametrize("op", ["hope_memories", "hope_decode"])

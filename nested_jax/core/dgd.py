@@ -73,7 +73,7 @@ def clamped_rate(lr, g, x, grad_clip: float | None):
     """The inner rate with the layer gradient ``G = g xᵀ`` softclamped: ``η · c·tanh(n/c)/n``.
 
     ``n = ‖G‖_F = ‖g‖‖x‖`` per token (a rank-1 gradient), so the rate's step ``η G`` has norm at
-    most ``η c`` (Hope's ``grad_clip``, issue 17; Titans' matrix memory with ``g = err``,
+    most ``η c`` (Hope's ``grad_clip``; Titans' matrix memory with ``g = err``,
     ``x = k``). ``grad_clip`` 0 or None returns ``lr`` unchanged.
 
     Args:

@@ -23,7 +23,7 @@ memories restart at the learned initial memories (exact; see ``core.hope.chunk.h
 
 **The math is reached through** :mod:`nested_jax.ops.hope` only (``hope_memories``,
 ``hope_decode``, ``impl = ModelConfig.impl``): this layer holds the parameters, projections, convs
-and the output; ``HopeOptions.rule()`` is the typed rule it passes.
+and the output; its ``HopeOptions`` *is* the typed ``HopeRule`` it passes (``rule=self.opts``).
 
 **Decoding** equals the full forward: :class:`HopeCache` holds the running state (memories and
 momenta), the chunk-start snapshots, the conv taps and the number ``n`` of tokens seen; every
@@ -207,16 +207,12 @@ class HopeMixer(nnx.Module):
         """The outer η / α readouts."""
         return HopeReadout(self.eta_w[...], self.eta_b[...], self.alpha_w[...], self.alpha_b[...])
 
-    def _flags(self) -> dict:
-        """The ablation flags of the rule, as keywords of the core per-token forms."""
-        return self.opts.rule().flags()
-
     # ---------------------------------------------------------------- decode state
 
     def init_cache(self, batch_size: int, max_len: int) -> HopeCache:
         """Zero decode state (size independent of ``max_len``); only static attributes are read."""
         del max_len
-        check_hope_decode(self.opts.rule(), proteus=self.proteus_rule, owner="HopeOptions")
+        check_hope_decode(self.opts, proteus=self.proteus_rule, owner="HopeOptions")
         b, h, d, k = batch_size, self.n_heads, self.head_dim, self.hidden
         zero = MLPMemory(jnp.zeros((b, h, d, k), jnp.float32), jnp.zeros((b, h, k, d), jnp.float32))
         mems = HopeMemories(**{n: zero for n in self.names})
@@ -278,16 +274,16 @@ class HopeMixer(nnx.Module):
             raise ValueError("segment_ids: packed segments cannot be combined with a cache")
         x = x.astype(self.dtype)
         xm, q, cx, cq = self._inputs(x, segment_ids, cache)
-        rule, readout, init = self.opts.rule(), self.readout(), self.initial_memories()
+        readout, init = self.readout(), self.initial_memories()
         if cache is None:
-            state = hope_init_state(init, b, momentum=rule.momentum)
+            state = hope_init_state(init, b, momentum=self.opts.momentum)
             out, _ = hope_memories(
-                xm, q, readout, rule=rule, initial_state=state, proteus=self.proteus_rule,
+                xm, q, readout, rule=self.opts, initial_state=state, proteus=self.proteus_rule,
                 segment_ids=segment_ids, impl=self.impl,
             )  # fmt: skip
             return self._out(x, out), None
         out, (state, snap, n) = hope_decode(
-            xm, q, readout, rule=rule,
+            xm, q, readout, rule=self.opts,
             initial_state=HopeDecodeState(cache.state, cache.snapshot, cache.n),
             proteus=self.proteus_rule, initial_memories=init, impl=self.impl,
         )  # fmt: skip

@@ -166,10 +166,20 @@ OPTION_SECTIONS["proteus"] = ProteusOptions
 class HopeOptions(HopeRule):
     """Hope self-modifying memory mixer (SPEC §3.2; ``model.hope.<field>``), read by ``hope``.
 
-    The rule's fields (chunk sizes, ablation flags, ``grad_horizon``, ``remat``), their defaults
-    and their checks are :class:`HopeRule`'s; the fields below shape and initialise the layer.
+    A ``HopeOptions`` *is* the :class:`HopeRule` the mixer passes to ``ops.hope`` (the rule's
+    fields and checks are written once, there). It re-declares the training defaults only: the
+    rule's defaults are the paper's per-token rule, training runs chunk-wise (``chunk_memory=16``,
+    ``chunk_other=4``) with inner momentum, the inner-gradient softclamp ``grad_clip=4.0``,
+    per-chunk remat and the parallel chunk updates (docs/RESULTS.md, "Hope engineering
+    defaults"). The fields after them shape and initialise the layer.
     """
 
+    chunk_memory: int = 16
+    chunk_other: int = 4
+    momentum: bool = True
+    remat: bool = True
+    chunk_updates: str = "parallel"
+    grad_clip: float = 4.0
     memory_hidden: int = 0  # hidden width h of every 2-layer residual memory; 0 -> head_dim
     norm_inputs: bool = True  # L2-normalise the per-head memory inputs x (k, q always are)
     eta_init: float = 0.1  # initial inner rate η = σ(b_η)
@@ -208,11 +218,6 @@ class HopeOptions(HopeRule):
     def resolved_memory_hidden(self, head_dim: int) -> int:
         """Hidden width ``h`` of the memories: ``memory_hidden`` or ``head_dim`` when 0."""
         return self.memory_hidden or head_dim
-
-    def rule(self) -> HopeRule:
-        """The memory rule these options select (SPEC §3.2): the ``HopeRule`` part of this
-        section (its fields, by name)."""
-        return HopeRule(**HopeRule.kwargs(self))
 
 
 OPTION_SECTIONS["hope"] = HopeOptions

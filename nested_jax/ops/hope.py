@@ -13,9 +13,12 @@ Layers call these functions, never a core form directly, so the implementation i
   ``"chunked"`` to float rounding (not bit for bit). With Proteus it runs span by span exactly
   like the chunked form. Not ``core.hope.token.hope_recurrent``: that is ``hope_chunked`` with chunk
   sizes 1, a different rule unless the rule's sizes are 1. The twin has no truncated backprop
-  (``rule.grad_horizon > 0`` raises) and ``rule.remat`` is ignored (it only trades memory for
-  recomputation). The twin returns momenta iff ``rule.momentum``, so ``initial_state`` must hold
-  momenta exactly then.
+  (``rule.grad_horizon > 0`` raises) and does not read ``rule.remat*`` or ``rule.chunk_updates``
+  (they only schedule the same values). The twin returns momenta iff ``rule.momentum``, so
+  ``initial_state`` must hold momenta exactly then.
+
+Every op takes the rule whole (``rule=``, a :class:`HopeRule`; the layer passes its
+``HopeOptions``, which is one) and hands it on unchanged to the core form it runs.
 - ``"pallas"``: the MLP-memory rule has no kernel, so it raises ``ValueError``; a chunk of a
   *linear* Hope memory (:func:`hope_linear_chunk`, a gated delta rule, SPEC §3.2) runs on the
   gated delta kernel ``pallas_kernels/gated_delta``.
@@ -24,10 +27,11 @@ Decoding (:func:`hope_decode`) has one form for ``"chunked"`` and ``"recurrent"`
 per-token ``hope_decode_step`` (one token of the chunked form, snapshots and position carried),
 which equals the sequence form row by row.
 
-Re-exported for layers: the types (``HopeRule``, ``HopeMemories``, ``HopeReadout``, ``HopeState``,
-``MLPMemory``, ``HopeDecodeState``), ``hope_init_state`` (learned memories over the batch, zero
-momenta), ``hope_decode_state`` (the decode state at position 0) and :func:`check_hope_decode`
-(the Proteus decode condition, for ``init_cache``).
+Also importable from here for layers (defined in core and :mod:`nested_jax.rules`, so not in
+``__all__``): the types ``HopeRule``, ``HopeMemories``, ``HopeReadout``, ``HopeState``,
+``MLPMemory``, ``HopeDecodeState``, ``hope_init_state`` (learned memories over the batch, zero
+momenta) and ``hope_decode_state`` (the decode state at position 0). :func:`check_hope_decode`
+is the Proteus decode condition, for ``init_cache``.
 """
 
 from __future__ import annotations
@@ -36,36 +40,21 @@ import functools
 
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.hope.chunk import hope_chunked
-from nested_jax.core.hope.decode import (
-    HopeDecodeState,
-    check_proteus_decode_chunks,
-    hope_decode_state,
-)
+from nested_jax.core.hope.decode import HopeDecodeState, check_proteus_decode_chunks
 from nested_jax.core.hope.decode import hope_decode as _hope_decode
+from nested_jax.core.hope.decode import hope_decode_state as hope_decode_state
 from nested_jax.core.hope.linear import hope_linear_chunk_update
 from nested_jax.core.hope.proteus import proteus_hope_chunked, proteus_hope_packed
 from nested_jax.core.hope.reference import hope_reference
-from nested_jax.core.hope.state import (
-    HopeMemories,
-    HopeReadout,
-    HopeState,
-    MLPMemory,
-    hope_init_state,
-)
+from nested_jax.core.hope.state import HopeMemories, HopeReadout, HopeState, check_rule
+from nested_jax.core.hope.state import MLPMemory as MLPMemory
+from nested_jax.core.hope.state import hope_init_state as hope_init_state
 from nested_jax.ops._impl import check_impl as _check_impl
 from nested_jax.ops._state import pin_head_state
 from nested_jax.ops.linear import gated_delta
 from nested_jax.rules import HopeRule, ProteusRule
 
 __all__ = [
-    "HopeRule",
-    "HopeMemories",
-    "HopeReadout",
-    "HopeState",
-    "MLPMemory",
-    "HopeDecodeState",
-    "hope_init_state",
-    "hope_decode_state",
     "hope_memories",
     "hope_decode",
     "check_hope_decode",
@@ -73,15 +62,6 @@ __all__ = [
 ]
 
 _NO_PROTEUS = ProteusRule()  # the default schedule: E = 1, the plain memories
-
-
-def _twin(x, q, readout, *, grad_horizon=0, remat=False, remat_every=0, remat_levels=2,
-          chunk_updates="scan", **kw):  # fmt: skip
-    """``hope_reference`` behind ``hope_chunked``'s arguments (``grad_horizon`` is checked to be 0
-    by the caller; ``remat``, ``remat_every``, ``remat_levels`` and ``chunk_updates`` change no
-    value or gradient)."""
-    del grad_horizon, remat, remat_every, remat_levels, chunk_updates
-    return hope_reference(x, q, readout, **kw)
 
 
 def _backbone(op: str, impl: str, rule: HopeRule):
@@ -94,7 +74,7 @@ def _backbone(op: str, impl: str, rule: HopeRule):
             f"{op}: impl='recurrent' (the per-token twin hope_reference) has no truncated "
             f"backprop; got rule.grad_horizon={rule.grad_horizon} (use impl='chunked' or 0)"
         )
-    return _twin
+    return hope_reference
 
 
 def _check_proteus(op: str, proteus: ProteusRule) -> ProteusRule:
@@ -127,7 +107,8 @@ def hope_memories(
       x: memory inputs ``[B, T, H, D]``; q: ``W_q x`` ``[B, T, H, D]`` (None with
         ``rule.adaptive_q``).
       readout: ``HopeReadout`` of ``M_η``, ``M_α``.
-      rule: :class:`HopeRule` (chunk sizes, ablation flags, ``grad_horizon``, ``remat``).
+      rule: the :class:`HopeRule` (chunk sizes, ablation flags, ``grad_horizon``, ``remat``;
+        a ``HopeOptions`` is one), passed on whole.
       initial_state: ``HopeState`` (``hope_init_state(memories, B)``), weights ``[B, H, ...]``;
         also the state every document of a packed row starts from. Required (None raises
         ``ValueError``: Hope's memories have no zero state).
@@ -140,20 +121,18 @@ def hope_memories(
       ``(o [B, T, H, D] f32, final HopeState)``; the state's leaves pinned to ``("batch",
       "heads", …)`` (``ops._state``).
     """
+    rule = check_rule("hope_memories", rule)
     backbone = _backbone("hope_memories", impl, rule)
     proteus = _check_proteus("hope_memories", proteus)
     state = require_initial_state("hope_memories", initial_state, "hope_init_state(memories, B)")
-    kw = rule.kwargs()
     if not proteus.enabled:
-        o, final = backbone(x, q, readout, initial_state=state, segment_ids=segment_ids, **kw)
+        o, final = backbone(x, q, readout, initial_state=state, rule=rule, segment_ids=segment_ids)
     else:
-        kw.update(context_len=proteus.context_len, num_blocks=proteus.blocks, backbone=backbone)
+        kw = dict(initial_state=state, rule=rule, schedule=proteus, backbone=backbone)
         if segment_ids is None:
-            o, final = proteus_hope_chunked(x, q, readout, initial_state=state, t0=0, **kw)
+            o, final = proteus_hope_chunked(x, q, readout, t0=0, **kw)
         else:
-            o, final = proteus_hope_packed(
-                x, q, readout, initial_state=state, segment_ids=segment_ids, **kw
-            )
+            o, final = proteus_hope_packed(x, q, readout, segment_ids=segment_ids, **kw)
     return o, pin_head_state(final)
 
 
@@ -182,10 +161,11 @@ def hope_decode(
       ``(o [B, T, H, D] f32, HopeDecodeState(new state, new snapshot, n + T))``.
     """
     _check_impl("hope_decode", impl)
+    rule = check_rule("hope_decode", rule)
     proteus = _check_proteus("hope_decode", proteus)
     return _hope_decode(
-        x, q, readout, rule=rule, initial_state=initial_state, context_len=proteus.context_len,
-        num_blocks=proteus.blocks, initial_memories=initial_memories,
+        x, q, readout, rule=rule, schedule=proteus, initial_state=initial_state,
+        initial_memories=initial_memories,
     )  # fmt: skip
 
 
@@ -196,11 +176,11 @@ def check_hope_decode(
     under Proteus: both chunk sizes must divide ``Δ = N // E`` (SPEC §4; no condition for
     ``E = 1``)."""
     proteus = _check_proteus("check_hope_decode", proteus)
-    check_proteus_decode_chunks(rule, proteus.context_len, proteus.blocks, owner=owner)
+    check_proteus_decode_chunks(rule, proteus, owner=owner)
 
 
 def hope_linear_chunk(
-    M0, k, v_hat, alpha, eta, *, step: str = "exact", chunk_size: int = 64,
+    M0, k, v_hat, alpha, eta, *, rule: HopeRule = HopeRule(), chunk_size: int = 64,
     impl: str = "chunked",
 ):  # fmt: skip
     """One Hope chunk of a linear memory, SPEC §3.2:
@@ -211,7 +191,8 @@ def hope_linear_chunk(
     Args:
       M0: ``[B, H, V, K]``; k: ``[B, T, H, K]``; v_hat: ``[B, T, H, V]``; alpha, eta:
         ``[B, T, H]``.
-      step: ``"exact"`` | ``"paper"`` DGD step size (SPEC §3.1).
+      rule: the :class:`HopeRule`, passed on whole: its ``step`` (``"exact"`` | ``"paper"``, SPEC
+        §3.1); it must be the plain DGD step (no momentum, no softclamp, eq. 88's target).
       chunk_size: the gated delta rule's WY chunk (``"pallas"``: a multiple of 8).
       impl: ``"chunked"`` | ``"recurrent"`` | ``"pallas"`` (the gated delta kernel), as
         :func:`nested_jax.ops.linear.gated_delta`.
@@ -222,5 +203,5 @@ def hope_linear_chunk(
     _check_impl("hope_linear_chunk", impl, ("chunked", "recurrent", "pallas"))
     backbone = functools.partial(gated_delta, impl=impl)
     return hope_linear_chunk_update(
-        M0, k, v_hat, alpha, eta, step=step, chunk_size=chunk_size, backbone=backbone
+        M0, k, v_hat, alpha, eta, rule=rule, chunk_size=chunk_size, backbone=backbone
     )

@@ -113,7 +113,7 @@ SAFE_ON_RESUME = (
 # Fields added with a default that changes the math: a saved config without the field ran with
 # the value here (the behaviour before the field existed), not with today's default.
 BEFORE_THE_FIELD = {
-    "model.hope.grad_clip": 0.0,  # the inner-gradient softclamp arrived on by default (issue 17)
+    "model.hope.grad_clip": 0.0,  # saved before the inner-gradient softclamp: it ran without
 }
 # Settings that --reset-optimizer makes changeable (the optimizer state is rebuilt from them).
 OPTIMIZER_FIELDS = ("optimizer.*",)

@@ -2,6 +2,7 @@
 ``nested_jax.core.hope.reference`` (values and gradients), chunk semantics, linear chunk update ==
 gated delta rule, one test per ablation flag."""
 
+import dataclasses
 import functools
 
 import jax
@@ -22,6 +23,7 @@ from nested_jax.core.hope.state import (
     hope_init_state,
 )
 from nested_jax.core.hope.token import hope_decode_step, hope_recurrent
+from nested_jax.rules import HopeRule
 
 B, T, H, D, HID = 2, 6, 2, 4, 3
 TOL = 2e-5
@@ -50,25 +52,27 @@ def _setup(adaptive_q=False, seed=0, t=T):
     return mems, ro, x, q
 
 
-def _ref(x, q, mems, ro, momentum=False, **flags):
-    """The twin's ``(o, final memories as a dict name -> (w1, w2))``."""
+def _ref(x, q, mems, ro, momentum=False, segment_ids=None, **fields):
+    """The twin's ``(o, final memories as a dict name -> (w1, w2))`` under
+    ``HopeRule(momentum=momentum, **fields)``."""
     st = hope_init_state(mems, x.shape[0], momentum=momentum)
-    o, st_ref = hope_reference(x, q, ro, initial_state=st, momentum=momentum, **flags)
+    rule = HopeRule(momentum=momentum, **fields)
+    o, st_ref = hope_reference(x, q, ro, initial_state=st, rule=rule, segment_ids=segment_ids)
     names = [n for n in HopeMemories._fields if getattr(mems, n) is not None]
     return o, {n: tuple(getattr(st_ref.memories, n)) for n in names}
 
 
-def _ours(x, q, mems, ro, momentum=False, **flags):
-    return _jit_ours(momentum, tuple(sorted(flags.items())))(x, q, mems, ro)
+def _ours(x, q, mems, ro, momentum=False, **fields):
+    return _jit_ours(HopeRule(momentum=momentum, **fields))(x, q, mems, ro)
 
 
 @functools.cache
-def _jit_ours(momentum, flags):
-    """One compiled hope_chunked per configuration, shared by the tests (CPU time budget)."""
+def _jit_ours(rule):
+    """One compiled hope_chunked per rule, shared by the tests (CPU time budget)."""
 
     def f(x, q, mems, ro):
-        st = hope_init_state(mems, x.shape[0], momentum=momentum)
-        return hope_chunked(x, q, ro, initial_state=st, momentum=momentum, **dict(flags))
+        st = hope_init_state(mems, x.shape[0], momentum=rule.momentum)
+        return hope_chunked(x, q, ro, initial_state=st, rule=rule)
 
     return jax.jit(f)
 
@@ -105,9 +109,28 @@ def test_chunk1_equals_reference_values(flags):
         q,
         ro,
         initial_state=hope_init_state(mems, B, momentum=flags.get("momentum", False)),
-        **flags,
+        rule=HopeRule(**flags),
     )
     _close(o_rec, o, 1e-6)
+
+
+def test_the_default_rule_is_the_papers_per_token_rule():
+    """``HopeRule()`` is the plain rule of SPEC §3.2 (per token, no momentum, no bounds, no
+    remat, the token-by-token updates), and ``hope_chunked`` with its default rule equals the
+    twin ``hope_reference`` with its default rule."""
+    paper = dict(chunk_memory=1, chunk_other=1, dgd=True, dgd_target="gradient", step="exact",
+                 momentum=False, decay=True, inner_k=True, inner_v=True, inner_q=True,
+                 adaptive_q=False, stop_gradient_targets=False, grad_horizon=0, remat=False,
+                 chunk_updates="scan", eta_max=1.0, grad_clip=0.0)  # fmt: skip
+    assert {n: getattr(HopeRule(), n) for n in paper} == paper
+    mems, ro, x, q = _setup(seed=3)
+    st = hope_init_state(mems, B)
+    o, final = jax.jit(lambda x, q: hope_chunked(x, q, ro, initial_state=st))(x, q)
+    o_ref, final_ref = hope_reference(x, q, ro, initial_state=st)
+    _close(o, o_ref)
+    for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(final_ref), strict=True):
+        _close(a, b)
+    assert final.momentum is None and final_ref.momentum is None
 
 
 @pytest.mark.parametrize(
@@ -195,7 +218,8 @@ def test_package_twin_equals_chunked_values_and_gradients(cm, co, momentum, pack
     of them w.r.t. x, q, the initial memories (and momenta) and the readout."""
     mems, ro, x, q = _setup(seed=5, t=TWIN_T)
     st = hope_init_state(mems, B, momentum=momentum)
-    kw = dict(chunk_memory=cm, chunk_other=co, momentum=momentum, momentum_coef=0.6)
+    rule = HopeRule(chunk_memory=cm, chunk_other=co, momentum=momentum, momentum_coef=0.6)
+    kw = dict(rule=rule)
     if packed:
         kw["segment_ids"] = jnp.asarray(TWIN_SEG)
     args = (x, q, ro, st)  # the state is the keyword initial_state; last here for the VJP
@@ -233,7 +257,7 @@ def test_causality():
 
 
 # one compiled kernel per step rule, shared by the linear tests (same shapes)
-_kernel = jax.jit(hope_linear_chunk_update, static_argnames=("step", "chunk_size"))
+_kernel = jax.jit(hope_linear_chunk_update, static_argnames=("rule", "chunk_size"))
 LB, LT, LH, LK, LV = 2, 7, 3, 5, 6
 
 
@@ -256,11 +280,11 @@ def test_linear_chunk_update_equals_dgd_loop(step):
     v_hat = jnp.einsum("bhvk,bthk->bthv", M0, v)  # self-generated targets M0 v
     alpha = jax.nn.sigmoid(jax.random.normal(ks[3], (Bl, Tl, Hl)) + 2.0)
     eta = 2.0 * jax.nn.sigmoid(jax.random.normal(ks[4], (Bl, Tl, Hl)))  # β = γ/α may exceed 1
-    got = _kernel(M0, k, v_hat, alpha, eta, step=step, chunk_size=4)
+    got = _kernel(M0, k, v_hat, alpha, eta, rule=HopeRule(step=step), chunk_size=4)
     _close(got, _direct_linear(M0, k, v_hat, alpha, eta, step), 1e-4)
     # arbitrary targets too
     vh2 = jax.random.normal(ks[5], (Bl, Tl, Hl, V))
-    got2 = _kernel(M0, k, vh2, alpha, eta, step=step, chunk_size=4)
+    got2 = _kernel(M0, k, vh2, alpha, eta, rule=HopeRule(step=step), chunk_size=4)
     _close(got2, _direct_linear(M0, k, vh2, alpha, eta, step), 1e-4)
 
 
@@ -282,7 +306,7 @@ def test_gated_delta_rule_is_a_linear_hope_chunk():
     eta = gamma / (1.0 - gamma)  # ‖k‖ = 1
     v_hat = jnp.einsum("bhvk,bthk->bthv", M0, k) + v / alpha[..., None]
     _close(_direct_linear(M0, k, v_hat, alpha, eta, "exact"), jnp.swapaxes(S, -1, -2), 1e-4)
-    got = _kernel(M0, k, v_hat, alpha, eta, step="exact", chunk_size=4)
+    got = _kernel(M0, k, v_hat, alpha, eta, rule=HopeRule(), chunk_size=4)
     _close(got, jnp.swapaxes(S, -1, -2), 1e-4)
 
 
@@ -299,10 +323,10 @@ def test_inner_flags_freeze_only_their_memory(flag):
     adaptive_q = flag == "inner_q"
     mems, ro, x, q = _setup(adaptive_q=adaptive_q)
     st0 = hope_init_state(mems, B)
-    _, on = hope_chunked(x, q, ro, initial_state=st0, adaptive_q=adaptive_q, chunk_other=2)
-    _, off = hope_chunked(
-        x, q, ro, initial_state=st0, adaptive_q=adaptive_q, chunk_other=2, **{flag: False}
-    )
+    rule = HopeRule(adaptive_q=adaptive_q, chunk_other=2)
+    _, on = hope_chunked(x, q, ro, initial_state=st0, rule=rule)
+    off_rule = dataclasses.replace(rule, **{flag: False})
+    _, off = hope_chunked(x, q, ro, initial_state=st0, rule=off_rule)
     name = flag.split("_")[1]
     assert _moved(st0, on, name)
     assert not _moved(st0, off, name)
@@ -316,7 +340,7 @@ def test_dgd_false_is_plain_gd_with_retention():
     mems, ro, x, q = _setup()
     x1, q1 = x[:, :1], q[:, :1]
     st0 = hope_init_state(mems, B)
-    _, gd = hope_chunked(x1, q1, ro, initial_state=st0, dgd=False)
+    _, gd = hope_chunked(x1, q1, ro, initial_state=st0, rule=HopeRule(dgd=False))
     _, dg = hope_chunked(x1, q1, ro, initial_state=st0)
     act = jax.nn.silu
     m = lambda mm, z: (
@@ -388,19 +412,21 @@ def test_bad_shapes_raise_naming_the_argument():
         hope_chunked(x[0], q, ro, initial_state=st)
     with pytest.raises(ValueError, match="q must"):
         hope_chunked(x, q[:, :, :, :3], ro, initial_state=st)
-    with pytest.raises(ValueError, match="chunk_memory"):
-        hope_chunked(x, q, ro, initial_state=st, chunk_memory=3, chunk_other=2)
-    with pytest.raises(ValueError, match="chunk_other"):
-        hope_chunked(x, q, ro, initial_state=st, chunk_other=0)
+    with pytest.raises(ValueError, match=r"^HopeRule\.chunk_memory"):
+        hope_chunked(x, q, ro, initial_state=st, rule=HopeRule(chunk_memory=3, chunk_other=2))
+    with pytest.raises(ValueError, match=r"^HopeRule\.chunk_other"):
+        hope_chunked(x, q, ro, initial_state=st, rule=HopeRule(chunk_other=0))
+    with pytest.raises(ValueError, match=r"^hope_chunked: rule must be a HopeRule, got dict"):
+        hope_chunked(x, q, ro, initial_state=st, rule={"chunk_memory": 2})
     with pytest.raises(ValueError, match="readout.eta_w"):
         hope_chunked(x, q, ro._replace(eta_w=ro.eta_w[:, :2]), initial_state=st)
     with pytest.raises(ValueError, match="state.memories.v.w2"):
         bad = st.memories._replace(v=MLPMemory(st.memories.v.w1, st.memories.v.w2[..., :2]))
         hope_chunked(x, q, ro, initial_state=st._replace(memories=bad))
     with pytest.raises(ValueError, match="state.memories.q"):
-        hope_chunked(x, None, ro, initial_state=st, adaptive_q=True)
+        hope_chunked(x, None, ro, initial_state=st, rule=HopeRule(adaptive_q=True))
     with pytest.raises(ValueError, match="state.momentum"):
-        hope_chunked(x, q, ro, initial_state=st, momentum=True)
+        hope_chunked(x, q, ro, initial_state=st, rule=HopeRule(momentum=True))
     # Hope's memories have no zero state: a missing initial_state names the constructor
     for fn in (hope_chunked, hope_recurrent, hope_reference):
         with pytest.raises(ValueError, match=r"initial_state: .*hope_init_state\(memories, B\)"):
@@ -417,6 +443,12 @@ def test_bad_shapes_raise_naming_the_argument():
         hope_linear_chunk_update(
             M0, k, jnp.zeros((1, 5, 2, 3)), jnp.ones((1, 5)), jnp.ones((1, 5, 2))
         )
+    # the gated delta form computes the plain DGD step only
+    with pytest.raises(ValueError, match=r"^hope_linear_chunk_update: rule\.momentum must be"):
+        hope_linear_chunk_update(
+            M0, k, jnp.zeros((1, 5, 2, 3)), jnp.ones((1, 5, 2)), jnp.ones((1, 5, 2)),
+            rule=HopeRule(momentum=True),
+        )  # fmt: skip
 
 
 @pytest.mark.slow
@@ -458,12 +490,12 @@ def test_packed_rows_reset_to_initial_memories():
     flags = dict(momentum=True, momentum_coef=0.5)
     seg = jnp.asarray(SEG)
 
+    rule = HopeRule(chunk_memory=4, chunk_other=2, **flags)
+
     @jax.jit
     def run(x, q, seg):
         st = hope_init_state(mems, x.shape[0], momentum=True)
-        return hope_chunked(
-            x, q, ro, initial_state=st, chunk_memory=4, chunk_other=2, segment_ids=seg, **flags
-        )
+        return hope_chunked(x, q, ro, initial_state=st, rule=rule, segment_ids=seg)
 
     o, st = run(x, q, seg)
     o_ref, m_ref = _ref_packed(x, q, mems, ro, SEG, 4, 2, **flags)
@@ -489,9 +521,8 @@ def test_decode_steps_equal_chunked():
     o, st = _ours(x, q, mems, ro, chunk_memory=2, chunk_other=4, **flags)
     st_d = hope_init_state(mems, B, momentum=True)
     snap = jax.tree.map(jnp.zeros_like, st_d.memories)  # never read at index 0
-    step = jax.jit(
-        functools.partial(hope_decode_step, readout=ro, chunk_memory=2, chunk_other=4, **flags)
-    )
+    rule = HopeRule(chunk_memory=2, chunk_other=4, **flags)
+    step = jax.jit(functools.partial(hope_decode_step, readout=ro, rule=rule))
     outs = []
     for t in range(T):
         o_t, st_d, snap = step(st_d, x[:, t], q[:, t], snap, jnp.int32(t))
@@ -508,9 +539,8 @@ def test_grad_horizon_keeps_values_and_cuts_gradients():
 
     def loss(x):
         st = hope_init_state(mems, B)
-        o, _ = hope_chunked(
-            x, q, ro, initial_state=st, chunk_memory=2, chunk_other=2, grad_horizon=2
-        )
+        rule = HopeRule(chunk_memory=2, chunk_other=2, grad_horizon=2)
+        o, _ = hope_chunked(x, q, ro, initial_state=st, rule=rule)
         return jnp.sum(o[:, -1] ** 2), o
 
     (_, o2), g2 = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
@@ -525,8 +555,8 @@ def test_packed_and_decode_validation():
     st = hope_init_state(mems, B)
     with pytest.raises(ValueError, match="segment_ids"):
         hope_chunked(x, q, ro, initial_state=st, segment_ids=jnp.zeros((B, T - 1), jnp.int32))
-    with pytest.raises(ValueError, match="grad_horizon"):
-        hope_chunked(x, q, ro, initial_state=st, chunk_memory=2, grad_horizon=3)
+    with pytest.raises(ValueError, match=r"^HopeRule\.grad_horizon"):
+        hope_chunked(x, q, ro, initial_state=st, rule=HopeRule(chunk_memory=2, grad_horizon=3))
     with pytest.raises(ValueError, match="initial_memories"):
         bad = mems._replace(k=MLPMemory(mems.k.w1[:, :2], mems.k.w2))
         hope_chunked(
@@ -562,10 +592,9 @@ def test_remat_keeps_no_per_token_weights(chunk_updates):
 
             def loss(mems, x):
                 st = hope_init_state(mems, B)
-                o, _ = hope_chunked(
-                    x, x, ro, initial_state=st, chunk_memory=c, chunk_other=c, remat=remat,
-                    remat_every=remat_every, chunk_updates=chunk_updates,
-                )  # fmt: skip
+                rule = HopeRule(chunk_memory=c, chunk_other=c, remat=remat,
+                                remat_every=remat_every, chunk_updates=chunk_updates)  # fmt: skip
+                o, _ = hope_chunked(x, x, ro, initial_state=st, rule=rule)
                 return jnp.sum(o**2)
 
             comp = jax.jit(jax.grad(loss)).lower(mems, z).compile()
@@ -577,7 +606,7 @@ def test_remat_keeps_no_per_token_weights(chunk_updates):
     # Only every ⌈√N⌉-th chunk carry is stored: from 16 to 64 chunks of 4 the saved carries grow
     # by 8. The chunk's checkpoint also keeps its token-sized products for every chunk
     # (CHUNK_RESIDUAL), about 0.6 of a state per chunk at these tiny widths (D = 4, h = 3), so the
-    # bytes per added chunk are compared with storing every carry (remat_every = 1; measured
-    # 2026-12-03: scan 0.70 vs 4.1 states per chunk, parallel 1.06 vs 8.4).
+    # bytes per added chunk are compared with storing every carry (remat_every = 1: several
+    # times more per chunk, in both forms).
     per_chunk = lambda every: 4 * slope(True, c=4, lengths=(64, 256), remat_every=every)  # noqa: E731
     assert per_chunk(0) < 0.25 * per_chunk(1)

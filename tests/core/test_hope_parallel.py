@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ from nested_jax.core.hope.chunk import hope_chunked
 from nested_jax.core.hope.parallel import chunk_coefficients, layer_chunk, read_running
 from nested_jax.core.hope.reference import hope_reference
 from nested_jax.core.hope.state import HopeMemories, HopeReadout, MLPMemory, hope_init_state
+from nested_jax.rules import HopeRule
 
 B, H, C, O, I = 2, 2, 7, 5, 4
 
@@ -68,7 +71,8 @@ def _parallel(W0, S0, x, g, lr, alpha, z, *, mu, dgd, target, step, valid, reset
     co = chunk_coefficients(jnp.where(on, alpha, 1.0), mu, valid, reset)
     g = jnp.where(on[..., None], g, 0.0)
     lr = jnp.where(on, lr, 0.0)
-    U, W, S = layer_chunk(W0, S0, x, g, lr, co, dgd=dgd, step=step, target=target, W_init=W_init)
+    rule = HopeRule(dgd=dgd, step=step, dgd_target=target)
+    U, W, S = layer_chunk(W0, S0, x, g, lr, co, rule=rule, W_init=W_init)
     reads = read_running(W0, S0, x, U, z, co, W_init)
     return _only_valid(reads, valid), W, (jnp.zeros_like(W) if S is None else S)
 
@@ -188,12 +192,11 @@ def test_chunked_equals_the_per_token_twin(flags, chunks):
     dgd, target, momentum, decay = flags
     mems, readout, x, q = _hope_inputs()
     state = hope_init_state(mems, B, momentum=momentum)
-    kw = dict(dgd=dgd, dgd_target=target, momentum=momentum, decay=decay, momentum_coef=0.7,
-              chunk_updates="parallel",
-              chunk_memory=chunks[0], chunk_other=chunks[1])  # fmt: skip
-    fast = jax.jit(lambda x, q: hope_chunked(x, q, readout, initial_state=state, **kw))
-    twin_kw = {k: v for k, v in kw.items() if k != "chunk_updates"}
-    twin = jax.jit(lambda x, q: hope_reference(x, q, readout, initial_state=state, **twin_kw))
+    rule = HopeRule(dgd=dgd, dgd_target=target, momentum=momentum, decay=decay,
+                    momentum_coef=0.7, chunk_updates="parallel",
+                    chunk_memory=chunks[0], chunk_other=chunks[1])  # fmt: skip
+    fast = jax.jit(lambda x, q: hope_chunked(x, q, readout, initial_state=state, rule=rule))
+    twin = jax.jit(lambda x, q: hope_reference(x, q, readout, initial_state=state, rule=rule))
     _assert_matches_twin(fast, twin, x, q)
 
 
@@ -219,48 +222,48 @@ def test_a_retention_that_underflows_to_zero_stays_finite():
 
 @pytest.mark.parametrize("updates", ["scan", "parallel"])
 def test_both_update_forms_take_the_proximal_target(updates):
-    """``chunk_updates="scan"`` (the default) and ``"parallel"`` both follow ``dgd_target``."""
+    """``chunk_updates="scan"`` (the rule's default) and ``"parallel"`` both follow
+    ``dgd_target``."""
     mems, readout, x, q = _hope_inputs()
     state = hope_init_state(mems, B, momentum=True)
-    kw = dict(dgd_target="proximal", momentum=True, momentum_coef=0.7, chunk_memory=4,
-              chunk_other=2)  # fmt: skip
-    o1, _ = jax.jit(
-        lambda: hope_chunked(x, q, readout, initial_state=state, chunk_updates=updates, **kw)
-    )()
-    o2, _ = jax.jit(lambda: hope_reference(x, q, readout, initial_state=state, **kw))()
+    rule = HopeRule(dgd_target="proximal", momentum=True, momentum_coef=0.7, chunk_memory=4,
+                    chunk_other=2, chunk_updates=updates)  # fmt: skip
+    o1, _ = jax.jit(lambda: hope_chunked(x, q, readout, initial_state=state, rule=rule))()
+    o2, _ = jax.jit(lambda: hope_reference(x, q, readout, initial_state=state, rule=rule))()
     np.testing.assert_allclose(o1, o2, atol=2e-5 * float(jnp.max(jnp.abs(o2))))
 
 
 @pytest.mark.parametrize("updates", ["scan", "parallel"])
 @pytest.mark.parametrize("chunks", [(1, 1), (4, 2)])
 def test_the_bounded_step_equals_the_twin(updates, chunks):
-    """``eta_max`` and the inner-gradient softclamp ``grad_clip`` (issue 17): the chunked forms
+    """``eta_max`` and the inner-gradient softclamp ``grad_clip``: the chunked forms
     scale the rate by ``c·tanh(n/c)/n`` with ``n = ‖g‖‖x‖``, the twin by the Frobenius norm of its
     ``jax.grad`` layer gradient; values and gradients agree, and the bound is active here."""
     mems, readout, x, q = _hope_inputs()
     state = hope_init_state(mems, B, momentum=True)
-    kw = dict(momentum=True, momentum_coef=0.7, chunk_memory=chunks[0], chunk_other=chunks[1],
-              eta_max=0.5, grad_clip=0.2)  # fmt: skip
-    fast = jax.jit(
-        lambda x, q: hope_chunked(x, q, readout, initial_state=state, chunk_updates=updates, **kw)
-    )
-    twin = jax.jit(lambda x, q: hope_reference(x, q, readout, initial_state=state, **kw))
+    rule = HopeRule(momentum=True, momentum_coef=0.7, chunk_memory=chunks[0],
+                    chunk_other=chunks[1], eta_max=0.5, grad_clip=0.2,
+                    chunk_updates=updates)  # fmt: skip
+    fast = jax.jit(lambda x, q: hope_chunked(x, q, readout, initial_state=state, rule=rule))
+    twin = jax.jit(lambda x, q: hope_reference(x, q, readout, initial_state=state, rule=rule))
     _assert_matches_twin(fast, twin, x, q)
     # the bound changes the result (the test would not see a clamp that does nothing)
     o2, _ = twin(x, q)
-    unbounded = {**kw, "grad_clip": 0.0}
-    o3, _ = jax.jit(lambda: hope_reference(x, q, readout, initial_state=state, **unbounded))()
+    unbounded = dataclasses.replace(rule, grad_clip=0.0)
+    o3, _ = jax.jit(lambda: hope_reference(x, q, readout, initial_state=state, rule=unbounded))()
     assert float(jnp.max(jnp.abs(o3 - o2))) > 1e-3 * float(jnp.max(jnp.abs(o2)))
 
 
 def test_three_remat_levels_change_no_value_or_gradient():
     mems, readout, x, q = _hope_inputs()
     state = hope_init_state(mems, B, momentum=True)
-    kw = dict(momentum=True, chunk_memory=2, chunk_other=1, remat=True)
 
     def loss(levels):
+        rule = HopeRule(momentum=True, chunk_memory=2, chunk_other=1, remat=True,
+                        remat_levels=levels)  # fmt: skip
+
         def f(x, q):
-            o, _ = hope_chunked(x, q, readout, initial_state=state, remat_levels=levels, **kw)
+            o, _ = hope_chunked(x, q, readout, initial_state=state, rule=rule)
             return jnp.sum(jnp.sin(o))
 
         return jax.jit(jax.value_and_grad(f, (0, 1)))
@@ -283,12 +286,13 @@ def test_grad_horizon_cuts_both_chunk_groups_at_the_same_tokens(chunks):
     after (T = 13: the last chunk of each group is padded)."""
     mems, readout, x, q = _hope_inputs()
     state = hope_init_state(mems, B, momentum=True)
-    kw = dict(momentum=True, chunk_memory=chunks[0], chunk_other=chunks[1],
-              chunk_updates="parallel")  # fmt: skip
 
     def last(horizon):
+        rule = HopeRule(momentum=True, chunk_memory=chunks[0], chunk_other=chunks[1],
+                        chunk_updates="parallel", grad_horizon=horizon)  # fmt: skip
+
         def f(x, q):
-            o, _ = hope_chunked(x, q, readout, initial_state=state, grad_horizon=horizon, **kw)
+            o, _ = hope_chunked(x, q, readout, initial_state=state, rule=rule)
             return jnp.sum(jnp.sin(o[:, 11])), o
 
         return jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))(x, q)
@@ -332,15 +336,12 @@ def test_stacked_memories_equal_the_twin(flags, chunks):
         rng = np.random.default_rng(7)
         w = lambda *s: jnp.asarray(0.3 * rng.normal(size=s), jnp.float32)  # noqa: E731
         mems = mems._replace(q=MLPMemory(w(H, D, HID), w(H, HID, D)))
-    if flags.pop("segment_ids", False):
-        flags["segment_ids"] = jnp.asarray(SEG)
+    seg = jnp.asarray(SEG) if flags.pop("segment_ids", False) else None
     state = hope_init_state(mems, B, momentum=True)
-    kw = dict(momentum=True, momentum_coef=0.7, chunk_memory=chunks[0], chunk_other=chunks[1],
-              **flags)  # fmt: skip
-    fast = jax.jit(
-        lambda x, q: hope_chunked(
-            x, q, readout, initial_state=state, chunk_updates="parallel", **kw
-        )
-    )
-    twin = jax.jit(lambda x, q: hope_reference(x, q, readout, initial_state=state, **kw))
+    rule = HopeRule(momentum=True, momentum_coef=0.7, chunk_memory=chunks[0],
+                    chunk_other=chunks[1], **flags)  # fmt: skip
+    fast_rule = dataclasses.replace(rule, chunk_updates="parallel")
+    kw = dict(initial_state=state, segment_ids=seg)
+    fast = jax.jit(lambda x, q: hope_chunked(x, q, readout, rule=fast_rule, **kw))
+    twin = jax.jit(lambda x, q: hope_reference(x, q, readout, rule=rule, **kw))
     _assert_matches_twin(fast, twin, x, q)

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import nested_jax.core as core
 import nested_jax.ops as ops
+from nested_jax.rules import ProteusRule
 
 DATA, HEADS = "data", "heads"
 MESH_SHAPE = (4, 2)  # data × heads on the 8 fake CPU devices
@@ -42,6 +43,7 @@ C = 2  # chunk sizes of the chunked forms
 PROTEUS = dict(context_len=8, num_blocks=2)
 SCHEDULE = dict(schedule=core.ProteusRule(blocks=2, context_len=8))  # the same, as one rule
 CHUNK = core.TitansRule(memory_chunk=C)
+HOPE_SCHEDULE = ProteusRule(blocks=2, context_len=8)  # PROTEUS, as the Hope forms take it
 TOL = 2e-5
 
 BTH = P(DATA, None, HEADS)  # [B, T, H, ...] arrays and [B, T, H] gates
@@ -247,12 +249,14 @@ def _hope_state_spec(momentum):
     return core.HopeState(mems, mems if momentum else None)
 
 
-def _hope_case(fn, momentum=False, **kw):
+def _hope_case(fn, rule=None, **kw):
     names = ("x", "q", "readout")
+    rule = core.HopeRule() if rule is None else rule
+    momentum = rule.momentum
     state_spec = _hope_state_spec(momentum)
     specs = dict(x=BTH, q=BTH, state=state_spec, readout=core.HopeReadout(HD, HD, HD, HD))
     return Case(
-        lambda a: fn(*(a[n] for n in names), initial_state=a["state"], momentum=momentum, **kw),
+        lambda a: fn(*(a[n] for n in names), initial_state=a["state"], rule=rule, **kw),
         functools.partial(_hope_inputs, momentum=momentum),
         specs,
         (BTH, state_spec),
@@ -430,7 +434,7 @@ CASES = {
     "titans_mlp_recurrent": _titans_mlp_case(core.titans_mlp_recurrent),
     "titans_mlp_chunked": _titans_mlp_case(core.titans_mlp_chunked, rule=CHUNK),
     "hope_recurrent": _hope_case(core.hope_recurrent),
-    "hope_chunked": _hope_case(core.hope_chunked, momentum=True, chunk_memory=C),
+    "hope_chunked": _hope_case(core.hope_chunked, core.HopeRule(momentum=True, chunk_memory=C)),
     "hope_decode": _hope_decode_case(),
     "hope_linear_chunk_update": _hope_linear_case(),
     "cms_forward": _cms_forward_case(),
@@ -449,9 +453,13 @@ CASES = {
     "proteus_titans_mlp_chunked": _titans_mlp_case(
         core.proteus_titans_mlp_chunked, rule=CHUNK, **SCHEDULE
     ),
-    "proteus_hope_recurrent": _hope_case(core.proteus_hope_recurrent, momentum=True, **PROTEUS),
+    "proteus_hope_recurrent": _hope_case(
+        core.proteus_hope_recurrent, core.HopeRule(momentum=True), schedule=HOPE_SCHEDULE
+    ),
     "proteus_hope_chunked": _hope_case(
-        core.proteus_hope_chunked, momentum=True, chunk_memory=C, **PROTEUS
+        core.proteus_hope_chunked,
+        core.HopeRule(momentum=True, chunk_memory=C),
+        schedule=HOPE_SCHEDULE,
     ),
     "hola_forward": _hola_forward_case(),
     "hola_decode_step": _hola_decode_case(),

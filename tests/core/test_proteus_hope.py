@@ -7,6 +7,7 @@ backbone itself (same jaxpr, same bits), chunked (chunk sizes 1) = recurrent in 
 gradients across Δ-boundaries, and the argument checks.
 """
 
+import dataclasses
 from functools import partial
 
 import chex
@@ -23,11 +24,12 @@ from nested_jax.core.hope.proteus import (
 )
 from nested_jax.core.hope.state import HopeMemories, HopeReadout, HopeState, MLPMemory
 from nested_jax.core.hope.token import hope_recurrent, hope_step
+from nested_jax.rules import HopeRule, ProteusRule
 
 B, H, D, HID = 2, 2, 6, 10  # E = 4 hidden blocks of 2, 2, 2, 4 units (remainder in the last)
-N48 = dict(context_len=48, num_blocks=4)  # Δ = 12
+N48 = ProteusRule(blocks=4, context_len=48)  # Δ = 12
 MU = 0.5
-FLAGS = dict(momentum=True, momentum_coef=MU)  # decay is on by default
+RULE = HopeRule(momentum=True, momentum_coef=MU)  # decay is on by default
 NAMES = ("k", "v", "eta", "alpha", "memory")
 
 # --------------------------------------------------------------------------------------------------
@@ -146,9 +148,14 @@ def _leaves_with_masks(state, t):
     return out
 
 
-STATIC = ("context_len", "num_blocks", "t0", "momentum", "momentum_coef")
+STATIC = ("schedule", "t0", "rule")
 rec = jax.jit(proteus_hope_recurrent, static_argnames=STATIC)
-chk = jax.jit(proteus_hope_chunked, static_argnames=STATIC + ("chunk_memory", "chunk_other"))
+chk = jax.jit(proteus_hope_chunked, static_argnames=STATIC)
+
+
+def _chunks(c_mem, c_other=1):
+    """:data:`RULE` with the chunk sizes ``(c_mem, c_other)``."""
+    return dataclasses.replace(RULE, chunk_memory=c_mem, chunk_other=c_other)
 
 
 def _close_state(st, W, S, tol=2e-5):
@@ -166,14 +173,14 @@ def _close_state(st, W, S, tol=2e-5):
 def test_recurrent_matches_reference_and_ragged_t0():
     st, ro, x, q = setup(T=20)
     o, new = rec(
-        x, q, ro, initial_state=st, t0=5, **N48, **FLAGS
+        x, q, ro, initial_state=st, t0=5, schedule=N48, rule=RULE
     )  # positions 6..25: blocks 1, 2, 3 open
     o_ref, W, S = ref_proteus_hope(x, q, st, ro, 48, 4, 5)
     np.testing.assert_allclose(o, o_ref, rtol=2e-5, atol=2e-5)
     _close_state(new, W, S)
     # traced per-row positions: row 0 starts fresh, row 1 crosses into the fully open range
     t0 = jnp.array([0, 30], jnp.int32)
-    o2, new2 = jax.jit(partial(proteus_hope_recurrent, **N48, **FLAGS))(
+    o2, new2 = jax.jit(partial(proteus_hope_recurrent, schedule=N48, rule=RULE))(
         x, q, ro, initial_state=st, t0=t0
     )
     o_ref2, W2, S2 = ref_proteus_hope(x, q, st, ro, 48, 4, np.array([0, 30]))
@@ -189,7 +196,7 @@ def test_locked_coordinates_bit_identical_every_step():
     def run(state):
         def body(s, xs):
             i, x_t, q_t = xs
-            _, s = proteus_hope_step(s, x_t, q_t, ro, t=T0 + i + 1, **N48, **FLAGS)
+            _, s = proteus_hope_step(s, x_t, q_t, ro, t=T0 + i + 1, schedule=N48, rule=RULE)
             return s, s
 
         tm = lambda a: jnp.moveaxis(a, 1, 0)  # noqa: E731
@@ -209,7 +216,7 @@ def test_locked_coordinates_bit_identical_every_step():
             n_locked += locked.sum()
     assert n_locked > 0
     # the step form is the recurrent form
-    _, new = rec(x, q, ro, initial_state=st, t0=T0, **N48, **FLAGS)
+    _, new = rec(x, q, ro, initial_state=st, t0=T0, schedule=N48, rule=RULE)
     last = jax.tree.map(lambda a: a[-1], states)
     chex.assert_trees_all_close(last, new, rtol=1e-6, atol=1e-6)
 
@@ -220,39 +227,38 @@ def _same_jaxpr(f, g, *args):
 
 def test_single_block_and_beyond_context_are_the_backbone():
     st, ro, x, q = setup(T=7)
-    chunks = dict(chunk_memory=2, chunk_other=4)
-    for kw in (dict(context_len=48, num_blocks=1, t0=3), dict(context_len=48, num_blocks=4, t0=36)):
+    one = ProteusRule(blocks=1, context_len=48)
+    chunks = _chunks(2, 4)
+    for kw in (dict(schedule=one, t0=3), dict(schedule=N48, t0=36)):
         assert _same_jaxpr(
             lambda x, q, r, s, kw=kw: proteus_hope_recurrent(
-                x, q, r, initial_state=s, **kw, **FLAGS
+                x, q, r, initial_state=s, rule=RULE, **kw
             ),
-            lambda x, q, r, s: hope_recurrent(x, q, r, initial_state=s, **FLAGS),
+            lambda x, q, r, s: hope_recurrent(x, q, r, initial_state=s, rule=RULE),
             x, q, ro, st,
         )  # fmt: skip
         assert _same_jaxpr(
             lambda x, q, r, s, kw=kw: proteus_hope_chunked(
-                x, q, r, initial_state=s, **chunks, **kw, **FLAGS
+                x, q, r, initial_state=s, rule=chunks, **kw
             ),
-            lambda x, q, r, s: hope_chunked(x, q, r, initial_state=s, **chunks, **FLAGS),
+            lambda x, q, r, s: hope_chunked(x, q, r, initial_state=s, rule=chunks),
             x, q, ro, st,
         )  # fmt: skip
     assert _same_jaxpr(
-        lambda *a: proteus_hope_step(*a, t=2, context_len=48, num_blocks=1, **FLAGS),
-        lambda *a: hope_step(*a, **FLAGS),
+        lambda *a: proteus_hope_step(*a, t=2, schedule=one, rule=RULE),
+        lambda *a: hope_step(*a, rule=RULE),
         st, x[:, 0], q[:, 0], ro,
     )  # fmt: skip
     # and the bits, compiled separately
-    o1, s1 = chk(
-        x, q, ro, initial_state=st, t0=3, context_len=48, num_blocks=1, chunk_memory=2, **FLAGS
-    )
-    o0, s0 = jax.jit(partial(hope_chunked, chunk_memory=2, **FLAGS))(x, q, ro, initial_state=st)
+    o1, s1 = chk(x, q, ro, initial_state=st, t0=3, schedule=one, rule=_chunks(2))
+    o0, s0 = jax.jit(partial(hope_chunked, rule=_chunks(2)))(x, q, ro, initial_state=st)
     np.testing.assert_array_equal(o1, o0)
     chex.assert_trees_all_equal(s1, s0)
     # beyond N with a traced position (no static dispatch): the backbone's values
-    o2, s2 = jax.jit(partial(proteus_hope_recurrent, **N48, **FLAGS))(
+    o2, s2 = jax.jit(partial(proteus_hope_recurrent, schedule=N48, rule=RULE))(
         x, q, ro, initial_state=st, t0=jnp.int32(40)
     )
-    o3, s3 = jax.jit(partial(hope_recurrent, **FLAGS))(x, q, ro, initial_state=st)
+    o3, s3 = jax.jit(partial(hope_recurrent, rule=RULE))(x, q, ro, initial_state=st)
     np.testing.assert_allclose(o2, o3, rtol=1e-6, atol=1e-6)
     chex.assert_trees_all_close(s2, s3, rtol=1e-6, atol=1e-6)
 
@@ -274,7 +280,7 @@ def _grads(fn, st, ro, x, q, **kw):
 
 def test_chunked_unit_chunks_equal_recurrent_values_and_grads():
     st, ro, x, q = setup(T=18, B=1)
-    kw = dict(t0=8, **N48, **FLAGS)  # positions 9..26: spans 4, 12, 2 (blocks 1, 2, 3)
+    kw = dict(t0=8, schedule=N48, rule=RULE)  # positions 9..26: spans 4, 12, 2 (blocks 1, 2, 3)
     (_, (o_r, s_r)), g_r = _grads(proteus_hope_recurrent, st, ro, x, q, **kw)
     (_, (o_c, s_c)), g_c = _grads(proteus_hope_chunked, st, ro, x, q, **kw)
     np.testing.assert_allclose(o_c, o_r, rtol=1e-5, atol=1e-5)
@@ -289,9 +295,7 @@ def test_chunked_unit_chunks_equal_recurrent_values_and_grads():
 def test_chunked_matches_reference_with_snapshots(c_mem, c_other, t0):
     """Chunk sizes dividing Δ = 12 and t0: the global grid; spans with 1..4 blocks open."""
     st, ro, x, q = setup(T=30)
-    o, new = chk(
-        x, q, ro, initial_state=st, t0=t0, chunk_memory=c_mem, chunk_other=c_other, **N48, **FLAGS
-    )
+    o, new = chk(x, q, ro, initial_state=st, t0=t0, schedule=N48, rule=_chunks(c_mem, c_other))
     o_ref, W, S = ref_proteus_hope(x, q, st, ro, 48, 4, t0, c_mem=c_mem, c_other=c_other)
     np.testing.assert_allclose(o, o_ref, rtol=2e-5, atol=2e-5)
     _close_state(new, W, S)
@@ -307,26 +311,36 @@ def test_chunked_matches_reference_with_snapshots(c_mem, c_other, t0):
 def test_bad_inputs_raise_naming_the_argument():
     st, ro, x, q = setup(T=4)
     with pytest.raises(ValueError, match="hidden size"):
-        proteus_hope_recurrent(x, q, ro, initial_state=st, context_len=48, num_blocks=16)
+        proteus_hope_recurrent(
+            x, q, ro, initial_state=st, schedule=ProteusRule(blocks=16, context_len=48)
+        )
     with pytest.raises(ValueError, match="activation"):
-        proteus_hope_chunked(x, q, ro, initial_state=st, activation=jax.nn.sigmoid, **N48)
+        proteus_hope_chunked(x, q, ro, initial_state=st, activation=jax.nn.sigmoid, schedule=N48)
     with pytest.raises(ValueError, match="t0"):
-        proteus_hope_chunked(x, q, ro, initial_state=st, t0=jnp.int32(2), **N48)
+        proteus_hope_chunked(x, q, ro, initial_state=st, t0=jnp.int32(2), schedule=N48)
     with pytest.raises(ValueError, match="t0"):
-        proteus_hope_recurrent(x, q, ro, initial_state=st, t0=jnp.zeros((3,), jnp.int32), **N48)
-    with pytest.raises(ValueError, match="context_len"):
-        proteus_hope_recurrent(x, q, ro, initial_state=st, context_len=48.0, num_blocks=4)
+        proteus_hope_recurrent(
+            x, q, ro, initial_state=st, t0=jnp.zeros((3,), jnp.int32), schedule=N48
+        )
+    with pytest.raises(ValueError, match=r"^ProteusRule\.context_len"):
+        proteus_hope_recurrent(
+            x, q, ro, initial_state=st, schedule=ProteusRule(blocks=4, context_len=48.0)
+        )
+    with pytest.raises(ValueError, match=r"^proteus_hope_recurrent: schedule must be a Proteus"):
+        proteus_hope_recurrent(x, q, ro, initial_state=st, schedule=(4, 48))
+    with pytest.raises(ValueError, match=r"^proteus_hope_chunked: rule must be a HopeRule"):
+        proteus_hope_chunked(x, q, ro, initial_state=st, schedule=N48, rule={"momentum": True})
     with pytest.raises(ValueError, match="x must"):
-        proteus_hope_chunked(x[0], q, ro, initial_state=st, **N48)
+        proteus_hope_chunked(x[0], q, ro, initial_state=st, schedule=N48)
     with pytest.raises(ValueError, match="q must"):
-        proteus_hope_chunked(x, q[:, :2], ro, initial_state=st, **N48)
+        proteus_hope_chunked(x, q[:, :2], ro, initial_state=st, schedule=N48)
     with pytest.raises(ValueError, match="state"):
-        proteus_hope_recurrent(x, q, ro, initial_state=st.memories, **N48)
+        proteus_hope_recurrent(x, q, ro, initial_state=st.memories, schedule=N48)
     with pytest.raises(ValueError, match=r"initial_state: .*hope_init_state\(memories, B\)"):
-        proteus_hope_chunked(x, q, ro, **N48)
-    with pytest.raises(ValueError, match="segment_ids"):
+        proteus_hope_chunked(x, q, ro, schedule=N48)
+    with pytest.raises(TypeError, match="segment_ids"):  # packed rows: proteus_hope_packed
         proteus_hope_chunked(
-            x, q, ro, initial_state=st, segment_ids=jnp.zeros((B, 4), jnp.int32), **N48
+            x, q, ro, initial_state=st, segment_ids=jnp.zeros((B, 4), jnp.int32), schedule=N48
         )
     with pytest.raises(ValueError, match="t "):
-        proteus_hope_step(st, x[:, 0], q[:, 0], ro, t=0, **N48)
+        proteus_hope_step(st, x[:, 0], q[:, 0], ro, t=0, schedule=N48)

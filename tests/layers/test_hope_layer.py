@@ -88,7 +88,7 @@ def test_chunk_size_one_equals_per_token_core():
     def per_token(m, x):
         xm, q, _, _ = m._inputs(x, None, None)
         st = hope_init_state(m.initial_memories(), B, momentum=True)
-        o, _ = hope_recurrent(xm, q, m.readout(), initial_state=st, **m._flags())
+        o, _ = hope_recurrent(xm, q, m.readout(), initial_state=st, rule=m.opts)
         return m._out(x, o)
 
     _close(_full(m, x), per_token(m, x), 1e-5)

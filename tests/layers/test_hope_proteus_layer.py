@@ -34,16 +34,12 @@ def _x(seed=1, t=T):
     return jax.random.normal(jax.random.key(seed), (B, t, D_MODEL), jnp.float32)
 
 
-def _core_reference(m, x, t0, core, **kw):
+def _core_reference(m, x, t0, core):
     """The mixer's output computed with a core Proteus wrapper on its own inputs, from the learned
     initial state at row position ``t0``."""
     xm, q, _, _ = m._inputs(x, None, None)
     st = hope_init_state(m.initial_memories(), x.shape[0], momentum=m.opts.momentum)
-    o, _ = core(
-        xm, q, m.readout(), initial_state=st, context_len=m.proteus_rule.context_len,
-        num_blocks=m.proteus_rule.blocks, t0=t0,
-        **kw, **m._flags(),
-    )  # fmt: skip
+    o, _ = core(xm, q, m.readout(), initial_state=st, schedule=m.proteus_rule, t0=t0, rule=m.opts)
     return m._out(x, o)
 
 
@@ -66,9 +62,7 @@ def test_chunk_size_one_equals_the_per_token_core_beyond_n():
 def test_chunked_equals_the_core_chunked_wrapper():
     m = _mixer()
     x = _x()
-    ref = nnx.jit(
-        lambda m, x: _core_reference(m, x, 0, proteus_hope_chunked, chunk_memory=4, chunk_other=2)
-    )(m, x)
+    ref = nnx.jit(lambda m, x: _core_reference(m, x, 0, proteus_hope_chunked))(m, x)
     _close(_full(m, x), ref, 1e-5)
 
 
@@ -107,9 +101,7 @@ def test_packed_rows_follow_the_row_position(cut):
     seg = jnp.asarray(np.repeat([[1] * cut + [2] * (T - cut)], B, 0), jnp.int32)
     packed = _full(m, x, seg)
     _close(packed[:, :cut], _full(m, x[:, :cut]), 1e-5)
-    ref = nnx.jit(
-        lambda m, x: _core_reference(m, x, cut, proteus_hope_chunked, chunk_memory=4, chunk_other=2)
-    )(m, x[:, cut:])
+    ref = nnx.jit(lambda m, x: _core_reference(m, x, cut, proteus_hope_chunked))(m, x[:, cut:])
     _close(packed[:, cut:], ref, 1e-5)
     assert float(jnp.abs(packed[:, cut:] - _full(m, x)[:, cut:]).max()) > 1e-4
 

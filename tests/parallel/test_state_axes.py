@@ -103,7 +103,7 @@ def test_hope_memories_pin_memories_and_momenta(mesh):
     state = hope_init_state(HopeMemories(*(mem() for _ in range(5))), B, momentum=True)
     readout = HopeReadout(jnp.zeros((H, K)), jnp.zeros((H,)), jnp.zeros((H, K)), jnp.ones((H,)))
     x, q, _, _, _ = _inputs(4)
-    rule = HopeRule(chunk_memory=4, chunk_other=2)
+    rule = HopeRule(chunk_memory=4, chunk_other=2, momentum=True, chunk_updates="parallel")
     with jax.set_mesh(mesh):
         _, final = jax.jit(
             lambda: ops.hope_memories(x, q, readout, initial_state=state, rule=rule)

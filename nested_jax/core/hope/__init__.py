@@ -1,7 +1,7 @@
 """Hope (SPEC §3.2): self-modifying Titans memories updated by Delta Gradient Descent.
 
 - :mod:`~nested_jax.core.hope.state`: the memories and their read, the readout, the carried state,
-  the rule (``HopeRule``).
+  ``check_rule`` (every form takes the rule whole: ``rule=`` a ``nested_jax.rules.HopeRule``).
 - :mod:`~nested_jax.core.hope.chunk`: the chunked form (``hope_chunked``), the driver.
 - :mod:`~nested_jax.core.hope.rows`: its parallel chunk on the memories stacked as rows.
 - :mod:`~nested_jax.core.hope.parallel`: one layer's chunk as a triangular solve.

@@ -19,7 +19,7 @@ so their inner loss, like every other memory's, is on the ``D``-vector ``M(z)`` 
     L̃_□ = ½‖M_□(k_t) − v̂_{□,t}‖²,  e = M_□(k_t) − v̂_{□,t}
     per layer ℓ (SPEC §3.1), input x_ℓ and backpropagated signal g_ℓ = ∂L̃/∂y_ℓ:
         W_1: x = σ(W_2 k_t),  g = e;      W_2: x = k_t,  g = σ'(W_2 k_t) ⊙ (W_1ᵀ e)
-        grad_clip=c>0: η_t ← η_t · c·tanh(n/c)/n,  n = ‖g‖‖x‖   (per layer; softclamp, issue 17)
+        grad_clip=c>0: η_t ← η_t · c·tanh(n/c)/n,  n = ‖g‖‖x‖   (per layer softclamp)
         dgd=True:   u_t = −γ_t (W x + g) xᵀ,  γ_t = η_t / (1 + η_t ‖x‖²)  (step="paper": η/(1+η))
         dgd=False:  u_t = −η_t g xᵀ
         momentum:   S_t = μ S_{t-1} + u_t,  W_t = α_t W_{t-1} + S_t   (momentum=False: S_t = u_t)
@@ -29,7 +29,7 @@ Ablation flags (SPEC §3.2, Table 6): ``dgd=False`` (plain GD with retention), `
 ``decay=False`` (α_t = 1 everywhere), ``inner_k/inner_v/inner_q`` (a non-adapting memory stays at
 its state; ``M_η``, ``M_α`` and ``M_memory`` always adapt). ``cms`` is the layer's business (§3.3).
 :class:`HopeRule` holds the chunk sizes, these flags, ``grad_horizon`` and ``remat`` as one frozen
-value (``HopeRule.kwargs()`` are this module's keywords; the mixer passes it through ``ops.hope``).
+value; :func:`hope_chunked` takes it whole (``rule=``), as the mixer passes it through ``ops.hope``.
 The short causal conv on q, k, v (SPEC §3.2) is also the layer's business.
 The value types (``MLPMemory``, ``HopeMemories``, ``HopeReadout``, ``HopeState``, ``HopeRule``)
 and ``hope_init_state`` / ``mlp_memory_apply`` live in :mod:`nested_jax.core.hope.state`
@@ -40,9 +40,10 @@ Chunked form (**Decision**, SPEC §3.2): chunk ``n`` uses the state at the end o
 parallel; then the chunk's updates are applied in order (``W x xᵀ`` of DGD uses the running weights
 ``W_{t-1}``, as in SPEC §3.2's linear formula
 ``M_t = M_{t-1}(α_t I − γ_t k kᵀ) − γ_t(M_0 k − v̂)kᵀ``). With the inputs and signals fixed by the
-snapshot, that in-order recurrence is linear in ``(W, S)``: ``chunk_updates="scan"`` (default)
-walks the chunk's tokens, ``chunk_updates="parallel"`` computes it as one unit-lower-triangular
-``c × c`` solve per memory layer and matmuls for the reads (:mod:`nested_jax.core.hope.parallel`);
+snapshot, that in-order recurrence is linear in ``(W, S)``: ``chunk_updates="scan"`` (the rule's
+default) walks the chunk's tokens, ``chunk_updates="parallel"`` computes it as one
+unit-lower-triangular ``c × c`` solve per memory layer and matmuls for the reads
+(:mod:`nested_jax.core.hope.parallel`);
 the parallel form carries the memories stacked on a leading axis (they share shapes, gates and
 chunk coefficients), so each op of a chunk runs once for all of them.
 Two chunk sizes: ``chunk_other`` for the projection memories (k, v, η, α, q) and
@@ -100,6 +101,7 @@ from nested_jax.core.hope.state import (
     HopeState,
     MLPMemory,
     _names,
+    check_rule,
     hope_init_state,
     mlp_memory_apply,
 )
@@ -111,8 +113,10 @@ __all__ = [
 ]
 
 
-def _validate(x, q, state, readout, adaptive_q, momentum, name="state"):
-    """Shape checks of a Hope call; ``name`` is the state's argument name in the messages."""
+def _validate(x, q, state, readout, rule: HopeRule, name="state"):
+    """Shape checks of a Hope call under ``rule`` (its ``adaptive_q`` and ``momentum``); ``name``
+    is the state's argument name in the messages."""
+    adaptive_q = rule.adaptive_q
     x = jnp.asarray(x)
     if x.ndim != 4:
         raise ValueError(f"x must have shape [B, T, H, D], got {x.shape}")
@@ -128,7 +132,7 @@ def _validate(x, q, state, readout, adaptive_q, momentum, name="state"):
     mems = state.memories
     if adaptive_q and mems.q is None:
         raise ValueError(f"{name}.memories.q must be an MLPMemory when adaptive_q=True, got None")
-    if momentum and state.momentum is None:
+    if rule.momentum and state.momentum is None:
         raise ValueError(f"{name}.momentum must be set when momentum=True (hope_init_state)")
     hidden = None
     for n in _names(mems):
@@ -282,8 +286,9 @@ def _initial(initial_memories, state: HopeState, B: int):
     return init
 
 
-def _segment_flags(segment_ids, B, T, chunk_memory, chunk_other):
-    """``reset, fresh_proj, fresh_mem`` ``bool [B, T]`` from packed ``segment_ids [B, T]``."""
+def _segment_flags(segment_ids, B, T, rule: HopeRule):
+    """``reset, fresh_proj, fresh_mem`` ``bool [B, T]`` from packed ``segment_ids [B, T]`` (a
+    document start inside the token's chunk of ``rule.chunk_other`` / ``rule.chunk_memory``)."""
     if jnp.shape(segment_ids) != (B, T):
         raise ValueError(
             f"segment_ids must have shape [B, T]={(B, T)}, got {jnp.shape(segment_ids)}"
@@ -292,7 +297,7 @@ def _segment_flags(segment_ids, B, T, chunk_memory, chunk_other):
     t = jnp.arange(T)
     last = lax.cummax(jnp.where(reset, t, -1), axis=1)  # last document start ≤ t (−1: none)
     fresh = lambda c: last >= (t // c) * c  # noqa: E731  (a start inside t's chunk)
-    return reset, fresh(chunk_other), fresh(chunk_memory)
+    return reset, fresh(rule.chunk_other), fresh(rule.chunk_memory)
 
 
 def _time_chunks(a, c):
@@ -398,7 +403,7 @@ def _parallel(x, q, state: HopeState, readout: HopeReadout, rule: HopeRule, act,
 
     def proj_step(carry, inp):
         _, x_c, q_c, v_c, fl = inp
-        return _projection_chunk(*carry, x_c, q_c, v_c, readout, rule, act, proj, init_p, fl)
+        return _projection_chunk(carry, x_c, q_c, v_c, readout, rule, act, proj, init_p, fl)
 
     (w_p, s_p), kv_gates_q = _scan_tokens(proj_step, (w, s), (x, q, valid, resets(1)), rule,
                                           rule.chunk_other)  # fmt: skip
@@ -406,7 +411,7 @@ def _parallel(x, q, state: HopeState, readout: HopeReadout, rule: HopeRule, act,
 
     def mem_step(carry, inp):
         _, k, v, eta, alpha, q_c, v_c, fl = inp
-        return _memory_chunk(*carry, k, v, eta, alpha, q_c, v_c, rule, act, mem, init_m, fl)
+        return _memory_chunk(carry, (k, v, eta, alpha, q_c), v_c, rule, act, mem, init_m, fl)
 
     (w_m, s_m), o = _scan_tokens(mem_step, (w, s), (*kv_gates_q, valid, resets(2)), rule,
                                  rule.chunk_memory)  # fmt: skip
@@ -424,7 +429,7 @@ def _chunked(x, q, state, readout, rule: HopeRule, act, segment_ids, initial_mem
     flags = init = None
     if segment_ids is not None:
         init = _initial(initial_memories, state, B)
-        flags = _segment_flags(segment_ids, B, T, rule.chunk_memory, rule.chunk_other)
+        flags = _segment_flags(segment_ids, B, T, rule)
     if rule.chunk_updates == "parallel":
         return _parallel(x, q, state, readout, rule, act, init, flags)
     carry, body = _scan_body(state, readout, rule, act, init)
@@ -439,31 +444,12 @@ def hope_chunked(
     readout: HopeReadout,
     *,
     initial_state: HopeState | None = None,
-    chunk_memory: int = 1,
-    chunk_other: int = 1,
-    dgd: bool = True,
-    dgd_target: str = "gradient",
-    step: str = "exact",
-    momentum: bool = False,
-    momentum_coef=0.9,
-    decay: bool = True,
-    inner_k: bool = True,
-    inner_v: bool = True,
-    inner_q: bool = True,
-    adaptive_q: bool = False,
-    stop_gradient_targets: bool = False,
-    activation: Callable = jax.nn.silu,
+    rule: HopeRule = HopeRule(),
     segment_ids=None,
     initial_memories: HopeMemories | None = None,
-    grad_horizon: int = 0,
-    remat: bool = False,
-    remat_every: int = 0,
-    remat_levels: int = 2,
-    chunk_updates: str = "scan",
-    eta_max: float = 1.0,
-    grad_clip: float = 0.0,
+    activation: Callable = jax.nn.silu,
 ):
-    """Chunk-wise Hope (SPEC §3.2 Decision); chunk sizes 1 = exact per-token Hope.
+    """Chunk-wise Hope (SPEC §3.2 Decision) under ``rule``; chunk sizes 1 = exact per-token Hope.
 
     Chunks are aligned at position 0 of ``x``. Token ``t`` of a group with chunk size ``C`` uses
     the group's state just before position ``s = max(C⌊t/C⌋, start of t's document)`` as its
@@ -478,51 +464,27 @@ def hope_chunked(
 
     Args:
       x: memory inputs ``[B, T, H, D]``.
-      q: ``W_q x`` ``[B, T, H, D]`` (ignored, may be None, when ``adaptive_q``).
+      q: ``W_q x`` ``[B, T, H, D]`` (ignored, may be None, when ``rule.adaptive_q``).
       readout: ``HopeReadout`` of ``M_η``, ``M_α``.
-      initial_state: ``HopeState`` (``hope_init_state(memories, B)``), weights ``[B, H, ...]``.
-        Required: Hope's memories have no zero state (None raises ``ValueError``).
-      chunk_memory: chunk size of ``M_memory``.
-      chunk_other: chunk size of the projection memories; ``max`` must be a multiple of ``min``.
-      dgd: DGD step (True) or plain GD with retention ``αW − η g xᵀ`` (False).
-      dgd_target: ``"gradient"`` (eq. 88: ``αW − γ(W x + g)xᵀ``, default) or ``"proximal"``
-        (``αW − γ g xᵀ``, SPEC §3.2 Decision).
-      step: ``"exact"`` (``γ = η/(1+η‖x‖²)``, default) or ``"paper"`` (``η/(1+η)``).
-      momentum: keep momenta ``S_t = μ S_{t−1} + u_t`` (needs ``initial_state.momentum``).
-      momentum_coef: ``μ`` (scalar) when ``momentum``.
-      decay: False forces ``α_t = 1``.
-      inner_k, inner_v, inner_q: whether ``M_k``, ``M_v``, ``M_q`` adapt.
-      adaptive_q: ``q_t = norm(M_{q,t−1}(x_t))`` instead of ``norm(q_in)``.
-      stop_gradient_targets: stop the gradient through ``v̂ = M_0(v)``.
-      eta_max: ``η_t = eta_max · sigmoid(·)`` (1: the paper's rate).
-      grad_clip: softclamp ``c`` of each layer's inner gradient ``g xᵀ`` folded into its rate,
-        ``η · c·tanh(n/c)/n`` with ``n = ‖g‖‖x‖`` (0: off, the paper's rule; ``HopeRule``).
-      activation: elementwise ``σ`` of the memories.
+      initial_state: ``HopeState`` (``hope_init_state(memories, B)``), weights ``[B, H, ...]``;
+        with ``rule.momentum`` it needs momenta. Required: Hope's memories have no zero state
+        (None raises ``ValueError``).
+      rule: the :class:`~nested_jax.rules.HopeRule` (a ``HopeOptions`` is one): the chunk sizes
+        ``chunk_memory`` / ``chunk_other``, the ablation flags (``dgd``, ``dgd_target``, ``step``,
+        ``momentum``, ``decay``, ``inner_*``, ``adaptive_q``, ``stop_gradient_targets``), the
+        bounds ``eta_max`` / ``grad_clip``, truncated backprop ``grad_horizon``, ``remat*`` and
+        ``chunk_updates`` (``"scan"``: token by token; ``"parallel"``: one triangular solve per
+        memory layer, :mod:`nested_jax.core.hope.parallel`; values equal up to rounding). The
+        default is the paper's per-token rule.
       segment_ids: optional int ``[B, T]`` document ids of packed rows.
       initial_memories: the memories a document start resets to (``[H, ...]`` or ``[B, H, ...]``,
         structure of ``initial_state.memories``); default ``initial_state.memories``.
-      grad_horizon: truncated backprop (values unchanged): the carried state is a
-        ``stop_gradient`` after every ``grad_horizon`` tokens (a multiple of the larger chunk
-        size); 0 = full backprop.
-      remat: rematerialise each chunk in the backward pass (``jax.checkpoint``).
-      remat_every: with ``remat``, store the carry of every n-th chunk only (0: ``⌈√N⌉``; 1: all).
-      remat_levels: with ``remat_every = 0``, nested checkpoint levels (2: ``2√N`` carries held;
-        3: ``3∛N``, one more recomputed forward); ``HopeRule.remat_blocks``.
-      chunk_updates: ``"scan"`` (token by token) or ``"parallel"`` (one triangular solve per
-        memory layer, :mod:`nested_jax.core.hope.parallel`); values equal up to rounding.
+      activation: elementwise ``σ`` of the memories.
 
     Returns:
       ``(o [B, T, H, D], final HopeState)``.
     """
+    rule = check_rule("hope_chunked", rule)
     state = require_initial_state("hope_chunked", initial_state, HOPE_STATE_CONSTRUCTOR)
-    _validate(x, q, state, readout, adaptive_q, momentum, name="initial_state")
-    rule = HopeRule(  # checks the chunk sizes, grad_horizon, step and the flags
-        chunk_memory=chunk_memory, chunk_other=chunk_other, dgd=dgd, dgd_target=dgd_target,
-        step=step, momentum=momentum,
-        momentum_coef=momentum_coef, decay=decay, inner_k=inner_k, inner_v=inner_v,
-        inner_q=inner_q, adaptive_q=adaptive_q, stop_gradient_targets=stop_gradient_targets,
-        grad_horizon=grad_horizon, remat=remat, remat_every=remat_every,
-        remat_levels=remat_levels, chunk_updates=chunk_updates, eta_max=eta_max,
-        grad_clip=grad_clip,
-    )  # fmt: skip
+    _validate(x, q, state, readout, rule, name="initial_state")
     return _chunked(x, q, state, readout, rule, activation, segment_ids, initial_memories)

@@ -16,7 +16,9 @@ so a cached call (a prefill too) equals :func:`hope_chunked` row by row. With Pr
 
 which equals ``proteus_hope_chunked`` only when both chunk sizes divide ``Δ = N // E``: the
 sequence form restarts its chunk grid at every Δ-boundary, the decode grid is global
-(:func:`check_proteus_decode_chunks`).
+(:func:`check_proteus_decode_chunks`). The Hope rule and the Proteus schedule come whole, as
+``rule`` (:class:`~nested_jax.rules.HopeRule`) and ``schedule``
+(:class:`~nested_jax.rules.ProteusRule`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ import jax.numpy as jnp
 
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.hope.proteus import proteus_hope_masks
-from nested_jax.core.hope.state import HopeMemories, HopeReadout, HopeState, hope_init_state
+from nested_jax.core.hope.state import (
+    HopeMemories,
+    HopeReadout,
+    HopeState,
+    check_rule,
+    hope_init_state,
+)
 from nested_jax.core.hope.token import hope_decode_step
 from nested_jax.core.proteus import (
     _check_silent_at_zero,
@@ -40,7 +48,7 @@ from nested_jax.core.proteus import (
     proteus_gate,
     proteus_gated_update,
 )
-from nested_jax.rules import HopeRule
+from nested_jax.rules import HopeRule, ProteusRule
 
 __all__ = ["HopeDecodeState", "hope_decode_state", "check_proteus_decode_chunks", "hope_decode"]
 
@@ -81,22 +89,22 @@ def hope_decode_state(
 
 
 def check_proteus_decode_chunks(
-    rule: HopeRule, context_len: int, num_blocks: int, *, owner: str = "rule"
+    rule: HopeRule, schedule: ProteusRule, *, owner: str = "rule"
 ) -> None:
     """Raises unless decoding under Proteus equals the sequence form (SPEC §4).
 
-    ``proteus_hope_chunked`` restarts both chunk grids every ``Δ = context_len // num_blocks``
-    tokens, while decoding keeps one grid aligned at position 0; the two agree iff every
-    Δ-boundary is a chunk boundary of both groups (``proteus_chunk_constant``). ``E = 1`` always
-    passes.
+    ``proteus_hope_chunked`` restarts both chunk grids every ``Δ = N // E`` tokens, while
+    decoding keeps one grid aligned at position 0; the two agree iff every Δ-boundary is a chunk
+    boundary of both groups (``proteus_chunk_constant``). ``E = 1`` always passes.
 
     Args:
       rule: the ``HopeRule`` (its ``chunk_memory``, ``chunk_other``).
-      context_len: ``N``; num_blocks: ``E``.
+      schedule: the ``ProteusRule`` ``(E = blocks, N = context_len)``.
       owner: the prefix of the message (``"HopeOptions"`` from the layer's config).
     """
-    if num_blocks <= 1:
+    if not schedule.enabled:
         return
+    context_len, num_blocks = schedule.context_len, schedule.blocks
     delta = proteus_block_len(context_len, num_blocks)
     for name in ("chunk_memory", "chunk_other"):
         chunk = getattr(rule, name)
@@ -113,27 +121,29 @@ def hope_decode(
     q,
     readout: HopeReadout,
     *,
-    rule: HopeRule,
+    rule: HopeRule = HopeRule(),
+    schedule: ProteusRule = ProteusRule(),
     initial_state: HopeDecodeState | None = None,
-    context_len: int = 0,
-    num_blocks: int = 1,
     initial_memories: HopeMemories | None = None,
     activation: Callable = jax.nn.silu,
 ):
     """``T`` cached Hope tokens at positions ``n … n + T − 1`` (SPEC §3.2; Proteus SPEC §4).
 
-    A ``lax.scan`` of :func:`hope_decode_step` (module docstring); with ``num_blocks > 1`` each
-    token reads and writes ``g_t ⊙ S`` and the locked coordinates keep their bits.
+    A ``lax.scan`` of :func:`hope_decode_step` (module docstring); with ``schedule.blocks > 1``
+    each token reads and writes ``g_t ⊙ S`` and the locked coordinates keep their bits.
 
     Args:
-      x: memory inputs ``[B, T, H, D]``; q: ``W_q x`` ``[B, T, H, D]`` (None with ``adaptive_q``).
+      x: memory inputs ``[B, T, H, D]``; q: ``W_q x`` ``[B, T, H, D]`` (None with
+        ``rule.adaptive_q``).
       readout: ``HopeReadout`` of ``M_η``, ``M_α``.
-      rule: ``HopeRule`` (chunk sizes and flags; ``grad_horizon`` and ``remat`` are unused here).
+      rule: the :class:`~nested_jax.rules.HopeRule` (chunk sizes and flags; ``grad_horizon``,
+        ``remat*`` and ``chunk_updates`` change nothing here).
+      schedule: the :class:`~nested_jax.rules.ProteusRule` ``(E, N)``; the default ``E = 1`` is no
+        Proteus. With ``E > 1`` both chunk sizes must divide ``Δ = N // E``.
       initial_state: :class:`HopeDecodeState` ``(state, snapshot, n)``: the running ``HopeState``
         (weights ``[B, H, ...]``), the chunk-start snapshots (``HopeMemories`` shaped like
         ``state.memories``) and the int32 scalar ``n`` of tokens seen before this call. Required
         (:func:`hope_decode_state` builds the one at position 0; None raises ``ValueError``).
-      context_len: ``N``; num_blocks: ``E`` (1: no Proteus). Both chunk sizes must divide ``Δ``.
       initial_memories: optional ``HopeMemories`` ``[H, ...]``: where ``n == 0`` the call starts
         from ``hope_init_state(initial_memories)`` instead of ``initial_state.state`` (a cache
         built before the parameters were known holds placeholders).
@@ -142,6 +152,9 @@ def hope_decode(
     Returns:
       ``(o [B, T, H, D], HopeDecodeState(new state, new snapshot, n + T))``.
     """
+    rule = check_rule("hope_decode", rule)
+    if not isinstance(schedule, ProteusRule):
+        raise ValueError(f"hope_decode: schedule must be a ProteusRule, got {schedule!r}")
     ds = require_initial_state("hope_decode", initial_state, "hope_decode_state(memories, B)")
     if not isinstance(ds, tuple) or len(ds) != 3:
         raise ValueError(
@@ -154,24 +167,20 @@ def hope_decode(
         fresh = hope_init_state(initial_memories, b, momentum=rule.momentum)
         started = n > 0
         state = jax.tree.map(lambda c, f: jnp.where(started, c, f), state, fresh)
-    step = functools.partial(
-        hope_decode_step,
-        readout=readout,
-        chunk_memory=rule.chunk_memory,
-        chunk_other=rule.chunk_other,
-        activation=activation,
-        **rule.flags(),
-    )
-    if num_blocks > 1:
-        check_proteus_decode_chunks(rule, context_len, num_blocks)
+    step = functools.partial(hope_decode_step, readout=readout, rule=rule, activation=activation)
+    gated = schedule.enabled
+    if gated:
+        check_proteus_decode_chunks(rule, schedule)
         _check_silent_at_zero("hope_decode", activation)
 
     def body(carry, inp):
         st, snap, i = carry
         x_t, q_t = inp
-        if num_blocks > 1:  # the mask of position i + 1 (SPEC §4)
-            active = proteus_active_blocks(jnp.full((b,), i + 1), context_len, num_blocks)
-            tree = proteus_hope_masks(st, active, num_blocks)
+        if gated:  # the mask of position i + 1 (SPEC §4)
+            active = proteus_active_blocks(
+                jnp.full((b,), i + 1), schedule.context_len, schedule.blocks
+            )
+            tree = proteus_hope_masks(st, active, schedule.blocks)
             # The snapshots need no gate: they are taken from the gated state at chunk starts,
             # and the mask is constant inside a chunk (the chunk sizes divide Δ).
             o_t, new, snap = step(proteus_gate(st, tree), x_t, q_t, snap, i)

@@ -45,6 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from nested_jax.core.dgd import clamped_rate, dgd_step_size
 from nested_jax.core.wy import solve_tril
+from nested_jax.rules import HopeRule
 
 __all__ = [
     "CHUNK_RESIDUAL",
@@ -61,7 +62,7 @@ _TINY_RETENTION = 1e-30
 
 # The name of a chunk's token-sized intermediates that read the memories (products ``W z``, the
 # update vectors): the chunk scan's ``jax.checkpoint`` saves them, so the backward does not read
-# every weight again to recompute them (``core.hope.chunk._scan_chunks``).
+# every weight again to recompute them (``core.hope.chunk._scan``).
 CHUNK_RESIDUAL = "hope_chunk_residual"
 
 
@@ -172,9 +173,8 @@ def read_running(W0, S0, x, U, z, co: ChunkCoefficients, W_init=None, w0z=None):
 
 
 def layer_updates(
-    W0, S0, x, g, lr, co: ChunkCoefficients, *, dgd: bool, step: str, target="gradient",
-    W_init=None, grad_clip: float = 0.0, w0x=None,
-):  # fmt: skip
+    W0, S0, x, g, lr, co: ChunkCoefficients, *, rule: HopeRule, W_init=None, w0x=None
+):
     """One memory layer's update vectors ``U [B, H, C, o]`` over one chunk (``u_t = U_t x_tᵀ``).
 
     Args:
@@ -182,23 +182,22 @@ def layer_updates(
       x: ``[B, H, C, i]`` inputs; g: ``[B, H, C, o]`` signals (both from the chunk-start
         snapshot; zero on padded tokens).
       lr: ``[B, H, C]`` inner rate ``η_t`` (zero on padded tokens).
-      co: :func:`chunk_coefficients` of the chunk.
-      dgd, step: the DGD step (``γ = dgd_step_size(η, x, step)``) or plain GD (``γ = η``,
-        no ``W_{t−1} x_t`` term).
-      target: the DGD target (SPEC §3.2): ``gradient`` (the ``W_{t−1} x_t`` term above) or
-        ``proximal`` (``u_t = −γ_t g_t x_tᵀ``: no solve).
+      co: :func:`chunk_coefficients` of the chunk (its ``μ`` is ``rule.mu``).
+      rule: the :class:`HopeRule`; read: ``dgd`` and ``step`` (the DGD step ``γ =
+        dgd_step_size(η, x, step)``, or plain GD: ``γ = η``, no ``W_{t−1} x_t`` term),
+        ``dgd_target`` (SPEC §3.2: ``gradient``, the ``W_{t−1} x_t`` term above, or
+        ``proximal``, ``u_t = −γ_t g_t x_tᵀ``: no solve) and ``grad_clip`` (softclamp of each
+        token's layer gradient ``g xᵀ`` in the rate, :func:`core.dgd.clamped_rate`; 0 = off).
       W_init: ``[B, H, o, i]`` the weights a document start resets to (None: no resets).
-      grad_clip: softclamp of each token's layer gradient ``g xᵀ`` in the rate
-        (:func:`core.dgd.clamped_rate`; 0 = off).
       w0x: optional ``W_0 x`` ``[B, H, C, o]`` already computed (the signals' own product when
         the snapshot is the running memory).
     """
-    lr = clamped_rate(lr, g, x, grad_clip)
-    if dgd and target == "proximal":
-        return -dgd_step_size(lr, x, step=step)[..., None] * g
-    if not dgd:
+    lr = clamped_rate(lr, g, x, rule.grad_clip)
+    if rule.dgd and rule.dgd_target == "proximal":
+        return -dgd_step_size(lr, x, step=rule.step)[..., None] * g
+    if not rule.dgd:
         return -lr[..., None] * g
-    gamma = dgd_step_size(lr, x, step=step)[..., None]  # [B, H, C, 1]
+    gamma = dgd_step_size(lr, x, step=rule.step)[..., None]  # [B, H, C, 1]
     a = keep_for_backward(read_running(W0, S0, x, None, x, co, W_init, w0x))  # P̄W_0x + Q̄S_0x
     k_mat = co.e_before[..., :-1, :] * jnp.einsum("bhci,bhsi->bhcs", x, x)
     # (I + Γ K) U = −Γ(a + g), unit lower: the WY form's solve (runs on Explicit meshes too)
@@ -208,16 +207,15 @@ def layer_updates(
 def _after(x, dep):
     """``x``, computed after ``dep`` (``x + 0·dep[0…]``, gradient stopped): a data dependency that
     XLA cannot fold away. The chunk-end weights and momenta are written after every read of the
-    chunk-start ones, so XLA writes them in place instead of copying the carried stacks each chunk
-    (measured on the Hope scan, XLA:CPU: 4 stack copies per chunk without it, ~10% of the
-    fwd+bwd time). Exact for finite ``dep``."""
+    chunk-start ones, so XLA writes them in place instead of copying the carried stacks each
+    chunk. Exact for finite ``dep``."""
     return x + 0.0 * lax.stop_gradient(dep[(0,) * dep.ndim]).astype(x.dtype)
 
 
 def _outer_sum(U, x):
     """``Σ_s U_s x_sᵀ`` ``[B, H, o, i]`` of ``U [B, H, C, o]``, ``x [B, H, C, i]``, with ``U``
     transposed first (token-sized): the backward's products with the weight-sized cotangent then
-    need no transpose of it (measured: XLA:CPU transposed the whole stack per chunk otherwise)."""
+    need no transpose of it (XLA:CPU would otherwise transpose the whole stack per chunk)."""
     return jnp.einsum("bhos,bhsi->bhoi", jnp.swapaxes(U, -1, -2), x)
 
 
@@ -249,8 +247,8 @@ def layer_end(W0, S0, x, U, co: ChunkCoefficients, W_init=None, after=None):
     return W, _after(S, W)  # S_0 is read by W_n too: S_n overwrites it after
 
 
-def layer_chunk(W0, S0, x, g, lr, co: ChunkCoefficients, *, W_init=None, **rule):
-    """One memory layer over one chunk: ``(U, W_n, S_n)`` (:func:`layer_updates` then
-    :func:`layer_end`; ``rule``: their ``dgd``, ``step``, ``target``, ``grad_clip``)."""
-    U = layer_updates(W0, S0, x, g, lr, co, W_init=W_init, **rule)
+def layer_chunk(W0, S0, x, g, lr, co: ChunkCoefficients, *, rule: HopeRule, W_init=None):
+    """One memory layer over one chunk: ``(U, W_n, S_n)`` (:func:`layer_updates` under ``rule``,
+    then :func:`layer_end`)."""
+    U = layer_updates(W0, S0, x, g, lr, co, rule=rule, W_init=W_init)
     return (U, *layer_end(W0, S0, x, U, co, W_init))

@@ -35,13 +35,16 @@ Forms (SPEC §0):
   schedule follows the row position and a document start resets the whole state, locked
   coordinates included (``run_proteus_spans_packed``, the Titans layer's decision).
 
-Both span forms take ``backbone``: ``hope_chunked`` (default) or a function with its arguments
-(``backbone(x, q, readout, initial_state=..., **flags)``), e.g. the per-token twin
+Every form takes the Hope rule whole as ``rule`` (:class:`~nested_jax.rules.HopeRule`) and the
+schedule as ``schedule`` (:class:`~nested_jax.rules.ProteusRule`: ``E = blocks``,
+``N = context_len``). Both span forms take ``backbone``: ``hope_chunked`` (default) or a function
+with its arguments (``backbone(x, q, readout, initial_state=, rule=, segment_ids=,
+initial_memories=, activation=)``), e.g. the per-token twin
 ``core.hope.reference.hope_reference``, run span by span the same way.
 
-Static dispatch: ``num_blocks == 1``, or a static ``t0`` with every position of the call past the
+Static dispatch: ``E == 1``, or a static ``t0`` with every position of the call past the
 last opening (``k(t0 + 1) = E``), calls the plain backbone, so the result is the backbone's bit for
-bit. ``segment_ids`` is refused by the per-document forms (step / recurrent / chunked): positions
+bit. The per-document forms (step / recurrent / chunked) take no ``segment_ids``: positions
 would have to restart per document; :func:`proteus_hope_packed` keeps row positions instead.
 """
 
@@ -55,7 +58,13 @@ from jax import lax
 
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.hope.chunk import hope_chunked
-from nested_jax.core.hope.state import HOPE_STATE_CONSTRUCTOR, HopeMemories, HopeState, MLPMemory
+from nested_jax.core.hope.state import (
+    HOPE_STATE_CONSTRUCTOR,
+    HopeMemories,
+    HopeState,
+    MLPMemory,
+    check_rule,
+)
 from nested_jax.core.hope.token import hope_recurrent, hope_step
 from nested_jax.core.proteus import (
     _check_blocked,
@@ -74,6 +83,7 @@ from nested_jax.core.proteus import (
     run_proteus_spans,
     run_proteus_spans_packed,
 )
+from nested_jax.rules import HopeRule, ProteusRule
 
 __all__ = [
     "proteus_hope_masks",
@@ -111,13 +121,16 @@ def proteus_hope_masks(state: HopeState, active, num_blocks: int):
     return jax.tree.map(masks, state, is_leaf=lambda x: isinstance(x, MLPMemory))
 
 
-def _check_hope(fn: str, x, state, context_len, num_blocks, per_token: bool, flags):
-    """Shared checks; returns ``(n, e, B)``. The backbone validates the rest (q, readout, flags).
+def _check_hope(fn: str, x, state, rule, schedule, per_token: bool):
+    """Shared checks; returns ``(N, E, B)``. The backbone validates the rest (q, readout, shapes).
     The state's argument is ``state`` for the step, ``initial_state`` for the sequence forms."""
+    check_rule(fn, rule)
+    if not isinstance(schedule, ProteusRule):
+        raise ValueError(f"{fn}: schedule must be a ProteusRule, got {schedule!r}")
     sname = "state" if per_token else "initial_state"
     if not per_token:
         require_initial_state(fn, state, HOPE_STATE_CONSTRUCTOR)
-    n, e = _check_schedule(fn, context_len, num_blocks)
+    n, e = _check_schedule(fn, schedule.context_len, schedule.blocks)
     rank, shape = (3, "[B, H, D]") if per_token else (4, "[B, T, H, D]")
     name = "x_t" if per_token else "x"
     if getattr(x, "ndim", None) != rank:
@@ -134,11 +147,6 @@ def _check_hope(fn: str, x, state, context_len, num_blocks, per_token: bool, fla
                 "hope_init_state to add the batch axis)"
             )
         _check_blocked(fn, f"hidden size h of {sname}.memories.{mname}", mem.w1.shape[-1], e)
-    if flags.get("segment_ids") is not None:
-        raise ValueError(
-            f"{fn}: segment_ids is not supported with Proteus (positions would have to restart per "
-            "document)"
-        )
     return n, e, x.shape[0]
 
 
@@ -151,7 +159,15 @@ def _gated(fn_name, state, active, e, activation, call):
 
 
 def proteus_hope_step(
-    state: HopeState, x_t, q_t, readout, *, t, context_len: int, num_blocks: int, **flags
+    state: HopeState,
+    x_t,
+    q_t,
+    readout,
+    *,
+    t,
+    schedule: ProteusRule,
+    rule: HopeRule = HopeRule(),
+    activation: Callable = jax.nn.silu,
 ):
     """One Hope token with Proteus hidden-unit blocks at 1-based position ``t`` (SPEC §3.2, §4).
 
@@ -160,26 +176,28 @@ def proteus_hope_step(
 
     Args:
       state: ``HopeState`` (``hope_init_state``), weights ``[B, H, ...]``.
-      x_t, q_t: ``[B, H, D]`` (``q_t`` ignored, may be None, with ``adaptive_q``).
+      x_t, q_t: ``[B, H, D]`` (``q_t`` ignored, may be None, with ``rule.adaptive_q``).
       readout: ``HopeReadout`` of ``M_η``, ``M_α``.
       t: 1-based absolute position, a Python int ``≥ 1`` or an integer array ``[]`` / ``[B]``.
-      context_len: training context ``N``; num_blocks: ``E`` (every hidden size ``h ≥ E``).
-      **flags: the flags of ``hope_step`` (``dgd, step, momentum, momentum_coef, decay, inner_*,
-        adaptive_q, stop_gradient_targets, activation``); ``activation`` must have ``σ(0) = 0``.
+      schedule: the :class:`~nested_jax.rules.ProteusRule` ``(E = blocks, N = context_len)``,
+        ``N ≥ 1`` (every hidden size ``h ≥ E``).
+      rule: the :class:`~nested_jax.rules.HopeRule`, as ``hope_step`` reads it.
+      activation: the memories' ``σ``; must have ``σ(0) = 0``.
 
     Returns:
       ``(o_t [B, H, D], new HopeState)``.
     """
     fn = "proteus_hope_step"
-    n, e, B = _check_hope(fn, x_t, state, context_len, num_blocks, True, flags)
+    n, e, B = _check_hope(fn, x_t, state, rule, schedule, True)
     _check_t0(fn, t, B, name="t (1-based)", low=1)
+
+    def step(s):
+        return hope_step(s, x_t, q_t, readout, rule=rule, activation=activation)
+
     if _statically_open(t - 1 if _is_int(t) else t, n, e):
-        return hope_step(state, x_t, q_t, readout, **flags)
+        return step(state)
     active = proteus_active_blocks(_positions(t, B), n, e)
-    return _gated(
-        fn, state, active, e, flags.get("activation", jax.nn.silu),
-        lambda s: hope_step(s, x_t, q_t, readout, **flags),
-    )  # fmt: skip
+    return _gated(fn, state, active, e, activation, step)
 
 
 def proteus_hope_recurrent(
@@ -187,11 +205,11 @@ def proteus_hope_recurrent(
     q,
     readout,
     *,
-    context_len: int,
-    num_blocks: int,
+    schedule: ProteusRule,
     initial_state: HopeState | None = None,
     t0=0,
-    **flags,
+    rule: HopeRule = HopeRule(),
+    activation: Callable = jax.nn.silu,
 ):
     """Hope with Proteus hidden-unit blocks, token by token (SPEC §3.2, §4; ground truth).
 
@@ -199,27 +217,26 @@ def proteus_hope_recurrent(
 
     Args:
       x: memory inputs ``[B, T, H, D]``; q: ``W_q x`` ``[B, T, H, D]`` (ignored, may be None, with
-        ``adaptive_q``).
+        ``rule.adaptive_q``).
       readout: as :func:`proteus_hope_step`.
-      context_len: ``N``; num_blocks: ``E``, Python ints.
+      schedule: the :class:`~nested_jax.rules.ProteusRule` ``(E, N)``.
       initial_state: ``HopeState`` (``hope_init_state(memories, B)``), weights ``[B, H, ...]``;
         required (None raises ``ValueError``).
       t0: tokens already seen: a Python int (static; enables the fully-open dispatch) or an integer
         array ``[]`` / ``[B]`` (traced, e.g. ragged decoding).
-      **flags: as :func:`proteus_hope_step`.
+      rule, activation: as :func:`proteus_hope_step`.
 
     Returns:
       ``(o [B, T, H, D], final HopeState)``.
     """
     fn = "proteus_hope_recurrent"
     state = initial_state
-    n, e, B = _check_hope(fn, x, state, context_len, num_blocks, False, flags)
+    n, e, B = _check_hope(fn, x, state, rule, schedule, False)
     _check_t0(fn, t0, B)
     if _statically_open(t0, n, e):
-        return hope_recurrent(x, q, readout, initial_state=state, **flags)
-    activation = flags.get("activation", jax.nn.silu)
+        return hope_recurrent(x, q, readout, initial_state=state, rule=rule, activation=activation)
     _check_silent_at_zero(fn, activation)
-    qs = x if flags.get("adaptive_q", False) else q
+    qs = x if rule.adaptive_q else q
     if qs is None or getattr(qs, "shape", None) != x.shape:
         raise ValueError(
             f"{fn}: q must have shape [B, T, H, D] = {x.shape} (adaptive_q=False), got "
@@ -231,8 +248,9 @@ def proteus_hope_recurrent(
         i, x_t, q_t = xs
         active = proteus_active_blocks(pos0 + i + 1, n, e)
         o_t, st = _gated(
-            fn, st, active, e, activation, lambda s: hope_step(s, x_t, q_t, readout, **flags)
-        )
+            fn, st, active, e, activation,
+            lambda s: hope_step(s, x_t, q_t, readout, rule=rule, activation=activation),
+        )  # fmt: skip
         return st, o_t
 
     tm = lambda a: jnp.moveaxis(jnp.asarray(a), 1, 0)  # noqa: E731
@@ -245,14 +263,12 @@ def proteus_hope_chunked(
     q,
     readout,
     *,
-    context_len: int,
-    num_blocks: int,
+    schedule: ProteusRule,
     initial_state: HopeState | None = None,
     t0: int = 0,
-    chunk_memory: int = 1,
-    chunk_other: int = 1,
+    rule: HopeRule = HopeRule(),
+    activation: Callable = jax.nn.silu,
     backbone: Callable = hope_chunked,
-    **flags,
 ):
     """Chunk-wise Hope with Proteus hidden-unit blocks (SPEC §3.2 chunk Decision, §4).
 
@@ -265,31 +281,31 @@ def proteus_hope_chunked(
     Args:
       x, q: as :func:`proteus_hope_recurrent`.
       readout: as :func:`proteus_hope_step`.
-      context_len: ``N``; num_blocks: ``E``, Python ints.
+      schedule: the :class:`~nested_jax.rules.ProteusRule` ``(E, N)``.
       initial_state: as :func:`proteus_hope_recurrent` (required).
       t0: tokens already seen (static Python int ``≥ 0``).
-      chunk_memory, chunk_other: as ``hope_chunked`` (the larger a multiple of the smaller).
+      rule: the :class:`~nested_jax.rules.HopeRule` of ``hope_chunked`` (chunk sizes, flags,
+        ``grad_horizon``, ``remat``, ...).
+      activation: the memories' ``σ`` (``σ(0) = 0``).
       backbone: the function run on every span, ``hope_chunked`` or one with its arguments and
         returns (e.g. the twin ``hope_reference``, whose chunk grid restarts at every call too).
-      **flags: as :func:`proteus_hope_step`, plus ``hope_chunked``'s ``grad_horizon``, ``remat``.
 
     Returns:
       ``(o [B, T, H, D], final HopeState)``.
     """
     fn = "proteus_hope_chunked"
     state = initial_state
-    n, e, _ = _check_hope(fn, x, state, context_len, num_blocks, False, flags)
+    n, e, _ = _check_hope(fn, x, state, rule, schedule, False)
     t0 = _check_static_t0(fn, t0)
-    kw = dict(chunk_memory=chunk_memory, chunk_other=chunk_other, **flags)
+    kw = dict(rule=rule, activation=activation)
     spans = proteus_spans(x.shape[1], t0, n, e)
     if _statically_open(t0, n, e) or not spans:
         return backbone(x, q, readout, initial_state=state, **kw)
-    activation = flags.get("activation", jax.nn.silu)
     _check_silent_at_zero(fn, activation)
-    # validates q, readout, flags and chunk sizes once, with the backbone's messages
+    # validates q, readout and the state's shapes once, with the backbone's messages
     jax.eval_shape(lambda x1, q1, s, r: backbone(x1, q1, r, initial_state=s, **kw), x[:, :1],
                    None if q is None else q[:, :1], state, readout)  # fmt: skip
-    adaptive_q = flags.get("adaptive_q", False)
+    adaptive_q = rule.adaptive_q
     seq = (x,) if adaptive_q else (x, q)
 
     def call(s, xs):
@@ -306,14 +322,12 @@ def proteus_hope_packed(
     q,
     readout,
     *,
-    context_len: int,
-    num_blocks: int,
+    schedule: ProteusRule,
     segment_ids,
     initial_state: HopeState | None = None,
-    chunk_memory: int = 1,
-    chunk_other: int = 1,
+    rule: HopeRule = HopeRule(),
+    activation: Callable = jax.nn.silu,
     backbone: Callable = hope_chunked,
-    **flags,
 ):
     """Proteus Hope on packed rows, the schedule at **row** positions ``1 … T`` (SPEC §3.2, §4).
 
@@ -328,28 +342,28 @@ def proteus_hope_packed(
 
     Args:
       x, q: as :func:`proteus_hope_chunked`.
-      readout: ``HopeReadout``; context_len: ``N``; num_blocks: ``E``, Python ints.
+      readout: ``HopeReadout``; schedule: the :class:`~nested_jax.rules.ProteusRule` ``(E, N)``.
       segment_ids: int ``[B, T]`` document ids (a change of id starts a document).
       initial_state: the row's start ``HopeState``, which every document start also restores
         (e.g. the learned initial memories and zero momenta); required.
-      chunk_memory, chunk_other, backbone, **flags: as :func:`proteus_hope_chunked`.
+      rule, activation, backbone: as :func:`proteus_hope_chunked`.
 
     Returns:
       ``(o [B, T, H, D], final HopeState)``.
     """
     fn = "proteus_hope_packed"
     state = initial_state
-    n, e, _ = _check_hope(fn, x, state, context_len, num_blocks, False, flags)
+    n, e, _ = _check_hope(fn, x, state, rule, schedule, False)
     if jnp.shape(segment_ids) != x.shape[:2]:
         raise ValueError(
             f"{fn}: segment_ids must have shape [B, T]={x.shape[:2]}, got {jnp.shape(segment_ids)}"
         )
-    kw = dict(chunk_memory=chunk_memory, chunk_other=chunk_other, **flags)
+    kw = dict(rule=rule, activation=activation)
     spans = proteus_spans(x.shape[1], 0, n, e)
     if _statically_open(0, n, e) or not spans:
         return backbone(x, q, readout, initial_state=state, segment_ids=segment_ids, **kw)
-    _check_silent_at_zero(fn, flags.get("activation", jax.nn.silu))
-    adaptive_q = flags.get("adaptive_q", False)
+    _check_silent_at_zero(fn, activation)
+    adaptive_q = rule.adaptive_q
     reset = state
 
     def call(st, xs, seg, init):

@@ -7,7 +7,7 @@ single tokens (no chunk grid, no padding, no parallel chunk stage), every weight
 every token, math per (batch, head) through ``jax.vmap``, and the inner-loss weight gradients
 ``∂L̃/∂W`` taken by ``jax.grad`` (not the hand-derived layer signals ``x_ℓ, g_ℓ`` of
 ``core.hope.chunk``). Only the argument types (``HopeState``, ``HopeMemories``, ``MLPMemory``,
-``HopeReadout``, from ``core.hope.state``) and the packed-row boundaries
+``HopeReadout``, from ``core.hope.state``; the rule ``HopeRule``) and the packed-row boundaries
 (``core.scan.segment_starts``) are shared.
 
 Per head, each memory is ``M_□(z) = z + W_1 σ(W_2 z)`` (``W_1 [D, h]``, ``W_2 [h, D]``). Token
@@ -29,9 +29,11 @@ memories::
         momentum: u ← μ S_{t−1} + u,  S_t = u
         W_t = α_t W_{t−1} + u
 
-Chunk sizes 1 (the default) give exact per-token Hope: every snapshot is the running memory.
-Packed rows (``segment_ids``): at a document start the running memories and the snapshots become
-the initial memories and the momenta zero.
+Chunk sizes 1 (the default rule's) give exact per-token Hope: every snapshot is the running
+memory. The rule comes whole (``rule=``, a :class:`~nested_jax.rules.HopeRule`); the twin has no
+truncated backprop, and ``remat*`` / ``chunk_updates`` (how ``hope_chunked`` schedules the same
+values) mean nothing to it. Packed rows (``segment_ids``): at a document start the running
+memories and the snapshots become the initial memories and the momenta zero.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.hope.state import HopeMemories, HopeReadout, HopeState, MLPMemory
+from nested_jax.core.hope.state import HopeMemories, HopeReadout, HopeState, MLPMemory, check_rule
 from nested_jax.core.scan import segment_starts
+from nested_jax.rules import HopeRule
 
 __all__ = ["hope_reference", "memory_apply", "l2_normalize", "dgd_layer_write"]
 
@@ -62,40 +65,38 @@ def l2_normalize(z, eps: float = 1e-6):
     return z / jnp.sqrt(jnp.sum(z * z) + eps)
 
 
-def dgd_layer_write(
-    W, S, G, x, eta, alpha, *, dgd=True, step="exact", target="gradient", momentum_coef=None,
-    grad_clip=0.0,
-):  # fmt: skip
-    """One layer's write (SPEC §3.1 composed with §3.2): returns ``(W_new, u)``.
+def dgd_layer_write(W, S, G, x, eta, alpha, *, rule: HopeRule):
+    """One layer's write (SPEC §3.1 composed with §3.2) under ``rule``: returns ``(W_new, u)``.
 
     Args:
       W: running weight ``[o, i]`` (``W_{t−1}``).
-      S: momentum ``[o, i]`` (``S_{t−1}``), read only when ``momentum_coef`` is not None.
+      S: momentum ``[o, i]`` (``S_{t−1}``), read only with ``rule.momentum``.
       G: inner-loss gradient ``[o, i]`` at the snapshot (``g xᵀ`` for this layer).
       x: the layer's input ``[i]`` at the snapshot.
       eta, alpha: scalars ``η_t``, ``α_t``.
-      dgd: DGD (``u = −γ (W x xᵀ + G)``) or plain GD (``u = −η G``).
-      step: ``"exact"`` (``γ = η/(1 + η‖x‖²)``, Sherman–Morrison) or ``"paper"`` (``η/(1 + η)``).
-      target: ``"gradient"`` (``u = −γ (W x xᵀ + G)``) or ``"proximal"`` (``u = −γ G``; SPEC §3.2
-        Decision: ``W x`` regressed onto its own target ``W x − g``).
-      momentum_coef: ``μ``, or None for no momentum.
-      grad_clip: ``c > 0`` scales the rate by ``c·tanh(‖G‖_F/c)/‖G‖_F`` (0: off).
+      rule: the :class:`~nested_jax.rules.HopeRule`; read: ``dgd`` (DGD, ``u = −γ (W x xᵀ + G)``,
+        or plain GD, ``u = −η G``), ``step`` (``"exact"``: ``γ = η/(1 + η‖x‖²)``,
+        Sherman–Morrison; ``"paper"``: ``η/(1 + η)``), ``dgd_target`` (``"gradient"``: ``u = −γ (W
+        x xᵀ + G)``; ``"proximal"``: ``u = −γ G``, SPEC §3.2 Decision: ``W x`` regressed onto its
+        own target ``W x − g``), ``momentum`` / ``momentum_coef`` (``u ← μ S + u``) and
+        ``grad_clip`` (``c > 0`` scales the rate by ``c·tanh(‖G‖_F/c)/‖G‖_F``; 0: off).
 
     Returns:
-      ``W_new = α W + u`` and the update ``u`` (the new momentum when ``momentum_coef`` is set).
+      ``W_new = α W + u`` and the update ``u`` (the new momentum with ``rule.momentum``).
     """
+    grad_clip = rule.grad_clip
     if grad_clip:
         nrm2 = jnp.sum(G * G)
         safe = jnp.sqrt(jnp.where(nrm2 > 0, nrm2, 1.0))
         eta = eta * jnp.where(nrm2 > 0, grad_clip * jnp.tanh(safe / grad_clip) / safe, 1.0)
-    if dgd:
-        xx = jnp.sum(x * x) if step == "exact" else 1.0
+    if rule.dgd:
+        xx = jnp.sum(x * x) if rule.step == "exact" else 1.0
         gamma = eta / (1.0 + eta * xx)
-        u = -gamma * (G if target == "proximal" else jnp.outer(W @ x, x) + G)
+        u = -gamma * (G if rule.dgd_target == "proximal" else jnp.outer(W @ x, x) + G)
     else:
         u = -eta * G
-    if momentum_coef is not None:
-        u = momentum_coef * S + u
+    if rule.momentum:
+        u = rule.momentum_coef * S + u
     return alpha * W + u, u
 
 
@@ -104,11 +105,14 @@ def _per_bh(f):
     return jax.vmap(jax.vmap(f))
 
 
-def _write_memory(W1, W2, W1s, W2s, S1, S2, k, v, eta, alpha, *, o):
-    """Self-referential write of one memory for one (batch, head): target, gradient, two layers."""
-    act = o["activation"]
+def _write_memory(run, snap, mom, k, v, eta, alpha, *, rule: HopeRule, act):
+    """Self-referential write of one memory for one (batch, head): target, gradient, two layers.
+
+    ``run``, ``snap``, ``mom``: the memory's running weights, snapshot and momenta, each a pair
+    ``(W1 [D, h], W2 [h, D])``. Returns ``(W1_new, W2_new, U1, U2)``."""
+    (W1, W2), (W1s, W2s), (S1, S2) = run, snap, mom
     target = memory_apply(W1s, W2s, v, act)  # v̂ = M̄(v), made by the memory itself
-    if o["stop_gradient_targets"]:
+    if rule.stop_gradient_targets:
         target = lax.stop_gradient(target)
 
     def inner_loss(A1, A2):
@@ -116,69 +120,61 @@ def _write_memory(W1, W2, W1s, W2s, S1, S2, k, v, eta, alpha, *, o):
 
     G1, G2 = jax.grad(inner_loss, argnums=(0, 1))(W1s, W2s)
     x1, x2 = act(W2s @ k), k  # each layer's input at the snapshot
-    mu = o["momentum_coef"] if o["momentum"] else None
-    kw = dict(
-        dgd=o["dgd"], step=o["step"], target=o["dgd_target"], momentum_coef=mu,
-        grad_clip=o["grad_clip"],
-    )  # fmt: skip
-    W1n, U1 = dgd_layer_write(W1, S1, G1, x1, eta, alpha, **kw)
-    W2n, U2 = dgd_layer_write(W2, S2, G2, x2, eta, alpha, **kw)
+    W1n, U1 = dgd_layer_write(W1, S1, G1, x1, eta, alpha, rule=rule)
+    W2n, U2 = dgd_layer_write(W2, S2, G2, x2, eta, alpha, rule=rule)
     return W1n, W2n, U1, U2
 
 
-def _token(run, snap, mom, x_t, q_t, readout: HopeReadout, o):
+def _token(run, snap, mom, x_t, q_t, readout: HopeReadout, rule: HopeRule, act):
     """One token for every (batch, head): projections from the snapshots, read, in-order writes.
 
     ``run``, ``snap``, ``mom``: dicts name -> ``(W1 [B, H, D, h], W2 [B, H, h, D])``; ``x_t, q_t``
     ``[B, H, D]``. Returns ``(o_t [B, H, D], run, mom)``.
     """
-    act = o["activation"]
 
     def proj(n, z):
         return _per_bh(lambda a, b, zz: memory_apply(a, b, zz, act))(*snap[n], z)
 
     k = _per_bh(l2_normalize)(proj("k", x_t))
     v = proj("v", x_t)
-    eta = o["eta_max"] * jax.nn.sigmoid(
+    eta = rule.eta_max * jax.nn.sigmoid(
         jnp.einsum("bhd,hd->bh", proj("eta", x_t), readout.eta_w) + readout.eta_b
     )
-    if o["decay"]:
+    if rule.decay:
         a = jnp.einsum("bhd,hd->bh", proj("alpha", x_t), readout.alpha_w) + readout.alpha_b
         alpha = jax.nn.sigmoid(a)
     else:
         alpha = jnp.ones_like(eta)
-    q = _per_bh(l2_normalize)(proj("q", x_t) if o["adaptive_q"] else q_t)
+    q = _per_bh(l2_normalize)(proj("q", x_t) if rule.adaptive_q else q_t)
     o_t = _per_bh(lambda a, b, z: memory_apply(a, b, z, act))(*run["memory"], q)
 
-    adapt = ["eta", "alpha", "memory"] + [n for n in ("k", "v") if o["inner_" + n]]
-    if o["adaptive_q"] and o["inner_q"]:
+    adapt = ["eta", "alpha", "memory"] + [n for n in ("k", "v") if getattr(rule, "inner_" + n)]
+    if rule.adaptive_q and rule.inner_q:
         adapt.append("q")
     run, mom = dict(run), dict(mom)
-    write = _per_bh(functools.partial(_write_memory, o=o))
+    write = _per_bh(functools.partial(_write_memory, rule=rule, act=act))
     for n in adapt:
-        W1, W2, U1, U2 = write(*run[n], *snap[n], *mom[n], k, v, eta, alpha)
+        W1, W2, U1, U2 = write(run[n], snap[n], mom[n], k, v, eta, alpha)
         run[n] = (W1, W2)
         mom[n] = (U1, U2)
     return o_t, run, mom
 
 
-def _check_reference_args(chunk_memory, chunk_other, step, momentum, state, dgd_target):
-    """The argument checks of :func:`hope_reference` (chunk sizes, step, target, momenta)."""
-    for name, c in (("chunk_memory", chunk_memory), ("chunk_other", chunk_other)):
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise ValueError(f"hope_reference: {name} must be a positive int, got {c!r}")
-    if step not in ("exact", "paper"):
-        raise ValueError(f"hope_reference: step must be 'exact' or 'paper', got {step!r}")
-    if dgd_target not in ("gradient", "proximal"):
+def _check_reference_args(rule: HopeRule, state) -> None:
+    """The argument checks of :func:`hope_reference` beyond the rule's own (state, momenta, no
+    truncated backprop)."""
+    check_rule("hope_reference", rule)
+    if rule.grad_horizon:
         raise ValueError(
-            f"hope_reference: dgd_target must be 'gradient' or 'proximal', got {dgd_target!r}"
+            "hope_reference: rule.grad_horizon must be 0 (the twin has no truncated backprop), "
+            f"got {rule.grad_horizon}"
         )
     if state is None:
         raise ValueError(
             "hope_reference: initial_state: required (Hope's memories have no zero state: they "
             "are learned); pass initial_state=hope_init_state(memories, B)"
         )
-    if momentum and state.momentum is None:
+    if rule.momentum and state.momentum is None:
         raise ValueError("hope_reference: initial_state.momentum must be set when momentum=True")
 
 
@@ -218,97 +214,68 @@ def _before_token(t, start, run, snap, mom, init, chunks):
     return run, snap, mom
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "chunk_memory", "chunk_other", "dgd", "dgd_target", "step", "momentum", "decay",
-        "inner_k", "inner_v", "inner_q", "adaptive_q", "stop_gradient_targets", "activation",
-        "grad_clip",
-    ),
-)  # fmt: skip
+@functools.partial(jax.jit, static_argnames=("rule", "activation"))
 def hope_reference(
     x,
     q,
     readout: HopeReadout,
     *,
     initial_state: HopeState | None = None,
-    chunk_memory: int = 1,
-    chunk_other: int = 1,
+    rule: HopeRule = HopeRule(),
     segment_ids=None,
     initial_memories: HopeMemories | None = None,
-    dgd: bool = True,
-    dgd_target: str = "gradient",
-    step: str = "exact",
-    momentum: bool = False,
-    momentum_coef=0.9,
-    decay: bool = True,
-    inner_k: bool = True,
-    inner_v: bool = True,
-    inner_q: bool = True,
-    adaptive_q: bool = False,
-    stop_gradient_targets: bool = False,
     activation: Callable = jax.nn.silu,
-    eta_max: float = 1.0,
-    grad_clip: float = 0.0,
 ):
     """Hope token by token (SPEC §3.2), the twin of ``hope_chunked`` (same arguments and returns).
 
-    Token ``t`` (0-based) of a group with chunk size ``C`` (``chunk_memory`` for ``M_memory``,
-    ``chunk_other`` for k, v, η, α, q) takes its projections, targets and gradients at the group's
-    snapshot, refreshed from the running memories when ``t % C == 0``; the read and the writes use
-    the running memories. Any positive chunk sizes are allowed (``hope_chunked`` needs one to divide
-    the other). Differentiable (``jax.grad`` / ``jax.vjp``) w.r.t. every array argument; jitted,
-    with the chunk sizes and flags static.
+    Token ``t`` (0-based) of a group with chunk size ``C`` (``rule.chunk_memory`` for
+    ``M_memory``, ``rule.chunk_other`` for k, v, η, α, q) takes its projections, targets and
+    gradients at the group's snapshot, refreshed from the running memories when ``t % C == 0``;
+    the read and the writes use the running memories. Differentiable (``jax.grad`` / ``jax.vjp``)
+    w.r.t. every array argument; jitted, with ``rule`` and ``activation`` static.
 
     Args:
       x: memory inputs ``[B, T, H, D]``.
-      q: ``W_q x`` ``[B, T, H, D]`` (ignored, may be None, when ``adaptive_q``).
+      q: ``W_q x`` ``[B, T, H, D]`` (ignored, may be None, when ``rule.adaptive_q``).
       readout: ``HopeReadout`` of ``M_η``, ``M_α`` (``*_w [H, D]``, ``*_b [H]``).
       initial_state: ``HopeState`` with weights ``[B, H, ...]`` (``hope_init_state``);
-        ``initial_state.momentum`` is needed when ``momentum``. Required (None raises).
-      chunk_memory, chunk_other: snapshot periods (1: exact per-token Hope).
+        ``initial_state.momentum`` is needed when ``rule.momentum``. Required (None raises).
+      rule: the :class:`~nested_jax.rules.HopeRule` of ``hope_chunked``: chunk sizes (the
+        snapshot periods; 1: exact per-token Hope), the flags of SPEC §3.2 / Table 6, ``eta_max``
+        (``η_t = eta_max · sigmoid(·)``) and ``grad_clip`` (``c`` of the rate's softclamp by the
+        layer gradient's Frobenius norm, 0: off). ``grad_horizon`` must be 0; ``remat*`` and
+        ``chunk_updates`` are not read.
       segment_ids: optional int ``[B, T]``: where ``segment_ids[b, t] != segment_ids[b, t−1]``
         (``t ≥ 1``) a document starts: the running memories and every snapshot become
         ``initial_memories`` and the momenta zero, just before that token.
       initial_memories: ``HopeMemories`` ``[H, ...]`` or ``[B, H, ...]``; default
         ``initial_state.memories``.
-      dgd, dgd_target, step, momentum, momentum_coef, decay, inner_k, inner_v, inner_q,
-      adaptive_q, stop_gradient_targets, activation: the flags of ``hope_chunked`` (SPEC §3.2,
-      Table 6).
-      eta_max: ``η_t = eta_max · sigmoid(·)``; grad_clip: ``c`` of the rate's softclamp by the
-        layer gradient's Frobenius norm (0: off), as ``hope_chunked``.
+      activation: the memories' elementwise ``σ``.
 
     Returns:
-      ``(o [B, T, H, D], final HopeState)`` (``momentum`` set iff ``momentum``).
+      ``(o [B, T, H, D], final HopeState)`` (``momentum`` set iff ``rule.momentum``).
     """
     state = initial_state
-    _check_reference_args(chunk_memory, chunk_other, step, momentum, state, dgd_target)
+    _check_reference_args(rule, state)
     dtype = jnp.promote_types(jnp.result_type(x), jnp.float32)
     x = jnp.asarray(x, dtype)
     B, T, H, D = x.shape
-    q = x if adaptive_q else jnp.asarray(q, dtype)
+    q = x if rule.adaptive_q else jnp.asarray(q, dtype)
     names = [n for n in HopeMemories._fields if getattr(state.memories, n) is not None]
-    run, mom, init = _start_state(state, initial_memories, momentum, names)
-    chunks = {n: chunk_memory if n == "memory" else chunk_other for n in names}
+    run, mom, init = _start_state(state, initial_memories, rule.momentum, names)
+    chunks = {n: rule.chunk_memory if n == "memory" else rule.chunk_other for n in names}
     starts = jnp.zeros((B, T), bool)
     if segment_ids is not None:
         starts = segment_starts(jnp.asarray(segment_ids))
-    opts = dict(
-        dgd=dgd, dgd_target=dgd_target, step=step, momentum=momentum,
-        momentum_coef=momentum_coef, decay=decay,
-        inner_k=inner_k, inner_v=inner_v, inner_q=inner_q, adaptive_q=adaptive_q,
-        stop_gradient_targets=stop_gradient_targets, activation=activation, eta_max=eta_max,
-        grad_clip=grad_clip,
-    )  # fmt: skip
 
     def token(carry, inp):
         t, x_t, q_t, start = inp
         run, snap, mom = _before_token(t, start, *carry, init, chunks)
-        o_t, run, mom = _token(run, snap, mom, x_t, q_t, readout, opts)
+        o_t, run, mom = _token(run, snap, mom, x_t, q_t, readout, rule, activation)
         return (run, snap, mom), o_t
 
     tm = lambda a: jnp.moveaxis(a, 1, 0)  # noqa: E731  (time-major for the scan)
     xs = (jnp.arange(T), tm(x), tm(q), tm(starts))
     (run, _, mom), o = lax.scan(token, (run, run, mom), xs)
     to_mems = lambda d: HopeMemories(**{n: MLPMemory(*d[n]) for n in names})  # noqa: E731
-    return jnp.moveaxis(o, 0, 1), HopeState(to_mems(run), to_mems(mom) if momentum else None)
+    return jnp.moveaxis(o, 0, 1), HopeState(to_mems(run), to_mems(mom) if rule.momentum else None)

@@ -182,30 +182,33 @@ def _heads_first(a):
     return jnp.moveaxis(a, -3, -2)
 
 
-def _group_updates(w: MLPMemory, s: MLPMemory | None, sig, eta, alpha, valid_c, rule: HopeRule,
-                   group: _Group, init: MLPMemory | None = None, reset_c=None, w0x=None,
-                   read=None, act=None):  # fmt: skip
+def _group_updates(carry, sig, eta, alpha, valid_c, rule: HopeRule, group: _Group, restart=None,
+                   w0x=None, read=None):  # fmt: skip
     """One chunk's in-order updates of a group's stacked memories in parallel form
     (:mod:`core.hope.parallel`): every memory layer's per-token recurrence as one triangular
     solve, all rows in one batched call (equal to the per-token rule up to rounding).
 
     Args:
-      w, s: the group's running memories and momenta (``s`` None without momentum), stacked
-        (:func:`_stack`, ``M`` rows); they are also the chunk-start snapshot of the signals.
+      carry: ``(w, s)``, the group's running memories and momenta (``s`` None without momentum),
+        stacked (:func:`_stack`, ``M`` rows); they are also the chunk-start snapshot of the
+        signals.
       sig: ``(x1, g1, x2, g2)`` of every row, ``[M, B, c, H, ·]``; eta, alpha: ``[B, c, H]``;
         valid_c: ``[B, c]`` bool (a prefix).
+      rule: the :class:`HopeRule` (its ``mu``, ``dgd``, ``step``, ``dgd_target``, ``grad_clip``).
       group: the rows' static facts; a row that does not adapt keeps its weights (its update is
         computed and dropped).
-      init, reset_c: packed rows: the stacked memories a document start resets to and ``[B, c]``
-        bool document starts (momenta restart at zero); None without resets.
+      restart: packed rows: ``(init, reset_c)``, the stacked memories a document start resets to
+        and ``[B, c]`` bool document starts (momenta restart at zero); None without resets.
       w0x: optional ``(W_1 x1, W_2 x2)`` of the running memories, ``[M, B, c, H, ·]``.
-      read: the memory group's read before write, ``(q [B, c, H, D], W_2 q [B, c, H, h])`` of
-        row 0 (:func:`_signals`' ``read``): ``o_t = M_{t−1}(q_t)`` with the running weights;
-        ``act`` is then the memories' ``σ``.
+      read: the memory group's read before write, ``(q [B, c, H, D], W_2 q [B, c, H, h], σ)``
+        of row 0 (:func:`_signals`' ``read``, the memories' ``σ``): ``o_t = M_{t−1}(q_t)`` with
+        the running weights.
 
     Returns:
       ``(o [B, c, H, D] or None without read, w, s)`` after the chunk.
     """
+    w, s = carry
+    init, reset_c = (None, None) if restart is None else restart
     on = valid_c[:, None, :]  # [B, 1, c]
     lr = jnp.where(on, jnp.moveaxis(eta, 1, 2), 0.0)  # [B, H, c]
     co = chunk_coefficients(
@@ -213,10 +216,7 @@ def _group_updates(w: MLPMemory, s: MLPMemory | None, sig, eta, alpha, valid_c, 
     )
     x1, g1, x2, g2 = (_heads_first(a) for a in sig)
     g1, g2 = (jnp.where(on[..., None], g, 0.0) for g in (g1, g2))
-    updates = functools.partial(
-        layer_updates, lr=lr, co=co, dgd=rule.dgd, step=rule.step, target=rule.dgd_target,
-        grad_clip=rule.grad_clip,
-    )  # fmt: skip
+    updates = functools.partial(layer_updates, lr=lr, co=co, rule=rule)
     per_row = jax.vmap(lambda W, S, x, g, Wi, p: updates(W, S, x, g, W_init=Wi, w0x=p))
     s1_0, s2_0 = (None, None) if s is None else s
     i1_0, i2_0 = (None, None) if init is None else init
@@ -226,7 +226,8 @@ def _group_updates(w: MLPMemory, s: MLPMemory | None, sig, eta, alpha, valid_c, 
     o = None
     if read is not None:  # o_t = M_{t−1}(q_t) of row 0, read before write
         at = lambda a: None if a is None else a[0]  # noqa: E731
-        q, w2q = (_heads_first(a) for a in read)
+        q, w2q = (_heads_first(a) for a in read[:2])
+        act = read[2]
         z = keep_for_backward(
             read_running(w.w2[0], at(s2_0), x2[0], u2[0], q, co, at(i2_0), w0z=w2q)
         )
@@ -249,35 +250,41 @@ def _group_updates(w: MLPMemory, s: MLPMemory | None, sig, eta, alpha, valid_c, 
     return None if o is None else jnp.moveaxis(o, 2, 1), new_w, new_s
 
 
-def _projection_chunk(w, s, x_c, q_c, valid_c, readout: HopeReadout, rule: HopeRule, act,
+def _projection_chunk(carry, x_c, q_c, valid_c, readout: HopeReadout, rule: HopeRule, act,
                       group: _Group, init=None, flags=None):  # fmt: skip
     """One chunk (of ``chunk_other`` tokens) of the projection memories ``group``: ``k, v, η, α,
-    q`` of its tokens and the signals from the chunk-start (running) memories, then
-    :func:`_group_updates`.
+    q`` of its tokens and the signals from the chunk-start (running) memories ``carry = (w, s)``,
+    then :func:`_group_updates`.
 
     ``x_c, q_c [B, c, H, D]``; ``flags = (reset_c, fresh_c)`` ``[B, c]`` for packed rows
     (``fresh``: a document started in this chunk at or before the token, so its snapshot is
     ``init``). Returns ``((w, s), (k, v, η, α, q))``.
     """
+    w, s = carry
     reset_c, fresh = (None, None) if flags is None else flags
     proj = _project_rows(w, group.names, x_c, q_c, readout, rule, act)
     if fresh is not None:
         proj = _pick(fresh, _project_rows(init, group.names, x_c, q_c, readout, rule, act), proj)
     k, v, eta, alpha, _ = proj
     sig, w0x, _ = _group_signals(w, k, v, rule, act, init, fresh)
-    _, w, s = _group_updates(w, s, sig, eta, alpha, valid_c, rule, group, init, reset_c, w0x)
+    restart = None if init is None else (init, reset_c)
+    _, w, s = _group_updates((w, s), sig, eta, alpha, valid_c, rule, group, restart, w0x)
     return (w, s), proj
 
 
-def _memory_chunk(w, s, k, v, eta, alpha, q, valid_c, rule: HopeRule, act, group: _Group,
-                  init=None, flags=None):  # fmt: skip
-    """One chunk (of ``chunk_memory`` tokens) of ``M_memory`` (a one-row stack): its signals
-    from the chunk-start (running) memory, :func:`_group_updates`, and the reads
-    ``o_t = M_{memory,t−1}(q_t)``. ``k, v, q [B, c, H, D]``, ``eta, alpha [B, c, H]``; ``flags``
-    as :func:`_projection_chunk`. Returns ``((w, s), o [B, c, H, D])``."""
+def _memory_chunk(carry, projections, valid_c, rule: HopeRule, act, group: _Group, init=None,
+                  flags=None):  # fmt: skip
+    """One chunk (of ``chunk_memory`` tokens) of ``M_memory`` (a one-row stack, ``carry = (w,
+    s)``): its signals from the chunk-start (running) memory, :func:`_group_updates`, and the
+    reads ``o_t = M_{memory,t−1}(q_t)``. ``projections = (k, v, η, α, q)`` of the chunk's tokens
+    (:func:`_projection_chunk`'s), ``k, v, q [B, c, H, D]``, ``η, α [B, c, H]``; ``flags`` as
+    :func:`_projection_chunk`. Returns ``((w, s), o [B, c, H, D])``."""
+    w, _ = carry
+    k, v, eta, alpha, q = projections
     reset_c, fresh = (None, None) if flags is None else flags
     sig, w0x, w2q = _group_signals(w, k, v, rule, act, init, fresh, read=q)
+    restart = None if init is None else (init, reset_c)
     o, w, s = _group_updates(
-        w, s, sig, eta, alpha, valid_c, rule, group, init, reset_c, w0x, (q, w2q[0]), act
+        carry, sig, eta, alpha, valid_c, rule, group, restart, w0x, (q, w2q[0], act)
     )
     return (w, s), o

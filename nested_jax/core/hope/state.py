@@ -1,12 +1,13 @@
-"""Hope's values (SPEC §3.2): the memories and their read, readout, carried state, the rule.
+"""Hope's values (SPEC §3.2): the memories and their read, readout, carried state.
 
 - :class:`MLPMemory` (``M(z) = z + W_1 σ(W_2 z)``, read by :func:`mlp_memory_apply`), the bundle
   :class:`HopeMemories` (``k, v, η, α, memory`` and ``q`` with ``adaptive_q``), the outer scalar
   readouts :class:`HopeReadout` of ``M_η``, ``M_α``, and the carried :class:`HopeState`
   (memories, momenta); :func:`hope_init_state` broadcasts learned memories over a batch.
-- :class:`HopeRule`: chunk sizes, ablation flags and backprop options as one frozen value.
 
-The forms that run the rule are :mod:`nested_jax.core.hope.chunk` (chunked) and
+The rule itself (chunk sizes, ablation flags, backprop options) is one frozen
+:class:`nested_jax.rules.HopeRule`, which every form takes whole as ``rule=``
+(:func:`check_rule`). The forms that run it are :mod:`nested_jax.core.hope.chunk` (chunked) and
 :mod:`nested_jax.core.hope.token` (per token, decode step).
 """
 
@@ -18,6 +19,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from nested_jax.rules import HopeRule
+
 # What the error for a missing ``initial_state`` tells the caller to pass (SPEC §0: Hope's
 # memories are learned, so there is no zero state).
 HOPE_STATE_CONSTRUCTOR = "hope_init_state(memories, B)"
@@ -27,6 +30,7 @@ __all__ = [
     "HopeMemories",
     "HopeReadout",
     "HopeState",
+    "check_rule",
     "hope_init_state",
     "mlp_memory_apply",
 ]
@@ -64,6 +68,15 @@ class HopeState(NamedTuple):
 
     memories: HopeMemories
     momentum: HopeMemories | None = None
+
+
+def check_rule(fn: str, rule) -> HopeRule:
+    """``rule`` after checking it is a :class:`HopeRule` (a ``HopeOptions`` is one); raises
+    ``ValueError("<fn>: rule must be a HopeRule ...")`` otherwise. The rule checked its own fields
+    when it was built."""
+    if not isinstance(rule, HopeRule):
+        raise ValueError(f"{fn}: rule must be a HopeRule, got {type(rule).__name__}")
+    return rule
 
 
 def _names(mems: HopeMemories):
