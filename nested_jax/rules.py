@@ -18,7 +18,6 @@ class name.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 __all__ = [
