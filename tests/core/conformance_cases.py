@@ -43,7 +43,7 @@ from nested_jax.core.titans.memory import (
     titans_memory_sequence,
     titans_memory_step,
 )
-from nested_jax.rules import CMSRule, HolaRule, HopeRule, ProteusRule
+from nested_jax.rules import CMSRule, HolaRule, HopeRule, ProteusRule, TitansRule
 
 NO_SCHEDULE = ProteusRule()  # E = 1: the plain memory
 
@@ -112,7 +112,11 @@ def linear_forms(rule: str) -> dict:
 # Adapters: Titans matrix memory, L_M = 1 (SPEC §2, §0.1)
 # ==================================================================================================
 
-TITANS_LINEAR = dict(read_before_write=False, grad_clip=None)
+TITANS_LINEAR = TitansRule(read_before_write=False, grad_clip=0.0)  # 0.0: no softclamp
+
+
+def titans_rule(rule: TitansRule, chunk) -> TitansRule:
+    return dataclasses.replace(rule, memory_chunk=chunk)
 
 
 def _titans_args(x):
@@ -120,30 +124,30 @@ def _titans_args(x):
 
 
 def titans_linear_step(state, tok, params, t):
-    return core.titans_linear_step(state, *_titans_args(tok), **TITANS_LINEAR)
+    return core.titans_linear_step(state, *_titans_args(tok), rule=TITANS_LINEAR)
 
 
 def titans_linear_recurrent(seq, params, state, t0):
-    return core.titans_linear_recurrent(*_titans_args(seq), initial_state=state, **TITANS_LINEAR)
+    return core.titans_linear_recurrent(*_titans_args(seq), initial_state=state, rule=TITANS_LINEAR)
 
 
 def titans_linear_chunked(seq, params, state, chunk, t0):
     return core.titans_linear_chunked(
-        *_titans_args(seq), initial_state=state, chunk_size=chunk, **TITANS_LINEAR
+        *_titans_args(seq), initial_state=state, rule=titans_rule(TITANS_LINEAR, chunk)
     )
 
 
 def titans_linear_packed(seq, params, state, chunk, segment_ids):
     return core.titans_linear_chunked(
-        *_titans_args(seq), initial_state=state, chunk_size=chunk, segment_ids=segment_ids,
-        **TITANS_LINEAR,
+        *_titans_args(seq), initial_state=state, rule=titans_rule(TITANS_LINEAR, chunk),
+        segment_ids=segment_ids,
     )  # fmt: skip
 
 
 def titans_linear_twin(seq, params, state, chunk, t0):
     y, (w, s) = titans_reference.chunk_rule(
-        *_titans_args(seq), initial_state=((state.M,), (state.S,)), chunk_size=chunk,
-        residual=False, **TITANS_LINEAR,
+        *_titans_args(seq), initial_state=((state.M,), (state.S,)),
+        rule=titans_rule(TITANS_LINEAR, chunk), residual=False,
     )  # fmt: skip
     return y, core.TitansLinearState(w[0], s[0])
 
@@ -155,7 +159,7 @@ def titans_linear_decode(seq, params, state, chunk, t0):
     def step(carry, tok, t):
         st, anchor = carry
         anchor = jnp.where(t % chunk == 0, st.M, anchor)
-        o_t, st = core.titans_linear_step(st, *_titans_args(tok), anchor=anchor, **TITANS_LINEAR)
+        o_t, st = core.titans_linear_step(st, *_titans_args(tok), anchor=anchor, rule=TITANS_LINEAR)
         return o_t, (st, anchor)
 
     o, (state, _) = scan_tokens(step, (state, state.M), seq, t0)
@@ -166,33 +170,33 @@ def titans_linear_decode(seq, params, state, chunk, t0):
 # Adapters: Titans MLP memory, L_M = 2, residual (SPEC §2)
 # ==================================================================================================
 
-TITANS_MLP = dict(read_before_write=False, grad_clip=10.0)
+TITANS_MLP = TitansRule(read_before_write=False, grad_clip=10.0)
 
 
 def titans_mlp_step(state, tok, params, t):
-    return core.titans_mlp_step(state, *_titans_args(tok), **TITANS_MLP)
+    return core.titans_mlp_step(state, *_titans_args(tok), rule=TITANS_MLP)
 
 
 def titans_mlp_recurrent(seq, params, state, t0):
-    return core.titans_mlp_recurrent(*_titans_args(seq), initial_state=state, **TITANS_MLP)
+    return core.titans_mlp_recurrent(*_titans_args(seq), initial_state=state, rule=TITANS_MLP)
 
 
 def titans_mlp_chunked(seq, params, state, chunk, t0):
     return core.titans_mlp_chunked(
-        *_titans_args(seq), initial_state=state, chunk_size=chunk, **TITANS_MLP
+        *_titans_args(seq), initial_state=state, rule=titans_rule(TITANS_MLP, chunk)
     )
 
 
 def titans_mlp_packed(seq, params, state, chunk, segment_ids):
     return core.titans_mlp_chunked(
-        *_titans_args(seq), initial_state=state, chunk_size=chunk, segment_ids=segment_ids,
-        **TITANS_MLP,
+        *_titans_args(seq), initial_state=state, rule=titans_rule(TITANS_MLP, chunk),
+        segment_ids=segment_ids,
     )  # fmt: skip
 
 
 def titans_mlp_twin(seq, params, state, chunk, t0):
     y, (w, s) = titans_reference.chunk_rule(
-        *_titans_args(seq), initial_state=state, chunk_size=chunk, residual=True, **TITANS_MLP
+        *_titans_args(seq), initial_state=state, rule=titans_rule(TITANS_MLP, chunk), residual=True
     )
     return y, core.TitansMLPState(w, s)
 
@@ -200,7 +204,7 @@ def titans_mlp_twin(seq, params, state, chunk, t0):
 def _titans_spec(state, chunk, schedule=NO_SCHEDULE) -> TitansMemorySpec:
     w = state.weights
     dims = (w[0].shape[-2], *(a.shape[-1] for a in w))
-    return TitansMemorySpec(dims=dims, chunk=chunk, proteus=schedule, **TITANS_MLP)
+    return TitansMemorySpec(dims=dims, rule=titans_rule(TITANS_MLP, chunk), proteus=schedule)
 
 
 def titans_memory_decode(seq, params, state, chunk, t0, schedule=NO_SCHEDULE):
@@ -237,7 +241,10 @@ def titans_memory_decode(seq, params, state, chunk, t0, schedule=NO_SCHEDULE):
 # ==================================================================================================
 
 # remat off: it changes no value or gradient (test_hope_parallel) and halves the compile time
-HOPE_RULE = HopeRule(momentum=True, momentum_coef=0.7, eta_max=1.0, grad_clip=0.0, remat=False)
+HOPE_RULE = HopeRule(
+    momentum=True, momentum_coef=0.7, eta_max=1.0, grad_clip=0.0, remat=False,
+    chunk_updates="parallel",
+)  # fmt: skip
 
 
 def hope_rule(chunk) -> HopeRule:
@@ -245,30 +252,27 @@ def hope_rule(chunk) -> HopeRule:
 
 
 def hope_step(state, tok, params, t):
-    return core.hope_step(state, tok["x"], tok["q"], params, **HOPE_RULE.flags())
+    return core.hope_step(state, tok["x"], tok["q"], params, rule=HOPE_RULE)
 
 
 def hope_recurrent(seq, params, state, t0):
-    return core.hope_recurrent(seq["x"], seq["q"], params, initial_state=state, **HOPE_RULE.flags())
+    return core.hope_recurrent(seq["x"], seq["q"], params, initial_state=state, rule=HOPE_RULE)
 
 
 def hope_chunked(seq, params, state, chunk, t0):
-    return core.hope_chunked(
-        seq["x"], seq["q"], params, initial_state=state, **hope_rule(chunk).kwargs()
-    )
+    return core.hope_chunked(seq["x"], seq["q"], params, initial_state=state, rule=hope_rule(chunk))
 
 
 def hope_packed(seq, params, state, chunk, segment_ids):
     return core.hope_chunked(
         seq["x"], seq["q"], params, initial_state=state, segment_ids=segment_ids,
-        **hope_rule(chunk).kwargs(),
+        rule=hope_rule(chunk),
     )  # fmt: skip
 
 
 def hope_twin(seq, params, state, chunk, t0):
     return hope_reference(
-        seq["x"], seq["q"], params, initial_state=state, chunk_memory=chunk[0],
-        chunk_other=chunk[1], **HOPE_RULE.flags(),
+        seq["x"], seq["q"], params, initial_state=state, rule=hope_rule(chunk),
     )  # fmt: skip
 
 
@@ -277,8 +281,7 @@ def hope_decode_from(seq, params, state, chunk, t0, schedule=NO_SCHEDULE):
     so the snapshots are the running memories)."""
     ds = HopeDecodeState(state, state.memories, jnp.int32(t0))
     o, ds = hope_decode(
-        seq["x"], seq["q"], params, rule=hope_rule(chunk), initial_state=ds,
-        context_len=schedule.context_len, num_blocks=schedule.blocks,
+        seq["x"], seq["q"], params, rule=hope_rule(chunk), schedule=schedule, initial_state=ds,
     )  # fmt: skip
     return o, ds.state
 
@@ -303,30 +306,29 @@ def hola_initial(state, seq, params):
 
 
 def hola_step(state, tok, params, t):
-    return core.hola_decode_step(state, *_hola_args(tok), *params, **HOLA_RULE.step_kwargs())
+    return core.hola_decode_step(state, *_hola_args(tok), params, rule=HOLA_RULE)
 
 
 def hola_recurrent(seq, params, state, t0):
-    kw = {k: v for k, v in HOLA_RULE.kwargs().items() if k != "chunk_size"}
-    return hola_recurrent_form(*_hola_args(seq), *params, initial_state=state, **kw)
+    return hola_recurrent_form(*_hola_args(seq), params, rule=HOLA_RULE, initial_state=state)
 
 
 def hola_chunked(seq, params, state, chunk, t0):
-    kw = dataclasses.replace(HOLA_RULE, chunk_size=chunk).kwargs()
-    return core.hola_forward(*_hola_args(seq), *params, initial_state=state, **kw)
+    return core.hola_forward(
+        *_hola_args(seq), params, rule=HOLA_RULE, initial_state=state, chunk_size=chunk
+    )
 
 
 def hola_packed(seq, params, state, chunk, segment_ids):
-    kw = dataclasses.replace(HOLA_RULE, chunk_size=chunk).kwargs()
     return core.hola_forward(
-        *_hola_args(seq), *params, initial_state=state, segment_ids=segment_ids, **kw
-    )
+        *_hola_args(seq), params, rule=HOLA_RULE, initial_state=state, segment_ids=segment_ids,
+        chunk_size=chunk,
+    )  # fmt: skip
 
 
 def hola_twin(seq, params, state, chunk, t0):
     """Float64 NumPy twin (values only; it starts from the empty state)."""
-    kw = {k: v for k, v in HOLA_RULE.kwargs().items() if k != "chunk_size"}
-    out = hola_reference(*_hola_args(seq), *params, **kw)
+    out = hola_reference(*_hola_args(seq), params, rule=HOLA_RULE)
     return out["o"], out["S"]
 
 
@@ -338,7 +340,7 @@ def hola_decode(seq, params, state, chunk, t0):
 # Adapters: CMS online mode (SPEC §3.3); one stream per row, the state carries the position
 # ==================================================================================================
 
-CMS_RULE = CMSRule(periods=(2, 4), variant="nested", lr=0.1, inner="dgd")
+CMS_RULE = CMSRule(periods=(2, 4), variant="nested", online_lr=0.1, online_inner="dgd")
 
 
 def _cms_surprise(y, target):
@@ -352,8 +354,8 @@ CMS_DELTA = core.surprise_from_loss(_cms_surprise)
 def cms_chunked(seq, params, state, chunk, t0):
     """``cms_online`` (chunks of ``gcd(periods)`` inside; ``chunk`` is not a free knob)."""
     return core.cms_online(
-        None, seq["x"], delta_fn=CMS_DELTA, side=seq["target"], initial_state=state,
-        **CMS_RULE.online_kwargs(),
+        None, seq["x"], rule=CMS_RULE, delta_fn=CMS_DELTA, side=seq["target"],
+        initial_state=state,
     )  # fmt: skip
 
 
@@ -367,25 +369,25 @@ def cms_step(state, tok, params, t):
 # ==================================================================================================
 
 SCHEDULE = ProteusRule(blocks=3, context_len=12)  # Δ = 4: blocks open at t = 1, 5, 9
-_SCHED = dict(context_len=SCHEDULE.context_len, num_blocks=SCHEDULE.blocks)
 
 
 def proteus_gdn_step(state, tok, params, t):
     return core.proteus_gated_delta_step(
-        state, *_linear_args("gated_delta", tok), t=t + 1, **_SCHED
+        state, *_linear_args("gated_delta", tok), t=t + 1, schedule=SCHEDULE
     )
 
 
 def proteus_gdn_recurrent(seq, params, state, t0):
     return core.proteus_gated_delta_recurrent(
-        *_linear_args("gated_delta", seq), initial_state=state, t0=t0, **_SCHED
+        *_linear_args("gated_delta", seq), initial_state=state, t0=t0, schedule=SCHEDULE
     )
 
 
 def proteus_gdn_chunked(seq, params, state, chunk, t0):
     return core.proteus_gated_delta_chunked(
-        *_linear_args("gated_delta", seq), initial_state=state, t0=t0, chunk_size=chunk, **_SCHED
-    )
+        *_linear_args("gated_delta", seq), initial_state=state, t0=t0, chunk_size=chunk,
+        schedule=SCHEDULE,
+    )  # fmt: skip
 
 
 def proteus_gdn_decode(seq, params, state, chunk, t0):
@@ -393,19 +395,22 @@ def proteus_gdn_decode(seq, params, state, chunk, t0):
 
 
 def proteus_titans_step(state, tok, params, t):
-    return core.proteus_titans_mlp_step(state, *_titans_args(tok), t=t + 1, **_SCHED, **TITANS_MLP)
+    return core.proteus_titans_mlp_step(
+        state, *_titans_args(tok), t=t + 1, rule=TITANS_MLP, schedule=SCHEDULE
+    )
 
 
 def proteus_titans_recurrent(seq, params, state, t0):
     return core.proteus_titans_mlp_recurrent(
-        *_titans_args(seq), initial_state=state, t0=t0, **_SCHED, **TITANS_MLP
+        *_titans_args(seq), initial_state=state, t0=t0, rule=TITANS_MLP, schedule=SCHEDULE
     )
 
 
 def proteus_titans_chunked(seq, params, state, chunk, t0):
     return core.proteus_titans_mlp_chunked(
-        *_titans_args(seq), initial_state=state, t0=t0, chunk_size=chunk, **_SCHED, **TITANS_MLP
-    )
+        *_titans_args(seq), initial_state=state, t0=t0, rule=titans_rule(TITANS_MLP, chunk),
+        schedule=SCHEDULE,
+    )  # fmt: skip
 
 
 def proteus_titans_packed(seq, params, state, chunk, segment_ids):
@@ -430,44 +435,42 @@ def proteus_titans_decode(seq, params, state, chunk, t0):
     return titans_memory_decode(seq, params, state, chunk, t0, SCHEDULE)
 
 
-def _hope_kwargs(chunk) -> dict:
-    """``hope_chunked``'s keywords but the chunk sizes (the Proteus forms take those apart), with
-    the token-by-token chunk updates: the plain Hope case runs the parallel ones (the default),
-    so both update forms meet the twin."""
-    kw = dataclasses.replace(hope_rule(chunk), chunk_updates="scan").kwargs()
-    return {k: v for k, v in kw.items() if k not in ("chunk_memory", "chunk_other")}
+def _hope_scan_rule(chunk) -> HopeRule:
+    """:func:`hope_rule` with the token-by-token chunk updates: the plain Hope case runs the
+    parallel ones (``HOPE_RULE``), so both update forms meet the twin."""
+    return dataclasses.replace(hope_rule(chunk), chunk_updates="scan")
 
 
 def proteus_hope_step(state, tok, params, t):
     return core.proteus_hope_step(
-        state, tok["x"], tok["q"], params, t=t + 1, **_SCHED, **HOPE_RULE.flags()
+        state, tok["x"], tok["q"], params, t=t + 1, schedule=SCHEDULE, rule=HOPE_RULE
     )
 
 
 def proteus_hope_recurrent(seq, params, state, t0):
     return core.proteus_hope_recurrent(
-        seq["x"], seq["q"], params, initial_state=state, t0=t0, **_SCHED, **HOPE_RULE.flags()
+        seq["x"], seq["q"], params, initial_state=state, t0=t0, schedule=SCHEDULE, rule=HOPE_RULE
     )
 
 
 def proteus_hope_chunked(seq, params, state, chunk, t0):
     return core.proteus_hope_chunked(
-        seq["x"], seq["q"], params, initial_state=state, t0=t0, chunk_memory=chunk[0],
-        chunk_other=chunk[1], **_SCHED, **_hope_kwargs(chunk),
+        seq["x"], seq["q"], params, initial_state=state, t0=t0, schedule=SCHEDULE,
+        rule=_hope_scan_rule(chunk),
     )  # fmt: skip
 
 
 def proteus_hope_twin(seq, params, state, chunk, t0):
     return core.proteus_hope_chunked(
-        seq["x"], seq["q"], params, initial_state=state, t0=t0, chunk_memory=chunk[0],
-        chunk_other=chunk[1], backbone=hope_reference, **_SCHED, **HOPE_RULE.flags(),
+        seq["x"], seq["q"], params, initial_state=state, t0=t0, schedule=SCHEDULE,
+        rule=hope_rule(chunk), backbone=hope_reference,
     )  # fmt: skip
 
 
 def proteus_hope_packed_rows(seq, params, state, chunk, segment_ids):
     return proteus_hope_packed(
         seq["x"], seq["q"], params, initial_state=state, segment_ids=segment_ids,
-        chunk_memory=chunk[0], chunk_other=chunk[1], **_SCHED, **_hope_kwargs(chunk),
+        schedule=SCHEDULE, rule=_hope_scan_rule(chunk),
     )  # fmt: skip
 
 
@@ -579,7 +582,7 @@ def hola_inputs(s: Shape, seed=4) -> Inputs:
     r = np.random.default_rng(seed)
     seq = linear_inputs(s, seed).seq
     seq["q"] = _f32(_unit(np.asarray(seq["q"])))
-    params = (
+    params = core.HolaReadParams(
         _f32(1.0 + 0.1 * r.normal(size=(s.H, s.K))),
         _f32(1.0 + 0.1 * r.normal(size=(s.H, s.K))),
         _f32(r.normal(size=(s.H,))),
