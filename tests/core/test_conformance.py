@@ -17,8 +17,8 @@ forms it needs:
 5. the chunked form's final state == the recurrent one's, and a sequence split in two with the
    state carried == one pass.
 
-Documented behaviour that fails is recorded as strict ``xfail`` (the Findings section at the end):
-fixing it turns the test red, so that the mark is removed with the fix.
+Behaviour that breaks an invariant is recorded as a strict ``xfail`` (Hope's packed rows with a
+document starting off its chunk grids): fixing it turns the test red, so the mark goes with the fix.
 
 Tolerance (SPEC §0, f32): max abs error ≤ 1e-4 · max(1, max |reference|), per leaf. Every result
 is computed once per (case, form) and shared by the tests that read it (one compile each).
@@ -36,6 +36,7 @@ import pytest
 from tests.core.conformance_cases import (
     CASES,
     Case,
+    proteus_titans_packed,
     proteus_titans_packed_default_reset,
     scan_tokens,
 )
@@ -417,15 +418,18 @@ def test_split_and_carry_equals_one_pass(name):
 
 
 # --------------------------------------------------------------------------------------------------
-# Findings: documented behaviour that fails (strict xfail: fixing it turns these red)
+# Defaults the docstrings promise
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="reset_state=None under Proteus")
-def test_proteus_titans_packed_default_reset():
+def test_proteus_titans_packed_default_reset_is_the_initial_state():
     """``titans_memory_sequence`` documents ``reset_state=None`` as the initial state; under
-    Proteus with ``segment_ids`` it fails instead (``run_proteus_spans_packed`` maps over None)."""
+    Proteus with ``segment_ids`` it gives exactly what passing the initial state does."""
     case, x = BY_NAME["proteus_titans_mlp"], inputs("proteus_titans_mlp")
     seg = jnp.asarray(_segment_ids(case.docs))
-    packed = proteus_titans_packed_default_reset
-    jax.eval_shape(lambda s, p, st: packed(s, p, st, case.chunk, seg), *x)
+    runs = [
+        jax.jit(lambda s, p, st, form=form: form(s, p, st, case.chunk, seg))(*x)
+        for form in (proteus_titans_packed_default_reset, proteus_titans_packed)
+    ]
+    for a, b in zip(*map(jax.tree.leaves, runs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -208,6 +208,8 @@ def _proteus_sequence(state, xs, spec, recurrent, segment_ids, reset_state):
             lambda st, p, k: span_fn(st, p, None, k), lambda st, p: open_fn(st, p, None),
             state, tuple(xs), spans, e,
         )  # fmt: skip
+    if reset_state is None:  # the rule's default, as without Proteus: a document restarts here
+        reset_state = state
     return run_proteus_spans_packed(
         span_fn, open_fn, lambda active: titans_memory_masks(spec, active), state, reset_state,
         tuple(xs), segment_ids, spans, e,
