@@ -1,8 +1,10 @@
-"""The WY/UT chunk algebra of the delta rules, as named stages (SPEC §1; derivation core/README.md).
+"""The WY/UT chunk algebra of the delta rules, as named stages (SPEC §1).
+
+Derivation: ``core/associative/README.md`` §2 (forward) and §3 (the hand-written VJP).
 
 Per head, chunk ``n`` of ``C`` tokens, incoming state ``S_n ∈ R^{K×V}``, ``Γ_ij = e^{b_i − b_j}``
 on the causal (same-segment) mask and 0 elsewhere, ``d`` the coefficient of the carried state for
-each token (``e^{b}``; see README §3 for resets), ``Q`` already scaled::
+each token (``e^{b}``; see README §4 for resets), ``Q`` already scaled::
 
     kkt           A   = strict_tril(diag(β) (K Kᵀ) ⊙ Γ)                  [..., C, C]
     solve_tril    T   = (I + A)^{-1}                                       [..., C, C]
@@ -14,7 +16,7 @@ This is FLA's split (``chunk_scaled_dot_kkt`` → ``solve_tril`` → ``recompute
 ``chunk_fwd_h`` → ``chunk_fwd_o``): each stage is a pure function of arrays, the seam where a
 Pallas kernel can replace it. Arrays are chunk-major ``[N, B, H, C, ·]``
 (``scan.to_head_chunks``); ``...`` is any leading shape. ``wy_delta_core`` composes the stages for
-the delta rules with a hand-written VJP (README §2); the special cases (linear attention: no ``W``;
+the delta rules with a hand-written VJP (README §3); the special cases (linear attention: no ``W``;
 restarts from a non-zero initial state: a second incoming state) compose them in
 ``associative._chunked`` under plain autodiff. HOLA's forward-only residual pass
 (``hola.gdn_residuals``) uses ``w_u`` (solve form) and ``state_pass``; the Proteus GDN runs
@@ -122,7 +124,7 @@ def solve_tril(A, rhs=None):
     """The unit lower-triangular solve of the WY/UT form (SPEC §1): ``(I + A)^{-1}`` or
     ``(I + A)^{-1} R``.
 
-    Without ``rhs``: the inverse ``T`` by blockwise doubling (README §1; stable in f32, never
+    Without ``rhs``: the inverse ``T`` by blockwise doubling (README §2; stable in f32, never
     powers of A), with the VJP ``dA = −strict_tril(Tᵀ dT Tᵀ)``. With ``rhs``: for ``C ≤ 8`` one
     forward substitution (``lax.linalg.triangular_solve``) for all right-hand sides,
     differentiated by autodiff; for larger ``C`` the product ``T R`` with the doubling inverse
@@ -204,7 +206,7 @@ def state_pass(W, U, k_dec, d_last, S0, bias=None):
       k_dec: ``[N, ..., C, K]``; d_last: ``[N, ...]``.
       S0: ``[..., K, V]`` the state entering chunk 0.
       bias: optional ``[N, ..., K, V]`` added to ``S_{n+1}`` (a restart from the initial state,
-        README §3).
+        README §4).
 
     Returns:
       ``(S_N [..., K, V], S_n [N, ..., K, V] the chunk-start states, U_n [N, ..., C, V])``.
@@ -247,7 +249,8 @@ def chunk_output(q, k, gamma, d, S_starts, U):
 # (decays e^{b_i − b_j} on the causal same-segment mask, zero elsewhere), dc [N,B,H,C] (coefficient
 # of the carried state for token i: e^{b_i}, zeroed after an in-chunk reset) and S_init [B,H,K,V].
 # The backward recomputes nothing expensive: it reuses T, W, Ũ, QKᵀ, KKᵀ, the chunk-start states
-# S_n and U_n saved by the forward, and runs the state recurrence backwards (core/README.md §2).
+# S_n and U_n saved by the forward, and runs the state recurrence backwards
+# (core/associative/README.md §3).
 
 
 def _rowdot(a, b):
@@ -274,7 +277,7 @@ def wy_delta_core(Q, K, V, beta, gamma, dc, S_init):
     """The delta-rule chunk form (SPEC §1): ``kkt → solve_tril → w_u → state_pass → chunk_output``.
 
     Gradients by a hand-written VJP that runs the state recurrence backwards from the saved
-    chunk-start states (core/README.md §2).
+    chunk-start states (core/associative/README.md §3).
 
     Args:
       Q: ``[N, B, H, C, K]`` scaled queries; K: ``[N, B, H, C, K]``; V: ``[N, B, H, C, V]``.
@@ -295,7 +298,7 @@ def _wy_core_fwd(Q, K, V, beta, gamma, dc, S_init):
 
 
 def _state_pass_bwd(dO, dS_final, P, Qdc, Kdec, W, dl):
-    """Reverse of ``state_pass`` (README §2): ``dU_n = Pᵀ dO_n + Kdec G``,
+    """Reverse of ``state_pass`` (README §3): ``dU_n = Pᵀ dO_n + Kdec G``,
     ``dS_n = dl G + Qdcᵀ dO_n − W_nᵀ dU_n`` with ``G = dS_{n+1}``. The ``dO`` terms are batched
     over all chunks first. Returns ``(dS_init, dU [N, ...], G [N, ...])``."""
     Xp = _mT(P) @ dO

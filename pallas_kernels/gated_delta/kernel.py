@@ -1,5 +1,5 @@
 """Pallas TPU kernels of the chunked gated delta rule, forward and backward (SPEC §1; derivation
-``nested_jax/core/README.md`` §1, backward §2, resets §3).
+``nested_jax/core/associative/README.md`` §2, backward §3, resets §4).
 
 One grid step is one chunk of ``C`` tokens of one (batch, head) row; the grid is
 ``(B·H "parallel", N "arbitrary")`` so the chunks of a row run in order on one core and the
@@ -17,7 +17,8 @@ One grid step is one chunk of ``C`` tokens of one (batch, head) row; the grid is
 ``d`` is the carried state's coefficient per token (``e^{b}``, zero after an in-chunk segment
 start), ``d0`` the restart state's (``e^{b}`` from the segment start, zero before it) and
 ``kdec_j = Γ_{C, j}``. The ``W``/``Ũ`` pair of ``core/wy.py`` is folded into one solve applied to
-the state-corrected right-hand side, the same product re-associated (README §1, eq. 2).
+the state-corrected right-hand side, the same product re-associated
+(core/associative/README.md §2, eq. 2).
 
 The backward kernel walks the same grid with the chunks reversed, ``G = ∂L/∂S_{n+1}`` in VMEM, and
 recomputes ``Γ, T, U`` of each chunk from the inputs and the chunk-start state the forward saved
@@ -152,11 +153,11 @@ def _bwd_kernel(
     dq_ref, dk_ref, dv_ref, dscalars_ref, ds0_ref,
     g_scr, acc0_scr, *, scale, restart,
 ):  # fmt: skip
-    """Reverse of one chunk (core/README.md §2 in this kernel's form). ``sn`` is the saved state
-    entering the chunk, ``do [C, V]`` the output cotangent, ``g_scr`` holds ``G = ∂L/∂S_{n+1}``
-    (``dsfin`` at the last chunk) and ``acc0_scr`` the restart state's gradient so far. Outputs
-    ``dq, dk [C, K]``, ``dv [C, V]`` f32, ``dscalars [len(SCALARS), C]`` (cotangents of the
-    per-token scalars; ``ops`` maps them to ``g`` and ``β``) and ``ds0``."""
+    """Reverse of one chunk (core/associative/README.md §3 in this kernel's form). ``sn`` is
+    the saved state entering the chunk, ``do [C, V]`` the output cotangent, ``g_scr`` holds
+    ``G = ∂L/∂S_{n+1}`` (``dsfin`` at the last chunk) and ``acc0_scr`` the restart state's
+    gradient so far. Outputs ``dq, dk [C, K]``, ``dv [C, V]`` f32, ``dscalars [len(SCALARS), C]``
+    (cotangents of the per-token scalars; ``ops`` maps them to ``g`` and ``β``) and ``ds0``."""
     n = pl.program_id(1)
 
     @pl.when(n == 0)

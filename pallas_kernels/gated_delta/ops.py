@@ -45,7 +45,7 @@ class BlockSizes:
 
 
 def _token_scalars(g, beta, segment_ids, C):
-    """The per-token scalars of the kernel (core/README.md §1, §3), all f32.
+    """The per-token scalars of the kernel (core/associative/README.md §2, §4), all f32.
 
     With ``bc`` the in-chunk cumulative log decay, ``z`` the in-chunk segment index (count of
     segment starts so far in the chunk) and ``r`` the last segment start at or before ``i`` in the
@@ -168,8 +168,9 @@ def gated_delta_pallas(
     """Gated delta rule (GDN) by the Pallas chunk kernel (SPEC §1; equals ``gated_delta_chunked``).
 
     ``S_t = α_t S_{t-1} + β_t k_t (v_t − α_t S_{t-1}ᵀ k_t)ᵀ``, ``o_t = S_tᵀ (scale · q_t)``,
-    ``α_t = e^{g_t}``; the WY/UT chunk form of core/README.md §1 with segment resets folded into
-    the masks (§3). Gradients: ``custom_vjp`` with the reverse-chunk backward kernel (README §2).
+    ``α_t = e^{g_t}``; the WY/UT chunk form of core/associative/README.md §2 with segment resets
+    folded into the masks (§4). Gradients: ``custom_vjp`` with the reverse-chunk backward kernel
+    (README §3).
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log decay (≤ 0);

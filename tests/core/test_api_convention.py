@@ -1,4 +1,4 @@
-"""The argument convention of every rule (SPEC §0, issue 18; ``nested_jax/core/README.md`` §0).
+"""The argument convention of every rule (SPEC §0; ``nested_jax/core/README.md`` §0).
 
 A **sequence form** takes its per-token inputs ``[B, T, ...]`` first (positional), its parameters
 next, and the state as the keyword-only ``initial_state=`` (required in practice by the MLP
@@ -26,6 +26,7 @@ import pytest
 
 import nested_jax.core as core
 import nested_jax.ops as ops
+from nested_jax.core.associative import reference as ref_associative
 from nested_jax.core.hola import reference as ref_hola
 from nested_jax.core.hope import proteus as proteus_hope
 from nested_jax.core.hope import reference as ref_hope
@@ -46,6 +47,7 @@ SOURCES = [
     ("core.titans.reference", ref_titans, ("chunk_rule", "per_token_rule")),
     ("core.hope.reference", ref_hope, ref_hope.__all__),
     ("core.hola.reference", ref_hola, ("hola_reference",)),
+    ("core.associative.reference", ref_associative, ref_associative.__all__),
 ]
 
 # Sequence forms whose names do not end in _chunked / _recurrent, listed explicitly.
@@ -68,6 +70,7 @@ EXTRA_SEQUENCE = {
     "chunk_rule",
     "per_token_rule",
     "hope_reference",
+    "associative_reference",
 }
 
 # Public functions with a ``state`` / ``initial_state`` parameter that are not rules, or rules

@@ -1,8 +1,8 @@
 """SPEC §0–§1: linear attention, delta rule and gated delta rule in step / recurrent / chunked form.
 
-Chunked == recurrent (values, final state and gradients w.r.t. every input) at awkward sizes, the
-recurrent GDN == an independent float64 loop of FLA's naive definition, property tests and input
-validation. f32 tolerance: max abs error ≤ 1e-4 · max(1, max |reference|).
+Chunked == recurrent (values, final state and gradients w.r.t. every input) at awkward sizes,
+every recurrent rule == the float64 twin ``associative/reference.py`` (GDN: FLA's naive loop),
+property tests and input validation. f32 tolerance: max abs error ≤ 1e-4 · max(1, max |reference|).
 """
 
 import functools
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from nested_jax.core.associative import forms as A
+from nested_jax.core.associative.reference import associative_reference
 from nested_jax.core.wy import solve_tril
 
 TOL = 1e-4
@@ -144,35 +145,46 @@ def test_chunk_size_one_equals_recurrent(rule):
     _assert_close(S_c, S_r, "S")
 
 
-def _naive_gdn_numpy(q, k, v, g, beta, scale, s0):
-    """FLA naive_recurrent_gated_delta_rule, written independently in float64."""
-    q, k, v, g, beta = (np.asarray(a, np.float64) for a in (q, k, v, g, beta))
-    B, T, H, K = q.shape
-    S = np.array(s0, np.float64)
-    o = np.zeros(v.shape)
-    for b in range(B):
-        for h in range(H):
-            for t in range(T):
-                S[b, h] *= np.exp(g[b, t, h])
-                kt, vt = k[b, t, h], v[b, t, h]
-                S[b, h] += beta[b, t, h] * np.outer(kt, vt - S[b, h].T @ kt)
-                o[b, t, h] = S[b, h].T @ (q[b, t, h] * scale)
-    return o, S
+def _twin(rule, x, s0, seg=None, scale=None):
+    gates = dict(g=x["g"] if rule != "delta_rule" else None,
+                 beta=x["beta"] if rule != "linear_attention" else None)  # fmt: skip
+    return associative_reference(x["q"], x["k"], x["v"], **gates, kind=rule, scale=scale,
+                                 initial_state=s0, segment_ids=seg)  # fmt: skip
 
 
-def test_gdn_recurrent_matches_numpy_naive_fla():
+def test_gdn_recurrent_matches_the_float64_twin():
     x, s0, _ = _data(3, 2, 29, 2, 6, 5)
     scale = 0.37
     o, S = A.gated_delta_recurrent(
         x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, initial_state=s0
     )
-    o_n, S_n = _naive_gdn_numpy(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, s0)
+    o_n, S_n = _twin("gated_delta", x, s0, scale=scale)
     np.testing.assert_allclose(o, o_n, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(S, S_n, atol=2e-5, rtol=1e-5)
     # default scale is K ** -0.5
     o_d, _ = A.gated_delta_recurrent(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=s0)
-    o_n, _ = _naive_gdn_numpy(x["q"], x["k"], x["v"], x["g"], x["beta"], 6**-0.5, s0)
+    o_n, _ = _twin("gated_delta", x, s0, scale=6**-0.5)
     np.testing.assert_allclose(o_d, o_n, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_recurrent_matches_the_float64_twin_on_packed_rows(rule):
+    """Every rule, from a non-zero state, with segment resets (adjacent ones at 16 and 17)."""
+    x, s0, seg = _data(11, 2, 21, 2, 5, 3, segments=True)
+    o, S = _call(rule, "recurrent", x, s0=s0, seg=seg)
+    o_n, S_n = _twin(rule, x, s0, seg)
+    _assert_close(o, o_n, "o")
+    _assert_close(S, S_n, "S")
+
+
+def test_the_twin_checks_its_arguments():
+    x, _, _ = _data(0, 1, 3, 1, 2, 2)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        associative_reference(x["q"], x["k"], x["v"], kind="gdn")
+    with pytest.raises(ValueError, match="beta: required"):
+        associative_reference(x["q"], x["k"], x["v"], x["g"], kind="gated_delta")
+    with pytest.raises(ValueError, match=r"g: expected \[B, T, H\]"):
+        associative_reference(x["q"], x["k"], x["v"], x["g"][..., None], x["beta"])
 
 
 @pytest.mark.parametrize("rule", RULES)

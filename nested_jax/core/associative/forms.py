@@ -5,7 +5,7 @@ Every rule has three forms with one meaning (SPEC §0):
 - ``*_step``: one token, ``(state, q_t, k_t, v_t, ...) -> (o_t, new_state)``, per-token arrays
   ``[B, H, D]``;
 - ``*_recurrent``: ``lax.scan`` of the step over time, the ground truth;
-- ``*_chunked``: the WY/UT chunk form (derivation in ``core/README.md``; its stages ``kkt →
+- ``*_chunked``: the WY/UT chunk form (derivation in ``associative/README.md``; its stages ``kkt →
   solve_tril → w_u → state_pass → chunk_output`` in ``core/wy.py``), parallel inside chunks of
   size ``C`` and sequential across chunks.
 
@@ -324,8 +324,8 @@ def gated_delta_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, s
 
 
 def _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, C, delta: bool):
-    """Shared chunk form (core/README.md). Padding tokens have k = v = 0, g = 0, β = 0, so they
-    neither write nor decay the state."""
+    """Shared chunk form (associative/README.md §2). Padding tokens have k = v = 0, g = 0,
+    β = 0, so they neither write nor decay the state."""
     T, K = q.shape[1], q.shape[-1]
     f32 = jnp.float32
     Q = to_head_chunks(q.astype(f32) * _scale(scale, K), C)  # [N, B, H, C, K]
@@ -344,7 +344,7 @@ def _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, C, delta: bool
 
 
 def _chunk_decays(g, segment_ids, C, ref):
-    """Decays of the chunk form (core/README.md §1, §3); ``ref [N, B, H, C]`` (a slice of the
+    """Decays of the chunk form (associative/README.md §2, §4); ``ref [N, B, H, C]`` (a slice of the
     chunked queries) gives the leading shape ``(N, B, H)`` and the type of the constant decays.
 
     Returns ``Γ [N, B, H, C, C]`` (``e^{b_i − b_j}`` on the causal same-segment mask, else 0),
@@ -380,7 +380,7 @@ def _chunk_decays(g, segment_ids, C, ref):
 def _chunked_autodiff(Q, Kc, Vc, bc, gamma, d, m, s0, zero):
     """Linear attention (``bc is None``: ``W = 0``, ``U = V``), and the delta rules when a segment
     restarts from a non-zero initial state: plain autodiff of the wy stages, with the ``s0``
-    restart as a second incoming state of coefficient ``d ⊙ (1 − m)`` (core/README.md §3).
+    restart as a second incoming state of coefficient ``d ⊙ (1 − m)`` (associative/README.md §4).
     ``zero`` is the ``[B, H, K, V]`` state used when ``s0`` is None."""
     # The order of operations fixes the order in which autodiff sums cotangents, so it is kept as
     # it was before the stages were factored out (gradients bit-identical).
@@ -453,13 +453,13 @@ def gated_delta_chunked(
 ):
     """Gated delta rule in WY/UT chunk form (SPEC §1; equals ``gated_delta_recurrent``).
 
-    Per chunk (derivation in core/README.md): ``A = strict_tril(diag(β) K Kᵀ ⊙ Γ)``,
+    Per chunk (derivation in associative/README.md §2): ``A = strict_tril(diag(β) K Kᵀ ⊙ Γ)``,
     ``T = (I + A)^{-1}`` (blockwise doubling over forward substitution; never powers of A),
     ``W = T diag(β e^{b}) K``, ``Ũ = T diag(β) V``; sequentially over chunks ``U_n = Ũ − W S_n``,
     ``S_{n+1} = e^{b_C} S_n + (K ⊙ e^{b_C − b})ᵀ U_n``; then
     ``O = (Q ⊙ e^{b}) S_n + (Q Kᵀ ⊙ Γ) U_n``.
-    Gradients: a hand-written VJP that runs the state recurrence backwards (README §2,
-    ``wy.wy_delta_core``); segment resets fold into the masks of Γ (README §3).
+    Gradients: a hand-written VJP that runs the state recurrence backwards (README §3,
+    ``wy.wy_delta_core``); segment resets fold into the masks of Γ (README §4).
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log decay; beta: ``[B, T, H]``.

@@ -47,7 +47,7 @@ Decisions (documented options, SPEC §5):
 - ``segment_ids`` (packed sequences, SPEC §0): each document runs as if alone — own GDN state
   and scores from zero, own block grid from its first token, own cache (starts empty, top-w over its
   own tokens only), reads masked to its own document (the sink stays visible). Equations in
-  core/README.md §5; the scan is ``hola.packed.cache_blocks_packed``. Not with ``initial_state``;
+  hola/README.md §5; the scan is ``hola.packed.cache_blocks_packed``. Not with ``initial_state``;
   decoding (``hola_decode_step``) is one stream and takes no segment ids.
 
 Memory per head of the decoding state: ``K·V + (w + C)(K + V)`` floats plus ``O(w + C)``
@@ -287,7 +287,7 @@ def hola_forward(
     restart from zero at its start, its blocks count from its own first token (document position
     ``p_t = t − D_t``), its cache starts empty and holds only its own tokens, and a query reads
     only its own document's cache entries and block tokens plus the sink (equations in
-    core/README.md §5; scan ``hola.packed.cache_blocks_packed``). Outputs and gradients equal those
+    hola/README.md §5; scan ``hola.packed.cache_blocks_packed``). Outputs and gradients equal those
     of each document alone (tested); ``recency`` scores and ``cache_pos`` are document positions.
 
     Args:

@@ -3,7 +3,7 @@
 Every document keeps its own block grid (counted from its first token) and its own cache (empty at
 its start, holding only its tokens), so each document gets exactly the outputs and gradients it
 would get alone: :func:`cache_blocks_packed`, whose docstring writes the rule out (derivation in
-``core/README.md`` §5). :func:`doc_starts` gives each token's document start and position. The
+``hola/README.md`` §5). :func:`doc_starts` gives each token's document start and position. The
 read and merge are :mod:`nested_jax.core.hola.cache`'s; one stream is
 :mod:`nested_jax.core.hola.stream`. Shapes: heads-major ``[B, H, N, D]`` inside the scan; f32.
 """
