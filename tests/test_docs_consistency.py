@@ -195,3 +195,40 @@ def test_md_exists_stays_inside_the_repository(cited, source, exists):
 def test_expand_braces_and_placeholders():
     assert _expand("a/{b,c}.py") == ["a/b.py", "a/c.py"]
     assert _expand("ops/<mechanism>.py") == ["ops/*.py"]
+
+
+CORE = ROOT / "nested_jax" / "core"
+MECHANISMS = sorted(p.parent.name for p in CORE.glob("*/__init__.py"))
+CORE_READMES = [CORE / "README.md", *(CORE / m / "README.md" for m in MECHANISMS)]
+# `file.py:name` in a core README: the file beside the README (or in core/) defines `name`
+_DEFINED_AT = re.compile(r"`((?:[\w]+/)*[\w]+\.py):(\w+)`")
+
+
+def test_every_mechanism_folder_has_its_twin_and_derivation():
+    assert {"associative", "titans", "hope", "hola", "cms"} <= set(MECHANISMS)
+    absent = [
+        f"{m}/{name}"
+        for m in MECHANISMS
+        for name in ("reference.py", "README.md")
+        if not (CORE / m / name).is_file()
+    ]
+    assert not absent, f"mechanism folders without their twin or derivation: {absent}"
+
+
+@pytest.mark.parametrize("readme", CORE_READMES, ids=lambda p: p.parent.name)
+def test_core_readmes_name_files_and_functions_that_exist(readme):
+    """Repository paths in a core README exist, and every ``file.py:function`` it cites is
+    defined in that file (beside the README, else under ``core/`` or ``nested_jax/``)."""
+    text, wrong = readme.read_text(), []
+    for span in _SPAN.findall(text):
+        path = _repo_path(span)
+        if path is not None and _missing(path):
+            wrong.append(f"`{span}`: no such file")
+    for file, name in _DEFINED_AT.findall(text):
+        homes = (readme.parent, CORE, CORE.parent)
+        source = next((d / file for d in homes if (d / file).is_file()), None)
+        if source is None:
+            wrong.append(f"`{file}:{name}`: no {file} beside the README, in core/ or nested_jax/")
+        elif not re.search(rf"^\s*(?:def|class) {name}\b|^{name}\s*=", source.read_text(), re.M):
+            wrong.append(f"`{file}:{name}`: {name} is not defined in {file}")
+    assert not wrong, f"{readme.relative_to(ROOT)}:\n" + "\n".join(wrong)

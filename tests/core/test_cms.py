@@ -1,4 +1,5 @@
-"""CMS levels, variants and the online update mode (SPEC §3.3) against per-token hand loops."""
+"""CMS levels, variants and the online update mode (SPEC §3.3) against the per-token twin
+``core/cms/reference.py`` (SGD) and per-layer DGD steps."""
 
 import dataclasses
 import math
@@ -12,6 +13,7 @@ import pytest
 
 from nested_jax.core.cms.levels import CMSLevel, cms_forward, cms_init_levels, cms_mix_weights
 from nested_jax.core.cms.online import cms_initial_state, cms_online, surprise_from_loss
+from nested_jax.core.cms.reference import cms_reference
 from nested_jax.core.dgd import dgd_update_layers
 from nested_jax.rules import CMSRule
 
@@ -38,71 +40,18 @@ def data(key, T):
     return 0.5 * jax.random.normal(kx, (B, T, D)), 0.5 * jax.random.normal(kt, (B, T, D))
 
 
-# ---------------------------------------------------------------------------------------------
-# independent reference: one token at a time, gradients by jax.grad on the parameters
-
-
 def ref_mlp(lv, x):
     u = x @ lv.w_up
     hid = jax.nn.silu(u) if lv.w_gate is None else jax.nn.silu(x @ lv.w_gate) * u
     return x + hid @ lv.w_down
 
 
-def ref_cms(lvs, x, variant, mix):
-    if variant == "sequential":
-        for lv in lvs:
-            x = ref_mlp(lv, x)
-        return x
-    if variant == "nested":
-        return ref_mlp(lvs[0], x)
-    w = jax.nn.softmax(mix)
-    return sum(w[j] * ref_mlp(lv, x) for j, lv in enumerate(lvs))
-
-
-def tree_sub(a, b):
-    return jax.tree.map(lambda u, v: u - v, a, b)
-
-
-@partial(jax.jit, static_argnames="variant")
-def ref_token(lvs, xt, tt, dt, mix, variant):
-    yt = ref_cms(lvs, xt, variant, mix)
-    dl = (yt - tt) if dt is None else dt  # surprise_from_loss differentiates through δ(y)
-    grads = jax.grad(lambda L: jnp.vdot(ref_cms(L, xt, variant, mix), dl))(lvs)
-    return yt, grads
-
-
-def ref_online(levels, x, tgt, periods, variant, lrs, mix=None, delta=None, pos0=0):
-    """Per row, per token: y_t at current weights, δ_t = y_t − target_t, g = ∂⟨δ_t, y_t⟩/∂θ."""
-    k = len(levels)
-    ys, finals, accs = [], [], []
-    for b in range(x.shape[0]):
-        lvs = list(levels)
-        acc = [jax.tree.map(jnp.zeros_like, lv) for lv in lvs]
-        row = []
-        for t in range(x.shape[1]):
-            dt = None if delta is None else delta[b, t]
-            yt, grads = ref_token(lvs, x[b, t], tgt[b, t], dt, mix, variant)
-            row.append(yt)
-            for j in range(k):
-                g = grads[0] if variant == "nested" else grads[j]
-                acc[j] = jax.tree.map(lambda a, gg, j=j: a + lrs[j] * gg, acc[j], g)
-            p = pos0 + t + 1
-            for j in range(k):
-                if p % periods[j] == 0:
-                    lvs[j] = tree_sub(lvs[j], acc[j])
-                    acc[j] = jax.tree.map(jnp.zeros_like, acc[j])
-            if variant == "nested":
-                for j in range(k - 2, -1, -1):
-                    if p % periods[j + 1] == 0:
-                        lvs[j] = lvs[j + 1]
-                        acc[j] = jax.tree.map(jnp.zeros_like, acc[j])
-        ys.append(jnp.stack(row))
-        finals.append(lvs)
-        accs.append(acc)
-    stack = lambda rows: [  # noqa: E731
-        jax.tree.map(lambda *a: jnp.stack(a), *[r[j] for r in rows]) for j in range(k)
-    ]
-    return jnp.stack(ys), stack(finals), stack(accs)
+def ref_online(levels, x, tgt, periods, variant, lrs, mix=None, delta=None):
+    """The twin ``cms_reference`` with δ_t = y_t − target_t (or the given δ)."""
+    rule = CMSRule(periods=periods, variant=variant, online_lr=lrs)
+    if delta is not None:
+        return cms_reference(levels, x, rule=rule, delta=delta, mix_logits=mix)
+    return cms_reference(levels, x, rule=rule, loss_fn=sq_loss, side=tgt, mix_logits=mix)
 
 
 CASES = [
