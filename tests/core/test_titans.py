@@ -447,7 +447,7 @@ def _segments(T, last=20):
     return jnp.asarray(seg)
 
 
-def _separate_segments(st, seg, *a, chunk_size):
+def _separate_segments(st, seg, *a, chunk_size, per_chunk_gates=False):
     """Reference for packed rows: every segment of every row run alone from the initial state
     through the slow chunk rule (its own chunk grid), outputs concatenated; the final state is
     that of the row's last segment."""
@@ -462,7 +462,8 @@ def _separate_segments(st, seg, *a, chunk_size):
             y, (w, s_) = ref.chunk_rule(
                 *(row(x)[:, lo:hi] for x in a),
                 initial_state=(tuple(map(row, st.weights)), tuple(map(row, st.momentum))),
-                rule=TitansRule(memory_chunk=chunk_size), residual=True,
+                rule=TitansRule(memory_chunk=chunk_size, per_chunk_gates=per_chunk_gates),
+                residual=True,
             )  # fmt: skip
             parts.append(y)
         ys.append(jnp.concatenate(parts, 1))
@@ -494,6 +495,19 @@ def test_segment_ids_chunked_equals_separate_segments_values_and_grads():
     out_s, g_s = _grads(slow, (st, *x))
     _assert_tree_close(out_f, out_s, "values (y, W, S)")
     _assert_tree_close(g_f, g_s, "grads (state0, q, k, v, theta, eta, alpha)")
+
+
+def test_per_chunk_gates_on_packed_rows_pool_each_document_chunk():
+    """With per-chunk gates a document pools its gates over its own chunks (from its first
+    token), as it does alone: documents starting at 6, 7 (mid-chunk), 8 and 13."""
+    B, T, H, D, b = 2, 15, 1, 6, 4
+    x = _inputs(112, B, T, H, D, D)
+    st = _mlp_state(12, B, H, (D, 8, D))
+    seg = _segments(T, last=13)
+    rule = TitansRule(memory_chunk=b, per_chunk_gates=True)
+    y, s = _run(titans_mlp_chunked, *x, initial_state=st, rule=rule, segment_ids=seg)
+    y_ref, w_ref, s_ref = _separate_segments(st, seg, *x, chunk_size=b, per_chunk_gates=True)
+    _assert_tree_close((y, s.weights, s.momentum), (y_ref, w_ref, s_ref), "values (y, W, S)")
 
 
 def test_segment_ids_reset_state_and_grad_horizon():

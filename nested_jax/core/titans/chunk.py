@@ -292,6 +292,23 @@ def local_chunk_starts(resets, b):
     return ((lp % b == 0) & (lp > 0)).astype(jnp.float32)
 
 
+def document_chunk_pool(x, resets, b):
+    """Mean of ``x [B, T, H]`` over each document-local chunk, back to ``[B, T, H]``.
+
+    A document's chunks start at its first token (``resets`` ``[B, T]``, 1 before a document's
+    first token) and every ``b`` tokens after it, so a document gets the pooled gates it gets
+    alone (:func:`chunk_pool` on it); the last chunk of a document may be shorter.
+    """
+    starts = (resets + local_chunk_starts(resets, b)) > 0
+    group = jnp.cumsum(starts.astype(jnp.int32), axis=1)  # [B, T], 0 at position 0
+    T = x.shape[1]
+    pool_row = functools.partial(jax.ops.segment_sum, num_segments=T)
+    sums = jax.vmap(pool_row)(x, group)  # [B, T(groups), H]
+    counts = jax.vmap(pool_row)(jnp.ones(group.shape, x.dtype), group)  # [B, T(groups)]
+    means = sums / jnp.maximum(counts, 1)[..., None]
+    return jnp.take_along_axis(means, group[..., None], axis=1)
+
+
 def _chunked_core(state, xs, *, rule: TitansRule, residual: bool, segment_ids=None,
                   reset_state=None):  # fmt: skip
     """Shared chunked engine (validated inputs): ``(y [B,T,H,V] f32, (W, S) f32 tuples)``.
@@ -308,8 +325,13 @@ def _chunked_core(state, xs, *, rule: TitansRule, residual: bool, segment_ids=No
     N = -(-T // b)
     f32 = jnp.float32
     q, k, v, theta, eta, alpha = (x.astype(f32) for x in xs)
-    if rule.per_chunk_gates:
-        theta, eta, alpha = (chunk_pool(x, b, T) for x in (theta, eta, alpha))
+    if rule.per_chunk_gates:  # each document's own grid on packed rows, as it gets alone
+        pool = (
+            functools.partial(chunk_pool, b=b, T=T)
+            if segment_ids is None
+            else (functools.partial(document_chunk_pool, resets=segment_resets(segment_ids), b=b))
+        )
+        theta, eta, alpha = (pool(x) for x in (theta, eta, alpha))
     last = jnp.minimum(b, T - b * jnp.arange(N))  # row index (1..b) of each chunk's last real token
     sel = jax.nn.one_hot(last, b + 1, dtype=f32)
     carry = (tuple(w.astype(f32) for w in weights), tuple(s.astype(f32) for s in momentum))
@@ -374,10 +396,11 @@ def titans_mlp_chunked(
       rule: :class:`~nested_jax.rules.TitansRule` (default: the paper's rule), every field:
         ``memory_chunk`` (b), ``read_before_write``, ``grad_clip``, ``activation`` (as
         ``titans_mlp_step``), ``per_chunk_gates`` (θ, η, α replaced by their per-chunk means,
-        ``titans_pool_gates``), ``remat`` (recompute each chunk in the backward pass, saving only
-        the carried state per chunk) and ``grad_horizon`` (truncated backprop, a multiple of
-        ``memory_chunk``, 0 = off: the carried state is a ``stop_gradient`` before every chunk
-        starting at a positive multiple of it; values unchanged).
+        ``titans_pool_gates``; on packed rows over each document's own chunks), ``remat``
+        (recompute each chunk in the backward pass, saving only the carried state per chunk) and
+        ``grad_horizon`` (truncated backprop, a multiple of ``memory_chunk``, 0 = off: the
+        carried state is a ``stop_gradient`` before every chunk starting at a positive multiple of
+        it; values unchanged).
       residual: add ``z`` to the memory's output; None = auto (see ``titans_mlp_apply``).
       segment_ids: optional ``[B, T]`` int (packed sequences): the state resets to
         ``reset_state`` at every segment start, and each segment keeps its own chunk grid

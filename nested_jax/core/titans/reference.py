@@ -2,8 +2,9 @@
 
 The fast paths ``titans_linear_{step,recurrent,chunked}`` (``nested_jax.core.titans.linear``) and
 ``titans_mlp_{step,recurrent,chunked}`` (``nested_jax.core.titans.mlp``) are tested against these
-functions. They are written per (batch, head) as a Python loop over chunks and a token-by-token
-``lax.scan`` that materialises the weights after every token; the inner gradient always comes from
+functions. They are written per (batch, head) as a ``lax.scan`` over whole chunks (plus one call
+for a shorter last chunk) and a token-by-token ``lax.scan`` that materialises the weights after
+every token; the inner gradient always comes from
 ``jax.grad`` of ``½‖M(k) − v‖²`` (never from the manual backprop or the dual form of the fast
 paths). Batch and heads are handled with ``jax.vmap``. Everything is differentiable (tests compare
 gradients too).
@@ -172,7 +173,10 @@ def chunk_rule(
     chunk-start weights; momentum, decay and the reads then run token by token with the weights
     materialised. ``memory_chunk = 1`` is the exact per-token rule (:func:`per_token_rule`). With
     ``segment_ids`` (packed rows, SPEC §0) the state before a document's first token is the
-    initial one and the rest of that chunk takes its surprise at the initial weights.
+    initial one and the rest of that chunk takes its surprise at the initial weights: the row's
+    chunk grid. ``titans_mlp_chunked`` gives every document its own grid instead, so for a
+    document starting off the row's grid the two differ; the packed-row tests therefore run each
+    document alone through this twin.
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
