@@ -480,7 +480,9 @@ def run_proteus_spans_packed(
     later): at a span start the state is reset before the span; for a start inside a span the
     memory call resets the open coordinates itself (it gets ``segment_ids``) and the locked ones
     are taken from ``reset_state`` afterwards. A document starting at row position ``p`` thus
-    sees exactly what a separate call with ``t0 = p`` from ``reset_state`` sees.
+    sees what a separate call with ``t0 = p`` from ``reset_state`` sees, as far as the memory call
+    gives a document starting mid-span what it gets alone (a chunked memory whose chunk grid does
+    not restart at the document's start does not: Hope off its grid).
 
     Args:
       span_fn: ``(state, xs, seg, active) -> (out, state)``: one span of constant mask, locked

@@ -458,9 +458,12 @@ def hope_chunked(
     **Packed rows** (``segment_ids``, SPEC §0): where ``segment_ids[b, t] != segment_ids[b, t−1]``
     (``t ≥ 1``) a document starts; just before that token the running memories become
     ``initial_memories`` and the momenta zero, and for the rest of that chunk (of each group) the
-    initial memories are also the snapshot that produces projections, targets and signals. So every
-    document is processed exactly as if it were alone, with its first chunk cut short at the next
-    multiple of the chunk size. Position 0 is never a reset (it starts from ``initial_state``).
+    initial memories are also the snapshot that produces projections, targets and signals. So a
+    document's first chunk is cut short at the next multiple of the chunk size, and its later chunks
+    follow the row's grid: a document starting at row position ``p`` gets exactly what it gets
+    alone when ``p`` is a multiple of both chunk sizes (always with chunk sizes 1); otherwise each
+    group of memories (chunk size ``C``) treats its first ``C⌈p/C⌉ − p`` tokens as a chunk of
+    their own (``hope/README.md`` §9). Position 0 is never a reset (it starts from ``initial_state``).
 
     Args:
       x: memory inputs ``[B, T, H, D]``.

@@ -334,9 +334,11 @@ def proteus_hope_packed(
     The spans of :func:`proteus_hope_chunked` at ``t0 = 0`` (chunk grids restart at every
     Δ-boundary), with ``segment_ids`` passed to the backbone. A document start returns the
     **whole** state, locked coordinates included, to ``initial_state``
-    (``run_proteus_spans_packed``): a document starting at row position ``p`` gets exactly what
-    :func:`proteus_hope_chunked` with ``t0 = p`` from ``initial_state`` gives it, so nothing of
-    the previous document leaks through a coordinate that opens later. Inside a locked span the
+    (``run_proteus_spans_packed``), so nothing of the previous document leaks through a
+    coordinate that opens later. A document starting at row position ``p`` gets what
+    :func:`proteus_hope_chunked` with ``t0 = p`` from ``initial_state`` gives it when ``p`` lies
+    on the backbone's chunk grids (always with chunk sizes 1); off the grid its first chunk is cut
+    short as :func:`~nested_jax.core.hope.chunk.hope_chunked` describes. Inside a locked span the
     backbone's own reset target is the gated ``g ⊙ initial_state.memories`` (its open
     coordinates; the locked ones are put back after).
 
