@@ -463,7 +463,8 @@ def hope_chunked(
     follow the row's grid: a document starting at row position ``p`` gets exactly what it gets
     alone when ``p`` is a multiple of both chunk sizes (always with chunk sizes 1); otherwise each
     group of memories (chunk size ``C``) treats its first ``C⌈p/C⌉ − p`` tokens as a chunk of
-    their own (``hope/README.md`` §9). Position 0 is never a reset (it starts from ``initial_state``).
+    their own (``hope/README.md`` §9). Position 0 is never a reset (it starts from
+    ``initial_state``).
 
     Args:
       x: memory inputs ``[B, T, H, D]``.
