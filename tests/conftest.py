@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 
 # vm.max_map_count is 65 530 by default: XLA:CPU maps every compiled kernel's code and data as
 # separate anonymous regions and keeps them while the program is cached, and a process that reaches
-# the limit dies inside backend_compile_and_load (measured: `-m slow tests/pallas/
+# the limit dies inside backend_compile_and_load (measured: `-m slow tests/pallas_kernels/
 # test_pallas_wiring.py` in one process climbed to 65 279 mappings after 70 tests and aborted
 # there, as the CI worker that segfaulted in the same call after ~800 tests had). Dropping the
 # compiled programs returns the mappings; the checks below keep every worker far from the limit.

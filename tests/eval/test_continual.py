@@ -144,7 +144,7 @@ def _level_leaves(fast, level):
     return {k: v for k, v in fast.items() if f"/levels/{level}/" in k}
 
 
-@pytest.mark.slow  # ~75 s; tests/core/test_cms.py checks the period boundaries of cms_online
+@pytest.mark.slow  # ~75 s; tests/core/cms/test_cms.py checks the period boundaries of cms_online
 def test_online_cms_levels_change_only_at_their_period_boundaries():
     model = _cms_model()
     apply_fn, params = stream_model(model)

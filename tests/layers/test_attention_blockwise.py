@@ -14,7 +14,7 @@ from nested_jax.layers.attention import blockwise_softmax_attention
 # f32 everywhere (conftest: "highest" matmul precision). Each query row's softmax is the same
 # computation in both paths; only XLA's blocking of the einsums differs (observed <= 2e-6).
 RTOL = ATOL = 1e-5
-# These programs run once: compile time rules (as in tests/core/test_titans.py).
+# These programs run once: compile time rules (as in tests/core/titans/test_titans.py).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 

@@ -60,7 +60,7 @@ def test_gate_minus_inf_equals_gdn_model_exactly():
     assert float(jnp.abs(hola(tokens)[0] - y_g).max()) > 1e-4
 
 
-@pytest.mark.slow  # ~45 s; tests/core/test_hola_packed.py checks packed rows in the default suite
+@pytest.mark.slow  # ~45 s; test_hola_packed.py checks packed rows in the default suite
 def test_training_step_is_finite_with_packed_segments():
     cfg = load_config(
         [],

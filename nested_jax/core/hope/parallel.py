@@ -29,7 +29,7 @@ tokens, so zero padding at the end of a row is never applied) and ``S_n = μ^n S
 
 Packed rows fold in as in SPEC §0: a document start at token ``r`` restarts the rows ``j ≥ r``
 from the initial memories and zero momenta (:func:`chunk_coefficients`). Values equal the
-per-token rule up to float rounding (``tests/core/test_hope.py`` compares with the twin).
+per-token rule up to float rounding (``tests/core/hope/test_hope.py`` compares with the twin).
 Shapes: ``W [B, H, o, i]``, ``x [B, H, C, i]``, ``g [B, H, C, o]``, gates ``[B, H, C]``.
 """
 

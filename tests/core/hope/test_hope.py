@@ -187,7 +187,7 @@ TWIN_T = 13
 TWIN_SEG = np.array([[0] * 5 + [1] + [2] * 7, [7] * 8 + [9] * 5], np.int32)
 
 
-# Unoptimised XLA backend (as tests/core/test_titans.py): compile time dominates, f32 either way.
+# Unoptimised XLA backend (as in test_titans.py): compile time dominates, f32 either way.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 

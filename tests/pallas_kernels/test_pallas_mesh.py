@@ -26,7 +26,7 @@ from nested_jax.layers.gdn import GatedDeltaNet
 from nested_jax.parallel.mesh import make_mesh
 from nested_jax.train.config import MeshConfig
 from pallas_kernels.gated_delta import BlockSizes, gated_delta_pallas
-from tests.pallas.test_pallas_wiring import layer_value_and_grads
+from tests.pallas_kernels.test_pallas_wiring import layer_value_and_grads
 
 TOL = 1e-4  # max |a − b| / max |b|, as in test_pallas_wiring.py
 B, T, H, K, V = 2, 40, 2, 8, 6  # T not a multiple of the chunk

@@ -299,7 +299,7 @@ def _compile_on(topology, C, W, D, block_q):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from tests.pallas.test_gated_delta_pallas import tpu_batch_mesh
+    from tests.pallas_kernels.test_gated_delta_pallas import tpu_batch_mesh
 
     mesh, sds = tpu_batch_mesh(topology)
     Bt, Ht, n = 2 * mesh.devices.size, 2, 4
@@ -361,7 +361,7 @@ def test_ops_hola_pallas_compiles_for_tpu_with_both_kernels():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from tests.pallas.test_gated_delta_pallas import tpu_batch_mesh
+    from tests.pallas_kernels.test_gated_delta_pallas import tpu_batch_mesh
 
     mesh, sds = tpu_batch_mesh("v5e:2x2")
     Bt, T, Ht, D = 2 * mesh.devices.size, 512, 2, 64

@@ -30,7 +30,7 @@ from nested_jax.models.lm import build_model
 from nested_jax.ops.titans import TitansMemorySpec, titans_memory_init_cache, titans_mlp_state
 from nested_jax.rules import ProteusRule, TitansRule
 from pallas_kernels.titans_linear import titans_linear_pallas
-from tests.pallas.test_gated_delta_pallas import tpu_batch_mesh
+from tests.pallas_kernels.test_gated_delta_pallas import tpu_batch_mesh
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(

@@ -10,7 +10,7 @@ from nested_jax.ops import chunked_cross_entropy
 from nested_jax.train.step import masked_cross_entropy
 
 _EINSUM = {"vd": "btd,vd->btv", "dv": "btd,dv->btv"}
-# These programs run once: compile time rules (as in tests/core/test_titans.py).
+# These programs run once: compile time rules (as in tests/core/titans/test_titans.py).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
