@@ -1,6 +1,8 @@
 """Test-wide setup: 8 fake CPU devices (must happen before JAX initialises) and f32 matmuls."""
 
+import getpass
 import os
+import tempfile
 
 # The two LLVM flags cut the suite's CPU time by about a quarter: the tests are dominated by XLA
 # compiles of tiny programs, whose run time the LLVM optimisation passes barely change. They change
@@ -11,6 +13,16 @@ os.environ.setdefault(
     " --xla_llvm_disable_expensive_passes=true",
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the session, its xdist workers and the training runs the
+# tests start as subprocesses (they inherit the environment): the same tiny train steps and layers
+# compile in many places, and a cache hit skips XLA (keyed by the program, the flags above and the
+# jax version, so a stale entry is never a wrong one). Programs under 0.2 s are not worth a write.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"nested-jax-test-xla-cache-{getpass.getuser()}"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))  # LRU-evicted beyond 2 GiB
 
 import jax  # noqa: E402
 

@@ -106,10 +106,11 @@ def _case_id(c):
 
 
 def _params():
-    # default run (compile time bound): cases 0, 1 for every rule, the reset-to-s0 case for the
-    # delta rules, T = 1 for GDN; everything else is marked slow
-    fast = {(r, c) for r in RULES for c in CASES[:2]}
-    fast |= {(r, CASES[2]) for r in RULES[1:]} | {("gated_delta", CASES[3])}
+    # default run: GDN at large K, V with an initial state, and T = 1 with segment ids. The
+    # conformance suite (tests/core/test_conformance.py) checks chunked == recurrent for every
+    # rule at a small size, values and gradients, with and without resets and initial state (both
+    # reset paths); the rest of this grid runs with -m slow
+    fast = {("gated_delta", CASES[1]), ("gated_delta", CASES[3])}
     out = []
     for r in RULES:
         for c in CASES + SLOW_CASES:
@@ -136,6 +137,7 @@ def test_chunked_equals_recurrent(rule, T, K, V, C, init, segs):
         _assert_close(got[2][1], ref[2][1], "d initial_state")
 
 
+@pytest.mark.slow  # test_conformance.py: chunk size 1 == recurrent, every rule
 @pytest.mark.parametrize("rule", RULES)
 def test_chunk_size_one_equals_recurrent(rule):
     x, s0, seg = _data(1, 1, 37, 2, 8, 12, segments=True)
@@ -187,6 +189,7 @@ def test_the_twin_checks_its_arguments():
         associative_reference(x["q"], x["k"], x["v"], x["g"][..., None], x["beta"])
 
 
+@pytest.mark.slow  # test_conformance.py: the step scanned == recurrent, every rule
 @pytest.mark.parametrize("rule", RULES)
 def test_step_form_iterates_to_recurrent(rule):
     x, s0, _ = _data(4, 2, 9, 3, 5, 4)

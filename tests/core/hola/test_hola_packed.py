@@ -131,7 +131,11 @@ def _assert_close(got, ref, what, rel=2e-5):
 
 @pytest.mark.parametrize(
     "eviction,window",
-    [("beta_e", 3), ("cumulative_attention", 2)]
+    [("cumulative_attention", 2)]
+    + [
+        # test_conformance.py: packed[hola] (beta_e, window 3, blocks of 4), values and grads
+        pytest.param("beta_e", 3, marks=pytest.mark.slow)
+    ]
     + [
         pytest.param(e, w, marks=pytest.mark.slow)  # ~35 s each on 2 cores
         for e, w in (("beta_e", 16), ("recency", 3), ("e", 5))

@@ -278,6 +278,7 @@ def _grads(fn, st, ro, x, q, **kw):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, q, st, ro)
 
 
+@pytest.mark.slow  # test_conformance.py: chunk_size_one[proteus_hope], values and grads
 def test_chunked_unit_chunks_equal_recurrent_values_and_grads():
     st, ro, x, q = setup(T=18, B=1)
     kw = dict(t0=8, schedule=N48, rule=RULE)  # positions 9..26: spans 4, 12, 2 (blocks 1, 2, 3)

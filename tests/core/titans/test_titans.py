@@ -113,6 +113,7 @@ def _assert_tree_close(a, b, what):
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # test_conformance.py: titans_linear chunk 1 == recurrent, values and grads
 def test_linear_chunk1_equals_recurrent_values_and_grads():
     B, T, H, K, V = 2, 37, 1, 20, 12
     rbw = True  # the MLP test below covers the default read order
@@ -141,6 +142,7 @@ def test_linear_chunk1_equals_recurrent_values_and_grads():
     _assert_tree_close(g_c, g_r, "grad(q,k,v,theta,eta,alpha,M0,S0)")
 
 
+@pytest.mark.slow  # test_conformance.py: titans_mlp chunk 1 == recurrent, values and grads
 def test_mlp_chunk1_equals_recurrent_values_and_grads():
     B, T, H, D, hid = 2, 37, 2, 12, 20
     x = _inputs(1, B, T, H, D, D)
@@ -184,7 +186,15 @@ def test_recurrent_equals_independent_per_token_reference():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("layers", "b"), [(1, 4), (2, 4), (2, 16)], ids=["L1-4", "L2-4", "L2-16"])
+# L1-4, L2-4: test_conformance.py (titans_linear, titans_mlp == twin at chunk 4) in the default run
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("layers", "b"),
+    [pytest.param(1, 4, marks=_SLOW), pytest.param(2, 4, marks=_SLOW), (2, 16)],
+    ids=["L1-4", "L2-4", "L2-16"],
+)
 def test_chunked_matches_slow_chunk_rule_values_and_grads(layers, b):
     B, T, H, K, V, hid = 1, (23 if b == 4 else 37), 2, 12, 12, 16
     rbw = b == 16  # cover both read orders without doubling the compile time
@@ -473,6 +483,8 @@ def _separate_segments(st, seg, *a, chunk_size, per_chunk_gates=False):
     return jnp.concatenate(ys, 0), cat(ws), cat(ss)
 
 
+# test_conformance.py packed[titans_mlp]: starts at 6, 7 (in one chunk), 12, one-token documents
+@pytest.mark.slow
 def test_segment_ids_chunked_equals_separate_segments_values_and_grads():
     """Packed rows: each segment gets exactly a separate run (own chunk grid, reset to the initial
     state incl. momentum), wherever it starts: row 0 has two resets in one chunk (6 and 7, both
