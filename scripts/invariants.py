@@ -415,6 +415,7 @@ def core_misc(t: int) -> None:
 
 def ops_all(t: int) -> None:
     from nested_jax import ops
+    from nested_jax.core import cms_init_levels as core_cms_init_levels
     from nested_jax.ops import cms as ops_cms
     from nested_jax.ops import hola as ops_hola
     from nested_jax.ops import hope as ops_hope
@@ -494,7 +495,7 @@ def ops_all(t: int) -> None:
             one = tuple(a[:, 0] for a in hargs[:5]) + hargs[5:]
             record("ops/hola_step", lambda s, *a: ops_hola.hola_step(
                 s, *a[:5], ops.HolaReadParams(*a[5:]), rule=hrule), st, *one)  # fmt: skip
-            levels = ops_cms.cms_init_levels(jax.random.key(2), 4, 6, 2, gated=True)
+            levels = core_cms_init_levels(jax.random.key(2), 4, 6, 2, gated=True)
             xc = (0.5 * _rng(9).normal(size=(B, t, 4))).astype(np.float32)
             crule = ops_cms.CMSRule(periods=(2, 4), online_lr=(0.1, 0.05), online_inner="dgd")
             record(f"ops/cms_forward/T{t}", lambda lv, xx: ops.cms_forward(
