@@ -292,15 +292,15 @@ def local_chunk_starts(resets, b):
     return ((lp % b == 0) & (lp > 0)).astype(jnp.float32)
 
 
-def document_chunk_pool(x, resets, b):
+def document_chunk_pool(x, chunk_starts):
     """Mean of ``x [B, T, H]`` over each document-local chunk, back to ``[B, T, H]``.
 
-    A document's chunks start at its first token (``resets`` ``[B, T]``, 1 before a document's
-    first token) and every ``b`` tokens after it, so a document gets the pooled gates it gets
-    alone (:func:`chunk_pool` on it); the last chunk of a document may be shorter.
+    ``chunk_starts`` ``[B, T]`` (float 0/1) marks where a chunk starts after position 0: a
+    document's first token and every ``b`` tokens after it (``segment_resets`` plus
+    :func:`local_chunk_starts`). So a document gets the pooled gates it gets alone
+    (:func:`chunk_pool` on it); the last chunk of a document may be shorter.
     """
-    starts = (resets + local_chunk_starts(resets, b)) > 0
-    group = jnp.cumsum(starts.astype(jnp.int32), axis=1)  # [B, T], 0 at position 0
+    group = jnp.cumsum((chunk_starts > 0).astype(jnp.int32), axis=1)  # [B, T], 0 at position 0
     T = x.shape[1]
     pool_row = functools.partial(jax.ops.segment_sum, num_segments=T)
     sums = jax.vmap(pool_row)(x, group)  # [B, T(groups), H]
@@ -325,13 +325,13 @@ def _chunked_core(state, xs, *, rule: TitansRule, residual: bool, segment_ids=No
     N = -(-T // b)
     f32 = jnp.float32
     q, k, v, theta, eta, alpha = (x.astype(f32) for x in xs)
-    if rule.per_chunk_gates:  # each document's own grid on packed rows, as it gets alone
-        pool = (
-            functools.partial(chunk_pool, b=b, T=T)
-            if segment_ids is None
-            else (functools.partial(document_chunk_pool, resets=segment_resets(segment_ids), b=b))
-        )
-        theta, eta, alpha = (pool(x) for x in (theta, eta, alpha))
+    if segment_ids is not None:
+        r = segment_resets(segment_ids)  # [B, T]: 1 before a document's first token
+        doc_chunks = local_chunk_starts(r, b)  # 1 where a document-local chunk starts inside it
+    if rule.per_chunk_gates and segment_ids is None:
+        theta, eta, alpha = (chunk_pool(x, b, T) for x in (theta, eta, alpha))
+    elif rule.per_chunk_gates:  # each document's own chunks, as it gets alone
+        theta, eta, alpha = (document_chunk_pool(x, r + doc_chunks) for x in (theta, eta, alpha))
     last = jnp.minimum(b, T - b * jnp.arange(N))  # row index (1..b) of each chunk's last real token
     sel = jax.nn.one_hot(last, b + 1, dtype=f32)
     carry = (tuple(w.astype(f32) for w in weights), tuple(s.astype(f32) for s in momentum))
@@ -356,9 +356,8 @@ def _chunked_core(state, xs, *, rule: TitansRule, residual: bool, segment_ids=No
 
     if segment_ids is None:
         return run(carry, xs + (None, None))
-    r = segment_resets(segment_ids)
     reset = to_head_chunks(r[:, :, None], b)  # [B, T] → [N, B, 1, b]
-    bound = to_head_chunks(local_chunk_starts(r, b)[:, :, None], b)
+    bound = to_head_chunks(doc_chunks[:, :, None], b)
     # Rows without a document start (most rows of long documents) take the plain engine.
     return lax.cond(
         jnp.any(r > 0),

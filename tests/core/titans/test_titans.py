@@ -187,12 +187,13 @@ def test_recurrent_equals_independent_per_token_reference():
 
 
 # L1-4, L2-4: test_conformance.py (titans_linear, titans_mlp == twin at chunk 4) in the default run
-_SLOW = pytest.mark.slow
-
-
 @pytest.mark.parametrize(
     ("layers", "b"),
-    [pytest.param(1, 4, marks=_SLOW), pytest.param(2, 4, marks=_SLOW), (2, 16)],
+    [
+        pytest.param(1, 4, marks=pytest.mark.slow),
+        pytest.param(2, 4, marks=pytest.mark.slow),
+        (2, 16),
+    ],
     ids=["L1-4", "L2-4", "L2-16"],
 )
 def test_chunked_matches_slow_chunk_rule_values_and_grads(layers, b):
