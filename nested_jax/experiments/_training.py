@@ -3,8 +3,8 @@
 :mod:`nested_jax.experiments.mqar` (MQAR) and :mod:`nested_jax.experiments.synthetic` (formal
 languages, MAD) differ only in their batches and their scorer; everything else lives here:
 
-* model specs: a registered mixer name, optionally ``<name>+proteus<E>`` (:func:`parse_model`,
-  :func:`model_config`), validated by :func:`check_models`;
+* model specs: a registered mixer name, optionally ``<name>+proteus<E>`` and ``@<label>``
+  (:func:`parse_model`, :func:`model_config`), validated by :func:`check_models`;
 * equal parameter budgets: :func:`count_params` (abstract shapes, nothing allocated) and
   :func:`matched_d_model` / :func:`model_widths` (every model after the first gets the width whose
   parameter count is closest to the first model's);
@@ -61,6 +61,7 @@ class ShellSettings(Protocol):
 
 
 PROTEUS_TAG = "+proteus"
+VARIANT_TAG = "@"  # <mixer>@<label>: the same mixer again, with its own --set-model options
 
 
 def check_positive(s: object, names: Sequence[str]) -> None:
@@ -87,9 +88,20 @@ def check_multipliers(m: object) -> None:
 def parse_model(spec: str) -> tuple[str, int]:
     """``"gdn"`` -> ``("gdn", 1)``; ``"gdn+proteus16"`` -> ``("gdn", 16)`` (Proteus blocks E).
 
+    A spec may end in ``@<label>`` (``"hope@token"`` -> ``("hope", 1)``): a second entry of the
+    same mixer under its own name, so ``--set-model hope@token:model.hope.chunk_memory=1`` can
+    give it other options than ``hope`` in one comparison (its runs are cached under the label).
+
     Raises:
-      ValueError: naming ``models`` when the Proteus suffix is not a positive int.
+      ValueError: naming ``models`` when the Proteus suffix is not a positive int or the label is
+        not a word (letters, digits, ``_``).
     """
+    spec, at, label = spec.partition(VARIANT_TAG)
+    if at and not label.replace("_", "").isalnum():
+        raise ValueError(
+            f"models: {spec}{at}{label!r}: expected <name>{VARIANT_TAG}<label> with a label of "
+            f"letters, digits or _ (e.g. hope{VARIANT_TAG}token)"
+        )
     if PROTEUS_TAG not in spec:
         return spec, 1
     name, _, blocks = spec.partition(PROTEUS_TAG)

@@ -115,6 +115,7 @@ def train_and_score(name: str, s: SyntheticSettings, d_model: int, log_every: in
         "scores": scores,
         "val": score(val_batches(s), accuracy_fn, per_row),
         "lr": s.lr,
+        "weight_decay": s.weight_decay,
         "train_seconds": stats["train_seconds"],
         "tokens_per_s": stats["tokens_per_s"],
     }
@@ -127,6 +128,7 @@ def run_synthetic(
     out: str | Path | None = None,
     log_every: int = 50,
     lrs: Sequence[float] = (),
+    wds: Sequence[float] = (),
 ) -> dict:
     """Size, train and score every model at every seed; write ``<stem>.json`` / ``.md`` / ``.png``
     under ``out`` (``stem = <family>_<name>``).
@@ -135,12 +137,15 @@ def run_synthetic(
     the rate of the best validation accuracy
     (:func:`~nested_jax.experiments.synthetic_data.val_batches`; ties: lower validation loss, then
     the smaller rate); its seeds then run at that rate (the sweep's run at the chosen rate is
-    reused). Without ``lrs`` every model uses ``s.lr``.
+    reused). Without ``lrs`` every model uses ``s.lr``. ``wds`` sweeps the weight decay the same
+    way, over the grid ``lrs × wds`` (MAD's protocol sweeps both; ties also prefer the smaller
+    decay).
 
     Returns:
       ``{"task", "settings", "seeds", "chance", "runs", "rows", "markdown", "plot", "lr_sweep"}``
       (``plot``: the PNG path, or None without ``out``; ``lr_sweep``: per model, the validation
-      accuracy and loss at each rate and the chosen rate).
+      accuracy and loss at each rate (``"<lr>"``, or ``"<lr>/wd<wd>"`` with ``wds``), the chosen
+      rate and decay).
     """
     check_models(models)
     seeds = list(seeds)
@@ -149,6 +154,9 @@ def run_synthetic(
     lrs = [float(x) for x in lrs]
     if any(not x > 0 for x in lrs) or len(set(lrs)) != len(lrs):
         raise ValueError(f"lrs: expected distinct rates > 0, got {lrs}")
+    wds = [float(x) for x in wds]
+    if any(not x >= 0 for x in wds) or len(set(wds)) != len(wds):
+        raise ValueError(f"wds: expected distinct decays >= 0, got {wds}")
     unknown = sorted({m for m, _ in s.model_overrides} - set(models))
     if unknown:
         raise ValueError(f"model_overrides: models {unknown} are not in models {list(models)}")
@@ -169,23 +177,37 @@ def run_synthetic(
         )
         return run
 
-    def run_one(name: str, seed: int, lr: float) -> dict:
+    def run_one(name: str, seed: int, lr: float, wd: float) -> dict:
         mine = tuple(p for p in s.model_overrides if p[0] == name)
-        si = dataclasses.replace(s, seed=seed, lr=lr, model_overrides=mine)
+        si = dataclasses.replace(s, seed=seed, lr=lr, weight_decay=wd, model_overrides=mine)
         tag = f"{name}-seed{seed}" + ("" if lr == s.lr else f"-lr{lr:g}")
+        tag += "" if wd == s.weight_decay else f"-wd{wd:g}"
         done = None if out is None else Path(out) / "models" / stem / f"{tag}.json"
         key = {"settings": dataclasses.asdict(si), "d_model": widths[name]}
-        return cached_row(done, key, lambda: compute(name, si), f"{name} seed {seed} lr {lr:g}")
+        label = f"{name} seed {seed} lr {lr:g}" + (f" wd {wd:g}" if wds else "")
+        return cached_row(done, key, lambda: compute(name, si), label)
+
+    def grid_key(lr: float, wd: float) -> str:
+        return f"{lr:g}/wd{wd:g}" if wds else f"{lr:g}"
 
     runs, sweep = [], {}
     for name in models:
-        lr = s.lr
-        if lrs:
-            tried = {x: run_one(name, seeds[0], x)["val"] for x in lrs}
-            lr = min(lrs, key=lambda x: (-tried[x]["accuracy"], tried[x]["eval_loss"], x))
-            sweep[name] = {"chosen": lr, "val": {f"{x:g}": tried[x] for x in lrs}}
-            print(f"== {name}: lr {lr:g} (validation accuracy {tried[lr]['accuracy']:.3f})")
-        runs.extend(run_one(name, seed, lr) for seed in seeds)
+        lr, wd = s.lr, s.weight_decay
+        if lrs or wds:
+            grid = [(a, b) for a in lrs or [s.lr] for b in wds or [s.weight_decay]]
+            tried = {p: run_one(name, seeds[0], *p)["val"] for p in grid}
+            lr, wd = min(grid, key=lambda p: (-tried[p]["accuracy"], tried[p]["eval_loss"], p))
+            sweep[name] = {
+                "chosen": lr,
+                "chosen_wd": wd,
+                "val": {grid_key(*p): tried[p] for p in grid},
+            }
+            print(
+                f"== {name}: lr {lr:g}"
+                + (f" wd {wd:g}" if wds else "")
+                + f" (validation accuracy {tried[lr, wd]['accuracy']:.3f})"
+            )
+        runs.extend(run_one(name, seed, lr, wd) for seed in seeds)
     rows = aggregate(runs)
     md = markdown_table(rows, s, seeds)
     settings = {k: v for k, v in dataclasses.asdict(s).items() if k != "seed"}
@@ -209,13 +231,19 @@ def run_synthetic(
     return result
 
 
-def _mad_sizes(items: Sequence[str]) -> tuple[tuple[str, int], ...]:
+def _mad_sizes(items: Sequence[str]) -> tuple[tuple[str, int | float], ...]:
     pairs = []
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key or not value.lstrip("-").isdigit():
-            raise ValueError(f"mad_sizes: expected KEY=INT (e.g. seq_len=64), got {item!r}")
-        pairs.append((key, int(value)))
+        try:
+            number = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            number = None
+        if not sep or not key or number is None:
+            raise ValueError(
+                f"mad_sizes: expected KEY=NUMBER (e.g. seq_len=64, frac_noise=0.4), got {item!r}"
+            )
+        pairs.append((key, number))
     return tuple(pairs)
 
 
@@ -251,7 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 1 2 4 8)",
     )
     p.add_argument(
-        "--mad-sizes", nargs="+", default=None, metavar="KEY=INT", help="MAD: size overrides"
+        "--mad-sizes",
+        nargs="+",
+        default=None,
+        metavar="KEY=NUMBER",
+        help="MAD: size overrides; num_train_examples=N (and num_test_examples=M, default 1280) "
+        "train epochs over a fixed data set, as MAD's protocol",
     )
     p.add_argument(
         "--no-match-params",
@@ -282,6 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="per-model learning-rate sweep: train at each rate (first seed), keep the best "
         "validation accuracy, run the seeds there",
+    )
+    p.add_argument(
+        "--wds",
+        nargs="+",
+        type=float,
+        default=None,
+        help="sweep the weight decay too (the grid --lrs x --wds, as MAD's protocol)",
     )
     p.add_argument("--out", default=None, help="directory for the json, md and png")
     return p
@@ -331,7 +371,9 @@ def main(argv: list[str] | None = None) -> int:
                 model_config(
                     name, dataclasses.replace(s, model_overrides=((name, text),)), s.d_model
                 )
-        out = run_synthetic(args.models, s, args.seeds, args.out, lrs=args.lrs or ())
+        out = run_synthetic(
+            args.models, s, args.seeds, args.out, lrs=args.lrs or (), wds=args.wds or ()
+        )
     except ValueError as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2

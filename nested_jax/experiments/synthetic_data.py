@@ -24,6 +24,11 @@ FAMILIES = {"formal": FORMAL_TASKS, "mad": MAD_TASKS, "protocol": PROTOCOL_TASKS
 EVAL_SEED_OFFSET = 10_000  # held-out batches: seed + this (training batches use the seed itself)
 VAL_SEED_OFFSET = 20_000  # validation batches (learning-rate choice) of formal / MAD tasks
 PROTOCOL_DATA_SEED = 30_000  # protocol: the fixed test, validation and training strings
+MAD_DATA_SEED = 40_000  # MAD with a fixed data set: its training, validation and test instances
+# MAD's own config keys for a fixed data set (mad-lab ``MADConfig``), read beside the task sizes:
+# num_train_examples > 0 trains epochs over that many instances instead of fresh batches.
+MAD_DATASET_KEYS = ("num_train_examples", "num_test_examples")
+MAD_TEST_EXAMPLES = 1_280  # MAD's num_test_examples
 EVAL_ROWS = 250  # protocol: strings per scoring batch
 
 
@@ -61,7 +66,9 @@ class SyntheticSettings:
     match_params: bool = True  # adjust d_model of models 2.. to the first model's parameter count
     train_lengths: tuple[int, int] = (1, 16)  # formal: training string lengths [lo, hi]
     eval_multipliers: tuple[int, ...] = (1, 2, 4, 8)  # formal: score at lengths up to m × hi
-    mad_sizes: tuple[tuple[str, int], ...] = ()  # MAD: overrides of the task's baseline sizes
+    # MAD: overrides of the task's baseline sizes; num_train_examples / num_test_examples set a
+    # fixed data set (MAD's protocol) instead of fresh batches
+    mad_sizes: tuple[tuple[str, int | float], ...] = ()
     train_size: int = 10_000  # protocol: training strings (batches drawn from them)
     test_size: int = 2_000  # protocol: scored strings per bin
     val_size: int = 500  # protocol: validation strings (Bin0 window, disjoint from the test)
@@ -102,6 +109,7 @@ class SyntheticSettings:
                 make_mad_batch(name, 1, 0, **sizes)
             except (TypeError, ValueError) as err:
                 raise ValueError(f"mad_sizes: {err}") from None
+            self._check_mad_dataset()
             return
         if self.mad_sizes:
             raise ValueError(f"mad_sizes: only for mad:<name> tasks, not {self.task!r}")
@@ -125,14 +133,36 @@ class SyntheticSettings:
         return parse_task(self.task)[1]
 
     @property
-    def sizes(self) -> dict[str, int]:
-        """The MAD size overrides as keyword arguments."""
+    def _mad_items(self) -> dict[str, int | float]:
         try:
             return dict(self.mad_sizes)
         except (TypeError, ValueError):
             raise ValueError(
-                f"mad_sizes: expected (key, int) pairs, got {self.mad_sizes!r}"
+                f"mad_sizes: expected (key, number) pairs, got {self.mad_sizes!r}"
             ) from None
+
+    @property
+    def sizes(self) -> dict[str, int | float]:
+        """The MAD generator's size overrides as keyword arguments (without the data-set keys)."""
+        return {k: v for k, v in self._mad_items.items() if k not in MAD_DATASET_KEYS}
+
+    @property
+    def mad_dataset(self) -> tuple[int, int] | None:
+        """MAD: ``(num_train_examples, num_test_examples)`` of a fixed data set, or None (fresh
+        batches every step, held-out batches from ``seed + EVAL_SEED_OFFSET``)."""
+        items = self._mad_items
+        if "num_train_examples" not in items:
+            return None
+        return items["num_train_examples"], items.get("num_test_examples", MAD_TEST_EXAMPLES)
+
+    def _check_mad_dataset(self) -> None:
+        items = self._mad_items
+        if "num_test_examples" in items and "num_train_examples" not in items:
+            raise ValueError("mad_sizes: num_test_examples needs num_train_examples")
+        for key in MAD_DATASET_KEYS:
+            value = items.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"mad_sizes: {key}: expected an int >= 1, got {value!r}")
 
     @property
     def protocol_bins(self) -> tuple[tuple[int, int], ...]:
@@ -204,6 +234,29 @@ def _protocol_batches(s: SyntheticSettings, strings, window) -> list[dict]:
     ]
 
 
+@functools.lru_cache(maxsize=4)
+def _mad_data(name: str, sizes: tuple, n_train: int, n_val: int, n_test: int) -> dict:
+    rng = np.random.default_rng(MAD_DATA_SEED)
+    make = functools.partial(make_mad_batch, name, rng_or_seed=rng, **dict(sizes))
+    return {"train": make(n_train), "val": make(n_val), "test": make(n_test)}
+
+
+def mad_data(s: SyntheticSettings) -> dict:
+    """MAD with a fixed data set (:attr:`SyntheticSettings.mad_dataset`): ``{train, val, test}``
+    batches of ``num_train_examples``, ``val_size`` and ``num_test_examples`` instances, drawn in
+    that order from ``MAD_DATA_SEED`` (the same for every model and seed, as MAD's stored data
+    sets; the memorization task's key-value map is fixed by its own seed)."""
+    n_train, n_test = s.mad_dataset
+    return _mad_data(s.name, tuple(sorted(s.sizes.items())), n_train, s.val_size, n_test)
+
+
+def _row_batches(rows: dict, batch_size: int) -> list[dict]:
+    """``rows`` (arrays ``[N, ...]``) cut into batches of ``batch_size`` rows (the last may be
+    shorter)."""
+    n = len(rows["inputs"])
+    return [{k: v[i : i + batch_size] for k, v in rows.items()} for i in range(0, n, batch_size)]
+
+
 def train_batch(s: SyntheticSettings, rng: np.random.Generator) -> dict:
     """One training batch of ``s.task`` drawn from ``rng`` (protocol: ``batch_size`` of the fixed
     training strings, drawn with replacement)."""
@@ -213,6 +266,10 @@ def train_batch(s: SyntheticSettings, rng: np.random.Generator) -> dict:
         return make_protocol_batch(s.name, rows, s.seq_len)
     if s.family == "formal":
         return make_formal_batch(s.name, s.batch_size, s.train_lengths, rng)
+    if s.mad_dataset is not None:
+        pool = mad_data(s)["train"]
+        rows = rng.integers(0, len(pool["inputs"]), size=s.batch_size)
+        return {k: v[rows] for k, v in pool.items()}
     return make_mad_batch(s.name, s.batch_size, rng, **s.sizes)
 
 
@@ -233,6 +290,10 @@ def eval_sets(s: SyntheticSettings) -> list[tuple[str, dict, list[dict]]]:
             sets.append((key, info, _protocol_batches(s, data[key], window)))
         return sets
     seed = s.seed + EVAL_SEED_OFFSET
+    if s.mad_dataset is not None:
+        test = mad_data(s)["test"]
+        info = {"seq_len": s.seq_len, "examples": len(test["inputs"])}
+        return [("heldout", info, _row_batches(test, s.batch_size))]
     if s.family == "mad":
         rng = np.random.default_rng(seed)
         batches = [
@@ -258,6 +319,8 @@ def val_batches(s: SyntheticSettings) -> list[dict]:
     from ``seed + VAL_SEED_OFFSET`` (a stream apart from the scored one); MAD: likewise."""
     if s.family == "protocol":
         return _protocol_batches(s, protocol_data(s)["val"], s.protocol_bins[0])
+    if s.mad_dataset is not None:
+        return _row_batches(mad_data(s)["val"], s.batch_size)
     rng = np.random.default_rng(s.seed + VAL_SEED_OFFSET)
     if s.family == "mad":
         return [make_mad_batch(s.name, s.batch_size, rng, **s.sizes) for _ in range(s.eval_batches)]

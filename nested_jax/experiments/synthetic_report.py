@@ -43,6 +43,7 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
             {
                 "model": model,
                 "lr": mine[0].get("lr"),
+                "weight_decay": mine[0].get("weight_decay"),
                 "d_model": mine[0]["d_model"],
                 "params": mine[0]["params"],
                 "seeds": [r["seed"] for r in mine],

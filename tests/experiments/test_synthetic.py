@@ -14,7 +14,7 @@ from nested_jax.experiments.synthetic_data import SyntheticSettings
 TINY = ["--d-model", "16", "--n-layers", "1", "--batch-size", "4", "--eval-batches", "2"]
 TINY += ["--steps", "2", "--warmup-steps", "1"]
 RUN_KEYS = {"model", "seed", "d_model", "params", "steps", "final_train_loss", "accuracy"}
-RUN_KEYS |= {"scores", "val", "lr", "train_seconds", "tokens_per_s"}
+RUN_KEYS |= {"scores", "val", "lr", "weight_decay", "train_seconds", "tokens_per_s"}
 
 
 def test_formal_task_end_to_end_writes_json_md_png(tmp_path, capsys):
