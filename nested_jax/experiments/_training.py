@@ -317,6 +317,35 @@ def fit(
     return Trained(graphdef, state_def, rest, state["params"]), stats
 
 
+def save_params(path: Path, params) -> None:
+    """Write a parameter tree as ``.npz`` (one array per leaf, keyed by its tree path), atomically,
+    so a finished run's weights can be probed later (:func:`load_params`)."""
+    import io
+
+    from nested_jax.files import atomic_write_bytes
+
+    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
+    buf = io.BytesIO()
+    np.savez(buf, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def load_params(path: Path, like):
+    """The tree written by :func:`save_params`, in the structure of ``like``.
+
+    Raises:
+      ValueError: naming ``path`` when a leaf of ``like`` is missing or has another shape.
+    """
+    with np.load(path) as saved:
+        leaves = []
+        for key, ref in jax.tree_util.tree_flatten_with_path(like)[0]:
+            name = jax.tree_util.keystr(key)
+            if name not in saved or saved[name].shape != np.shape(ref):
+                raise ValueError(f"path: {path} has no leaf {name} of shape {np.shape(ref)}")
+            leaves.append(saved[name])
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
 def make_scorer(trained: Trained) -> Callable[[Sequence[Batch], Callable], dict]:
     """``score(batches, accuracy_fn) -> {accuracy, eval_loss, eval_queries}`` for ``trained``.
 

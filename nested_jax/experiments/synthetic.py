@@ -47,8 +47,9 @@ std over seeds and, for protocol tasks, the best seed.
 Writes ``<out>/<family>_<name>.json`` (settings, one run per model and seed, one aggregated row per
 model), ``<out>/<family>_<name>.md`` (the table) and ``<out>/<family>_<name>.png`` (accuracy vs
 string length per model for formal tasks, a bar chart for MAD; chance dashed), and prints the
-Markdown. Each finished run is kept in ``<out>/models/<family>_<name>/<model>-seed<k>.json`` and
-reused by a later run with identical settings and width.
+Markdown. Each finished run is kept in ``<out>/models/<family>_<name>/<model>-seed<k>.json`` (its
+trained weights beside it, ``.params.npz``) and reused by a later run with identical settings and
+width.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from nested_jax.experiments._training import (
     make_scorer,
     model_config,
     model_widths,
+    save_params,
     scalar_values,
 )
 from nested_jax.experiments.synthetic_data import (
@@ -90,8 +92,15 @@ def _accuracy_fn(s: SyntheticSettings):
     return (formal_accuracy if s.family == "formal" else mad_accuracy), False
 
 
-def train_and_score(name: str, s: SyntheticSettings, d_model: int, log_every: int = 50) -> dict:
-    """Train model ``name`` on ``s.task`` from scratch (seed ``s.seed``) and score it.
+def train_and_score(
+    name: str,
+    s: SyntheticSettings,
+    d_model: int,
+    log_every: int = 50,
+    params_path: Path | None = None,
+) -> dict:
+    """Train model ``name`` on ``s.task`` from scratch (seed ``s.seed``) and score it; with
+    ``params_path``, keep the trained weights there (:func:`~._training.save_params`).
 
     Returns:
       a run: ``model, seed, d_model, params, steps, final_train_loss, accuracy`` (of the first
@@ -99,6 +108,8 @@ def train_and_score(name: str, s: SyntheticSettings, d_model: int, log_every: in
       info of :func:`eval_sets`), ``train_seconds`` (compilation included), ``tokens_per_s``.
     """
     trained, stats = fit(name, s, d_model, lambda rng: train_batch(s, rng), log_every)
+    if params_path is not None:
+        save_params(params_path, trained.params)
     score = make_scorer(trained)
     accuracy_fn, per_row = _accuracy_fn(s)
     scores = {
@@ -163,12 +174,15 @@ def run_synthetic(
     widths = model_widths(models, s, s.match_params)
     stem = s.task.replace(":", "_")
 
-    def compute(name: str, si: SyntheticSettings) -> dict:
+    def compute(name: str, si: SyntheticSettings, done: Path | None) -> dict:
         print(
             f"== {name} seed {si.seed} lr {si.lr:g}: d_model {widths[name]}, {s.steps} steps",
             flush=True,
         )
-        run = train_and_score(name, si, widths[name], log_every)
+        params_path = None if done is None else done.with_suffix(".params.npz")
+        if params_path is not None:
+            params_path.parent.mkdir(parents=True, exist_ok=True)
+        run = train_and_score(name, si, widths[name], log_every, params_path)
         accs = ", ".join(f"{k}: {v['accuracy']:.3f}" for k, v in run["scores"].items())
         print(
             f"== {name} seed {si.seed}: accuracy {accs} (chance {s.chance:.3f}), "
@@ -185,7 +199,7 @@ def run_synthetic(
         done = None if out is None else Path(out) / "models" / stem / f"{tag}.json"
         key = {"settings": dataclasses.asdict(si), "d_model": widths[name]}
         label = f"{name} seed {seed} lr {lr:g}" + (f" wd {wd:g}" if wds else "")
-        return cached_row(done, key, lambda: compute(name, si), label)
+        return cached_row(done, key, lambda: compute(name, si, done), label)
 
     def grid_key(lr: float, wd: float) -> str:
         return f"{lr:g}/wd{wd:g}" if wds else f"{lr:g}"

@@ -142,3 +142,27 @@ def test_mad_table_end_to_end_with_the_grid(tmp_path, monkeypatch, capsys):
         paper_tables.run_table("mad", "tiny", out, tasks=["parity"])
     with pytest.raises(ValueError, match="^scale:"):
         paper_tables.run_table("formal", "huge", out)
+
+
+def test_a_finished_run_keeps_weights_that_score_as_it_did(tmp_path):
+    from nested_jax.experiments import _training
+    from nested_jax.experiments.synthetic_data import eval_sets
+
+    s = SyntheticSettings(
+        task="protocol:parity", steps=3, batch_size=4, d_model=16, n_layers=1, warmup_steps=1,
+        bins=((2, 6), (7, 10)), train_size=40, test_size=12, val_size=8, lr=3e-3,
+    )  # fmt: skip
+    res = synthetic.run_synthetic(["transformer"], s, seeds=(0,), out=tmp_path)
+    (saved,) = (tmp_path / "models" / "protocol_parity").glob("*.params.npz")
+    graphdef, state_def, rest, _, state, _ = _training.build_training("transformer", s, 16)
+    params = _training.load_params(saved, state["params"])
+    score = _training.make_scorer(_training.Trained(graphdef, state_def, rest, params))
+    (_, _, batches), _ = eval_sets(s)
+    run = res["runs"][0]
+    assert score(batches, synthetic._accuracy_fn(s)[0], True) == {
+        k: pytest.approx(run["scores"]["bin0"][k])
+        for k in ("accuracy", "eval_loss", "eval_queries")
+    }
+    wrong = _training.build_training("transformer", s, 24)[4]["params"]
+    with pytest.raises(ValueError, match="^path:"):
+        _training.load_params(saved, wrong)
