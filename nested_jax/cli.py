@@ -26,7 +26,7 @@ COMMANDS = {
     "aot": ("nested_jax.train.aot", "compile for a TPU slice on this CPU: --config F --topology T"),
     "bench": (
         None,
-        "benchmarks: bench {core,titans,optim,hola,hope,kernels,context,data} [--json]",
+        "benchmarks: bench {core,titans,optim,hola,hope,kernels,context,data,peers} [--json]",
     ),
     "launch": ("nested_jax.launch.main", "start runs: launch {tpu-vm,xpk,local} ... [--dry-run]"),
     "prepare-data": ("nested_jax.data.prepared", "tokenise once into shards: --config F --out DIR"),
@@ -43,7 +43,7 @@ COMMANDS = {
         "a run's checkpoint -> Hugging Face: --workdir W --out DIR [--arch llama|qwen2]",
     ),
 }
-BENCHES = ("core", "titans", "optim", "hola", "hope", "kernels", "context", "data")
+BENCHES = ("core", "titans", "optim", "hola", "hope", "kernels", "context", "data", "peers")
 
 
 def _usage() -> str:
