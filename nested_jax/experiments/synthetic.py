@@ -132,6 +132,16 @@ def train_and_score(
     }
 
 
+def run_file(out: str | Path, s: SyntheticSettings, name: str, seed: int, lr: float, wd: float):
+    """Where :func:`run_synthetic` keeps model ``name``'s run at ``seed``, ``lr`` and weight decay
+    ``wd`` (its trained weights: the same path with ``.params.npz``): ``<out>/models/<stem>/
+    <name>-seed<k>[-lr<lr>][-wd<wd>].json``, the rate and decay named where they differ from
+    ``s``'s."""
+    tag = f"{name}-seed{seed}" + ("" if lr == s.lr else f"-lr{lr:g}")
+    tag += "" if wd == s.weight_decay else f"-wd{wd:g}"
+    return Path(out) / "models" / s.task.replace(":", "_") / f"{tag}.json"
+
+
 def run_synthetic(
     models: Sequence[str],
     s: SyntheticSettings,
@@ -194,9 +204,7 @@ def run_synthetic(
     def run_one(name: str, seed: int, lr: float, wd: float) -> dict:
         mine = tuple(p for p in s.model_overrides if p[0] == name)
         si = dataclasses.replace(s, seed=seed, lr=lr, weight_decay=wd, model_overrides=mine)
-        tag = f"{name}-seed{seed}" + ("" if lr == s.lr else f"-lr{lr:g}")
-        tag += "" if wd == s.weight_decay else f"-wd{wd:g}"
-        done = None if out is None else Path(out) / "models" / stem / f"{tag}.json"
+        done = None if out is None else run_file(out, s, name, seed, lr, wd)
         key = {"settings": dataclasses.asdict(si), "d_model": widths[name]}
         label = f"{name} seed {seed} lr {lr:g}" + (f" wd {wd:g}" if wds else "")
         return cached_row(done, key, lambda: compute(name, si, done), label)

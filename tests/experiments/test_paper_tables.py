@@ -166,3 +166,24 @@ def test_a_finished_run_keeps_weights_that_score_as_it_did(tmp_path):
     wrong = _training.build_training("transformer", s, 24)[4]["params"]
     with pytest.raises(ValueError, match="^path:"):
         _training.load_params(saved, wrong)
+
+
+def test_probe_reloads_a_table_run_and_counts_every_prefix(tmp_path, monkeypatch, capsys):
+    from nested_jax.experiments import formal_probe
+
+    monkeypatch.setitem(paper_tables.FORMAL_SCALES, "tiny", TINY_FORMAL)
+    paper_tables.run_table("formal", "tiny", tmp_path, models=["lstm"], tasks=["parity"])
+    folder = tmp_path / "formal" / "parity"
+    report = formal_probe.probe(folder, ["lstm"], 1, tmp_path / "probe")
+    x = report["models"]["lstm"]
+    assert x["prefix_length"] == list(range(1, 11)) and x["train_max"] == 6
+    # 12 test strings per bin: every one has prefixes 1 and 2; only Bin1 strings reach 7..10
+    assert x["strings"][0] == 24 and x["strings"][-1] <= 12 and x["strings"][6] == 12
+    assert all(0.0 <= a <= 1.0 for a in x["accuracy"])
+    assert all(1 <= p <= 10 for p in x["first_errors"])
+    assert (tmp_path / "probe" / "probe_parity.png").is_file()
+    assert formal_probe.main(["--dir", str(folder), "--models", "gdn", "--out", "x"]) == 2
+    assert capsys.readouterr().err.startswith("error: models: 'gdn' is not in the table")
+    assert formal_probe.main(["--dir", str(folder), "--models", "lstm", "--seed", "5"]
+                             + ["--out", "x"]) == 2  # fmt: skip
+    assert capsys.readouterr().err.startswith("error: dir: no weights for lstm seed 5")

@@ -1,0 +1,182 @@
+"""Where a trained model of a formal-language table goes wrong: accuracy by prefix length.
+
+    python -m nested_jax.experiments.formal_probe --dir runs/paper_tables/formal/parity \\
+        --models lstm transformer hope@token --seed 0 --out runs/probe_parity
+
+A string of the next-character protocol is scored by *every* prediction (docs/RESULTS.md
+"Formal-language protocol"), so a Bin1 score says that longer strings fail, not where. This
+probe reloads the weights a finished run kept (``.params.npz``, see
+:func:`~nested_jax.experiments.synthetic.run_file`) at the learning rate the table chose, predicts
+every prefix of the Bin0 and Bin1 test strings and reports, per model:
+
+* the accuracy of the prediction after a prefix of length ``p``, over all test strings at least
+  that long (a curve over ``p``; the training window ends at the dashed line);
+* the first wrong prefix length of each string that has one (median, and the share of those that
+  lie past the longest training string).
+
+A model that learned the language stays at 1 past the line; one that learned it only for the
+lengths it saw falls there; one that never learned it is low everywhere. Writes
+``<out>/probe_<task>.json`` and ``.png`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from nested_jax.experiments import _training
+from nested_jax.experiments.synthetic import run_file
+from nested_jax.experiments.synthetic_data import SyntheticSettings, eval_sets
+from nested_jax.files import write_json
+
+
+def settings_of(result: dict) -> SyntheticSettings:
+    """The :class:`SyntheticSettings` a ``synthetic`` result JSON was made with (lists back to
+    the tuples the dataclass holds)."""
+
+    def tuples(x):
+        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
+
+    return SyntheticSettings(**{k: tuples(v) for k, v in result["settings"].items()})
+
+
+def load_run(directory: Path, result: dict, model: str, seed: int):
+    """``(settings, trained)`` of ``model``'s run at ``seed`` and the table's chosen rate.
+
+    Raises:
+      ValueError: naming ``models`` when the table has no such model, or ``dir`` when the run or
+        its weights are not on disk.
+    """
+    s = settings_of(result)
+    rows = {r["model"]: r for r in result["rows"]}
+    if model not in rows:
+        raise ValueError(f"models: {model!r} is not in the table (has {list(rows)})")
+    sweep = result.get("lr_sweep", {}).get(model, {})
+    lr = sweep.get("chosen", rows[model]["lr"])
+    wd = sweep.get("chosen_wd", s.weight_decay)
+    mine = tuple(p for p in s.model_overrides if p[0] == model)
+    si = dataclasses.replace(s, seed=seed, lr=lr, weight_decay=wd, model_overrides=mine)
+    path = run_file(directory, s, model, seed, lr, wd).with_suffix(".params.npz")
+    if not path.is_file():
+        raise ValueError(f"dir: no weights for {model} seed {seed} at {path} (run the table first)")
+    graphdef, state_def, rest, _, state, _ = _training.build_training(
+        model, si, rows[model]["d_model"]
+    )
+    params = _training.load_params(path, state["params"])
+    return si, _training.Trained(graphdef, state_def, rest, params)
+
+
+def by_prefix(trained, s: SyntheticSettings) -> dict:
+    """Per test bin, prefix-length accuracy and first-error lengths of ``trained`` on ``s``."""
+    import jax
+    from flax import nnx
+
+    graphdef, state_def, rest, params = trained
+    logits_fn = jax.jit(
+        lambda p, tokens: nnx.merge(
+            graphdef, jax.tree.unflatten(state_def, jax.tree.leaves(p)), rest
+        )(tokens)[0]
+    )
+    max_len = max(s.protocol_seq_len(w) for w in s.protocol_bins)
+    right, seen, first = np.zeros(max_len), np.zeros(max_len), []
+    for _, _, batches in eval_sets(s):
+        for b in batches:
+            pred = np.asarray(logits_fn(params, b["inputs"])).argmax(-1)
+            ok = (pred == b["targets"]) & (b["loss_mask"] > 0)
+            mask = b["loss_mask"] > 0
+            t = mask.shape[1]
+            right[:t] += ok.sum(0)
+            seen[:t] += mask.sum(0)
+            wrong = mask & ~ok
+            first.extend(int(np.argmax(row)) for row in wrong if row.any())
+    lengths = np.nonzero(seen)[0]
+    return {
+        "prefix_length": lengths.tolist(),
+        "accuracy": (right[lengths] / seen[lengths]).tolist(),
+        "strings": seen[lengths].astype(int).tolist(),
+        "first_errors": first,
+        "train_max": s.protocol_bins[0][1] if s.name not in ("anbn", "anbncn") else None,
+    }
+
+
+def probe(directory: str | Path, models: Sequence[str], seed: int, out: str | Path) -> dict:
+    """Probe every model of ``models`` in the table folder ``directory`` (module docstring)."""
+    directory = Path(directory)
+    found = sorted(directory.glob("protocol_*.json"))
+    if len(found) != 1:
+        raise ValueError(f"dir: expected one protocol_<task>.json in {directory}, found {found}")
+    result = json.loads(found[0].read_text())
+    per_model, s = {}, None
+    for model in models:
+        s, trained = load_run(directory, result, model, seed)
+        per_model[model] = by_prefix(trained, s)
+        print(f"== {model}: {_summary(per_model[model])}", flush=True)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"task": result["task"], "seed": seed, "models": per_model}
+    report["plot"] = str(_plot(per_model, s, out / f"probe_{s.name}.png"))
+    write_json(out / f"probe_{s.name}.json", report)
+    return report
+
+
+def _summary(x: dict) -> str:
+    first = np.asarray(x["first_errors"])
+    if not first.size:
+        return "no wrong prediction"
+    line = f"{first.size} strings wrong, the first error at prefix length {np.median(first):.0f}"
+    line += " (median)"
+    if x["train_max"] is not None:
+        line += f", {np.mean(first > x['train_max']):.0%} of them past {x['train_max']}"
+    return line
+
+
+def _plot(per_model: dict, s: SyntheticSettings, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for model, x in per_model.items():
+        ax.plot(x["prefix_length"], x["accuracy"], label=model, lw=1.3)
+    train_max = next(iter(per_model.values()))["train_max"]
+    if train_max is not None:
+        ax.axvline(train_max + 0.5, color="k", ls="--", lw=0.8, label="longest training string")
+    ax.set_xlabel("prefix length p")
+    ax.set_ylabel("accuracy of the prediction after p")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"{s.task}: accuracy by prefix length (test strings of Bin0 and Bin1)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m nested_jax.experiments.formal_probe",
+        description="accuracy by prefix length of trained formal-language models",
+    )
+    p.add_argument("--dir", required=True, help="a table's task folder (has protocol_<task>.json)")
+    p.add_argument("--models", nargs="+", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    try:
+        report = probe(args.dir, args.models, args.seed, args.out)
+    except ValueError as err:
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"plot: {report['plot']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
