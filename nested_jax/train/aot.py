@@ -29,11 +29,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from nested_jax.train.aot_estimate import StepEstimate, describe_estimate, estimate_step
+from nested_jax.train.chips import CHIPS, chip_of
 from nested_jax.train.config import Config, ConfigError, add_override_argument, load_config
 
 GIB = 1024**3
-# HBM per chip (GiB) by TPU generation (the prefix of a topology name).
-CHIP_HBM_GIB = {"v4": 32.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _COLLECTIVE_RE = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
@@ -57,6 +57,7 @@ class StepMemory:
     compile_s: float = 0.0
     error: str = ""  # the compiler's one-line reason when it did not fit
     hlo: str = dataclasses.field(default="", repr=False)  # optimized HLO (keep_text=True)
+    estimate: StepEstimate | None = None  # the roofline estimate (train step, --estimate)
 
     @property
     def peak(self) -> int:
@@ -70,12 +71,12 @@ def chip_capacity(topology: str) -> int:
       AotError: for a TPU generation this table does not know.
     """
     generation = topology.split(":")[0]
-    if generation not in CHIP_HBM_GIB:
+    if generation not in CHIPS:
         raise AotError(
             f"--topology: unknown TPU generation {generation!r} in {topology!r}; "
-            f"expected one of {sorted(CHIP_HBM_GIB)} (e.g. v5e:4x4)"
+            f"expected one of {sorted(CHIPS)} (e.g. v5e:4x4)"
         )
-    return int(CHIP_HBM_GIB[generation] * GIB)
+    return int(CHIPS[generation].hbm_gib * GIB)
 
 
 def topology_devices(topology: str, slices: int = 1) -> list:
@@ -173,8 +174,12 @@ def compile_for_topology(
     per_device_batch: int = 0,
     eval_step: bool = False,
     keep_text: bool = False,
+    estimate: bool = False,
 ) -> tuple[Config, dict, list[StepMemory]]:
     """Lowers and compiles the train (and eval) step of `config` for `topology`.
+
+    ``estimate``: also the train step's roofline estimate (:func:`estimate_train_step`; one more
+    compile, with the layers unrolled).
 
     Returns:
       ``(config actually compiled, mesh shape, [StepMemory per step])``.
@@ -201,7 +206,34 @@ def compile_for_topology(
             params = plan.abstract_state()["params"]
             lowered = plan.eval_step.lower(params, plan.abstract_rest(), batch)
             results.append(compile_step(lowered, "eval", capacity, keep_text))
+    if estimate and results[0].fits:
+        results[0] = dataclasses.replace(
+            results[0], estimate=estimate_train_step(config, mesh, topology)
+        )
     return config, dict(mesh.shape), results
+
+
+def estimate_train_step(config: Config, mesh, topology: str) -> StepEstimate:
+    """The roofline estimate (:mod:`nested_jax.train.aot_estimate`) of ``config``'s train step on
+    ``mesh``: compiled with ``model.scan_layers=false`` so that XLA counts every layer."""
+    import jax
+    import numpy as np
+
+    from nested_jax.train.setup import plan_train_setup
+
+    unrolled = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, scan_layers=False)
+    )
+    plan = plan_train_setup(unrolled, mesh)
+    batch = plan.abstract_batch(config.data.batch_size, config.data.seq_len)
+    with jax.set_mesh(mesh):
+        state = plan.abstract_state()
+        compiled = plan.train_step.lower(state, plan.abstract_rest(), batch).compile()
+    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    tokens = config.data.batch_size * config.data.seq_len
+    return estimate_step(cost, compiled.as_text(), chip_of(topology), mesh.size, params, tokens)
 
 
 def _gib(n: int) -> str:
@@ -228,27 +260,49 @@ def describe(config: Config, topology: str, mesh_shape: dict, results: list[Step
         if r.collectives:
             counts = ", ".join(f"{k} {v}" for k, v in r.collectives.items() if v)
             lines.append(f"    collectives: {counts or 'none'}")
+        if r.estimate is not None:
+            lines.append(describe_estimate(r.estimate, chip_of(topology)))
     return "\n".join(lines)
 
 
 def table_row(
     path: str, config: Config, topology: str, mesh_shape: dict, results: list[StepMemory]
 ) -> str:
-    """One Markdown row: preset, topology, batch, per-chip peak of train / eval, fits."""
+    """One Markdown row: preset, topology, batch, per-chip peak of train / eval, fits, and the
+    train step's estimate (step time, tokens/s/chip, MFU; ``–`` without ``--estimate``)."""
     per_chip = {r.step: (_gib(r.peak) if not r.error else "OOM") for r in results}
     per_device = config.data.batch_size // (mesh_shape["data"] * mesh_shape["fsdp"])
     fits = "yes" if all(r.fits for r in results) else "**no**"
+    e = results[0].estimate
+    guess = "– | – | –"
+    if e is not None:
+        mfu = e.mfu(chip_of(topology).peak_tflops)
+        guess = f"{e.step_s:.3f} | {e.tokens_per_s_per_chip:,.0f} | {mfu:.0%}"
     return (
         f"| `{Path(path).stem}` | {topology} | {config.data.batch_size} ({per_device}/chip) | "
         f"{per_chip.get('train', '')} | {per_chip.get('eval', '')} | "
-        f"{_gib(results[0].capacity)} | {fits} |"
+        f"{_gib(results[0].capacity)} | {fits} | {guess} |"
     )
 
 
 TABLE_HEADER = (
     "| preset | topology | global batch | train peak GiB/chip | eval peak GiB/chip | "
-    "HBM GiB/chip | fits |\n|---|---|---|---:|---:|---:|---|"
+    "HBM GiB/chip | fits | est. step s | est. tokens/s/chip | est. MFU |\n"
+    "|---|---|---|---:|---:|---:|---|---:|---:|---:|"
 )
+
+
+def _estimate_record(r: StepMemory, topology: str) -> dict:
+    if r.estimate is None:
+        return {}
+    e = r.estimate
+    derived = {
+        "step_s": e.step_s,
+        "tokens_per_s_per_chip": e.tokens_per_s_per_chip,
+        "mfu": e.mfu(chip_of(topology).peak_tflops),
+        "bound": e.bound,
+    }
+    return {"estimate": dataclasses.asdict(e) | derived}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,6 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--per-device-batch", type=int, default=0, help="set data.batch_size to N per batch shard"
     )
     p.add_argument("--eval", action="store_true", help="also compile the eval step")
+    p.add_argument(
+        "--estimate",
+        action="store_true",
+        help="also estimate the train step's time, tokens/s/chip and MFU from the compiled program",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--markdown", help="with --table: also write the Markdown table to this file")
     add_override_argument(p)
@@ -275,7 +334,11 @@ def _one(path: str, args) -> tuple[Config, str, dict, list[StepMemory]]:
     if not topology:
         raise ConfigError(f"mesh.topology: {path} names no TPU topology; pass --topology")
     config, mesh_shape, results = compile_for_topology(
-        config, topology, per_device_batch=args.per_device_batch, eval_step=args.eval
+        config,
+        topology,
+        per_device_batch=args.per_device_batch,
+        eval_step=args.eval,
+        estimate=args.estimate,
     )
     return config, topology, mesh_shape, results
 
@@ -298,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "steps": [
                         {k: v for k, v in dataclasses.asdict(r).items() if k != "hlo"}
                         | {"peak": r.peak}
+                        | _estimate_record(r, topology)
                         for r in results
                     ],
                 }
