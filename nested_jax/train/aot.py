@@ -58,6 +58,7 @@ class StepMemory:
     error: str = ""  # the compiler's one-line reason when it did not fit
     hlo: str = dataclasses.field(default="", repr=False)  # optimized HLO (keep_text=True)
     estimate: StepEstimate | None = None  # the roofline estimate (train step, --estimate)
+    estimate_error: str = ""  # why the estimate's programs did not compile
 
     @property
     def peak(self) -> int:
@@ -207,33 +208,64 @@ def compile_for_topology(
             lowered = plan.eval_step.lower(params, plan.abstract_rest(), batch)
             results.append(compile_step(lowered, "eval", capacity, keep_text))
     if estimate and results[0].fits:
-        results[0] = dataclasses.replace(
-            results[0], estimate=estimate_train_step(config, mesh, topology)
-        )
+        try:
+            guess = {"estimate": estimate_train_step(config, mesh, topology)}
+        except Exception as err:  # an estimate that fails must not hide the fit just measured
+            guess = {"estimate_error": (_oom_reason(err) or str(err).splitlines()[0])[:300]}
+        results[0] = dataclasses.replace(results[0], **guess)
     return config, dict(mesh.shape), results
+
+
+def _layer_cost(config: Config, mesh, layers: int) -> tuple[dict, str]:
+    """``(cost_analysis, optimized HLO)`` of the train step with ``layers`` unrolled layers."""
+    import jax
+
+    from nested_jax.train.setup import plan_train_setup
+
+    model = dataclasses.replace(config.model, n_layers=layers, scan_layers=False)
+    plan = plan_train_setup(dataclasses.replace(config, model=model), mesh)
+    batch = plan.abstract_batch(config.data.batch_size, config.data.seq_len)
+    with jax.set_mesh(mesh):
+        compiled = plan.train_step.lower(
+            plan.abstract_state(), plan.abstract_rest(), batch
+        ).compile()
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, list | tuple) else cost), compiled.as_text()
 
 
 def estimate_train_step(config: Config, mesh, topology: str) -> StepEstimate:
     """The roofline estimate (:mod:`nested_jax.train.aot_estimate`) of ``config``'s train step on
-    ``mesh``: compiled with ``model.scan_layers=false`` so that XLA counts every layer."""
+    ``mesh``.
+
+    XLA counts a loop body once, so the layers cannot stay scanned, and unrolling all of them
+    changes the program's memory (a 1.3B model's unrolled step does not fit where its scanned one
+    does). The step is compiled with 1 and 2 unrolled layers instead, and every count extended
+    linearly to ``L`` layers, ``c(L) = c(1) + (L − 1) (c(2) − c(1))`` (the layers of a preset are
+    alike).
+    """
     import jax
     import numpy as np
 
+    from nested_jax.train.aot_estimate import collective_bytes
     from nested_jax.train.setup import plan_train_setup
 
-    unrolled = dataclasses.replace(
-        config, model=dataclasses.replace(config.model, scan_layers=False)
-    )
-    plan = plan_train_setup(unrolled, mesh)
-    batch = plan.abstract_batch(config.data.batch_size, config.data.seq_len)
-    with jax.set_mesh(mesh):
-        state = plan.abstract_state()
-        compiled = plan.train_step.lower(state, plan.abstract_rest(), batch).compile()
-    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    n_layers = config.model.n_layers
+    counts = []
+    for layers in sorted({1, min(2, n_layers)}):
+        cost, text = _layer_cost(config, mesh, layers)
+        counts.append(
+            {"flops": cost["flops"], "bytes accessed": cost["bytes accessed"]}
+            | {f"collective {k}": v for k, v in collective_bytes(text).items()}
+        )
+    one, two = counts[0], counts[-1]
+    total = {k: one[k] + (n_layers - 1) * (two[k] - one[k]) for k in one}
+    params = plan_train_setup(config, mesh).abstract_state()["params"]
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    moved = {
+        k.removeprefix("collective "): v for k, v in total.items() if k.startswith("collective ")
+    }
     tokens = config.data.batch_size * config.data.seq_len
-    return estimate_step(cost, compiled.as_text(), chip_of(topology), mesh.size, params, tokens)
+    return estimate_step(total, "", chip_of(topology), mesh.size, n_params, tokens, moved=moved)
 
 
 def _gib(n: int) -> str:
@@ -262,6 +294,8 @@ def describe(config: Config, topology: str, mesh_shape: dict, results: list[Step
             lines.append(f"    collectives: {counts or 'none'}")
         if r.estimate is not None:
             lines.append(describe_estimate(r.estimate, chip_of(topology)))
+        if r.estimate_error:
+            lines.append(f"    estimate: not made ({r.estimate_error})")
     return "\n".join(lines)
 
 

@@ -22,9 +22,10 @@ overlap of compute and HBM traffic, none of collectives with either, and a ring'
 collective; a real step is slower.
 
 What XLA's counts miss: the body of a ``while`` loop is counted once. The estimate therefore
-compiles the step with the layers unrolled (``model.scan_layers=false``), but the recurrences
-*inside* a layer (the scan over chunks of the gated delta rule, Titans, Hope) are still counted
-for one chunk; ``compute_s`` then rests on ``model_flops``, the floor above. Multi-slice runs:
+compiles the step with 1 and 2 unrolled layers and extends the counts linearly to the preset's
+depth (``aot.estimate_train_step``); the recurrences *inside* a layer (the scan over chunks of the
+gated delta rule, Titans, Hope) are still counted for one chunk, and ``compute_s`` then rests on
+``model_flops``, the floor above. Multi-slice runs:
 collectives are all priced at ICI bandwidth (the data-centre network between slices is slower;
 ``Chip.dcn_gbps`` is listed, not modelled).
 """
@@ -103,9 +104,16 @@ class StepEstimate:
 
 
 def estimate_step(
-    cost: dict, hlo_text: str, chip: Chip, chips: int, params: int, tokens: int
+    cost: dict,
+    hlo_text: str,
+    chip: Chip,
+    chips: int,
+    params: int,
+    tokens: int,
+    moved: dict | None = None,
 ) -> StepEstimate:
-    """The :class:`StepEstimate` of a compiled step (``cost``: its ``cost_analysis()``).
+    """The :class:`StepEstimate` of a compiled step (``cost``: its ``cost_analysis()``; the
+    collective bytes read from ``hlo_text``, or given as ``moved``).
 
     Raises:
       ValueError: naming ``cost`` when it has no ``flops`` or ``bytes accessed``.
@@ -114,7 +122,7 @@ def estimate_step(
         raise ValueError(f"cost: expected XLA's 'flops' and 'bytes accessed', got {sorted(cost)}")
     if chips < 1 or params < 1 or tokens < 1:
         raise ValueError(f"chips, params, tokens: expected >= 1, got {chips}, {params}, {tokens}")
-    moved = collective_bytes(hlo_text)
+    moved = collective_bytes(hlo_text) if moved is None else dict(moved)
     model_flops = 6.0 * params * tokens
     peak = chip.peak_tflops * 1e12
     wire = 2 * moved["all-reduce"] + sum(v for k, v in moved.items() if k != "all-reduce")

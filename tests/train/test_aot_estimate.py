@@ -84,3 +84,17 @@ def test_the_estimate_counts_every_layer_of_a_scanned_model():
         assert row.count("|") == 11 and "%" in row
     # XLA counts a loop body once: with the layers scanned, 1 and 3 layers would cost the same
     assert flops[3] > 2 * flops[1]
+
+
+@needs_libtpu
+def test_an_estimate_that_fails_leaves_the_fit_and_says_why(monkeypatch):
+    def out_of_memory(*_):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+
+    monkeypatch.setattr(aot, "estimate_train_step", out_of_memory)
+    cfg = load_config(["configs/experiments/tiny_gdn.yaml"], ["model.n_layers=1"])
+    _, mesh_shape, (train,) = aot.compile_for_topology(cfg, "v5e:2x2", estimate=True)
+    assert train.fits and train.estimate is None
+    assert train.estimate_error == "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm"
+    text = aot.describe(cfg, "v5e:2x2", mesh_shape, [train])
+    assert "(fits)" in text and "estimate: not made (RESOURCE_EXHAUSTED" in text
