@@ -44,21 +44,33 @@ def from_heads_major(x, B, T):
 
 
 def chunked_pallas_call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret, name,
-                        *args, semantics=("parallel", "arbitrary")):  # fmt: skip
+                        *args, semantics=("parallel", "arbitrary"), flops=0.0,
+                        transcendentals=0.0):  # fmt: skip
     """``pl.pallas_call`` over ``grid = (B·H, N, …)`` with rows parallel and chunks sequential
-    (``semantics``, one per grid axis); ``out_shape`` is a list of ``(shape, dtype)``."""
+    (``semantics``, one per grid axis); ``out_shape`` is a list of ``(shape, dtype)``.
+
+    It declares a ``pl.CostEstimate`` (XLA counts nothing inside a custom call, so without one a
+    compiled program's FLOPs and bytes leave the kernel out, e.g. ``nested-jax aot --estimate``):
+    the caller's ``flops`` and ``transcendentals`` for the whole call, and as bytes every input
+    and output once (each block is read or written once; the state stays in VMEM).
+    """
     # under shard_map (check_vma) the outputs vary over the mesh axes the inputs vary over
     mat = jax.typeof(args[0]).manual_axis_type
+    outs = [jax.ShapeDtypeStruct(s, t, manual_axis_type=mat) for s, t in out_shape]
+    moved = sum(x.size * x.dtype.itemsize for x in (*args, *outs))
     return pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct(s, t, manual_axis_type=mat) for s, t in out_shape],
+        out_shape=outs,
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
         interpret=interpret,
         name=name,
+        cost_estimate=pl.CostEstimate(
+            flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=int(moved)
+        ),
     )(*args)
 
 

@@ -43,6 +43,7 @@ from nested_jax.bench.common import (
     time_interleaved,
 )
 from nested_jax.core.associative.forms import gated_delta_chunked, gated_delta_recurrent
+from nested_jax.core.wy import chunk_flops
 
 DEFAULT_SEQ_LENS = (512, 2048, 8192)
 
@@ -52,10 +53,7 @@ def chunked_gdn_flops(
 ) -> float:
     """Matmul FLOPs of one fwd+bwd (``backward=False``: forward only) of the chunked gated delta
     rule (formula in the module docstring; ``bench kernels`` counts both of its paths with it)."""
-    N = -(-T // C)
-    fwd = 4 * C * C * K + (2 / 3) * C**3 + 2 * C * C * (K + V) + 6 * C * K * V + 2 * C * C * V
-    bwd = 4 * C * C * V + 12 * C * K * V + 4 * C * C * (K + V) + 8 * C * C * K
-    return float(N * B * H * (fwd + (bwd if backward else 0.0)))
+    return -(-T // C) * B * H * chunk_flops(C, K, V, backward)
 
 
 def _inputs(T, B, H, D, seed=0):

@@ -31,7 +31,29 @@ from jax import lax
 
 from nested_jax.core.scan import zeros_typed
 
-__all__ = ["kkt", "solve_tril", "w_u", "state_pass", "chunk_output", "wy_delta_core"]
+__all__ = [
+    "kkt",
+    "solve_tril",
+    "w_u",
+    "state_pass",
+    "chunk_output",
+    "wy_delta_core",
+    "chunk_flops",
+]
+
+
+def chunk_flops(C: int, K: int, V: int, backward: bool = True) -> float:
+    """Matmul FLOPs of one chunk of one head of the stages below, forward (and with
+    ``backward`` the hand-written VJP); multiply-add = 2, elementwise work not counted::
+
+        forward   [Q;K]Kᵀ 4C²K + inverse (2/3)C³ + T[βK|βV] 2C²(K+V) + state 4CKV + O 2CKV + 2C²V
+        backward  4C²V + 12CKV + 4C²(K+V) + 8C²K
+
+    The count behind ``bench core``'s GFLOP/s and the Pallas kernels' ``CostEstimate``.
+    """
+    fwd = 4 * C * C * K + (2 / 3) * C**3 + 2 * C * C * (K + V) + 6 * C * K * V + 2 * C * C * V
+    bwd = 4 * C * C * V + 12 * C * K * V + 4 * C * C * (K + V) + 8 * C * C * K
+    return float(fwd + (bwd if backward else 0.0))
 
 
 def _mT(x):

@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from nested_jax.core.wy import chunk_flops
 from pallas_kernels.common import chunk_specs, chunked_pallas_call
 
 __all__ = ["SCALARS", "gated_delta_fwd_call", "gated_delta_bwd_call"]
@@ -263,6 +264,7 @@ def gated_delta_fwd_call(
     return chunked_pallas_call(
         kernel, (BH, N), in_specs + [sp["state"]], out_specs, out_shape,
         [pltpu.VMEM((K, V), _F32)], interpret, "gated_delta_fwd", q, k, v, scalars, s0,
+        flops=BH * N * chunk_flops(chunk, K, V, backward=False), transcendentals=BH * Tp * chunk,
     )  # fmt: skip
 
 
@@ -298,7 +300,9 @@ def gated_delta_bwd_call(
     kernel = functools.partial(_bwd_kernel, scale=float(scale), restart=restart)
     scratch = [pltpu.VMEM((K, V), _F32), pltpu.VMEM((K, V), _F32)]
     args = (q, k, v, scalars, s0, states, do, dsfin)
+    # the backward recomputes the chunk's forward stages, then runs the VJP
+    flops = BH * N * (chunk_flops(chunk, K, V, backward=True))
     return chunked_pallas_call(
         kernel, (BH, N), in_specs, out_specs, out_shape, scratch, interpret, "gated_delta_bwd",
-        *args,
+        *args, flops=flops, transcendentals=BH * Tp * chunk,
     )  # fmt: skip

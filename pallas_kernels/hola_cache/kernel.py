@@ -168,10 +168,11 @@ def hola_cache_fwd_call(
     """
     BH, L, K, V, n, w, n_q, sp, in_specs = _layout(q, v, cmask, block, bq)
     kernel = functools.partial(_fwd_kernel, bq=bq, read_norm=read_norm, cache_scale=cache_scale)
+    flops, exps = read_cost(BH * L, block, w, K, V)
     return chunked_pallas_call(
         kernel, (BH, n, n_q), in_specs, [sp["q_tile"](V)], [((BH, L, V), _F32)], (), interpret,
         "hola_cache_fwd", q, k, v, ck, cv, cmask, fmask, par,
-        semantics=("parallel", "parallel", "parallel"),
+        semantics=("parallel", "parallel", "parallel"), flops=flops, transcendentals=exps,
     )[0]  # fmt: skip
 
 
@@ -191,7 +192,17 @@ def hola_cache_bwd_call(
     out_shape = [((BH, L, K), _F32), ((BH, L, K), _F32), ((BH, L, V), _F32),
                  ((BH, n * w, K), _F32), ((BH, n * w, V), _F32), ((BH, n, 3, K), _F32)]  # fmt: skip
     kernel = functools.partial(_bwd_kernel, bq=bq, read_norm=read_norm, cache_scale=cache_scale)
+    flops, exps = read_cost(BH * L, block, w, K, V)
+    # per tile: the read again, then its VJP (about twice its products)
     return chunked_pallas_call(
         kernel, (BH, n, n_q), in_specs, out_specs, out_shape, (), interpret, "hola_cache_bwd",
         q, k, v, ck, cv, cmask, fmask, par, do, semantics=("parallel", "parallel", "arbitrary"),
+        flops=3 * flops, transcendentals=exps,
     )  # fmt: skip
+
+
+def read_cost(queries: int, C: int, w: int, K: int, V: int) -> tuple[float, float]:
+    """``(matmul FLOPs, exponentials)`` of :func:`tile_read` over ``queries`` queries: the logits
+    against the ``w`` cache entries and the ``C`` block slots, ``2(w + C)K`` each, and the
+    weighted values ``2(w + C)V``; one exponential per logit."""
+    return float(queries * 2 * (w + C) * (K + V)), float(queries * (w + C))

@@ -296,7 +296,7 @@ def titans_linear_fwd_call(
     args = (q, k, v, sc, dread, m0, s0, *(reset or ()))
     return chunked_pallas_call(
         kernel, (BH, N), in_specs, out_specs, out_shape, scratch, interpret, "titans_linear_fwd",
-        *args,
+        *args, flops=BH * N * chunk_math_flops(chunk, K, V),
     )  # fmt: skip
 
 
@@ -341,7 +341,15 @@ def titans_linear_bwd_call(
     )
     scratch = [pltpu.VMEM((K, V), _F32)] * (nc + (2 if packed else 0))
     args = (q, k, v, sc, dread, *states, *(reset or ()), do, dm_fin, ds_fin)
+    # each chunk: the forward chunk_math again, then its VJP (about twice its products)
     return chunked_pallas_call(
         kernel, (BH, N), in_specs, out_specs, out_shape, scratch, interpret, "titans_linear_bwd",
-        *args,
+        *args, flops=3 * BH * N * chunk_math_flops(chunk, K, V),
     )  # fmt: skip
+
+
+def chunk_math_flops(C: int, K: int, V: int) -> float:
+    """Matmul FLOPs of one :func:`chunk_math` without packed rows (multiply-add = 2): the errors
+    ``K W`` 2CKV, the reads ``Q m`` of both states 4CKV and ``(D ⊙ Q Kᵀ) U`` 2C²(K+V), the two
+    state updates ``(K ⊙ d)ᵀ U`` 4CKV."""
+    return float(10 * C * K * V + 2 * C * C * (K + V))

@@ -17,6 +17,7 @@ import pytest
 
 from nested_jax import ops
 from nested_jax.core.associative.forms import gated_delta_chunked, gated_delta_recurrent
+from nested_jax.core.wy import chunk_flops
 from pallas_kernels.gated_delta import BlockSizes, gated_delta_pallas
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -216,6 +217,12 @@ def _check_compiles(topology, head_dim, resets):
             assert "tpu_custom_call" in text and kernel in text, (name, kernel)
         temp = compiled.memory_analysis().temp_size_in_bytes
         print(f"{topology} D={head_dim} resets={resets} {name}: temp {temp} B")
+        # the kernels declare their cost (XLA counts nothing inside a custom call): per chip, two
+        # rows of B·H = 4 (T = 256, chunk 64) at least the forward's matmul FLOPs
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list | tuple) else cost
+        declared = 2 * 2 * (256 // 64) * chunk_flops(64, head_dim, head_dim, backward=False)
+        assert cost["flops"] >= declared, (name, cost["flops"], declared)
 
 
 @needs_libtpu
