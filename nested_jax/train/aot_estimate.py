@@ -141,13 +141,17 @@ def estimate_step(
     )
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
 def describe_estimate(e: StepEstimate, chip: Chip) -> str:
     """Lines for the ``aot`` report, every figure labelled an estimate."""
     moved = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in e.collective_bytes.items() if v)
     if math.isnan(e.collective_s):
         coll = "n/a (no published ICI bandwidth)"
     else:
-        coll = f"{e.collective_s * 1e3:.3g} ms"
+        coll = _duration(e.collective_s)
     peaks = (
         f"{chip.peak_tflops:g} TFLOP/s bf16, {chip.hbm_gbps:g} GB/s HBM, "
         f"ICI {chip.ici_gbps or 'n/a'} GB/s per chip; {chip.source}"
@@ -159,8 +163,8 @@ def describe_estimate(e: StepEstimate, chip: Chip) -> str:
             f"      per chip: {e.flops / 1e12:.3f} TFLOP compiled (model 6·N·tokens: {model:.3f},"
             f" N = {e.params:,}), {e.hbm_bytes / 2**30:.2f} GiB HBM traffic, collectives "
             f"{moved or 'none'}",
-            f"      step ≈ {e.step_s * 1e3:.3g} ms (compute {e.compute_s * 1e3:.3g} ms, HBM "
-            f"{e.memory_s * 1e3:.3g} ms, collectives {coll}; {e.bound}-bound), "
+            f"      step ≈ {_duration(e.step_s)} (compute {_duration(e.compute_s)}, HBM "
+            f"{_duration(e.memory_s)}, collectives {coll}; {e.bound}-bound), "
             f"≈ {e.tokens_per_s_per_chip:,.0f} tokens/s/chip, MFU ≈ {e.mfu(chip.peak_tflops):.0%}",
         ]
     )
