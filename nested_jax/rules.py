@@ -18,6 +18,7 @@ class name.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 __all__ = [
@@ -316,6 +317,12 @@ class TitansRule:
       remat: recompute each chunk in the backward pass of the chunked forms, storing only the
         carried state per chunk (values and gradients unchanged; an engineering knob, on: the
         cheaper memory).
+      remat_every: with ``remat``, the backward stores the carried state of every
+        ``remat_every``-th chunk only and recomputes the chunks between (``core.scan.scan_remat``):
+        ``1`` = every chunk (no extra forward), ``0`` = ``⌈√N⌉`` for ``N`` chunks (the stored
+        states grow like √N; one more forward). An MLP memory's carry is weight-sized per (row,
+        head), so at long contexts these per-chunk stacks are what fills the chip. Values and
+        gradients unchanged.
     """
 
     memory_chunk: int = 16
@@ -325,15 +332,22 @@ class TitansRule:
     activation: str = "silu"
     grad_horizon: int = 0
     remat: bool = True
+    remat_every: int = 1
 
     def __post_init__(self) -> None:
-        _check_ints(self, {"memory_chunk": 1, "grad_horizon": 0})
+        _check_ints(self, {"memory_chunk": 1, "grad_horizon": 0, "remat_every": 0})
         for name in ("read_before_write", "per_chunk_gates", "remat"):
             if not isinstance(getattr(self, name), bool):
                 _fail(self, name, f"expected bool, got {getattr(self, name)!r}")
         if not _is_float(self.grad_clip) or not self.grad_clip >= 0:
             _fail(self, "grad_clip", f"must be a float >= 0 (0 = off), got {self.grad_clip!r}")
         _check_choices(self, {"activation": TITANS_ACTIVATIONS})
+
+    def remat_block(self, n_chunks: int) -> int:
+        """Chunks per checkpointed block of the chunk scan (1: every chunk's carry is stored)."""
+        if not self.remat or self.remat_every == 1:
+            return 1
+        return self.remat_every or math.isqrt(max(n_chunks, 1) - 1) + 1  # ⌈√N⌉
 
 
 # --------------------------------------------------------------------------------------------------

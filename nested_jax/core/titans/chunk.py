@@ -34,7 +34,7 @@ from jax import lax
 
 from nested_jax.core.checks import require_initial_state
 from nested_jax.core.dgd import softclamp_factor
-from nested_jax.core.scan import chunk, from_head_chunks, to_head_chunks
+from nested_jax.core.scan import chunk, from_head_chunks, scan_remat, to_head_chunks
 from nested_jax.core.titans.net import (
     MLP_STATE_CONSTRUCTOR,
     TitansMLPState,
@@ -351,7 +351,12 @@ def _chunked_core(state, xs, *, rule: TitansRule, residual: bool, segment_ids=No
             def body(c, x):
                 return inner(_stop_gradient_where(x[-1], c), x[:-1])
 
-        carry, y = lax.scan(body, carry, xs + ((cut,) if cut is not None else ()))
+        steps = xs + ((cut,) if cut is not None else ())
+        block = rule.remat_block(N)
+        if block > 1:  # only every block-th carry is stored; the chunks between are recomputed
+            carry, y = scan_remat(body, carry, steps, remat_every=block)
+        else:
+            carry, y = lax.scan(body, carry, steps)
         return from_head_chunks(y, T), carry[:2]  # y [N, B, H, b, V] → [B, T, H, V]
 
     if segment_ids is None:

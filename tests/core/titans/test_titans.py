@@ -593,13 +593,14 @@ def test_segment_ids_reset_to_initial_state():
 # --------------------------------------------------------------------------------------------------
 
 
-def _temp_bytes(T):
+def _temp_bytes(T, remat_every=1):
     B, H, D, hid, b = 1, 2, 16, 32, 16
     st = _mlp_state(0, B, H, (D, hid, D))
     x = _inputs(0, B, T, H, D, D)
+    rule = TitansRule(memory_chunk=b, remat_every=remat_every)
 
     def loss(st, *a):
-        y, s = titans_mlp_chunked(*a, initial_state=st, rule=TitansRule(memory_chunk=b))
+        y, s = titans_mlp_chunked(*a, initial_state=st, rule=rule)
         return jnp.sum(y**2) + sum(jnp.sum(w) for w in s.weights)
 
     f = jax.jit(jax.grad(loss, argnums=tuple(range(7)))).lower(st, *x)
@@ -612,6 +613,35 @@ def test_chunked_fwd_bwd_temp_memory_is_linear_in_T():
     """Only the carried (W, S) per chunk is saved for the backward pass: ×4 tokens ≈ ×3 bytes."""
     small, large = _temp_bytes(256), _temp_bytes(1024)
     assert large <= 5 * small, (small, large)
+
+
+def test_remat_every_keeps_values_and_gradients():
+    """Storing every n-th chunk's carry (and ⌈√N⌉ with 0) recomputes the same chunks: values and
+    gradients equal those of every carry stored, on packed rows with a gradient horizon too."""
+    B, T, H, D, b = 2, 21, 1, 6, 4  # 6 chunks, the last one short; blocks of 3 (√), and 5 + 1
+    x = _inputs(7, B, T, H, D, D)
+    st = _mlp_state(8, B, H, (D, 8, D))
+    seg = _segments(T, last=17)  # a document starting off the chunk grid
+
+    def run(every, horizon):
+        rule = TitansRule(memory_chunk=b, remat_every=every, grad_horizon=horizon, grad_clip=1.0)
+        return _grads(
+            lambda st, *a: titans_mlp_chunked(*a, initial_state=st, rule=rule, segment_ids=seg),
+            (st, *x),
+        )
+
+    for horizon in (0, 8):
+        want = run(1, horizon)
+        for every in (0, 5):
+            _assert_tree_close(run(every, horizon), want, f"remat_every={every} h={horizon}")
+
+
+def test_remat_every_stores_fewer_chunk_carries():
+    """64 chunks: ⌈√64⌉ = 8 per block stores 8 block carries + 8 inside one block, not 64; at
+    least half of the 48 carries' bytes (weights and momenta of both layers, f32) are saved."""
+    every, sqrt = _temp_bytes(1024), _temp_bytes(1024, remat_every=0)
+    carry = 2 * (16 * 32 + 32 * 16) * 2 * 4  # (W, S) × both layers × H = 2 heads × f32
+    assert every - sqrt >= 0.5 * 48 * carry, (every, sqrt)
 
 
 # --------------------------------------------------------------------------------------------------
