@@ -142,6 +142,28 @@ def run_file(out: str | Path, s: SyntheticSettings, name: str, seed: int, lr: fl
     return Path(out) / "models" / s.task.replace(":", "_") / f"{tag}.json"
 
 
+def _checked_lists(models, s: SyntheticSettings, seeds, lrs, wds):
+    """``(seeds, lrs, wds)`` as lists, after the checks of :func:`run_synthetic`'s arguments.
+
+    Raises:
+      ValueError: naming ``models``, ``seeds``, ``lrs``, ``wds`` or ``model_overrides``.
+    """
+    check_models(models)
+    seeds = list(seeds)
+    if not seeds or len(set(seeds)) != len(seeds) or any(not isinstance(k, int) for k in seeds):
+        raise ValueError(f"seeds: expected distinct ints, got {seeds}")
+    lrs = [float(x) for x in lrs]
+    if any(not x > 0 for x in lrs) or len(set(lrs)) != len(lrs):
+        raise ValueError(f"lrs: expected distinct rates > 0, got {lrs}")
+    wds = [float(x) for x in wds]
+    if any(not x >= 0 for x in wds) or len(set(wds)) != len(wds):
+        raise ValueError(f"wds: expected distinct decays >= 0, got {wds}")
+    unknown = sorted({m for m, _ in s.model_overrides} - set(models))
+    if unknown:
+        raise ValueError(f"model_overrides: models {unknown} are not in models {list(models)}")
+    return seeds, lrs, wds
+
+
 def run_synthetic(
     models: Sequence[str],
     s: SyntheticSettings,
@@ -168,19 +190,7 @@ def run_synthetic(
       accuracy and loss at each rate (``"<lr>"``, or ``"<lr>/wd<wd>"`` with ``wds``), the chosen
       rate and decay).
     """
-    check_models(models)
-    seeds = list(seeds)
-    if not seeds or len(set(seeds)) != len(seeds) or any(not isinstance(k, int) for k in seeds):
-        raise ValueError(f"seeds: expected distinct ints, got {seeds}")
-    lrs = [float(x) for x in lrs]
-    if any(not x > 0 for x in lrs) or len(set(lrs)) != len(lrs):
-        raise ValueError(f"lrs: expected distinct rates > 0, got {lrs}")
-    wds = [float(x) for x in wds]
-    if any(not x >= 0 for x in wds) or len(set(wds)) != len(wds):
-        raise ValueError(f"wds: expected distinct decays >= 0, got {wds}")
-    unknown = sorted({m for m, _ in s.model_overrides} - set(models))
-    if unknown:
-        raise ValueError(f"model_overrides: models {unknown} are not in models {list(models)}")
+    seeds, lrs, wds = _checked_lists(models, s, seeds, lrs, wds)
     widths = model_widths(models, s, s.match_params)
     stem = s.task.replace(":", "_")
 
