@@ -397,6 +397,21 @@ def cached_row(path: Path | None, key: dict, compute: Callable[[], dict], label:
     return row
 
 
+def print_table(run: Callable[[], dict]) -> int:
+    """A driver's ``main`` tail: ``run()``, then print its ``markdown`` and ``plot`` path (exit
+    0), or one ``error:`` line on stderr for a ``ValueError`` (exit 2)."""
+    import sys
+
+    try:
+        result = run()
+    except ValueError as err:
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(result["markdown"], end="")
+    print(f"plot: {result['plot']}")
+    return 0
+
+
 def _scalar_fields(cls: type, skip: Sequence[str]) -> list[tuple[str, Any]]:
     defaults = cls()
     return [

@@ -107,7 +107,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nested_jax.data.corpus import load_austen_novels
-from nested_jax.experiments._training import add_scalar_flags, cached_row, scalar_values
+from nested_jax.experiments._training import (
+    add_scalar_flags,
+    cached_row,
+    print_table,
+    scalar_values,
+)
 from nested_jax.experiments.class_incremental_arms import ARMS, SeedData, run_arm
 from nested_jax.experiments.class_incremental_data import ClassIncrementalSettings
 from nested_jax.experiments.class_incremental_report import (
@@ -252,21 +257,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def run_it():
         values = scalar_values(args, ClassIncrementalSettings)
         if args.cms_periods is not None:
             values["cms_periods"] = tuple(args.cms_periods)
         if args.permute:
             values["permute"] = True
         base = SCALES["quick" if args.quick else args.scale]
-        s = dataclasses.replace(base, **values)
-        result = run(s, args.arms, args.seeds, args.out)
-    except ValueError as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
-    print(result["markdown"], end="")
-    print(f"plot: {result['plot']}")
-    return 0
+        return run(dataclasses.replace(base, **values), args.arms, args.seeds, args.out)
+
+    return print_table(run_it)
 
 
 if __name__ == "__main__":

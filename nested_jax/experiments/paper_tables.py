@@ -38,6 +38,7 @@ from pathlib import Path
 
 from nested_jax.eval.formal_protocol import PROTOCOL_TASKS
 from nested_jax.eval.mad import MAD_TASKS
+from nested_jax.experiments._training import print_table
 from nested_jax.experiments.synthetic import run_synthetic
 from nested_jax.experiments.synthetic_data import SyntheticSettings
 from nested_jax.experiments.synthetic_report import spread
@@ -486,14 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        result = run_table(args.table, args.scale, args.out, args.models, args.tasks, args.seeds)
-    except ValueError as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
-    print(result["markdown"], end="")
-    print(f"plot: {result['plot']}")
-    return 0
+    return print_table(
+        lambda: run_table(args.table, args.scale, args.out, args.models, args.tasks, args.seeds)
+    )
 
 
 if __name__ == "__main__":
