@@ -29,12 +29,17 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from nested_jax.train.aot_estimate import StepEstimate, describe_estimate, estimate_step
+from nested_jax.train.aot_estimate import (
+    COLLECTIVES,
+    StepEstimate,
+    collective_bytes,
+    describe_estimate,
+    estimate_step,
+)
 from nested_jax.train.chips import CHIPS, chip_of
 from nested_jax.train.config import Config, ConfigError, add_override_argument, load_config
 
 GIB = 1024**3
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _COLLECTIVE_RE = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
@@ -71,13 +76,13 @@ def chip_capacity(topology: str) -> int:
     Raises:
       AotError: for a TPU generation this table does not know.
     """
-    generation = topology.split(":")[0]
-    if generation not in CHIPS:
+    try:
+        return int(chip_of(topology).hbm_gib * GIB)
+    except ValueError:
         raise AotError(
-            f"--topology: unknown TPU generation {generation!r} in {topology!r}; "
+            f"--topology: unknown TPU generation {topology.split(':')[0]!r} in {topology!r}; "
             f"expected one of {sorted(CHIPS)} (e.g. v5e:4x4)"
-        )
-    return int(CHIPS[generation].hbm_gib * GIB)
+        ) from None
 
 
 def topology_devices(topology: str, slices: int = 1) -> list:
@@ -209,7 +214,7 @@ def compile_for_topology(
             results.append(compile_step(lowered, "eval", capacity, keep_text))
     if estimate and results[0].fits:
         try:
-            guess = {"estimate": estimate_train_step(config, mesh, topology)}
+            guess = {"estimate": estimate_train_step(config, mesh, topology, plan)}
         except Exception as err:  # an estimate that fails must not hide the fit just measured
             guess = {"estimate_error": (_oom_reason(err) or str(err).splitlines()[0])[:300]}
         results[0] = dataclasses.replace(results[0], **guess)
@@ -233,9 +238,9 @@ def _layer_cost(config: Config, mesh, layers: int) -> tuple[dict, str]:
     return (cost[0] if isinstance(cost, list | tuple) else cost), compiled.as_text()
 
 
-def estimate_train_step(config: Config, mesh, topology: str) -> StepEstimate:
+def estimate_train_step(config: Config, mesh, topology: str, plan) -> StepEstimate:
     """The roofline estimate (:mod:`nested_jax.train.aot_estimate`) of ``config``'s train step on
-    ``mesh``.
+    ``mesh`` (``plan``: its ``plan_train_setup``, for the parameter count).
 
     XLA counts a loop body once, so the layers cannot stay scanned, and unrolling all of them
     changes the program's memory (a 1.3B model's unrolled step does not fit where its scanned one
@@ -246,26 +251,20 @@ def estimate_train_step(config: Config, mesh, topology: str) -> StepEstimate:
     import jax
     import numpy as np
 
-    from nested_jax.train.aot_estimate import collective_bytes
-    from nested_jax.train.setup import plan_train_setup
-
     n_layers = config.model.n_layers
-    counts = []
-    for layers in sorted({1, min(2, n_layers)}):
-        cost, text = _layer_cost(config, mesh, layers)
-        counts.append(
-            {"flops": cost["flops"], "bytes accessed": cost["bytes accessed"]}
-            | {f"collective {k}": v for k, v in collective_bytes(text).items()}
-        )
-    one, two = counts[0], counts[-1]
-    total = {k: one[k] + (n_layers - 1) * (two[k] - one[k]) for k in one}
-    params = plan_train_setup(config, mesh).abstract_state()["params"]
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    moved = {
-        k.removeprefix("collective "): v for k, v in total.items() if k.startswith("collective ")
-    }
+    cost1, text1 = _layer_cost(config, mesh, 1)
+    cost2, text2 = (cost1, text1) if n_layers == 1 else _layer_cost(config, mesh, 2)
+
+    def extend(one: float, two: float) -> float:
+        return one + (n_layers - 1) * (two - one)
+
+    total = {k: extend(cost1[k], cost2[k]) for k in ("flops", "bytes accessed")}
+    moved1, moved2 = collective_bytes(text1), collective_bytes(text2)
+    moved = {k: extend(moved1[k], moved2[k]) for k in moved1}
+    params = jax.tree.leaves(plan.abstract_state()["params"])
+    n_params = sum(int(np.prod(x.shape)) for x in params)
     tokens = config.data.batch_size * config.data.seq_len
-    return estimate_step(total, "", chip_of(topology), mesh.size, n_params, tokens, moved=moved)
+    return estimate_step(total, moved, chip_of(topology), mesh.size, n_params, tokens)
 
 
 def _gib(n: int) -> str:

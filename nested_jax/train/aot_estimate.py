@@ -38,12 +38,12 @@ import re
 
 from nested_jax.train.chips import Chip
 
-__all__ = ["StepEstimate", "collective_bytes", "estimate_step", "describe_estimate"]
+__all__ = ["COLLECTIVES", "StepEstimate", "collective_bytes", "estimate_step", "describe_estimate"]
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2}
 DTYPE_BYTES |= {"s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(_KINDS) + r")(-start)?\(")
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
 
 
@@ -59,7 +59,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     op, whose result tuple also holds its operands, counts its largest array. Collectives inside a
     loop body are counted once (the module docstring).
     """
-    out = dict.fromkeys(_KINDS, 0)
+    out = dict.fromkeys(COLLECTIVES, 0)
     for line in hlo_text.splitlines():
         match = _OP.search(line)
         if not match:
@@ -104,16 +104,10 @@ class StepEstimate:
 
 
 def estimate_step(
-    cost: dict,
-    hlo_text: str,
-    chip: Chip,
-    chips: int,
-    params: int,
-    tokens: int,
-    moved: dict | None = None,
+    cost: dict, moved: dict, chip: Chip, chips: int, params: int, tokens: int
 ) -> StepEstimate:
-    """The :class:`StepEstimate` of a compiled step (``cost``: its ``cost_analysis()``; the
-    collective bytes read from ``hlo_text``, or given as ``moved``).
+    """The :class:`StepEstimate` of a compiled step (``cost``: its ``cost_analysis()``; ``moved``:
+    its collective bytes by kind, :func:`collective_bytes`).
 
     Raises:
       ValueError: naming ``cost`` when it has no ``flops`` or ``bytes accessed``.
@@ -122,7 +116,7 @@ def estimate_step(
         raise ValueError(f"cost: expected XLA's 'flops' and 'bytes accessed', got {sorted(cost)}")
     if chips < 1 or params < 1 or tokens < 1:
         raise ValueError(f"chips, params, tokens: expected >= 1, got {chips}, {params}, {tokens}")
-    moved = collective_bytes(hlo_text) if moved is None else dict(moved)
+    moved = dict(moved)
     model_flops = 6.0 * params * tokens
     peak = chip.peak_tflops * 1e12
     wire = 2 * moved["all-reduce"] + sum(v for k, v in moved.items() if k != "all-reduce")

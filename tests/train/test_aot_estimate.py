@@ -38,7 +38,7 @@ def test_collective_bytes_sum_results_and_count_async_pairs_once():
 def test_estimate_arithmetic():
     chip = Chip("t", 1.0, peak_tflops=1.0, hbm_gbps=1.0, ici_gbps=2.0, dcn_gbps=None, source="x")
     cost = {"flops": 3e12, "bytes accessed": 2e9}
-    e = estimate_step(cost, HLO, chip, chips=4, params=10**6, tokens=10**5)
+    e = estimate_step(cost, collective_bytes(HLO), chip, chips=4, params=10**6, tokens=10**5)
     assert e.model_flops == 6e11 and e.compute_s == pytest.approx(3.0)  # compiled > model / chips
     assert e.memory_s == pytest.approx(2.0) and e.bound == "compute"
     wire = 2 * e.collective_bytes["all-reduce"] + e.collective_bytes["all-gather"] + 40
@@ -46,14 +46,15 @@ def test_estimate_arithmetic():
     assert e.step_s == pytest.approx(3.0 + wire / 2e9)
     assert e.tokens_per_s_per_chip == pytest.approx(10**5 / 4 / e.step_s)
     assert e.mfu(1.0) == pytest.approx(6e11 / e.step_s / 4e12)
-    cheap = estimate_step({"flops": 1.0, "bytes accessed": 1.0}, "", chip, 4, 10**6, 10**5)
+    none = collective_bytes("")
+    cheap = estimate_step({"flops": 1.0, "bytes accessed": 1.0}, none, chip, 4, 10**6, 10**5)
     assert cheap.compute_s == pytest.approx(6e11 / 4 / 1e12)  # the model's floor
     no_ici = Chip("u", 1.0, 1.0, 1.0, None, None, "y")
-    e = estimate_step(cost, HLO, no_ici, 4, 10**6, 10**5)
+    e = estimate_step(cost, collective_bytes(HLO), no_ici, 4, 10**6, 10**5)
     assert math.isnan(e.collective_s) and e.step_s == pytest.approx(3.0)
     assert "n/a (no published ICI bandwidth)" in describe_estimate(e, no_ici)
     with pytest.raises(ValueError, match="^cost:"):
-        estimate_step({"flops": 1.0}, "", chip, 1, 1, 1)
+        estimate_step({"flops": 1.0}, none, chip, 1, 1, 1)
 
 
 def test_chip_table_names_its_sources_and_matches_the_capacity():
