@@ -346,6 +346,17 @@ def load_params(path: Path, like):
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
+def make_logits_fn(trained: Trained) -> Callable:
+    """``logits_fn(params, tokens [B, T]) -> [B, T, V]``: the jitted forward of ``trained``'s model
+    (compiled once per batch shape)."""
+    graphdef, state_def, rest, _ = trained
+    return jax.jit(
+        lambda p, tokens: nnx.merge(
+            graphdef, jax.tree.unflatten(state_def, jax.tree.leaves(p)), rest
+        )(tokens)[0]
+    )
+
+
 def make_scorer(trained: Trained) -> Callable[[Sequence[Batch], Callable], dict]:
     """``score(batches, accuracy_fn) -> {accuracy, eval_loss, eval_queries}`` for ``trained``.
 
@@ -359,11 +370,7 @@ def make_scorer(trained: Trained) -> Callable[[Sequence[Batch], Callable], dict]
 
     graphdef, state_def, rest, params = trained
     eval_step = jax.jit(make_eval_step(graphdef, state_def))
-    logits_fn = jax.jit(
-        lambda p, tokens: nnx.merge(
-            graphdef, jax.tree.unflatten(state_def, jax.tree.leaves(p)), rest
-        )(tokens)[0]
-    )
+    logits_fn = make_logits_fn(trained)
 
     def score(batches: Sequence[Batch], accuracy_fn: Callable, per_row: bool = False) -> dict:
         correct, total, loss_sum, tokens = 0.0, 0, 0.0, 0.0

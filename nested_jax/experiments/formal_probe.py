@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nested_jax.eval.formal_protocol import PROTOCOL_TASKS
 from nested_jax.experiments import _training
 from nested_jax.experiments.synthetic import run_file
 from nested_jax.experiments.synthetic_data import SyntheticSettings, eval_sets
@@ -74,15 +75,8 @@ def load_run(directory: Path, result: dict, model: str, seed: int):
 
 def by_prefix(trained, s: SyntheticSettings) -> dict:
     """Per test bin, prefix-length accuracy and first-error lengths of ``trained`` on ``s``."""
-    import jax
-    from flax import nnx
-
-    graphdef, state_def, rest, params = trained
-    logits_fn = jax.jit(
-        lambda p, tokens: nnx.merge(
-            graphdef, jax.tree.unflatten(state_def, jax.tree.leaves(p)), rest
-        )(tokens)[0]
-    )
+    logits_fn = _training.make_logits_fn(trained)
+    params = trained.params
     max_len = max(s.protocol_seq_len(w) for w in s.protocol_bins)
     right, seen, first = np.zeros(max_len), np.zeros(max_len), []
     for _, _, batches in eval_sets(s):
@@ -101,7 +95,8 @@ def by_prefix(trained, s: SyntheticSettings) -> dict:
         "accuracy": (right[lengths] / seen[lengths]).tolist(),
         "strings": seen[lengths].astype(int).tolist(),
         "first_errors": first,
-        "train_max": s.protocol_bins[0][1] if s.name not in ("anbn", "anbncn") else None,
+        # a window bounding n (aⁿbⁿ, ...) is not a prefix length: no line to draw
+        "train_max": s.protocol_bins[0][1] if PROTOCOL_TASKS[s.name].window == "length" else None,
     }
 
 

@@ -200,8 +200,6 @@ def run_synthetic(
             flush=True,
         )
         params_path = None if done is None else done.with_suffix(".params.npz")
-        if params_path is not None:
-            params_path.parent.mkdir(parents=True, exist_ok=True)
         run = train_and_score(name, si, widths[name], log_every, params_path)
         accs = ", ".join(f"{k}: {v['accuracy']:.3f}" for k, v in run["scores"].items())
         print(
