@@ -34,6 +34,7 @@ __all__ = [
     "matmul_gflops",
     "time_interleaved",
     "temp_bytes",
+    "rel_err",
     "emit",
 ]
 
@@ -101,6 +102,12 @@ def time_interleaved(
             _block(f())
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def rel_err(a, b) -> float:
+    """``max|a − b| / max|b|`` in float64 (the agreement benchmarks print beside their timings)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
 
 def temp_bytes(jitted_fn, *args, **kwargs) -> int:

@@ -55,20 +55,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nested_jax.bench.common import emit, make_parser, progress, time_interleaved
+from nested_jax.bench.common import emit, make_parser, progress, rel_err, time_interleaved
 from nested_jax.bench.core import chunked_gdn_flops
 from nested_jax.core.associative.forms import gated_delta_chunked
+from nested_jax.train.chips import CHIPS
 from pallas_kernels.gated_delta import BlockSizes, gated_delta_pallas
 
-# Peak dense bf16 FLOP/s and HBM bytes/s per chip, the vendors' published figures (TPU v5e
-# 197 TF/s, 819 GB/s; v5p 459, 2765; v6e 918, 1638; H100 / H200
-# ≈ 989 TF/s, 3.35 / 4.8 TB/s). Keys are matched against ``device.device_kind`` (lower case).
+# Peak dense bf16 FLOP/s and HBM bytes/s per chip, the vendors' published figures: the TPUs from
+# the chip table of ``nested-jax aot`` (``train.chips``), H100 / H200 ≈ 989 TF/s, 3.35 / 4.8 TB/s.
+# Keys are matched against ``device.device_kind`` (lower case; "v5 lite" is how v5e names itself).
+_TPU_KINDS = {"v5e": "v5e", "v5 lite": "v5e", "v5p": "v5p", "v6e": "v6e", "v6 lite": "v6e"}
 DEVICE_PEAKS = {
-    "v5e": (197e12, 819e9),
-    "v5 lite": (197e12, 819e9),
-    "v5p": (459e12, 2765e9),
-    "v6e": (918e12, 1638e9),
-    "v6 lite": (918e12, 1638e9),
+    **{
+        kind: (CHIPS[chip].peak_tflops * 1e12, CHIPS[chip].hbm_gbps * 1e9)
+        for kind, chip in _TPU_KINDS.items()
+    },
     "h100": (989e12, 3.35e12),
     "h200": (989e12, 4.8e12),
 }
@@ -135,12 +136,6 @@ def fwdbwd(fn):
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4))
-
-
-def rel_err(a, b) -> float:
-    """``max|a − b| / max|b|`` in float64."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
 
 # --------------------------------------------------------------------------------------------------

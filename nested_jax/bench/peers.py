@@ -55,6 +55,7 @@ from nested_jax.bench.common import (
     make_parser,
     matmul_gflops,
     progress,
+    rel_err,
     temp_bytes,
     time_interleaved,
 )
@@ -158,12 +159,9 @@ def forward_and_grad(fn: GDN, weights) -> tuple[Callable, Callable]:
 
 
 def max_err(a, b) -> float:
-    """Largest absolute difference over matching leaves (relative to the leaf's scale)."""
-    errs = [
-        float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    ]
-    return max(errs)
+    """The largest :func:`~nested_jax.bench.common.rel_err` over matching leaves."""
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return max(rel_err(x, y) for x, y in pairs)
 
 
 def compare_shape(peer: str, theirs: dict[str, GDN], T: int, D: int, repeats: int, recurrent: bool):
