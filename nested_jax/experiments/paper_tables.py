@@ -166,6 +166,20 @@ class TableScale:
     def mad_steps(self, num_train_examples: int) -> int:
         return min(math.ceil(self.epochs * num_train_examples / self.batch_size), self.max_steps)
 
+    def synthetic(self, task: str, models: Sequence[str], **fields) -> SyntheticSettings:
+        """The :class:`SyntheticSettings` of one task at this preset (``fields``: the task's own,
+        e.g. ``steps``), with the variants' options of ``models``."""
+        return SyntheticSettings(
+            task=task,
+            batch_size=self.batch_size,
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            model_overrides=tuple((m, t) for m in models for t in VARIANTS.get(m, ())),
+            **fields,
+            **dict(self.settings),
+        )
+
 
 FORMAL_SCALES = {
     "cpu": TableScale(
@@ -242,26 +256,13 @@ def _label(sizes: Mapping[str, int | float], base: Mapping[str, int | float]) ->
     return ",".join(changed) or "baseline"
 
 
-def _overrides(models: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    return tuple((m, text) for m in models for text in VARIANTS.get(m, ()))
-
-
 def run_formal(
     scale: TableScale, models: Sequence[str], tasks: Sequence[str], seeds: Sequence[int], out: Path
 ) -> dict:
     """Every language of ``tasks`` (:func:`run_synthetic` each): ``{task: result}``."""
     results = {}
     for task in tasks:
-        s = SyntheticSettings(
-            task=f"protocol:{task}",
-            steps=scale.steps,
-            batch_size=scale.batch_size,
-            d_model=scale.d_model,
-            n_layers=scale.n_layers,
-            n_heads=scale.n_heads,
-            model_overrides=_overrides(models),
-            **dict(scale.settings),
-        )
+        s = scale.synthetic(f"protocol:{task}", models, steps=scale.steps)
         print(f"=== formal {task}: {list(models)}, seeds {list(seeds)}", flush=True)
         results[task] = run_synthetic(models, s, seeds, out / task, lrs=scale.lrs, wds=scale.wds)
     return results
@@ -277,18 +278,12 @@ def run_mad(
         for sizes in mad_settings(task, scale.difficulty):
             label = _label(sizes, MAD_BASELINES[task])
             sizes = {**sizes, **dict(scale.mad_sizes)}
-            s = SyntheticSettings(
-                task=f"mad:{task}",
+            s = scale.synthetic(
+                f"mad:{task}",
+                models,
                 steps=scale.mad_steps(int(sizes["num_train_examples"])),
-                batch_size=scale.batch_size,
-                d_model=scale.d_model,
-                n_layers=scale.n_layers,
-                n_heads=scale.n_heads,
-                warmup_steps=0,
-                eval_batches=1,
+                warmup_steps=0,  # MAD: cosine decay from the first step
                 mad_sizes=tuple(sizes.items()),
-                model_overrides=_overrides(models),
-                **dict(scale.settings),
             )
             print(f"=== mad {task} ({label}): {list(models)}, seeds {list(seeds)}", flush=True)
             results[task][label] = run_synthetic(

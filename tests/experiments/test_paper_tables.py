@@ -33,9 +33,7 @@ def test_variant_labels_name_a_second_entry_of_one_mixer():
     for bad in ("hope@", "hope@to-ken"):
         with pytest.raises(ValueError, match="^models:"):
             parse_model(bad)
-    s = SyntheticSettings(
-        task="protocol:parity", model_overrides=paper_tables._overrides(["hope", "hope@token"])
-    )
+    s = paper_tables.FORMAL_SCALES["cpu"].synthetic("protocol:parity", ["hope", "hope@token"])
     token, default = model_config("hope@token", s, 16), model_config("hope", s, 16)
     assert token.name == default.name == "hope"
     assert (token.hope.chunk_memory, token.hope.chunk_other) == (1, 1)
