@@ -18,7 +18,6 @@ class name.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 __all__ = [
@@ -82,6 +81,20 @@ _HOPE_BOOLS = (
     "stop_gradient_targets",
     "remat",
 )
+
+
+def _remat_blocks(n_chunks: int, remat_every: int, levels: int) -> tuple[int, ...]:
+    """The nested ``scan_remat`` block sizes for a scan over ``n_chunks`` chunks (outer first;
+    ``(1,)`` stores every carry): ``(remat_every,)``, or with ``remat_every = 0``
+    ``r^(L−1), …, r`` with ``r = ⌈N^(1/L)⌉`` for ``L = levels`` (2: ``(⌈√N⌉,)``)."""
+    if remat_every:
+        return (remat_every,)
+    r = max(1, round(n_chunks ** (1 / levels)))
+    while r**levels < n_chunks:  # the smallest r with r^L >= N (no float rounding at cubes)
+        r += 1
+    while r > 1 and (r - 1) ** levels >= n_chunks:
+        r -= 1
+    return tuple(r**i for i in range(levels - 1, 0, -1)) if r > 1 else (1,)
 
 
 @dataclass(frozen=True)
@@ -220,17 +233,8 @@ class HopeRule:
         return max(self.chunk_memory, self.chunk_other)
 
     def remat_blocks(self, n_chunks: int) -> tuple[int, ...]:
-        """The nested ``scan_remat`` block sizes for ``n_chunks`` chunks (outer first; ``(1,)``
-        stores every carry): ``remat_every`` or ``r^(L−1), …, r`` with ``r = ⌈N^(1/L)⌉``."""
-        if self.remat_every:
-            return (self.remat_every,)
-        L = self.remat_levels
-        r = max(1, round(n_chunks ** (1 / L)))
-        while r**L < n_chunks:  # the smallest r with r^L >= N (no float rounding at cubes)
-            r += 1
-        while r > 1 and (r - 1) ** L >= n_chunks:
-            r -= 1
-        return tuple(r**i for i in range(L - 1, 0, -1)) if r > 1 else (1,)
+        """The nested ``scan_remat`` block sizes for ``n_chunks`` chunks (:func:`_remat_blocks`)."""
+        return _remat_blocks(n_chunks, self.remat_every, self.remat_levels)
 
     @property
     def mu(self):
@@ -344,10 +348,9 @@ class TitansRule:
         _check_choices(self, {"activation": TITANS_ACTIVATIONS})
 
     def remat_block(self, n_chunks: int) -> int:
-        """Chunks per checkpointed block of the chunk scan (1: every chunk's carry is stored)."""
-        if not self.remat or self.remat_every == 1:
-            return 1
-        return self.remat_every or math.isqrt(max(n_chunks, 1) - 1) + 1  # ⌈√N⌉
+        """Chunks per checkpointed block of the chunk scan (1: every chunk's carry is stored;
+        :func:`_remat_blocks` with one level)."""
+        return _remat_blocks(n_chunks, self.remat_every, 2)[0] if self.remat else 1
 
 
 # --------------------------------------------------------------------------------------------------
