@@ -12,6 +12,10 @@ from flax import nnx
 
 from nested_jax.layers.common import check_rank, dense
 from nested_jax.layers.rope import RopeScaling, apply_rope
+from nested_jax.ops.attention import splash_attention
+
+# How a softmax attention runs without a KV cache: the blockwise XLA form or the splash kernel.
+ATTENTION_IMPLS = ("xla", "pallas")
 
 
 class AttentionCache(NamedTuple):
@@ -192,6 +196,10 @@ class Attention(nnx.Module):
     computed per block of that many queries (:func:`blockwise_softmax_attention`, no
     ``[B, H, T, S]`` scores); ``0`` always uses the full-scores reference.
 
+    ``impl``: ``xla`` (the above) or ``pallas``: a call without a KV cache runs on the splash TPU
+    kernel (:func:`nested_jax.ops.attention.splash_attention`, the Pallas interpreter off TPU;
+    equal values); decoding with a cache always takes the XLA form.
+
     ``qkv_bias``: ``q = RoPE(x W_q + b_q)`` etc. (Qwen2); ``rope_scaling``: the RoPE frequency
     stretch (:class:`nested_jax.layers.rope.RopeScaling`; Llama 3). Both come from the config's
     ``model.attention`` section (``AttentionOptions``).
@@ -207,6 +215,7 @@ class Attention(nnx.Module):
         window: int = 0,
         rope_theta: float = 10000.0,
         attention_block: int = 512,
+        impl: str = "xla",
         qkv_bias: bool = False,
         rope_scaling: RopeScaling | None = None,
         dtype=jnp.float32,
@@ -217,6 +226,8 @@ class Attention(nnx.Module):
             raise ValueError(
                 f"attention_block: expected an int >= 0 (0 = full scores), got {attention_block!r}"
             )
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"impl: expected one of {ATTENTION_IMPLS}, got {impl!r}")
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads: {n_kv_heads} must divide n_heads={n_heads}")
         if head_dim % 2:
@@ -228,7 +239,7 @@ class Attention(nnx.Module):
             rope_theta,
             dtype,
         )
-        self.attention_block, self.rope_scaling = attention_block, rope_scaling
+        self.attention_block, self.rope_scaling, self.impl = attention_block, rope_scaling, impl
         qkv = {"dtype": dtype, "rngs": rngs, "bias": qkv_bias}
         self.q_proj = dense(d_model, n_heads * head_dim, ("embed", "heads"), **qkv)
         self.k_proj = dense(d_model, n_kv_heads * head_dim, ("embed", "kv"), **qkv)
@@ -248,6 +259,7 @@ class Attention(nnx.Module):
             rope_theta=cfg.rope_theta,
             # ModelConfig.attention_block when the config has the field; 512 until then.
             attention_block=cfg.attention_block,
+            impl=cfg.attention_impl,
             qkv_bias=cfg.attention.qkv_bias,
             rope_scaling=cfg.attention.scaling(),
             dtype=cfg.activation_dtype(),
@@ -310,6 +322,11 @@ class Attention(nnx.Module):
             q_index, k_index = q_index + pos, slots
             new_cache = AttentionCache(k_all, v_all, pos + t)
             k, v = k_all.astype(self.dtype), v_all.astype(self.dtype)
+        if self.impl == "pallas" and cache is None:
+            o = splash_attention(
+                q, k, v, window=self.window, q_segment=segment_ids, k_segment=segment_ids
+            )
+            return self.o_proj(o.reshape(b, t, self.n_heads * self.head_dim)), None
         # T > attention_block: per query block, no [B, T, S] mask / [B, H, T, S] scores; otherwise
         # (and attention_block = 0) the reference softmax_attention(attention_mask(...)).
         o = blockwise_softmax_attention(

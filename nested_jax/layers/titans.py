@@ -70,12 +70,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nested_jax.layers.attention import AttentionCache, attention_mask, softmax_attention
+from nested_jax.layers.attention import (
+    ATTENTION_IMPLS,
+    AttentionCache,
+    attention_mask,
+    softmax_attention,
+)
 from nested_jax.layers.common import MEMORY_HEADS, check_rank, dense, partitioned
 from nested_jax.layers.conv import ShortConv
 from nested_jax.layers.deltanet import l2_normalize
 from nested_jax.layers.norm import GatedRMSNorm, RMSNorm
 from nested_jax.layers.rope import apply_rope
+from nested_jax.ops.attention import splash_attention
 from nested_jax.ops.titans import (
     MemoryCache,
     TitansMemorySpec,
@@ -404,11 +410,18 @@ class PersistentSWA(nnx.Module):
 
     The persistent tokens are learned keys / values ``[N_p, H, D]`` (position-free, no RoPE) that
     every query sees in addition to its window. Returns per-head outputs (no output projection).
+    ``impl``: ``xla`` (the reference softmax over the full mask) or ``pallas`` (the splash TPU
+    kernel for the cache-free forms, :func:`nested_jax.ops.attention.splash_attention`).
     """
 
-    def __init__(self, d_in, n_heads, head_dim, *, window, persistent, rope_theta, dtype, rngs):
+    def __init__(
+        self, d_in, n_heads, head_dim, *, window, persistent, rope_theta, dtype, rngs, impl="xla"
+    ):
         if head_dim % 2:
             raise ValueError(f"head_dim: RoPE needs an even head_dim, got {head_dim}")
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"impl: expected one of {ATTENTION_IMPLS}, got {impl!r}")
+        self.impl = impl
         self.n_heads, self.head_dim, self.window, self.n_persistent = (
             n_heads, head_dim, window, persistent,
         )  # fmt: skip
@@ -454,15 +467,33 @@ class PersistentSWA(nnx.Module):
         mask = jnp.concatenate([jnp.ones((b, t, self.n_persistent), bool), mask], axis=2)
         return softmax_attention(q, k, v, mask)
 
+    def attend_causal(self, q, k, v, *, window=0, tiles=1, segment_ids=None):
+        """Causal attention over ``[persistent ‖ k]`` for a whole sequence (no cache).
+
+        ``q [B, T, H, D]``, ``k, v [B, tiles · T, H, D]`` whose key ``j`` stands at position
+        ``j mod T`` (MAC: ``[h̃ ‖ x]``, ``tiles = 2``); query ``t`` sees the persistent keys and
+        the keys at positions ``t − window < s ≤ t`` (``window = 0``: all ``s ≤ t``) of its own
+        segment (``segment_ids [B, T]``, the same for every tile)."""
+        b, t = q.shape[:2]
+        seg_k = None if segment_ids is None else jnp.tile(segment_ids, (1, tiles))
+        if self.impl == "pallas":
+            pk, pv = self.persistent_kv(b) if self.n_persistent else (None, None)
+            return splash_attention(
+                q, k.astype(self.dtype), v.astype(self.dtype), window=window, tiles=tiles,
+                q_segment=segment_ids, k_segment=seg_k, prefix_k=pk, prefix_v=pv,
+            )  # fmt: skip
+        idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask = attention_mask(idx, jnp.tile(idx, (1, tiles)), window=window, q_segment=segment_ids,
+                              k_segment=seg_k)  # fmt: skip
+        return self.attend(q, k, v, mask)
+
     def __call__(self, x, *, positions, segment_ids=None, cache=None):
         """``x [B, T, d]`` → ``(o [B, T, H, D], cache)``; the cache appends at ``cache.pos``."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x.astype(self.dtype), positions)
-        idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if cache is None:
-            mask = attention_mask(idx, idx, window=self.window, q_segment=segment_ids,
-                                  k_segment=segment_ids)  # fmt: skip
-            return self.attend(q, k, v, mask), None
+            return self.attend_causal(q, k, v, window=self.window, segment_ids=segment_ids), None
+        idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         pos = cache.pos
         k_all = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, pos, 0, 0))
         v_all = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, pos, 0, 0))
@@ -476,7 +507,7 @@ def _swa(cfg, d_in, rngs):
     return PersistentSWA(
         d_in, cfg.n_heads, cfg.resolved_head_dim(), window=o.window,
         persistent=o.persistent_tokens, rope_theta=cfg.rope_theta, dtype=cfg.activation_dtype(),
-        rngs=rngs,
+        rngs=rngs, impl=cfg.attention_impl,
     )  # fmt: skip
 
 

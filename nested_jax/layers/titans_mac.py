@@ -174,8 +174,6 @@ class TitansMAC(nnx.Module):
         )
         xs = tuple(split(a) for a in (padt(qm), padt(qx), padt(kx), padt(vx)))
         xs += (split(pos_p), split(seg), split(padt(starts)))
-        i = jnp.arange(ns)
-        causal = i[:, None] >= i[None, :]
         init = self.memory.initial_state(b)
 
         def body(state, inp):
@@ -195,11 +193,10 @@ class TitansMAC(nnx.Module):
             else:
                 kh, vh = self._retrieved_kv(state.weights, qm_s, pos_s)  # retrieve (M_{s-1})
                 seg_mem = None
-            vis = causal[None] & (seg_s[:, :, None] == seg_s[:, None, :])
-            mask = jnp.concatenate([vis, vis], axis=2)
-            y = self.attn.attend(  # attend over [persistent ‖ h̃ ‖ x]
-                qx_s, jnp.concatenate([kh, kx_s], 1), jnp.concatenate([vh, vx_s], 1), mask
-            )
+            y = self.attn.attend_causal(  # attend over [persistent ‖ h̃ ‖ x], both causal
+                qx_s, jnp.concatenate([kh, kx_s], 1), jnp.concatenate([vh, vx_s], 1), tiles=2,
+                segment_ids=seg_s,
+            )  # fmt: skip
             m, state = self.memory(  # store + read
                 *self._store_inputs(y), state=state, segment_ids=seg_mem, reset_state=init
             )

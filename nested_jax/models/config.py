@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from nested_jax.layers import options as _options
+from nested_jax.layers.attention import ATTENTION_IMPLS
 
 _IMPLS = ("chunked", "recurrent", "pallas")
 # Mixers whose memory rule has a Pallas kernel behind ``impl="pallas"`` (pallas_kernels/; hola: its
@@ -46,6 +47,9 @@ class ModelConfig:
     # softmax attention scores this many queries at a time when T is longer (never [B, H, T, T]
     # scores; equal values, see layers.attention.blockwise_softmax_attention); 0 = all at once
     attention_block: int = 512
+    # softmax attention of transformer, hope_attention and Titans MAC/MAG/MAL (no KV cache): xla
+    # (the blockwise XLA form) | pallas (the splash TPU kernel, nested_jax.ops.attention)
+    attention_impl: str = "xla"
     norm_eps: float = 1e-6  # epsilon of every RMSNorm
     dtype: str = (
         "float32"  # activation dtype: float32 | bfloat16 (params and memory states stay float32)
@@ -118,6 +122,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.impl: 'pallas' has kernels for {sorted(PALLAS_MIXERS)} only, not "
                 f"model.name={self.name!r} (use chunked or recurrent)"
+            )
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"ModelConfig.attention_impl: unknown {self.attention_impl!r}; expected one of "
+                f"{ATTENTION_IMPLS}"
             )
         if self.dtype not in _DTYPES:
             raise ValueError(

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -230,12 +231,25 @@ def _layer_cost(config: Config, mesh, layers: int) -> tuple[dict, str]:
     model = dataclasses.replace(config.model, n_layers=layers, scan_layers=False)
     plan = plan_train_setup(dataclasses.replace(config, model=model), mesh)
     batch = plan.abstract_batch(config.data.batch_size, config.data.seq_len)
-    with jax.set_mesh(mesh):
-        compiled = plan.train_step.lower(
-            plan.abstract_state(), plan.abstract_rest(), batch
-        ).compile()
-    cost = compiled.cost_analysis()
-    return (cost[0] if isinstance(cost, list | tuple) else cost), compiled.as_text()
+    with jax.set_mesh(mesh), tempfile.TemporaryDirectory() as dump:
+        lowered = plan.train_step.lower(plan.abstract_state(), plan.abstract_rest(), batch)
+        options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+        compiled = lowered.compile(compiler_options=options)
+        cost = compiled.cost_analysis()
+        return (cost[0] if isinstance(cost, list | tuple) else cost), _optimized_hlo(Path(dump))
+
+
+def _optimized_hlo(dump: Path) -> str:
+    """The optimized HLO text of the one program XLA dumped to ``dump``.
+
+    Read from XLA's dump rather than ``compiled.as_text()``: for v5p programs with asynchronous
+    collectives the latter fails to rebuild the module from its proto ("async-update instruction
+    should have 1 operands but sees 3", libtpu 0.0.52), while the compiler's own text dump is
+    complete."""
+    found = sorted(dump.glob("*.after_optimizations.txt"))
+    if len(found) != 1:
+        raise AotError(f"expected one optimized HLO dump in {dump}, found {len(found)}")
+    return found[0].read_text()
 
 
 def estimate_train_step(config: Config, mesh, topology: str, plan) -> StepEstimate:

@@ -94,6 +94,7 @@ SAFE_ON_RESUME = (
     "train.debug_nan_at_steps",
     "train.loss_chunk",
     "model.attention_block",
+    "model.attention_impl",
     "eval.*",
     "mesh.*",
     "data.corpus",
