@@ -58,11 +58,12 @@ def _param_count(cfg: Config) -> int:
 
 @pytest.mark.parametrize(
     "path",
-    sorted((CONFIGS / "experiments").glob("pod_*.yaml")),
+    sorted((CONFIGS / "experiments").glob("pod_*.yaml")) + sorted(CONFIGS.glob("slices/*.yaml")),
     ids=lambda p: p.stem,
 )
 def test_pod_presets_have_the_size_in_their_name(path):
-    size = re.search(r"_(\d+(?:\.\d+)?)([mb])$", path.stem)
+    """``pod_<model>_<size>`` and the rented-slice presets ``slices/<model>_<size>-<slice>``."""
+    size = re.search(r"_(\d+(?:\.\d+)?)([mb])(?:-|$)", path.stem)
     target = float(size.group(1)) * (1e6 if size.group(2) == "m" else 1e9)
     n = _param_count(load_config([path]))
     assert 0.7 * target <= n <= 1.3 * target, f"{path.name}: {n / 1e6:.0f}M parameters"

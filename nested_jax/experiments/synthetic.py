@@ -30,6 +30,12 @@ Tasks (``--task FAMILY:NAME``):
   ``seq_len=64``); scored by the accuracy at the masked positions
   (:func:`~nested_jax.eval.mad.mad_accuracy`, micro) on held-out batches; chance
   :func:`~nested_jax.eval.mad.mad_chance`.
+* ``recall:kv`` (:mod:`nested_jax.eval.recall`): key–value pairs at chosen depths of a haystack of
+  filler tokens, queried at the end; sizes ``--recall-sizes seq_len=128 pairs=8 queries=4 ...``.
+  Trained at ``seq_len`` over the whole haystack; scored by the accuracy of the answers in every
+  cell of the grid ``--eval-multipliers`` (rows ``m · seq_len`` long) × ``--depth-bins`` bands of
+  the haystack (every pair of a row in the band): the needle-in-a-haystack heatmap of a model
+  trained on the task. Chance ``1 / values``.
 
 The loss is taken only at the scored positions. Training, parameter matching (``--match-params``,
 default on: every model after the first gets the ``d_model`` whose parameter count is closest to
@@ -63,6 +69,7 @@ from pathlib import Path
 from nested_jax.eval.formal_languages import formal_accuracy
 from nested_jax.eval.formal_protocol import protocol_accuracy
 from nested_jax.eval.mad import mad_accuracy
+from nested_jax.eval.recall import recall_accuracy
 from nested_jax.experiments._training import (
     add_scalar_flags,
     cached_row,
@@ -89,7 +96,8 @@ def _accuracy_fn(s: SyntheticSettings):
     """``(accuracy_fn, per_row)`` of the task family."""
     if s.family == "protocol":
         return protocol_accuracy, True
-    return (formal_accuracy if s.family == "formal" else mad_accuracy), False
+    by_family = {"formal": formal_accuracy, "recall": recall_accuracy}
+    return by_family.get(s.family, mad_accuracy), False
 
 
 def train_and_score(
@@ -261,7 +269,8 @@ def run_synthetic(
     return result
 
 
-def _mad_sizes(items: Sequence[str]) -> tuple[tuple[str, int | float], ...]:
+def _task_sizes(field: str, items: Sequence[str]) -> tuple[tuple[str, int | float], ...]:
+    """``KEY=NUMBER`` strings as ``(key, number)`` pairs (ValueError naming ``field``)."""
     pairs = []
     for item in items:
         key, sep, value = item.partition("=")
@@ -271,7 +280,7 @@ def _mad_sizes(items: Sequence[str]) -> tuple[tuple[str, int | float], ...]:
             number = None
         if not sep or not key or number is None:
             raise ValueError(
-                f"mad_sizes: expected KEY=NUMBER (e.g. seq_len=64, frac_noise=0.4), got {item!r}"
+                f"{field}: expected KEY=NUMBER (e.g. seq_len=64, frac_noise=0.4), got {item!r}"
             )
         pairs.append((key, number))
     return tuple(pairs)
@@ -283,7 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="train registered LM-shell models on a generated task (formal languages, MAD) "
         "and compare their accuracy",
     )
-    p.add_argument("--task", required=True, help="formal:<name> or mad:<name>")
+    p.add_argument(
+        "--task", required=True, help="formal:<name>, protocol:<name>, mad:<name> or recall:kv"
+    )
     p.add_argument(
         "--models",
         nargs="+",
@@ -305,8 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         type=int,
         default=None,
-        help="formal: score the length bins (m·HI/2, m·HI]; 1 = the training range "
-        "(default 1 2 4 8)",
+        help="formal: score the length bins (m·HI/2, m·HI]; 1 = the training range; recall: "
+        "score rows m times the training length (default 1 2 4 8)",
     )
     p.add_argument(
         "--mad-sizes",
@@ -315,6 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=NUMBER",
         help="MAD: size overrides; num_train_examples=N (and num_test_examples=M, default 1280) "
         "train epochs over a fixed data set, as MAD's protocol",
+    )
+    p.add_argument(
+        "--recall-sizes",
+        nargs="+",
+        default=None,
+        metavar="KEY=INT",
+        help="recall: generator sizes (seq_len, pairs, queries, keys, values, filler)",
     )
     p.add_argument(
         "--no-match-params",
@@ -380,17 +398,22 @@ def main(argv: list[str] | None = None) -> int:
     values = scalar_values(args, SyntheticSettings, skip=("task", "seed"))
     try:
         family, _ = parse_task(args.task)
-        formal_only = {
-            "train_lengths": args.train_lengths,
-            "eval_multipliers": args.eval_multipliers,
+        only = {
+            "train_lengths": (args.train_lengths, ("formal",)),
+            "eval_multipliers": (args.eval_multipliers, ("formal", "recall")),
         }
-        for field, given in formal_only.items():
+        for field, (given, families) in only.items():
             if given is not None:
-                if family != "formal":
-                    raise ValueError(f"{field}: only for formal:<name> tasks, not {args.task!r}")
+                if family not in families:
+                    raise ValueError(
+                        f"{field}: only for {' / '.join(f + ':<name>' for f in families)} tasks, "
+                        f"not {args.task!r}"
+                    )
                 values[field] = tuple(given)
         if args.mad_sizes is not None:
-            values["mad_sizes"] = _mad_sizes(args.mad_sizes)
+            values["mad_sizes"] = _task_sizes("mad_sizes", args.mad_sizes)
+        if args.recall_sizes is not None:
+            values["recall_sizes"] = _task_sizes("recall_sizes", args.recall_sizes)
         if args.bins is not None:
             values["bins"] = (tuple(args.bins[:2]), tuple(args.bins[2:]))
         values["model_overrides"] = parse_set_model(args.set_model)

@@ -18,9 +18,21 @@ from nested_jax.eval.formal_languages import (
 )
 from nested_jax.eval.formal_protocol import PROTOCOL_TASKS, make_protocol_batch, protocol_strings
 from nested_jax.eval.mad import MAD_TASKS, mad_chance, make_mad_batch
+from nested_jax.eval.recall import (
+    RECALL_SIZES,
+    RECALL_TASKS,
+    RecallVocab,
+    make_recall_batch,
+    recall_chance,
+)
 from nested_jax.experiments._training import check_multipliers, check_positive
 
-FAMILIES = {"formal": FORMAL_TASKS, "mad": MAD_TASKS, "protocol": PROTOCOL_TASKS}
+FAMILIES = {
+    "formal": FORMAL_TASKS,
+    "mad": MAD_TASKS,
+    "protocol": PROTOCOL_TASKS,
+    "recall": RECALL_TASKS,
+}
 EVAL_SEED_OFFSET = 10_000  # held-out batches: seed + this (training batches use the seed itself)
 VAL_SEED_OFFSET = 20_000  # validation batches (learning-rate choice) of formal / MAD tasks
 PROTOCOL_DATA_SEED = 30_000  # protocol: the fixed test, validation and training strings
@@ -41,9 +53,9 @@ def parse_task(task: str) -> tuple[str, str]:
     family, sep, name = str(task).partition(":")
     if not sep or family not in FAMILIES or name not in FAMILIES[family]:
         raise ValueError(
-            f"task: expected formal:<name>, protocol:<name> or mad:<name>, got {task!r}; "
-            f"formal: {sorted(FORMAL_TASKS)}; protocol: {sorted(PROTOCOL_TASKS)}; "
-            f"mad: {sorted(MAD_TASKS)}"
+            f"task: expected formal:<name>, protocol:<name>, mad:<name> or recall:<name>, got "
+            f"{task!r}; formal: {sorted(FORMAL_TASKS)}; protocol: {sorted(PROTOCOL_TASKS)}; "
+            f"mad: {sorted(MAD_TASKS)}; recall: {sorted(RECALL_TASKS)}"
         )
     return family, name
 
@@ -73,6 +85,9 @@ class SyntheticSettings:
     test_size: int = 2_000  # protocol: scored strings per bin
     val_size: int = 500  # protocol: validation strings (Bin0 window, disjoint from the test)
     bins: tuple[tuple[int, int], ...] = ()  # protocol: (Bin0, Bin1) windows; () = the task's
+    # recall: overrides of the generator's sizes (seq_len, pairs, queries, keys, values, filler)
+    recall_sizes: tuple[tuple[str, int], ...] = ()
+    depth_bins: int = 5  # recall: scored depth bands of the haystack per length multiplier
     model_overrides: tuple[tuple[str, str], ...] = ()  # (model, "model.KEY=VALUE") pairs
 
     def __post_init__(self) -> None:
@@ -88,6 +103,11 @@ class SyntheticSettings:
                 raise ValueError(
                     f"model_overrides: expected (model, KEY=VALUE) pairs, got {pair!r}"
                 )
+        if self.recall_sizes and family != "recall":
+            raise ValueError(f"recall_sizes: only for recall:<name> tasks, not {self.task!r}")
+        if family == "recall":
+            self._check_recall()
+            return
         if family == "protocol":
             if self.mad_sizes:
                 raise ValueError(f"mad_sizes: only for mad:<name> tasks, not {self.task!r}")
@@ -123,6 +143,32 @@ class SyntheticSettings:
                 make_formal_batch(name, 1, self.eval_lengths(m), 0)
             except ValueError as err:
                 raise ValueError(f"eval_multipliers: {m}×: {err}") from None
+
+    def _check_recall(self) -> None:
+        if self.mad_sizes or self.bins:
+            raise ValueError(f"mad_sizes, bins: not for recall:<name> tasks ({self.task!r})")
+        check_positive(self, ("depth_bins",))
+        check_multipliers(self.eval_multipliers)
+        try:
+            sizes = dict(self.recall_sizes)
+            unknown = sorted(set(sizes) - set(RECALL_SIZES))
+            if unknown:
+                raise ValueError(f"unknown sizes {unknown}; expected {sorted(RECALL_SIZES)}")
+            for m, band in self.recall_cells():
+                make_recall_batch(1, 0, **self.recall_batch_sizes(m), depth=band)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"recall_sizes: {str(err).splitlines()[0]}") from None
+
+    def recall_batch_sizes(self, multiplier: int = 1) -> dict[str, int]:
+        """Recall: the generator's sizes for rows ``multiplier`` times the training length."""
+        sizes = {**RECALL_SIZES, **dict(self.recall_sizes)}
+        return {**sizes, "seq_len": multiplier * sizes["seq_len"]}
+
+    def recall_cells(self) -> list[tuple[int, tuple[float, float]]]:
+        """Recall: the scored ``(multiplier, depth band)`` grid, ``depth_bins`` bands per length."""
+        n = self.depth_bins
+        bands = [(i / n, (i + 1) / n) for i in range(n)]
+        return [(m, band) for m in self.eval_multipliers for band in bands]
 
     @property
     def family(self) -> str:
@@ -180,6 +226,9 @@ class SyntheticSettings:
         """Model vocabulary: the 17 formal-language ids, or the MAD task's ``vocab_size``."""
         if self.family in ("formal", "protocol"):
             return FormalVocab().size
+        if self.family == "recall":
+            sizes = self.recall_batch_sizes()
+            return RecallVocab(sizes["keys"], sizes["values"], sizes["filler"]).size
         make = MAD_TASKS[self.name].make
         return self.sizes.get(
             "vocab_size", inspect.signature(make).parameters["vocab_size"].default
@@ -192,6 +241,8 @@ class SyntheticSettings:
             return self.train_lengths[1] + 2  # BOS, string, QUERY
         if self.family == "protocol":
             return self.protocol_seq_len(self.protocol_bins[0])
+        if self.family == "recall":
+            return self.recall_batch_sizes()["seq_len"]
         return make_mad_batch(self.name, 1, 0, **self.sizes)["inputs"].shape[1]
 
     @property
@@ -200,6 +251,8 @@ class SyntheticSettings:
             return 0.0  # every prediction of a string must be right: guessing scores ~0
         if self.family == "formal":
             return formal_chance(self.name)
+        if self.family == "recall":
+            return recall_chance(**self.recall_batch_sizes())
         return mad_chance(self.name, **self.sizes)
 
     def eval_lengths(self, m: int) -> tuple[int, int]:
@@ -257,6 +310,12 @@ def _row_batches(rows: dict, batch_size: int) -> list[dict]:
     return [{k: v[i : i + batch_size] for k, v in rows.items()} for i in range(0, n, batch_size)]
 
 
+def _recall_batch(s: SyntheticSettings, rng, multiplier: int = 1, depth=(0.0, 1.0)) -> dict:
+    """A recall batch without its ``depth`` annotation (the batches the models see)."""
+    batch = make_recall_batch(s.batch_size, rng, **s.recall_batch_sizes(multiplier), depth=depth)
+    return {k: v for k, v in batch.items() if k != "depth"}
+
+
 def train_batch(s: SyntheticSettings, rng: np.random.Generator) -> dict:
     """One training batch of ``s.task`` drawn from ``rng`` (protocol: ``batch_size`` of the fixed
     training strings, drawn with replacement)."""
@@ -266,6 +325,8 @@ def train_batch(s: SyntheticSettings, rng: np.random.Generator) -> dict:
         return make_protocol_batch(s.name, rows, s.seq_len)
     if s.family == "formal":
         return make_formal_batch(s.name, s.batch_size, s.train_lengths, rng)
+    if s.family == "recall":
+        return _recall_batch(s, rng)
     if s.mad_dataset is not None:
         pool = mad_data(s)["train"]
         rows = rng.integers(0, len(pool["inputs"]), size=s.batch_size)
@@ -275,7 +336,9 @@ def train_batch(s: SyntheticSettings, rng: np.random.Generator) -> dict:
 
 def eval_sets(s: SyntheticSettings) -> list[tuple[str, dict, list[dict]]]:
     """``(key, info, batches)`` per held-out set: one per multiplier for a formal task (``key =
-    str(m)``, ``info``: ``multiplier, min_len, max_len, seq_len``), one (``"heldout"``) for MAD."""
+    str(m)``, ``info``: ``multiplier, min_len, max_len, seq_len``), one (``"heldout"``) for MAD,
+    one per (multiplier, depth band) for recall (``key = "<m>x@<lo>"``, ``info``: ``multiplier,
+    depth, seq_len``)."""
     if s.family == "protocol":
         data, sets = protocol_data(s), []
         for key, window in zip(("bin0", "bin1"), s.protocol_bins, strict=True):
@@ -290,6 +353,14 @@ def eval_sets(s: SyntheticSettings) -> list[tuple[str, dict, list[dict]]]:
             sets.append((key, info, _protocol_batches(s, data[key], window)))
         return sets
     seed = s.seed + EVAL_SEED_OFFSET
+    if s.family == "recall":
+        sets = []
+        for m, band in s.recall_cells():
+            rng = np.random.default_rng(seed)  # the same source in every cell
+            batches = [_recall_batch(s, rng, m, band) for _ in range(s.eval_batches)]
+            info = {"multiplier": m, "depth": list(band), "seq_len": m * s.seq_len}
+            sets.append((f"{m}x@{band[0]:.2f}", info, batches))
+        return sets
     if s.mad_dataset is not None:
         test = mad_data(s)["test"]
         info = {"seq_len": s.seq_len, "examples": len(test["inputs"])}
@@ -322,6 +393,8 @@ def val_batches(s: SyntheticSettings) -> list[dict]:
     if s.mad_dataset is not None:
         return _row_batches(mad_data(s)["val"], s.batch_size)
     rng = np.random.default_rng(s.seed + VAL_SEED_OFFSET)
+    if s.family == "recall":
+        return [_recall_batch(s, rng) for _ in range(s.eval_batches)]
     if s.family == "mad":
         return [make_mad_batch(s.name, s.batch_size, rng, **s.sizes) for _ in range(s.eval_batches)]
     return [

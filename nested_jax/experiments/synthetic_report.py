@@ -103,10 +103,53 @@ def _protocol_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[
     return head + "\n".join(lines) + "\n"
 
 
+def recall_grid(row: dict, s: SyntheticSettings) -> np.ndarray:
+    """Recall: ``[seeds, multipliers, depth bands]`` accuracies of one aggregated row."""
+    cells = [[] for _ in s.eval_multipliers]
+    for score in row["scores"].values():
+        cells[list(s.eval_multipliers).index(score["multiplier"])].append(
+            score["accuracy"]["values"]
+        )
+    return np.moveaxis(np.asarray(cells, np.float64), -1, 0)
+
+
+def _recall_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[int]) -> str:
+    """Recall: accuracy per length multiplier (the mean over the depth bands), mean ± std over
+    seeds."""
+    sizes = s.recall_batch_sizes()
+    head = (
+        f"`{s.task}` ({', '.join(f'{k}={v}' for k, v in sizes.items())}): {s.steps} AdamW steps "
+        f"(lr {s.lr:g}, batch {s.batch_size}) per model and seed from scratch at {sizes['seq_len']}"
+        f" tokens, {s.n_layers} layers × {s.n_heads} heads"
+        + (", width matched to the first model's parameters" if s.match_params else "")
+        + f"; answer accuracy on {s.eval_batches} × {s.batch_size} held-out rows per (length, "
+        f"depth band) cell, averaged over the {s.depth_bins} bands; chance {s.chance:.3f}; "
+        + (
+            f"mean ± sample std over seeds {', '.join(map(str, seeds))}"
+            if len(seeds) > 1
+            else f"seed {seeds[0]}"
+        )  # fmt: skip
+        + ".\n\n"
+    )
+    cols = "".join(f" {m}× ({m * sizes['seq_len']}) |" for m in s.eval_multipliers)
+    lines = ["| model | d_model | params |" + cols + " train loss | train s |"]
+    lines.append("|---|---:|---:|" + "---:|" * len(s.eval_multipliers) + "---:|---:|")
+    for r in rows:
+        by_length = recall_grid(r, s).mean(axis=2)  # [seeds, multipliers]
+        accs = "".join(f" {_cell(spread(by_length[:, i]))} |" for i in range(by_length.shape[1]))
+        lines.append(
+            f"| {r['model']} | {r['d_model']} | {r['params']:,} |{accs} "
+            f"{_cell(r['final_train_loss'])} | {r['train_seconds']['mean']:.0f} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
 def markdown_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[int]) -> str:
     """The results table with a one-paragraph header of the settings."""
     if s.family == "protocol":
         return _protocol_table(rows, s, seeds)
+    if s.family == "recall":
+        return _recall_table(rows, s, seeds)
     first = rows[0]["params"] if rows else 1
     head = (
         f"`{s.task}`: {s.steps} AdamW steps (lr {s.lr:g}, batch {s.batch_size}) per model and "
@@ -178,6 +221,16 @@ def plot(rows: Sequence[dict], s: SyntheticSettings, path: Path) -> Path:
             ax.scatter(x, [a["max"] for a in acc], marker="_", color="k", zorder=3)
         ax.set_xticks(range(2), [f"Bin{i} ({b[0]}–{b[1]})" for i, b in enumerate(s.protocol_bins)])
         ax.set_ylabel("string accuracy (bars: mean, ticks: best seed)")
+    elif s.family == "recall":
+        lengths = [m * s.seq_len for m in s.eval_multipliers]
+        for r in rows:
+            by_length = recall_grid(r, s).mean(axis=2)
+            ax.errorbar(lengths, by_length.mean(0), yerr=by_length.std(0), marker="o", capsize=3,
+                        label=r["model"])  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("row length (tokens; trained at the first)")
+        ax.set_ylabel("answer accuracy (mean over depth bands)")
+        plot_depth_heatmaps(rows, s, path.with_name(f"{path.stem}_depth.png"))
     elif s.family == "formal":
         for r in rows:
             bins = list(r["scores"].values())
@@ -200,6 +253,30 @@ def plot(rows: Sequence[dict], s: SyntheticSettings, path: Path) -> Path:
     ax.set_title(f"{s.task} ({s.steps} steps)")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_depth_heatmaps(rows: Sequence[dict], s: SyntheticSettings, path: Path) -> Path:
+    """Recall: one heatmap per model, answer accuracy (mean over seeds) by row length × depth of
+    the pairs in the haystack (0: its start, farthest from the query); written to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(len(rows), 1)
+    fig, axes = plt.subplots(1, n, figsize=(2.6 * n + 1.0, 3.0), squeeze=False)
+    for ax, r in zip(axes[0], rows, strict=False):
+        grid = recall_grid(r, s).mean(axis=0)  # [multipliers, bands]
+        im = ax.imshow(grid.T, origin="lower", vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(s.eval_multipliers)), [f"{m}×" for m in s.eval_multipliers])
+        ax.set_yticks(range(s.depth_bins), [f"{i / s.depth_bins:.1f}" for i in range(s.depth_bins)])
+        ax.set_title(r["model"], fontsize=8)
+        ax.set_xlabel("length")
+    axes[0][0].set_ylabel("depth band (start)")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -89,12 +89,12 @@ def test_mad_fixed_data_set_is_shared_by_models_and_seeds():
 
 
 def test_mad_sizes_flag_takes_floats_and_the_grid_flag():
-    assert synthetic._mad_sizes(["frac_noise=0.4", "seq_len=64"]) == (
+    assert synthetic._task_sizes("mad_sizes", ["frac_noise=0.4", "seq_len=64"]) == (
         ("frac_noise", 0.4),
         ("seq_len", 64),
     )
     with pytest.raises(ValueError, match="^mad_sizes:"):
-        synthetic._mad_sizes(["seq_len=x"])
+        synthetic._task_sizes("mad_sizes", ["seq_len=x"])
     args = synthetic.build_parser().parse_args(
         ["--task", "mad:compression", "--models", "gdn", "--lrs", "1e-3", "--wds", "0", "0.1"]
     )
