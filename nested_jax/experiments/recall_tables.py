@@ -1,0 +1,201 @@
+"""The long-context retrieval claims, each one command on the task-trained recall family
+(``recall:kv``, :mod:`nested_jax.eval.recall`): models trained at length ``L`` on key–value pairs
+in a filler haystack, scored from 1× to 16× ``L`` and over the depth of the pairs.
+
+    python -m nested_jax.experiments.recall_tables hola --scale cpu --out runs/recall
+    python -m nested_jax.experiments.recall_tables titans --scale cpu --out runs/recall
+    python -m nested_jax.experiments.recall_tables proteus --scale cpu --out runs/recall \\
+        --models gdn+proteus1 gdn+proteus16 --seeds 0          # one piece of a table
+
+Tables (:data:`TABLES`):
+
+* ``hola``: HOLA's exact top-``w`` KV cache chosen by write magnitude (``beta_e``) against the same
+  cache evicting the oldest entry (``hola@recency``, same ``w`` and ``C``) and plain GDN (Cui 2026:
+  S-NIAH-1 at 16× the training length, HOLA 0.58, recency 0.24, GDN 0.14). The cache is made
+  small beside the haystack (``w`` of :data:`HOLA_CACHE`), so what it keeps decides.
+* ``titans``: Titans LMM and MAC against GDN and a sliding-window Transformer++ whose window is a
+  quarter of ``L`` (Titans: the neural memory keeps its accuracy as length grows).
+* ``proteus``: Proteus' incremental activation, ``E ∈ {1, 4, 16, 32}`` blocks on GDN and Titans
+  LMM, at a capacity-bound setting (far more pairs than a head's state holds; Proteus Fig. 3:
+  16 blocks beat 1, 32 is worse again).
+
+Every run is one ``synthetic`` run (:func:`~nested_jax.experiments.synthetic.run_synthetic`),
+cached under ``<out>/<table>/models/`` and reused when its settings are equal, so a table is filled
+a piece at a time (``--models``, ``--seeds``) and is deterministic under its seeds; the first seed
+sweeps the learning rate on a validation set at ``L`` (never on the scored grid). Writes
+``<out>/<table>/recall_kv.{json,md,png}`` and ``recall_kv_depth.png`` (length × depth heatmaps).
+``--scale``: ``cpu`` (what a 2-core CPU finishes in about an hour a table in the background) or
+``gpu`` (wider models, longer rows, five seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from nested_jax.experiments._training import print_table
+from nested_jax.experiments.synthetic import run_synthetic
+from nested_jax.experiments.synthetic_data import SyntheticSettings
+
+# HOLA's cache, the same for both evictions: w entries per head, blocks of C tokens.
+HOLA_CACHE = ("model.hola.window=16", "model.hola.block_size=64")
+
+TABLES: dict[str, tuple[str, ...]] = {
+    "hola": ("hola", "hola@recency", "gdn"),
+    "titans": ("gdn", "titans_lmm", "titans_mac", "transformer@swa"),
+    "proteus": tuple(f"{m}+proteus{e}" for m in ("gdn", "titans_lmm") for e in (1, 4, 16, 32)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallScale:
+    """A preset of the recall tables: model sizes, training, the task's sizes per table and the
+    scored grid."""
+
+    steps: int
+    batch_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    lrs: tuple[float, ...]
+    seeds: tuple[int, ...]
+    eval_batches: int
+    multipliers: tuple[int, ...]
+    depth_bins: int
+    sizes: dict[str, int]  # recall:kv sizes of the hola and titans tables
+    capacity_sizes: dict[str, int]  # the proteus table's: pairs far beyond a head's state
+    note: str
+
+
+SCALES = {
+    "cpu": RecallScale(
+        steps=1_500,
+        batch_size=32,
+        d_model=64,
+        n_layers=2,
+        n_heads=2,
+        lrs=(1e-3, 3e-3),
+        seeds=(0, 1, 2),
+        eval_batches=2,
+        multipliers=(1, 2, 4, 8, 16),
+        depth_bins=5,
+        sizes={"seq_len": 128, "pairs": 8, "queries": 4, "keys": 64, "values": 64, "filler": 64},
+        capacity_sizes={
+            "seq_len": 256,
+            "pairs": 64,
+            "queries": 16,
+            "keys": 128,
+            "values": 64,
+            "filler": 32,
+        },  # fmt: skip
+        note="width 64, 2 layers, 1 500 steps of 32 rows at L = 128 (256 for proteus)",
+    ),
+    "gpu": RecallScale(
+        steps=10_000,
+        batch_size=64,
+        d_model=256,
+        n_layers=4,
+        n_heads=4,
+        lrs=(3e-4, 1e-3, 3e-3),
+        seeds=(0, 1, 2, 3, 4),
+        eval_batches=8,
+        multipliers=(1, 2, 4, 8, 16),
+        depth_bins=10,
+        sizes={
+            "seq_len": 512,
+            "pairs": 16,
+            "queries": 8,
+            "keys": 256,
+            "values": 256,
+            "filler": 256,
+        },  # fmt: skip
+        capacity_sizes={
+            "seq_len": 1024,
+            "pairs": 256,
+            "queries": 32,
+            "keys": 512,
+            "values": 256,
+            "filler": 64,
+        },  # fmt: skip
+        note="width 256, 4 layers, 10 000 steps of 64 rows at L = 512 (1024 for proteus)",
+    ),
+}
+
+
+def variants(seq_len: int) -> dict[str, tuple[str, ...]]:
+    """The per-model options of the tables' ``<mixer>@<label>`` entries (and HOLA's cache)."""
+    return {
+        "hola": HOLA_CACHE,
+        "hola@recency": (*HOLA_CACHE, "model.hola.eviction=recency"),
+        "transformer@swa": (f"model.window={seq_len // 4}",),
+    }
+
+
+def table_settings(table: str, scale: RecallScale, models: Sequence[str]) -> SyntheticSettings:
+    """The :class:`SyntheticSettings` of ``table`` at ``scale`` with the options of ``models``."""
+    sizes = scale.capacity_sizes if table == "proteus" else scale.sizes
+    options = variants(sizes["seq_len"])
+    return SyntheticSettings(
+        task="recall:kv",
+        steps=scale.steps,
+        batch_size=scale.batch_size,
+        d_model=scale.d_model,
+        n_layers=scale.n_layers,
+        n_heads=scale.n_heads,
+        eval_batches=scale.eval_batches,
+        eval_multipliers=scale.multipliers,
+        depth_bins=1 if table == "proteus" else scale.depth_bins,
+        recall_sizes=tuple(sizes.items()),
+        model_overrides=tuple((m, o) for m in models for o in options.get(m, ())),
+    )
+
+
+def run_table(
+    table: str,
+    scale: str,
+    out: str | Path,
+    models: Sequence[str] | None = None,
+    seeds: Sequence[int] | None = None,
+) -> dict:
+    """Fill ``table`` at preset ``scale`` (the ``synthetic`` summary of its runs).
+
+    Raises:
+      ValueError: naming ``table`` or ``scale`` when unknown.
+    """
+    if table not in TABLES:
+        raise ValueError(f"table: expected one of {sorted(TABLES)}, got {table!r}")
+    if scale not in SCALES:
+        raise ValueError(f"scale: expected one of {sorted(SCALES)}, got {scale!r}")
+    preset = SCALES[scale]
+    models = list(models or TABLES[table])
+    seeds = list(seeds if seeds is not None else preset.seeds)
+    s = table_settings(table, preset, models)
+    result = run_synthetic(models, s, seeds, Path(out) / table, lrs=preset.lrs)
+    head = f"recall table `{table}`, scale `{scale}` ({preset.note})\n\n"
+    return {**result, "markdown": head + result["markdown"]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m nested_jax.experiments.recall_tables",
+        description="task-trained long-context recall tables (HOLA, Titans, Proteus), one command "
+        "each, resumable",
+    )
+    p.add_argument("table", choices=sorted(TABLES))
+    p.add_argument("--scale", default="cpu", help="a preset: cpu or gpu (default cpu)")
+    p.add_argument("--out", required=True, help="directory of the runs and the summaries")
+    p.add_argument("--models", nargs="+", default=None, help="a subset or other models")
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: the preset's")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return print_table(lambda: run_table(args.table, args.scale, args.out, args.models, args.seeds))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The recall tables (``nested_jax.experiments.recall_tables``): each table's models and options,
+its presets, and one table end to end at a tiny preset (resumed from its cached runs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from nested_jax.experiments import recall_tables
+from nested_jax.experiments._training import model_config
+
+
+def test_variants_reach_the_model_configs():
+    scale = recall_tables.SCALES["cpu"]
+    s = recall_tables.table_settings("hola", scale, recall_tables.TABLES["hola"])
+    beta, recency = (model_config(m, s, 32).hola for m in ("hola", "hola@recency"))
+    assert (beta.eviction, recency.eviction) == ("beta_e", "recency")
+    assert beta.window == recency.window == 16 and beta.block_size == recency.block_size == 64
+    s = recall_tables.table_settings("titans", scale, recall_tables.TABLES["titans"])
+    assert model_config("transformer@swa", s, 32).window == s.seq_len // 4
+    assert model_config("gdn", s, 32).window == 0
+    s = recall_tables.table_settings("proteus", scale, recall_tables.TABLES["proteus"])
+    assert model_config("gdn+proteus16", s, 32).proteus.blocks == 16
+    assert s.recall_batch_sizes()["pairs"] > s.d_model // s.n_heads  # beyond a head's state
+    assert s.depth_bins == 1 and s.eval_multipliers == (1, 2, 4, 8, 16)
+
+
+@pytest.mark.parametrize("scale", sorted(recall_tables.SCALES))
+@pytest.mark.parametrize("table", sorted(recall_tables.TABLES))
+def test_every_preset_builds_its_settings(table, scale):
+    s = recall_tables.table_settings(table, recall_tables.SCALES[scale], ("gdn",))
+    assert s.task == "recall:kv" and s.recall_cells()
+
+
+def test_unknown_names_fail_in_one_line(capsys):
+    assert recall_tables.main(["hola", "--scale", "tpu", "--out", "x"]) == 2
+    assert "scale" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="^table"):
+        recall_tables.run_table("mamba", "cpu", "x")
+
+
+def test_a_table_runs_and_resumes(tmp_path, monkeypatch, capsys):
+    tiny = dataclasses.replace(
+        recall_tables.SCALES["cpu"], steps=2, batch_size=4, d_model=16, lrs=(1e-3,), seeds=(0,),
+        eval_batches=1, multipliers=(1, 2), depth_bins=2,
+        sizes={"seq_len": 64, "pairs": 3, "queries": 2, "keys": 8, "values": 8, "filler": 4},
+    )  # fmt: skip
+    monkeypatch.setitem(recall_tables.SCALES, "cpu", tiny)
+    argv = ["hola", "--out", str(tmp_path), "--models", "hola", "hola@recency"]
+    assert recall_tables.main(argv) == 0
+    first = capsys.readouterr().out
+    assert "recall table `hola`" in first and "| hola@recency |" in first
+    result = json.loads((tmp_path / "hola" / "recall_kv.json").read_text())
+    assert [r["model"] for r in result["runs"]] == ["hola", "hola@recency"]
+    assert (tmp_path / "hola" / "recall_kv_depth.png").is_file()
+    assert "step 2/2" in first
+    assert recall_tables.main(argv) == 0  # every run found in the cache: nothing trains
+    again = capsys.readouterr().out
+    assert "reusing" in again and "step 2/2" not in again
