@@ -82,15 +82,8 @@ SCALES = {
         eval_batches=2,
         multipliers=(1, 2, 4, 8, 16),
         depth_bins=5,
-        sizes={"seq_len": 128, "pairs": 8, "queries": 4, "keys": 64, "values": 64, "filler": 64},
-        capacity_sizes={
-            "seq_len": 256,
-            "pairs": 64,
-            "queries": 16,
-            "keys": 128,
-            "values": 64,
-            "filler": 32,
-        },  # fmt: skip
+        sizes=dict(seq_len=128, pairs=8, queries=4, keys=64, values=64, filler=64),
+        capacity_sizes=dict(seq_len=256, pairs=64, queries=16, keys=128, values=64, filler=32),
         note="width 64, 2 layers, 1 500 steps of 32 rows at L = 128 (256 for proteus)",
     ),
     "gpu": RecallScale(
@@ -104,22 +97,8 @@ SCALES = {
         eval_batches=8,
         multipliers=(1, 2, 4, 8, 16),
         depth_bins=10,
-        sizes={
-            "seq_len": 512,
-            "pairs": 16,
-            "queries": 8,
-            "keys": 256,
-            "values": 256,
-            "filler": 256,
-        },  # fmt: skip
-        capacity_sizes={
-            "seq_len": 1024,
-            "pairs": 256,
-            "queries": 32,
-            "keys": 512,
-            "values": 256,
-            "filler": 64,
-        },  # fmt: skip
+        sizes=dict(seq_len=512, pairs=16, queries=8, keys=256, values=256, filler=256),
+        capacity_sizes=dict(seq_len=1024, pairs=256, queries=32, keys=512, values=256, filler=64),
         note="width 256, 4 layers, 10 000 steps of 64 rows at L = 512 (1024 for proteus)",
     ),
 }

@@ -71,6 +71,13 @@ def _cell_best(x: dict) -> str:
     return f"{_cell(x)} (best {x['max']:.3f})"
 
 
+def _seeds_note(seeds: Sequence[int], stats: str = "mean ± sample std") -> str:
+    """``"<stats> over seeds 0, 1, 2"``, or ``"seed 0"`` for one seed."""
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
+    return f"{stats} over seeds {', '.join(map(str, seeds))}"
+
+
 def _protocol_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[int]) -> str:
     (b0, b1) = s.protocol_bins
     unit = "n" if PROTOCOL_TASKS[s.name].window == "n" else "length"
@@ -81,11 +88,7 @@ def _protocol_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[
         + (", width matched to the first model's parameters" if s.match_params else "")
         + f"; string accuracy (every prediction right) on {s.test_size} test strings per bin "
         f"(Bin0: {unit} {b0[0]}–{b0[1]}, Bin1: {unit} {b1[0]}–{b1[1]}); "
-        + (
-            f"mean ± sample std (best) over seeds {', '.join(map(str, seeds))}"
-            if len(seeds) > 1
-            else f"seed {seeds[0]}"
-        )
+        + _seeds_note(seeds, "mean ± sample std (best)")
         + ".\n\n"
     )
     lines = [
@@ -124,11 +127,7 @@ def _recall_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[in
         + (", width matched to the first model's parameters" if s.match_params else "")
         + f"; answer accuracy on {s.eval_batches} × {s.batch_size} held-out rows per (length, "
         f"depth band) cell, averaged over the {s.depth_bins} bands; chance {s.chance:.3f}; "
-        + (
-            f"mean ± sample std over seeds {', '.join(map(str, seeds))}"
-            if len(seeds) > 1
-            else f"seed {seeds[0]}"
-        )  # fmt: skip
+        + _seeds_note(seeds)
         + ".\n\n"
     )
     cols = "".join(f" {m}× ({m * sizes['seq_len']}) |" for m in s.eval_multipliers)
@@ -166,12 +165,7 @@ def markdown_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[i
         sizes = ", ".join(f"{k}={v}" for k, v in s.sizes.items()) or "MAD baseline sizes"
         head += f" ({sizes}, T={s.seq_len}); accuracy at the scored positions of "
         head += f"{s.eval_batches} held-out batches"
-    seed_note = (
-        f"mean ± sample std over seeds {', '.join(map(str, seeds))}"
-        if len(seeds) > 1
-        else f"seed {seeds[0]}"
-    )
-    head += f"; chance {s.chance:.3f}; {seed_note}.\n\n"
+    head += f"; chance {s.chance:.3f}; {_seeds_note(seeds)}.\n\n"
     if s.family == "formal":
         keys = list(rows[0]["scores"]) if rows else []
         bins = [rows[0]["scores"][k] for k in keys] if rows else []
