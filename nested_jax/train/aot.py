@@ -140,6 +140,23 @@ def _oom_reason(err: Exception) -> str | None:
     return (useful or lines)[0][:300]
 
 
+def compile_with_text(lowered):
+    """``(compiled, optimized per-chip HLO text)`` of a lowered step.
+
+    The text is XLA's own dump of the optimized module, not ``compiled.as_text()``: for v5p and
+    v6e programs with asynchronous collectives the latter fails to rebuild the module from its
+    proto after a successful compile ("async-update instruction should have 1 operands but sees
+    3", libtpu 0.0.52), while the compiler's text dump is complete."""
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = lowered.compile(
+            compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+        )
+        found = sorted(Path(dump).glob("*.after_optimizations.txt"))
+        if len(found) != 1:
+            raise AotError(f"expected one optimized HLO dump from XLA, found {len(found)}")
+        return compiled, found[0].read_text()
+
+
 def compile_step(lowered, step: str, capacity: int, keep_text: bool = False) -> StepMemory:
     """Compiles one lowered step and reads its per-chip memory and collectives.
 
@@ -147,7 +164,7 @@ def compile_step(lowered, step: str, capacity: int, keep_text: bool = False) -> 
     """
     start = time.perf_counter()
     try:
-        compiled = lowered.compile()
+        compiled, text = compile_with_text(lowered)
     except Exception as err:  # XLA raises a plain runtime error for an HBM OOM
         reason = _oom_reason(err)
         if reason is None:
@@ -155,10 +172,6 @@ def compile_step(lowered, step: str, capacity: int, keep_text: bool = False) -> 
         return StepMemory(step, False, capacity=capacity, error=reason)
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
-    try:  # as_text() can fail on programs that compiled fine (async-update arity RET_CHECK)
-        text = compiled.as_text()
-    except Exception:
-        text = ""
     out = StepMemory(
         step,
         True,
@@ -231,25 +244,11 @@ def _layer_cost(config: Config, mesh, layers: int) -> tuple[dict, str]:
     model = dataclasses.replace(config.model, n_layers=layers, scan_layers=False)
     plan = plan_train_setup(dataclasses.replace(config, model=model), mesh)
     batch = plan.abstract_batch(config.data.batch_size, config.data.seq_len)
-    with jax.set_mesh(mesh), tempfile.TemporaryDirectory() as dump:
+    with jax.set_mesh(mesh):
         lowered = plan.train_step.lower(plan.abstract_state(), plan.abstract_rest(), batch)
-        options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
-        compiled = lowered.compile(compiler_options=options)
-        cost = compiled.cost_analysis()
-        return (cost[0] if isinstance(cost, list | tuple) else cost), _optimized_hlo(Path(dump))
-
-
-def _optimized_hlo(dump: Path) -> str:
-    """The optimized HLO text of the one program XLA dumped to ``dump``.
-
-    Read from XLA's dump rather than ``compiled.as_text()``: for v5p programs with asynchronous
-    collectives the latter fails to rebuild the module from its proto ("async-update instruction
-    should have 1 operands but sees 3", libtpu 0.0.52), while the compiler's own text dump is
-    complete."""
-    found = sorted(dump.glob("*.after_optimizations.txt"))
-    if len(found) != 1:
-        raise AotError(f"expected one optimized HLO dump in {dump}, found {len(found)}")
-    return found[0].read_text()
+        compiled, text = compile_with_text(lowered)
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, list | tuple) else cost), text
 
 
 def estimate_train_step(config: Config, mesh, topology: str, plan) -> StepEstimate:
