@@ -356,6 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a config override for one model, e.g. hope:model.hope.chunk_memory=1 (repeatable; "
         "unknown keys are rejected)",
     )
+    _add_sweep_flags(p)
+    p.add_argument("--out", default=None, help="directory for the json, md and png")
+    return p
+
+
+def _add_sweep_flags(p: argparse.ArgumentParser) -> None:
+    """``--lrs`` and ``--wds``: the per-model sweep of :func:`run_synthetic`."""
     p.add_argument(
         "--lrs",
         nargs="+",
@@ -371,8 +378,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="sweep the weight decay too (the grid --lrs x --wds, as MAD's protocol)",
     )
-    p.add_argument("--out", default=None, help="directory for the json, md and png")
-    return p
 
 
 def parse_set_model(items: Sequence[str]) -> tuple[tuple[str, str], ...]:

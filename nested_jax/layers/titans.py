@@ -10,8 +10,8 @@ module holds the parameters, gates and projections and wires them into NNX layer
 - :class:`MemoryBranch`: ``k, q = L2(silu(conv(x W)))``, ``v = silu(conv(x W_v))`` → memory →
   per-head output ``[B, T, H, D]``.
 - :class:`TitansLMM` (``titans_lmm``): memory branch, SiLU-gated RMSNorm, output projection.
-- :class:`PersistentSWA`: causal (sliding-window) softmax attention with RoPE and ``N_p`` learned
-  persistent key/value tokens that every query sees.
+- :class:`~nested_jax.layers.persistent_attention.PersistentSWA` (its own module): causal
+  (sliding-window) softmax attention with RoPE and ``N_p`` learned persistent key/value tokens.
 - :class:`TitansMAG` (``titans_mag``): ``o = RMSNorm(SWA(x)) ⊙ σ(RMSNorm(LMM(x)))`` per head.
 - :class:`TitansMAL` (``titans_mal``): ``o = SWA(LMM(x))``.
 - MAC lives in :mod:`nested_jax.layers.titans_mac`.
@@ -70,18 +70,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nested_jax.layers.attention import (
-    ATTENTION_IMPLS,
-    AttentionCache,
-    attention_mask,
-    softmax_attention,
-)
+from nested_jax.layers.attention import AttentionCache
 from nested_jax.layers.common import MEMORY_HEADS, check_rank, dense, partitioned
 from nested_jax.layers.conv import ShortConv
 from nested_jax.layers.deltanet import l2_normalize
 from nested_jax.layers.norm import GatedRMSNorm, RMSNorm
-from nested_jax.layers.rope import apply_rope
-from nested_jax.ops.attention import splash_attention
+from nested_jax.layers.persistent_attention import persistent_swa
 from nested_jax.ops.titans import (
     MemoryCache,
     TitansMemorySpec,
@@ -101,7 +95,6 @@ __all__ = [
     "MemoryBranch",
     "BranchCache",
     "TitansLMM",
-    "PersistentSWA",
     "TitansMAG",
     "TitansMAL",
     "MAGCache",
@@ -400,118 +393,6 @@ def _positions(positions, x):
 
 
 # --------------------------------------------------------------------------------------------------
-# Attention with persistent memory
-# --------------------------------------------------------------------------------------------------
-
-
-class PersistentSWA(nnx.Module):
-    """Causal softmax attention with RoPE, sliding ``window`` (0 = global) and ``N_p`` persistent
-    tokens (SPEC §2 "Persistent memory").
-
-    The persistent tokens are learned keys / values ``[N_p, H, D]`` (position-free, no RoPE) that
-    every query sees in addition to its window. Returns per-head outputs (no output projection).
-    ``impl``: ``xla`` (the reference softmax over the full mask) or ``pallas`` (the splash TPU
-    kernel for the cache-free forms, :func:`nested_jax.ops.attention.splash_attention`).
-    """
-
-    def __init__(
-        self, d_in, n_heads, head_dim, *, window, persistent, rope_theta, dtype, rngs, impl="xla"
-    ):
-        if head_dim % 2:
-            raise ValueError(f"head_dim: RoPE needs an even head_dim, got {head_dim}")
-        if impl not in ATTENTION_IMPLS:
-            raise ValueError(f"impl: expected one of {ATTENTION_IMPLS}, got {impl!r}")
-        self.impl = impl
-        self.n_heads, self.head_dim, self.window, self.n_persistent = (
-            n_heads, head_dim, window, persistent,
-        )  # fmt: skip
-        self.rope_theta, self.dtype = rope_theta, dtype
-        hd = n_heads * head_dim
-        self.q_proj = dense(d_in, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
-        self.k_proj = dense(d_in, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
-        self.v_proj = dense(d_in, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
-        init = partitioned(nnx.initializers.normal(1.0), (None, "heads", None))
-        shape = (max(persistent, 1), n_heads, head_dim)  # a dummy row when N_p = 0 (never read)
-        self.p_k = nnx.Param(init(rngs.params(), shape))
-        self.p_v = nnx.Param(init(rngs.params(), shape))
-
-    def init_cache(self, batch_size: int, max_len: int) -> AttentionCache:
-        """KV cache with ``max_len`` slots."""
-        shape = (batch_size, max_len, self.n_heads, self.head_dim)
-        z = jnp.zeros(shape, self.dtype)
-        return AttentionCache(z, z, jnp.zeros((), jnp.int32))
-
-    def qkv(self, x, positions):
-        """``q, k`` (RoPE at ``positions``) and ``v``, each ``[B, T, H, D]``."""
-        b, t, _ = x.shape
-        sh = (b, t, self.n_heads, self.head_dim)
-        q = apply_rope(self.q_proj(x).reshape(sh), positions, theta=self.rope_theta)
-        k = apply_rope(self.k_proj(x).reshape(sh), positions, theta=self.rope_theta)
-        return q, k, self.v_proj(x).reshape(sh)
-
-    def persistent_kv(self, b: int):
-        """Persistent ``k, v [B, N_p, H, D]`` (activation dtype)."""
-        f = (
-            lambda p: jnp.broadcast_to(  # noqa: E731
-                p[: self.n_persistent].astype(self.dtype), (b, self.n_persistent, *p.shape[1:])
-            )
-        )
-        return f(self.p_k[...]), f(self.p_v[...])
-
-    def attend(self, q, k, v, mask):
-        """``softmax_attention`` over ``[persistent ‖ k]`` (persistent keys always visible)."""
-        b, t = q.shape[:2]
-        pk, pv = self.persistent_kv(b)
-        k = jnp.concatenate([pk, k.astype(self.dtype)], axis=1)
-        v = jnp.concatenate([pv, v.astype(self.dtype)], axis=1)
-        mask = jnp.concatenate([jnp.ones((b, t, self.n_persistent), bool), mask], axis=2)
-        return softmax_attention(q, k, v, mask)
-
-    def attend_causal(self, q, k, v, *, window=0, tiles=1, segment_ids=None):
-        """Causal attention over ``[persistent ‖ k]`` for a whole sequence (no cache).
-
-        ``q [B, T, H, D]``, ``k, v [B, tiles · T, H, D]`` whose key ``j`` stands at position
-        ``j mod T`` (MAC: ``[h̃ ‖ x]``, ``tiles = 2``); query ``t`` sees the persistent keys and
-        the keys at positions ``t − window < s ≤ t`` (``window = 0``: all ``s ≤ t``) of its own
-        segment (``segment_ids [B, T]``, the same for every tile)."""
-        b, t = q.shape[:2]
-        seg_k = None if segment_ids is None else jnp.tile(segment_ids, (1, tiles))
-        if self.impl == "pallas":
-            pk, pv = self.persistent_kv(b) if self.n_persistent else (None, None)
-            return splash_attention(
-                q, k.astype(self.dtype), v.astype(self.dtype), window=window, tiles=tiles,
-                q_segment=segment_ids, k_segment=seg_k, prefix_k=pk, prefix_v=pv,
-            )  # fmt: skip
-        idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = attention_mask(idx, jnp.tile(idx, (1, tiles)), window=window, q_segment=segment_ids,
-                              k_segment=seg_k)  # fmt: skip
-        return self.attend(q, k, v, mask)
-
-    def __call__(self, x, *, positions, segment_ids=None, cache=None):
-        """``x [B, T, d]`` → ``(o [B, T, H, D], cache)``; the cache appends at ``cache.pos``."""
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x.astype(self.dtype), positions)
-        if cache is None:
-            return self.attend_causal(q, k, v, window=self.window, segment_ids=segment_ids), None
-        idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        pos = cache.pos
-        k_all = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, pos, 0, 0))
-        v_all = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, pos, 0, 0))
-        slots = jnp.broadcast_to(jnp.arange(k_all.shape[1], dtype=jnp.int32), (b, k_all.shape[1]))
-        mask = attention_mask(idx + pos, slots, window=self.window)
-        return self.attend(q, k_all, v_all, mask), AttentionCache(k_all, v_all, pos + t)
-
-
-def _swa(cfg, d_in, rngs):
-    o = cfg.titans
-    return PersistentSWA(
-        d_in, cfg.n_heads, cfg.resolved_head_dim(), window=o.window,
-        persistent=o.persistent_tokens, rope_theta=cfg.rope_theta, dtype=cfg.activation_dtype(),
-        rngs=rngs, impl=cfg.attention_impl,
-    )  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------------------
 # MAG and MAL
 # --------------------------------------------------------------------------------------------------
 
@@ -536,7 +417,7 @@ class TitansMAG(nnx.Module):
         h, d = cfg.n_heads, cfg.resolved_head_dim()
         self.n_heads, self.head_dim, self.dtype = h, d, cfg.activation_dtype()
         self.branch = MemoryBranch(cfg.d_model, h, d, cfg.titans, rngs=rngs, **_titans_args(cfg))
-        self.attn = _swa(cfg, cfg.d_model, rngs)
+        self.attn = persistent_swa(cfg, cfg.d_model, rngs)
         self.attn_norm = RMSNorm(d, eps=cfg.norm_eps, names=(None,), rngs=rngs)
         self.mem_norm = RMSNorm(d, eps=cfg.norm_eps, names=(None,), rngs=rngs)
         self.o_proj = dense(h * d, cfg.d_model, ("heads", "embed"), dtype=self.dtype, rngs=rngs)
@@ -594,7 +475,7 @@ class TitansMAL(nnx.Module):
         h, d = cfg.n_heads, cfg.resolved_head_dim()
         self.n_heads, self.head_dim, self.dtype = h, d, cfg.activation_dtype()
         self.lmm = TitansLMM.from_config(cfg, rngs=rngs)
-        self.attn = _swa(cfg, cfg.d_model, rngs)
+        self.attn = persistent_swa(cfg, cfg.d_model, rngs)
         self.o_proj = dense(h * d, cfg.d_model, ("heads", "embed"), dtype=self.dtype, rngs=rngs)
 
     @classmethod

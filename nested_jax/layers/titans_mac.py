@@ -38,10 +38,10 @@ from nested_jax.layers.common import check_rank, dense
 from nested_jax.layers.conv import ShortConv
 from nested_jax.layers.deltanet import l2_normalize
 from nested_jax.layers.norm import RMSNorm
+from nested_jax.layers.persistent_attention import persistent_swa
 from nested_jax.layers.titans import (
     NeuralMemory,
     _positions,
-    _swa,
     scan_tokens,
     titans_seq_len_multiples,
 )
@@ -88,7 +88,7 @@ class TitansMAC(nnx.Module):
         self.q_proj = dense(cfg.d_model, hd, ("embed", "heads"), dtype=dtype, rngs=rngs)
         self.q_conv = ShortConv(hd, cfg.conv_size, dtype=dtype, rngs=rngs)
         self.h_proj = dense(hd, cfg.d_model, ("heads", "embed"), dtype=dtype, rngs=rngs)
-        self.attn = _swa(cfg, cfg.d_model, rngs)
+        self.attn = persistent_swa(cfg, cfg.d_model, rngs)
         self.mq_proj = dense(hd, hd, ("heads", None), dtype=dtype, rngs=rngs)
         self.mk_proj = dense(hd, hd, ("heads", None), dtype=dtype, rngs=rngs)
         self.mv_proj = dense(hd, hd, ("heads", None), dtype=dtype, rngs=rngs)

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from nested_jax.layers import Attention, attention_mask, softmax_attention
-from nested_jax.layers.titans import PersistentSWA
+from nested_jax.layers.persistent_attention import PersistentSWA
 from nested_jax.models.config import ModelConfig
 from nested_jax.ops.attention import splash_attention as ops_splash
 from pallas_kernels.splash import SplashBlocks, splash_attention
