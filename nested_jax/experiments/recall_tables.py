@@ -72,7 +72,7 @@ class RecallScale:
 
 SCALES = {
     "cpu": RecallScale(
-        steps=1_500,
+        steps=2_000,
         batch_size=32,
         d_model=64,
         n_layers=2,
@@ -82,9 +82,10 @@ SCALES = {
         eval_batches=2,
         multipliers=(1, 2, 4, 8, 16),
         depth_bins=5,
-        sizes=dict(seq_len=128, pairs=8, queries=4, keys=64, values=64, filler=64),
+        # the size at which the sizing run's best model solved 1× (docs/RESULTS.md, "Sizing")
+        sizes=dict(seq_len=64, pairs=4, queries=4, keys=32, values=32, filler=32),
         capacity_sizes=dict(seq_len=256, pairs=64, queries=16, keys=128, values=64, filler=32),
-        note="width 64, 2 layers, 1 500 steps of 32 rows at L = 128 (256 for proteus)",
+        note="width 64, 2 layers, 2 000 steps of 32 rows at L = 64 (256 for proteus)",
     ),
     "gpu": RecallScale(
         steps=10_000,
