@@ -78,6 +78,16 @@ def _seeds_note(seeds: Sequence[int], stats: str = "mean ± sample std") -> str:
     return f"{stats} over seeds {', '.join(map(str, seeds))}"
 
 
+def _training_note(s: SyntheticSettings, where: str = "") -> str:
+    """``"<steps> AdamW steps (lr, batch) per model and seed from scratch<where>, <L> layers × <H>
+    heads[, width matched …]"``: how every model of a table was trained."""
+    return (
+        f"{s.steps} AdamW steps (lr {s.lr:g}, batch {s.batch_size}) per model and seed from "
+        f"scratch{where}, {s.n_layers} layers × {s.n_heads} heads"
+        + (", width matched to the first model's parameters" if s.match_params else "")
+    )
+
+
 def _protocol_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[int]) -> str:
     (b0, b1) = s.protocol_bins
     unit = "n" if PROTOCOL_TASKS[s.name].window == "n" else "length"
@@ -121,10 +131,8 @@ def _recall_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[in
     seeds."""
     sizes = s.recall_batch_sizes()
     head = (
-        f"`{s.task}` ({', '.join(f'{k}={v}' for k, v in sizes.items())}): {s.steps} AdamW steps "
-        f"(lr {s.lr:g}, batch {s.batch_size}) per model and seed from scratch at {sizes['seq_len']}"
-        f" tokens, {s.n_layers} layers × {s.n_heads} heads"
-        + (", width matched to the first model's parameters" if s.match_params else "")
+        f"`{s.task}` ({', '.join(f'{k}={v}' for k, v in sizes.items())}): "
+        + _training_note(s, f" at {sizes['seq_len']} tokens")
         + f"; answer accuracy on {s.eval_batches} × {s.batch_size} held-out rows per (length, "
         f"depth band) cell, averaged over the {s.depth_bins} bands; chance {s.chance:.3f}; "
         + _seeds_note(seeds)
@@ -150,11 +158,7 @@ def markdown_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[i
     if s.family == "recall":
         return _recall_table(rows, s, seeds)
     first = rows[0]["params"] if rows else 1
-    head = (
-        f"`{s.task}`: {s.steps} AdamW steps (lr {s.lr:g}, batch {s.batch_size}) per model and "
-        f"seed from scratch, {s.n_layers} layers × {s.n_heads} heads"
-        + (", width matched to the first model's parameters" if s.match_params else "")
-    )
+    head = f"`{s.task}`: " + _training_note(s)
     if s.family == "formal":
         lo, hi = s.train_lengths
         head += (

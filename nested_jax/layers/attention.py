@@ -18,6 +18,12 @@ from nested_jax.ops.attention import splash_attention
 ATTENTION_IMPLS = ("xla", "pallas")
 
 
+def check_attention_impl(impl: str) -> None:
+    """``ValueError`` naming ``impl`` unless it is one of :data:`ATTENTION_IMPLS`."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"impl: expected one of {ATTENTION_IMPLS}, got {impl!r}")
+
+
 class AttentionCache(NamedTuple):
     """Per-layer KV cache: ``k, v [B, S, H_kv, D]`` (``S = max_len`` slots) and ``pos`` int32 (slots
     filled)."""
@@ -226,8 +232,7 @@ class Attention(nnx.Module):
             raise ValueError(
                 f"attention_block: expected an int >= 0 (0 = full scores), got {attention_block!r}"
             )
-        if impl not in ATTENTION_IMPLS:
-            raise ValueError(f"impl: expected one of {ATTENTION_IMPLS}, got {impl!r}")
+        check_attention_impl(impl)
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads: {n_kv_heads} must divide n_heads={n_heads}")
         if head_dim % 2:

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nested_jax.layers.attention import (
-    ATTENTION_IMPLS,
     AttentionCache,
     attention_mask,
+    check_attention_impl,
     softmax_attention,
 )
 from nested_jax.layers.common import dense, partitioned
@@ -40,8 +40,7 @@ class PersistentSWA(nnx.Module):
     ):
         if head_dim % 2:
             raise ValueError(f"head_dim: RoPE needs an even head_dim, got {head_dim}")
-        if impl not in ATTENTION_IMPLS:
-            raise ValueError(f"impl: expected one of {ATTENTION_IMPLS}, got {impl!r}")
+        check_attention_impl(impl)
         self.impl = impl
         self.n_heads, self.head_dim, self.window, self.n_persistent = (
             n_heads, head_dim, window, persistent,
