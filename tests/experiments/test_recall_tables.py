@@ -17,7 +17,7 @@ def test_variants_reach_the_model_configs():
     s = recall_tables.table_settings("hola", scale, recall_tables.TABLES["hola"])
     beta, recency = (model_config(m, s, 32).hola for m in ("hola", "hola@recency"))
     assert (beta.eviction, recency.eviction) == ("beta_e", "recency")
-    assert beta.window == recency.window == 16 and beta.block_size == recency.block_size == 64
+    assert beta.window == recency.window == 16 and beta.block_size == recency.block_size == 16
     s = recall_tables.table_settings("titans", scale, recall_tables.TABLES["titans"])
     assert model_config("transformer@swa", s, 32).window == s.seq_len // 4
     assert model_config("gdn", s, 32).window == 0

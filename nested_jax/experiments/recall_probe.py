@@ -1,0 +1,266 @@
+"""Why a recall table ranks its models as it does: what the gated delta layers choose to write,
+and what HOLA's cache holds when the queries come.
+
+    python -m nested_jax.experiments.recall_probe --dir runs/recall/hola \\
+        --models hola hola@recency gdn --seed 0 --multipliers 1 4 16 --out runs/recall/probe_hola
+
+A ``recall:kv`` row (:mod:`nested_jax.eval.recall`) has four kinds of token: filler, the pairs'
+keys and values, and the query section (the QUERY marker and the queried keys and values). This
+probe reloads the weights a finished table run kept (``.params.npz``, at the rate the table chose)
+and, on held-out rows ``m ×`` the training length, reports per model and layer:
+
+* the write strength ``β_t`` and the retention ``α_t = exp(g_t)`` of the delta state (SPEC §1),
+  averaged over heads and tokens of each kind — a state that keeps its pairs at any length writes
+  the pairs (β high) and neither writes nor forgets on filler (β ≈ 0, α ≈ 1);
+* HOLA (SPEC §5): at the QUERY marker, which kinds of token fill the persistent cache (shares of
+  its valid entries), the share of the rows' pairs whose value (and key) token sits in it in at
+  least one head, and the mean eviction score ``m_t = β_t‖e_t‖`` of the kept entries per kind.
+
+Writes ``<out>/recall_probe.json`` and ``.png`` (β by kind per model; HOLA's cache make-up by
+length) and prints one line per model and length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nested_jax.eval.recall import RecallVocab, make_recall_batch
+from nested_jax.experiments.formal_probe import load_run
+from nested_jax.files import write_json
+
+KINDS = ("filler", "key", "value", "query")
+
+
+def token_kinds(inputs: np.ndarray, vocab: RecallVocab) -> np.ndarray:
+    """``int8 [B, T]``: the index in :data:`KINDS` of every input token (everything from the
+    QUERY marker on is ``query``).
+
+    Raises:
+      ValueError: naming ``inputs`` when it is not ``int [B, T]`` with one QUERY per row.
+    """
+    inputs = np.asarray(inputs)
+    marker = inputs == vocab.QUERY
+    if inputs.ndim != 2 or not (marker.sum(-1) == 1).all():
+        shape = inputs.shape
+        raise ValueError(f"inputs: expected int [B, T] rows with one QUERY each, got {shape}")
+    kinds = np.zeros(inputs.shape, np.int8)
+    kinds[(inputs >= vocab.key_base) & (inputs < vocab.value_base)] = 1
+    kinds[(inputs >= vocab.value_base) & (inputs < vocab.filler_base)] = 2
+    kinds[np.cumsum(marker, axis=1) > 0] = 3
+    return kinds
+
+
+def mean_by_kind(x: np.ndarray, kinds: np.ndarray) -> list[float | None]:
+    """Mean of ``x [B, T, ...]`` over the tokens of each kind (None for an absent kind)."""
+    x = np.asarray(x, np.float64).reshape(*kinds.shape, -1).mean(-1)
+    return [float(x[kinds == i].mean()) if (kinds == i).any() else None for i in range(len(KINDS))]
+
+
+@contextmanager
+def _recording_gates(mixer_cls, store: list):
+    """Within the block, every call of ``mixer_cls._rule`` also hands its ``(g, β)`` to
+    ``store`` (one entry per layer and call, in order; ``g`` None without a decay)."""
+    inner = mixer_cls._rule
+
+    def record(g, beta):
+        store.append((None if g is None else np.asarray(g), np.asarray(beta)))
+
+    def rule(self, q, k, v, g, beta, **kw):
+        jax.debug.callback(record, g, beta, ordered=True)
+        return inner(self, q, k, v, g, beta, **kw)
+
+    with mock.patch.object(mixer_cls, "_rule", rule):
+        yield
+
+
+def _model(trained):
+    graphdef, state_def, rest, params = trained
+    return nnx.merge(graphdef, jax.tree.unflatten(state_def, jax.tree.leaves(params)), rest)
+
+
+def gate_statistics(trained, inputs: np.ndarray, kinds: np.ndarray) -> dict | None:
+    """``{"beta", "alpha"}``: per layer, the mean ``β`` and ``exp(g)`` of each token kind (lists
+    ``[n_layers][len(KINDS)]``; ``alpha`` None without a decay); None for a model without a
+    delta-rule mixer."""
+    model = _model(trained)
+    mixer_cls = type(model.blocks.mixer)
+    if not hasattr(mixer_cls, "_rule"):
+        return None
+    store: list = []
+    with _recording_gates(mixer_cls, store):
+        # run eagerly: the patched rule is traced afresh, never taken from a cached trace
+        jax.block_until_ready(model(jnp.asarray(inputs))[0])
+        jax.effects_barrier()
+    beta = [mean_by_kind(b, kinds) for _, b in store]
+    alpha = [None if g is None else mean_by_kind(np.exp(g), kinds) for g, _ in store]
+    return {"beta": beta, "alpha": None if alpha[0] is None else alpha}
+
+
+def hola_cache_contents(trained, inputs: np.ndarray, kinds: np.ndarray) -> dict | None:
+    """What HOLA's persistent cache holds after the haystack (the tokens before QUERY), per layer:
+    ``entries`` (valid slots per head, mean), ``share`` of its valid entries of each kind,
+    ``kept_values`` / ``kept_keys`` (share of the rows' pairs whose value / key token is in the
+    cache of at least one head) and ``score`` (mean eviction score of the kept entries of each
+    kind); None for a model without HOLA's cache."""
+    model = _model(trained)
+    prefix = int(np.argmax(kinds[0] == 3))  # the QUERY marker's index, the same in every row
+    tokens = jnp.asarray(inputs[:, :prefix])
+    cache = model.init_cache(tokens.shape[0], prefix)
+    state = getattr(cache.layers, "state", None)
+    if not hasattr(state, "cache_pos"):
+        return None
+    _, cache = model(tokens, cache=cache)
+    st = jax.tree.map(np.asarray, cache.layers.state)
+    hay = kinds[:, :prefix]
+    out = {"entries": [], "share": [], "kept_values": [], "kept_keys": [], "score": []}
+    for pos, valid, score in zip(st.cache_pos, st.cache_valid, st.cache_score, strict=True):
+        kind = np.take_along_axis(hay, np.where(valid, pos, 0).reshape(len(hay), -1), axis=1)
+        kind = np.where(valid.reshape(len(hay), -1), kind, -1)  # [B, H * w]; -1: empty slot
+        n = max(int((kind >= 0).sum()), 1)
+        out["entries"].append(float(valid.sum(-1).mean()))  # valid slots per head
+        out["share"].append([float((kind == i).sum() / n) for i in range(len(KINDS))])
+        flat = score.reshape(len(hay), -1)
+        out["score"].append(
+            [float(flat[kind == i].mean()) if (kind == i).any() else None for i in range(4)]
+        )
+        held = np.zeros(hay.shape, bool)
+        np.put_along_axis(held, np.where(valid, pos, 0).reshape(len(hay), -1), True, axis=1)
+        held[:, 0] &= (valid.reshape(len(hay), -1) & (pos.reshape(len(hay), -1) == 0)).any(1)
+        out["kept_values"].append(float(held[hay == 2].mean()))
+        out["kept_keys"].append(float(held[hay == 1].mean()))
+    return out
+
+
+def probe_model(trained, s, multipliers: Sequence[int], rows: int = 32) -> dict:
+    """Gate statistics (and HOLA's cache contents) of ``trained`` on ``rows`` held-out rows at
+    each length ``m × L`` of ``multipliers``, the pairs drawn over the whole haystack."""
+    per_length = {}
+    for m in multipliers:
+        sizes = s.recall_batch_sizes(m)
+        vocab = RecallVocab(sizes["keys"], sizes["values"], sizes["filler"])
+        batch = make_recall_batch(rows, np.random.default_rng(10_000 + m), **sizes)
+        kinds = token_kinds(batch["inputs"], vocab)
+        per_length[f"{m}x"] = {
+            "gates": gate_statistics(trained, batch["inputs"], kinds),
+            "cache": hola_cache_contents(trained, batch["inputs"], kinds),
+        }
+    return per_length
+
+
+def probe(
+    directory: str | Path, models: Sequence[str], seed: int, multipliers: Sequence[int], out
+) -> dict:
+    """Probe every model of ``models`` in the recall table folder ``directory`` (module
+    docstring).
+
+    Raises:
+      ValueError: naming ``dir`` without a table result, ``multipliers`` when not ints >= 1, or
+        ``models`` (:func:`~nested_jax.experiments.formal_probe.load_run`).
+    """
+    directory = Path(directory)
+    found = directory / "recall_kv.json"
+    if not found.is_file():
+        raise ValueError(f"dir: no recall_kv.json in {directory} (run the table first)")
+    if not multipliers or any(not isinstance(m, int) or m < 1 for m in multipliers):
+        raise ValueError(f"multipliers: expected ints >= 1, got {list(multipliers)}")
+    result = json.loads(found.read_text())
+    report = {"dir": str(directory), "seed": seed, "models": {}}
+    for model in models:
+        s, trained = load_run(directory, result, model, seed)
+        report["models"][model] = probe_model(trained, s, multipliers)
+        for length, x in report["models"][model].items():
+            print(f"== {model} {length}: {summary(x)}", flush=True)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report["plot"] = str(_plot(report["models"], out / "recall_probe.png"))
+    write_json(out / "recall_probe.json", report)
+    return report
+
+
+def summary(x: dict) -> str:
+    """One line: the last layer's β (and α) on filler vs values, HOLA's cache make-up."""
+
+    def pair(v: list) -> str:
+        return f"{v[0]:.2f} filler / {v[2]:.2f} value"
+
+    parts = []
+    if x["gates"] is not None:
+        parts.append(f"beta {pair(x['gates']['beta'][-1])}")
+        if x["gates"]["alpha"] is not None:
+            parts.append(f"alpha {pair(x['gates']['alpha'][-1])}")
+    if x["cache"] is not None:
+        share = x["cache"]["share"][-1]
+        kept = x["cache"]["kept_values"][-1]
+        parts.append(
+            f"cache {x['cache']['entries'][-1]:.0f} entries/head, {share[1] + share[2]:.0%} pair "
+            f"tokens, {kept:.0%} of values kept"
+        )
+    return "; ".join(parts) + " (last layer)" if parts else "no delta-rule mixer"
+
+
+def _plot(models: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8))
+    lengths = list(next(iter(models.values())))
+    width = 0.8 / max(len(models), 1)
+    for i, (name, per_length) in enumerate(models.items()):
+        gates = per_length[lengths[-1]]["gates"]
+        if gates is not None:
+            beta = np.asarray(gates["beta"], dtype=float).mean(0)  # over layers
+            ax.bar(np.arange(len(KINDS)) + i * width, beta, width, label=name)
+        cache = [per_length[n]["cache"] for n in lengths]
+        if cache[0] is not None:
+            bx.plot(lengths, [np.mean(c["kept_values"]) for c in cache], marker="o", label=name)
+    ax.set_xticks(np.arange(len(KINDS)) + 0.4 - width / 2, KINDS)
+    ax.set_ylabel("mean write strength β (layers averaged)")
+    ax.set_title(f"what the delta state writes, {lengths[-1]} rows")
+    ax.legend(fontsize=7)
+    bx.set_ylim(-0.02, 1.02)
+    bx.set_xlabel("row length (× training length)")
+    bx.set_ylabel("share of values in the cache at QUERY")
+    bx.set_title("HOLA's persistent cache (layers averaged)")
+    if bx.lines:
+        bx.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m nested_jax.experiments.recall_probe",
+        description="what trained recall models write and what HOLA's cache keeps",
+    )
+    p.add_argument("--dir", required=True, help="a recall table's folder (has recall_kv.json)")
+    p.add_argument("--models", nargs="+", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--multipliers", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    try:
+        report = probe(args.dir, args.models, args.seed, args.multipliers, args.out)
+    except ValueError as err:
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"plot: {report['plot']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
