@@ -9,9 +9,10 @@ keys and values, and the query section (the QUERY marker and the queried keys an
 probe reloads the weights a finished table run kept (``.params.npz``, at the rate the table chose)
 and, on held-out rows ``m ×`` the training length, reports per model and layer:
 
-* the write strength ``β_t`` and the retention ``α_t = exp(g_t)`` of the delta state (SPEC §1),
-  averaged over heads and tokens of each kind — a state that keeps its pairs at any length writes
-  the pairs (β high) and neither writes nor forgets on filler (β ≈ 0, α ≈ 1);
+* the write strength and the retention of the memory, averaged over heads and tokens of each kind:
+  ``β_t`` and ``α_t = exp(g_t)`` of a delta state (SPEC §1), the inner rate ``θ_t`` and
+  ``1 − α_t`` of a Titans memory (SPEC §2) — a memory that keeps its pairs at any length writes
+  the pairs (strong writes) and neither writes nor forgets on filler (write ≈ 0, retain ≈ 1);
 * HOLA (SPEC §5): at the QUERY marker, which kinds of token fill the persistent cache (shares of
   its valid entries), the share of the rows' pairs whose value (and key) token sits in it in at
   least one head, and the mean eviction score ``m_t = β_t‖e_t‖`` of the kept entries per kind.
@@ -23,10 +24,10 @@ length) and prints one line per model and length.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
@@ -38,6 +39,7 @@ from flax import nnx
 from nested_jax.eval.recall import RecallVocab, make_recall_batch
 from nested_jax.experiments.formal_probe import load_run
 from nested_jax.files import write_json
+from nested_jax.layers.titans import NeuralMemory
 
 KINDS = ("filler", "key", "value", "query")
 
@@ -67,21 +69,44 @@ def mean_by_kind(x: np.ndarray, kinds: np.ndarray) -> list[float | None]:
     return [float(x[kinds == i].mean()) if (kinds == i).any() else None for i in range(len(KINDS))]
 
 
-@contextmanager
-def _recording_gates(mixer_cls, store: list):
-    """Within the block, every call of ``mixer_cls._rule`` also hands its ``(g, β)`` to
-    ``store`` (one entry per layer and call, in order; ``g`` None without a decay)."""
+@contextlib.contextmanager
+def _recording_gates(model, store: list):
+    """Within the block, every delta-rule layer of ``model`` hands its ``(β, exp g)`` and every
+    Titans memory its ``(θ, 1 − α)`` to ``store`` — ``(write, retain)`` per layer and call, in
+    order (``retain`` None without a decay)."""
+
+    def record(write, retain):
+        store.append((np.asarray(write), None if retain is None else np.asarray(retain)))
+
+    mixer_cls = type(model.blocks.mixer)
+    patches = [mock.patch.object(NeuralMemory, "gates", _recorded_titans_gates(record))]
+    if hasattr(mixer_cls, "_rule"):
+        patches.append(mock.patch.object(mixer_cls, "_rule", _recorded_rule(mixer_cls, record)))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+def _recorded_rule(mixer_cls, record):
     inner = mixer_cls._rule
 
-    def record(g, beta):
-        store.append((None if g is None else np.asarray(g), np.asarray(beta)))
-
     def rule(self, q, k, v, g, beta, **kw):
-        jax.debug.callback(record, g, beta, ordered=True)
+        jax.debug.callback(record, beta, None if g is None else jnp.exp(g), ordered=True)
         return inner(self, q, k, v, g, beta, **kw)
 
-    with mock.patch.object(mixer_cls, "_rule", rule):
-        yield
+    return rule
+
+
+def _recorded_titans_gates(record):
+    inner = NeuralMemory.gates
+
+    def gates(self, x):
+        theta, eta, alpha = inner(self, x)
+        jax.debug.callback(record, theta, 1.0 - alpha, ordered=True)
+        return theta, eta, alpha
+
+    return gates
 
 
 def _model(trained):
@@ -90,21 +115,21 @@ def _model(trained):
 
 
 def gate_statistics(trained, inputs: np.ndarray, kinds: np.ndarray) -> dict | None:
-    """``{"beta", "alpha"}``: per layer, the mean ``β`` and ``exp(g)`` of each token kind (lists
-    ``[n_layers][len(KINDS)]``; ``alpha`` None without a decay); None for a model without a
-    delta-rule mixer."""
+    """``{"write", "retain"}``: per layer, the mean write strength and retention of each token
+    kind (lists ``[n_layers][len(KINDS)]``): ``β`` and ``exp(g)`` of a delta-rule layer, the inner
+    rate ``θ`` and ``1 − α`` of a Titans memory (``retain`` None without a decay); None for a
+    model with neither (attention)."""
     model = _model(trained)
-    mixer_cls = type(model.blocks.mixer)
-    if not hasattr(mixer_cls, "_rule"):
-        return None
     store: list = []
-    with _recording_gates(mixer_cls, store):
-        # run eagerly: the patched rule is traced afresh, never taken from a cached trace
+    with _recording_gates(model, store):
+        # run eagerly: the patched gates are traced afresh, never taken from a cached trace
         jax.block_until_ready(model(jnp.asarray(inputs))[0])
         jax.effects_barrier()
-    beta = [mean_by_kind(b, kinds) for _, b in store]
-    alpha = [None if g is None else mean_by_kind(np.exp(g), kinds) for g, _ in store]
-    return {"beta": beta, "alpha": None if alpha[0] is None else alpha}
+    if not store:
+        return None
+    write = [mean_by_kind(w, kinds) for w, _ in store]
+    retain = [None if r is None else mean_by_kind(r, kinds) for _, r in store]
+    return {"write": write, "retain": None if retain[0] is None else retain}
 
 
 def hola_cache_contents(trained, inputs: np.ndarray, kinds: np.ndarray) -> dict | None:
@@ -189,16 +214,17 @@ def probe(
 
 
 def summary(x: dict) -> str:
-    """One line: the last layer's β (and α) on filler vs values, HOLA's cache make-up."""
+    """One line: the last layer's write strength (and retention) on filler vs values, HOLA's
+    cache make-up."""
 
     def pair(v: list) -> str:
         return f"{v[0]:.2f} filler / {v[2]:.2f} value"
 
     parts = []
     if x["gates"] is not None:
-        parts.append(f"beta {pair(x['gates']['beta'][-1])}")
-        if x["gates"]["alpha"] is not None:
-            parts.append(f"alpha {pair(x['gates']['alpha'][-1])}")
+        parts.append(f"write {pair(x['gates']['write'][-1])}")
+        if x["gates"]["retain"] is not None:
+            parts.append(f"retain {pair(x['gates']['retain'][-1])}")
     if x["cache"] is not None:
         share = x["cache"]["share"][-1]
         kept = x["cache"]["kept_values"][-1]
@@ -221,13 +247,13 @@ def _plot(models: dict, path: Path) -> Path:
     for i, (name, per_length) in enumerate(models.items()):
         gates = per_length[lengths[-1]]["gates"]
         if gates is not None:
-            beta = np.asarray(gates["beta"], dtype=float).mean(0)  # over layers
-            ax.bar(np.arange(len(KINDS)) + i * width, beta, width, label=name)
+            write = np.asarray(gates["write"], dtype=float).mean(0)  # over layers
+            ax.bar(np.arange(len(KINDS)) + i * width, write, width, label=name)
         cache = [per_length[n]["cache"] for n in lengths]
         if cache[0] is not None:
             bx.plot(lengths, [np.mean(c["kept_values"]) for c in cache], marker="o", label=name)
     ax.set_xticks(np.arange(len(KINDS)) + 0.4 - width / 2, KINDS)
-    ax.set_ylabel("mean write strength β (layers averaged)")
+    ax.set_ylabel("mean write strength β or θ (layers averaged)")
     ax.set_title(f"what the delta state writes, {lengths[-1]} rows")
     ax.legend(fontsize=7)
     bx.set_ylim(-0.02, 1.02)

@@ -61,9 +61,12 @@ def test_gates_are_recorded_per_layer():
     _, trained = _untrained("gdn")
     inputs, kinds = _batch()
     gates = recall_probe.gate_statistics(trained, inputs, kinds)
-    assert len(gates["beta"]) == len(gates["alpha"]) == 2  # n_layers
-    for layer in gates["beta"] + gates["alpha"]:
+    assert len(gates["write"]) == len(gates["retain"]) == 2  # n_layers
+    for layer in gates["write"] + gates["retain"]:
         assert all(0.0 < v < 1.0 for v in layer)
+    _, titans = _untrained("titans_lmm")
+    gates = recall_probe.gate_statistics(titans, inputs, kinds)
+    assert len(gates["write"]) == 2 and all(v > 0 for v in gates["retain"][0])
     _, transformer = _untrained("transformer")
     assert recall_probe.gate_statistics(transformer, inputs, kinds) is None
 
@@ -100,7 +103,7 @@ def test_the_probe_runs_on_a_table(tmp_path, monkeypatch, capsys):
     argv = ["--dir", str(tmp_path / "hola"), "--models", "hola", "gdn", "--multipliers", "1", "2"]
     assert recall_probe.main([*argv, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "== hola 2x: beta" in printed and "entries/head" in printed
+    assert "== hola 2x: write" in printed and "entries/head" in printed
     report = json.loads((out / "recall_probe.json").read_text())
     assert set(report["models"]) == {"hola", "gdn"}
     assert report["models"]["gdn"]["2x"]["cache"] is None
