@@ -361,10 +361,11 @@ def make_scorer(trained: Trained) -> Callable[[Sequence[Batch], Callable], dict]
     """``score(batches, accuracy_fn) -> {accuracy, eval_loss, eval_queries}`` for ``trained``.
 
     ``accuracy_fn(logits, batch)`` is the accuracy over the batch's scored positions
-    (``loss_mask``); it is weighted by their number, so the result is the accuracy over all scored
-    positions of ``batches`` (``per_row=True``: weighted by rows, for a string-level accuracy;
-    ``eval_queries`` then counts rows, else scored positions). ``eval_loss`` is the mean loss
-    (nats) at the scored positions. The jitted forward passes are compiled once per batch shape.
+    (``score_mask`` where the batch has one, else ``loss_mask``); it is weighted by their number,
+    so the result is the accuracy over all scored positions of ``batches`` (``per_row=True``:
+    weighted by rows, for a string-level accuracy; ``eval_queries`` then counts rows, else scored
+    positions). ``eval_loss`` is the mean loss (nats) over ``loss_mask`` (its weights). The jitted
+    forward passes are compiled once per batch shape.
     """
     from nested_jax.train.step import make_eval_step
 
@@ -375,7 +376,7 @@ def make_scorer(trained: Trained) -> Callable[[Sequence[Batch], Callable], dict]
     def score(batches: Sequence[Batch], accuracy_fn: Callable, per_row: bool = False) -> dict:
         correct, total, loss_sum, tokens = 0.0, 0, 0.0, 0.0
         for b in batches:
-            n = len(b["inputs"]) if per_row else int(b["loss_mask"].sum())
+            n = len(b["inputs"]) if per_row else int(b.get("score_mask", b["loss_mask"]).sum())
             correct += accuracy_fn(logits_fn(params, b["inputs"]), b) * n
             total += n
             sums = eval_step(params, rest, b)

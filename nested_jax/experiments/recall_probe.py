@@ -194,12 +194,12 @@ def probe(
         ``models`` (:func:`~nested_jax.experiments.formal_probe.load_run`).
     """
     directory = Path(directory)
-    found = directory / "recall_kv.json"
-    if not found.is_file():
-        raise ValueError(f"dir: no recall_kv.json in {directory} (run the table first)")
+    found = sorted(directory.glob("recall_*.json"))
+    if len(found) != 1:
+        raise ValueError(f"dir: expected one recall_<task>.json in {directory}, found {found}")
     if not multipliers or any(not isinstance(m, int) or m < 1 for m in multipliers):
         raise ValueError(f"multipliers: expected ints >= 1, got {list(multipliers)}")
-    result = json.loads(found.read_text())
+    result = json.loads(found[0].read_text())
     report = {"dir": str(directory), "seed": seed, "models": {}}
     for model in models:
         s, trained = load_run(directory, result, model, seed)
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m nested_jax.experiments.recall_probe",
         description="what trained recall models write and what HOLA's cache keeps",
     )
-    p.add_argument("--dir", required=True, help="a recall table's folder (has recall_kv.json)")
+    p.add_argument("--dir", required=True, help="a recall table's folder (has recall_<task>.json)")
     p.add_argument("--models", nargs="+", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--multipliers", nargs="+", type=int, default=[1, 4, 16])

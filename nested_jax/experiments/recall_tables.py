@@ -13,6 +13,9 @@ Tables (:data:`TABLES`):
   cache evicting the oldest entry (``hola@recency``, same ``w`` and ``C``) and plain GDN (Cui 2026:
   S-NIAH-1 at 16× the training length, HOLA 0.58, recency 0.24, GDN 0.14). The cache is made
   small beside the haystack (``w`` of :data:`HOLA_CACHE`), so what it keeps decides.
+* ``hola_text``: the same three models with the pairs written over Austen text that the models
+  also predict (``recall:kv_text``): the setting of a language model, whose memory must serve the
+  text around the needle, where the ``hola`` table's random filler can simply go unwritten.
 * ``titans``: Titans LMM and MAC against GDN and a sliding-window Transformer++ whose window is a
   quarter of ``L`` (Titans: the neural memory keeps its accuracy as length grows).
 * ``proteus``: Proteus' incremental activation, ``E ∈ {1, 4, 16, 32}`` blocks on GDN and Titans
@@ -23,7 +26,8 @@ Every run is one ``synthetic`` run (:func:`~nested_jax.experiments.synthetic.run
 cached under ``<out>/<table>/models/`` and reused when its settings are equal, so a table is filled
 a piece at a time (``--models``, ``--seeds``) and is deterministic under its seeds; the first seed
 sweeps the learning rate on a validation set at ``L`` (never on the scored grid). Writes
-``<out>/<table>/recall_kv.{json,md,png}`` and ``recall_kv_depth.png`` (length × depth heatmaps).
+``<out>/<table>/recall_<task>.{json,md,png}`` and ``recall_<task>_depth.png`` (length × depth
+heatmaps). Why a table ranks as it does: :mod:`nested_jax.experiments.recall_probe`.
 ``--scale``: ``cpu`` (what a 2-core CPU finishes in about an hour a table in the background) or
 ``gpu`` (wider models, longer rows, five seeds).
 """
@@ -47,6 +51,7 @@ HOLA_CACHE = ("model.hola.window=16", "model.hola.block_size=16")
 
 TABLES: dict[str, tuple[str, ...]] = {
     "hola": ("hola", "hola@recency", "gdn"),
+    "hola_text": ("hola", "hola@recency", "gdn"),
     "titans": ("gdn", "titans_lmm", "titans_mac", "transformer@swa"),
     "proteus": tuple(f"{m}+proteus{e}" for m in ("gdn", "titans_lmm") for e in (1, 4, 16, 32)),
 }
@@ -107,6 +112,10 @@ SCALES = {
 }
 
 
+# the recall task of each table (``recall:<name>``); the others are ``recall:kv``
+TABLE_TASKS = {"hola_text": "recall:kv_text"}
+
+
 def variants(seq_len: int) -> dict[str, tuple[str, ...]]:
     """The per-model options of the tables' ``<mixer>@<label>`` entries (and HOLA's cache)."""
     return {
@@ -121,7 +130,7 @@ def table_settings(table: str, scale: RecallScale, models: Sequence[str]) -> Syn
     sizes = scale.capacity_sizes if table == "proteus" else scale.sizes
     options = variants(sizes["seq_len"])
     return SyntheticSettings(
-        task="recall:kv",
+        task=TABLE_TASKS.get(table, "recall:kv"),
         steps=scale.steps,
         batch_size=scale.batch_size,
         d_model=scale.d_model,

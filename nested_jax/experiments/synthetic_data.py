@@ -19,6 +19,7 @@ from nested_jax.eval.formal_languages import (
 from nested_jax.eval.formal_protocol import PROTOCOL_TASKS, make_protocol_batch, protocol_strings
 from nested_jax.eval.mad import MAD_TASKS, mad_chance, make_mad_batch
 from nested_jax.eval.recall import (
+    HAYSTACKS,
     RECALL_SIZES,
     RECALL_TASKS,
     RecallVocab,
@@ -155,7 +156,8 @@ class SyntheticSettings:
             if unknown:
                 raise ValueError(f"unknown sizes {unknown}; expected {sorted(RECALL_SIZES)}")
             for m, band in self.recall_cells():
-                make_recall_batch(1, 0, **self.recall_batch_sizes(m), depth=band)
+                cell = self.recall_batch_sizes(m)
+                make_recall_batch(1, 0, **cell, depth=band, haystack=HAYSTACKS[self.name])
         except (TypeError, ValueError) as err:
             raise ValueError(f"recall_sizes: {str(err).splitlines()[0]}") from None
 
@@ -312,7 +314,9 @@ def _row_batches(rows: dict, batch_size: int) -> list[dict]:
 
 def _recall_batch(s: SyntheticSettings, rng, multiplier: int = 1, depth=(0.0, 1.0)) -> dict:
     """A recall batch without its ``depth`` annotation (the batches the models see)."""
-    batch = make_recall_batch(s.batch_size, rng, **s.recall_batch_sizes(multiplier), depth=depth)
+    sizes = s.recall_batch_sizes(multiplier)
+    haystack = HAYSTACKS[s.name]
+    batch = make_recall_batch(s.batch_size, rng, **sizes, depth=depth, haystack=haystack)
     return {k: v for k, v in batch.items() if k != "depth"}
 
 

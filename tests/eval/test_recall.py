@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 from nested_jax.eval.recall import (
+    TEXT_ALPHABET,
     RecallVocab,
+    austen_text_ids,
+    encode_text,
     haystack_slots,
     make_recall_batch,
     recall_accuracy,
@@ -122,3 +125,72 @@ def test_driver_trains_scores_the_grid_and_draws_the_heatmap(tmp_path, capsys):
     result = json.loads((tmp_path / "recall_kv.json").read_text())
     assert set(result["runs"][0]["scores"]) == {"1x@0.00", "1x@0.50", "2x@0.00", "2x@0.50"}
     assert (tmp_path / "recall_kv_depth.png").stat().st_size > 0
+
+
+TEXT_SIZES = {**SIZES, "filler": len(TEXT_ALPHABET) + 1}
+
+
+def test_text_haystack_is_a_window_of_the_text_with_the_pairs_written_over_it():
+    text = np.arange(500) % (len(TEXT_ALPHABET) + 1)  # every window tells where it starts
+    b = make_recall_batch(8, 1, **TEXT_SIZES, haystack="text", text=text)
+    vocab = RecallVocab(SIZES["keys"], SIZES["values"], TEXT_SIZES["filler"])
+    for i in range(8):
+        row = np.concatenate([b["inputs"][i], b["targets"][i, -1:]])
+        query = int(np.flatnonzero(row == vocab.QUERY)[0])
+        hay = row[:query]
+        filler = hay >= vocab.filler_base
+        assert (~filler).sum() == 2 * SIZES["pairs"]  # only the pairs are not text
+        # the text runs on under the pairs: token j of the window is (start + j) mod 31 there
+        window = np.flatnonzero(filler)
+        offsets = (hay[window] - vocab.filler_base - window) % (len(TEXT_ALPHABET) + 1)
+        assert len(set(offsets.tolist())) == 1
+        assert _pairs_of(row, vocab)  # the pairs are still there and queried
+    # the loss: every text target, and the answers weighted to half of each row's loss
+    text_targets = (b["targets"] >= vocab.filler_base).astype(np.float32)
+    np.testing.assert_array_equal(b["loss_mask"] * (b["score_mask"] == 0), text_targets)
+    answers = (b["loss_mask"] * b["score_mask"]).sum(1)
+    np.testing.assert_allclose(answers, text_targets.sum(1))
+    assert (b["score_mask"].sum(1) == SIZES["queries"]).all()
+    perfect = np.eye(vocab.size)[b["targets"]]
+    perfect[b["score_mask"] == 0] = np.eye(vocab.size)[0]  # wrong on all the text
+    assert recall_accuracy(perfect, b) == 1.0  # scored on the answers only
+
+
+def test_random_haystack_scores_and_trains_the_answers_only():
+    b = make_recall_batch(4, 2, **SIZES)
+    np.testing.assert_array_equal(b["loss_mask"], b["score_mask"])
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(haystack="essay"), "haystack"),
+        (dict(haystack="text", filler=len(TEXT_ALPHABET)), "filler"),
+        (dict(haystack="text", text=np.zeros(10, int)), "text"),
+        (dict(haystack="text", text=np.full(100, len(TEXT_ALPHABET) + 1)), "text"),
+    ],
+)
+def test_bad_haystacks_name_themselves(change, match):
+    with pytest.raises(ValueError, match=f"^{match}:"):
+        make_recall_batch(1, 0, **{**TEXT_SIZES, **change})
+
+
+def test_encode_text_and_the_austen_stream():
+    other = len(TEXT_ALPHABET)
+    got = encode_text("Ab,\n\t  z!")
+    np.testing.assert_array_equal(got, [0, 1, TEXT_ALPHABET.index(","), 26, 25, other])
+    ids = austen_text_ids()  # the real corpus (installed by scripts/setup)
+    assert len(ids) > 3_000_000 and ids.min() == 0 and ids.max() == other
+    assert np.mean(ids == TEXT_ALPHABET.index(" ")) > 0.1  # words
+
+
+def test_driver_trains_the_text_task(tmp_path, capsys):
+    sizes = {**TEXT_SIZES, "seq_len": 40}
+    code = synthetic.main(
+        ["--task", "recall:kv_text", "--models", "gdn", "--steps", "2", "--batch-size", "4",
+         "--d-model", "16", "--eval-batches", "1", "--eval-multipliers", "1", "--depth-bins", "1",
+         "--recall-sizes", *(f"{k}={v}" for k, v in sizes.items()), "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads((tmp_path / "recall_kv_text.json").read_text())
+    assert result["runs"][0]["scores"]["1x@0.00"]["eval_queries"] == 4 * SIZES["queries"]
