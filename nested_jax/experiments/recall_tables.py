@@ -91,8 +91,9 @@ SCALES = {
         depth_bins=5,
         # the size at which the sizing run's best model solved 1× (docs/RESULTS.md, "Sizing")
         sizes=dict(seq_len=64, pairs=4, queries=4, keys=32, values=32, filler=32),
-        capacity_sizes=dict(seq_len=256, pairs=64, queries=16, keys=128, values=64, filler=32),
-        note="width 64, 2 layers, 2 000 steps of 32 rows at L = 64 (256 for proteus)",
+        # 56 pairs against 32-wide heads (a head's state holds about 32 without interference)
+        capacity_sizes=dict(seq_len=128, pairs=56, queries=4, keys=64, values=32, filler=32),
+        note="width 64, 2 layers, 2 000 steps of 32 rows at L = 64 (128 for proteus)",
     ),
     "gpu": RecallScale(
         steps=10_000,
