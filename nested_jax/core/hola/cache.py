@@ -53,18 +53,22 @@ def attend(qn, ck_n, cv, c_mask, bk_n, bv, b_mask, sink, cache_scale):
     ``bv [B,H,C,V]``, ``b_mask [B,H,Q,C]`` (causal × filled); ``sink [H]``.
     Returns ``(o [B,H,Q,V], p_cache [B,H,Q,w], p_block [B,H,Q,C])``.
     """
-    w = ck_n.shape[2]
     lc = jnp.einsum("bhqk,bhjk->bhqj", qn, ck_n) * cache_scale
     lb = jnp.einsum("bhqk,bhjk->bhqj", qn, bk_n) * cache_scale
     lc = jnp.where(c_mask[:, :, None, :], lc, -jnp.inf)
     lb = jnp.where(b_mask, lb, -jnp.inf)
-    # typed like the logits (sharded like them on an Explicit mesh): concatenate needs one type
+    # typed like the logits (sharded like them on an Explicit mesh), to combine with them
     ls = sink.astype(_F32)[None, :, None, None] + zeros_typed(lc[..., :1])
-    # The sink column is always present, so no row is fully masked (no NaN).
-    p = jax.nn.softmax(jnp.concatenate([lc, lb, ls], axis=-1), axis=-1)
-    pc, pb = p[..., :w], p[..., w:-1]
-    o = jnp.einsum("bhqj,bhjv->bhqv", pc, cv) + jnp.einsum("bhqj,bhjv->bhqv", pb, bv)
-    return o, pc, pb
+    # One softmax over [cache ‖ block ‖ sink] taken in its parts: no concatenated [Q, w + C + 1]
+    # logits and no slices of them, forward or backward (faster: docs/RESULTS.md, "Timings behind
+    # constants of the core"). The sink column is always present, so no row is fully masked
+    # (no NaN); the shift m is a constant of the softmax (its gradient cancels), held fixed.
+    m = jnp.maximum(jnp.max(lc, axis=-1, keepdims=True), jnp.max(lb, axis=-1, keepdims=True))
+    m = lax.stop_gradient(jnp.maximum(m, ls))
+    ec, eb, es = jnp.exp(lc - m), jnp.exp(lb - m), jnp.exp(ls - m)
+    z = jnp.sum(ec, axis=-1, keepdims=True) + jnp.sum(eb, axis=-1, keepdims=True) + es
+    o = jnp.einsum("bhqj,bhjv->bhqv", ec, cv) + jnp.einsum("bhqj,bhjv->bhqv", eb, bv)
+    return o / z, ec / z, eb / z
 
 
 def _signless_zero(x):

@@ -76,6 +76,7 @@ from jax import lax
 
 from nested_jax.core.associative.forms import gated_delta_chunked
 from nested_jax.core.checks import check_positive_int
+from nested_jax.core.hola.cache import read_blocks
 from nested_jax.core.hola.decode import (
     _F32,
     HolaState,
@@ -248,15 +249,17 @@ class HolaKernels(NamedTuple):
         returning ``(o [B, T, H, V], S_T [B, H, K, V] f32)`` with ``gated_delta_chunked``'s
         contract (``initial_state`` None = zero). The residual pass of the scores and the cache
         path do not use it.
-      cache_read: None (the cache path reads block by block inside its scan) or every block's
-        cache read at once, with the contract of ``hola.cache.read_blocks``. Given, the one-stream
-        cache path runs in two phases (``hola.stream.cache_blocks``: the merges first, then one
-        read of all blocks); not used by ``cumulative_attention`` (its merges need the reads) nor
-        with ``segment_ids`` (the packed scan).
+      cache_read: every block's cache read at once, with the contract of
+        ``hola.cache.read_blocks`` (the default, XLA), or None (the cache path reads block by
+        block inside its scan). Given, the one-stream cache path runs in two phases
+        (``hola.stream.cache_blocks``: the merges first, then one read of all blocks; the faster
+        on XLA:CPU, docs/RESULTS.md "Timings behind constants of the core"); not used by
+        ``cumulative_attention`` (its merges need the reads) nor with ``segment_ids`` (the
+        packed scan).
     """
 
     state_path: Callable = gated_delta_chunked
-    cache_read: Callable | None = None
+    cache_read: Callable | None = read_blocks
 
 
 def hola_forward(
