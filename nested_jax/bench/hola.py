@@ -5,7 +5,9 @@ Measured in one process (the rule of :mod:`nested_jax.bench.common`):
 1. **Mixer** fwd+bwd (gradients of ``sum(sin(y))`` w.r.t. all parameters) of
    :class:`~nested_jax.layers.hola.HolaMixer` vs :class:`~nested_jax.layers.gdn.GatedDeltaNet`
    with the same shapes (default B=1, T=2048, d_model=256, 4 heads of 64, w=64, C=256, chunk 64),
-   timed A/B interleaved (median of ``--repeats``): tokens/s of both and the ratio.
+   timed A/B interleaved (median of ``--repeats``): tokens/s of both and the ratio; and the
+   core forms alone (``hola_forward`` vs ``gated_delta_chunked``, same q, k, v, g, β), HOLA with
+   every block's cache read at once (the default) and with the read inside the block scan.
 2. **Model** (LM shell, 2 layers, d_model 128, byte vocabulary) fwd+bwd of the next-token loss
    at T=1024: tokens/s of HOLA vs GDN and the ratio; and the single-token **decode step** time.
 3. **Decode memory** at a length budget of 2K and 32K tokens: the bytes of the decode state
@@ -17,7 +19,8 @@ Measured in one process (the rule of :mod:`nested_jax.bench.common`):
    for every position (the position is a traced scalar), so its compiled memory is the bound.
 
 JSON keys (last stdout line with ``--json``): ``matmul_gflops``, ``mixer_{hola,gdn}_tokens_per_s``,
-``mixer_hola_over_gdn_time``, ``model_{hola,gdn}_tokens_per_s``, ``model_hola_over_gdn_time``,
+``mixer_hola_over_gdn_time``, ``core_hola_over_gdn_time``, ``core_hola_scan_read_over_gdn_time``,
+``model_{hola,gdn}_tokens_per_s``, ``model_hola_over_gdn_time``,
 ``decode_step_hola_over_gdn_time``, and for ``{hola,gdn,transformer}`` × ``T ∈ {2048, 32768}``:
 ``decode_state_bytes_<model>_T<T>``, ``decode_step_peak_bytes_<model>_T<T>``; ``wall_s``.
 """
@@ -33,10 +36,15 @@ import numpy as np
 from flax import nnx
 
 from nested_jax.bench.common import emit, make_parser, matmul_gflops, progress, time_interleaved
+from nested_jax.core.associative.forms import gated_delta_chunked
+from nested_jax.core.hola.cache import read_blocks
+from nested_jax.core.hola.decode import HolaReadParams
+from nested_jax.core.hola.forward import HolaKernels, hola_forward
 from nested_jax.layers.gdn import GatedDeltaNet
 from nested_jax.layers.hola import HolaMixer
 from nested_jax.layers.options import HolaOptions
 from nested_jax.models import ModelConfig, build_model
+from nested_jax.rules import HolaRule
 
 DECODE_LENGTHS = (2048, 32768)
 
@@ -120,6 +128,43 @@ def _time_mixers(T, d_model, heads, head_dim, window, block_size, repeats, res) 
     )
 
 
+def _time_core_reads(T, heads, head_dim, window, block_size, repeats, res) -> None:
+    """Measurement 1b: fwd+bwd of the core ``hola_forward`` with every block's cache read at once
+    (the default ``HolaKernels.cache_read``) and with the read inside the block scan
+    (``cache_read=None``), against the GDN core ``gated_delta_chunked``; fills ``res``."""
+    keys = jax.random.split(jax.random.key(3), 5)
+    shape = (1, T, heads, head_dim)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q, k = unit(jax.random.normal(keys[0], shape)), unit(jax.random.normal(keys[1], shape))
+    v = jax.random.normal(keys[2], shape)
+    g = -jax.nn.softplus(jax.random.normal(keys[3], shape[:3]))
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], shape[:3]))
+    params = HolaReadParams(
+        jnp.ones((heads, head_dim)), jnp.ones((heads, head_dim)), jnp.zeros(heads),
+        jnp.full((heads,), -4.0),
+    )  # fmt: skip
+    rule = HolaRule(window=window, block_size=block_size)
+
+    def grad_of(forward):
+        loss = lambda *a: jnp.sum(jnp.sin(forward(*a)[0]))  # noqa: E731
+        return functools.partial(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), q, k, v, g, beta)
+
+    def hola(read):
+        kernels = HolaKernels(cache_read=read)
+        return grad_of(lambda *a: hola_forward(*a, params, rule=rule, kernels=kernels))
+
+    t = time_interleaved(
+        {"gdn": grad_of(gated_delta_chunked), "hola": hola(read_blocks), "scan": hola(None)},
+        repeats=repeats,
+    )
+    res["core_hola_over_gdn_time"] = t["hola"] / t["gdn"]
+    res["core_hola_scan_read_over_gdn_time"] = t["scan"] / t["gdn"]
+    progress(
+        f"[bench hola] core fwd+bwd T={T}: HOLA x{t['hola'] / t['gdn']:.2f} the GDN time "
+        f"(all blocks read at once), x{t['scan'] / t['gdn']:.2f} (read inside the block scan)"
+    )
+
+
 def _time_models(models: dict, model_T: int, repeats: int, res) -> None:
     """Measurement 2: HOLA vs GDN LM fwd+bwd at ``model_T``, then one decode step; fills
     ``res``."""
@@ -174,6 +219,7 @@ def run(
     res["matmul_gflops"] = gf
     progress(f"[bench hola] f32 matmul: {gf:.1f} GFLOP/s")
     _time_mixers(T, d_model, heads, head_dim, window, block_size, repeats, res)
+    _time_core_reads(T, heads, head_dim, window, block_size, repeats, res)
     base = _MODEL_BASE
     hopts = HolaOptions(window=window, block_size=block_size)
     models = {

@@ -134,3 +134,18 @@ def test_bench_optim_rejects_bad_data():
         bench_optim.compare_optimizers(steps=2, sweeps={"m3": (-1.0,)})
     with pytest.raises(ValueError, match="adam_lr"):  # AdamW's best rate needs an AdamW sweep
         bench_optim.compare_optimizers(steps=2, sweeps={"m3": (1e-4,)})
+
+
+def test_bench_hola_keys():
+    from nested_jax.bench import hola
+
+    res = hola.run(
+        T=128, d_model=32, heads=2, head_dim=16, window=4, block_size=32, model_T=64, repeats=1
+    )
+    for key in ("mixer_hola_over_gdn_time", "core_hola_over_gdn_time",
+                "core_hola_scan_read_over_gdn_time", "model_hola_over_gdn_time"):  # fmt: skip
+        assert res[key] > 0
+    # the decode state of HOLA and GDN does not grow with the length budget; a KV cache does
+    assert res["decode_state_bytes_hola_T2048"] == res["decode_state_bytes_hola_T32768"]
+    kv = [res[f"decode_state_bytes_transformer_T{n}"] for n in (2048, 32768)]
+    assert kv[1] > kv[0]
