@@ -43,7 +43,9 @@ COMMANDS = {
         "a run's checkpoint -> Hugging Face: --workdir W --out DIR [--arch llama|qwen2]",
     ),
 }
-BENCHES = ("core", "titans", "optim", "hola", "hope", "kernels", "context", "data", "peers")
+BENCHES = (
+    "core", "titans", "optim", "hola", "hope", "kernels", "context", "data", "peers", "momentum",
+)  # fmt: skip
 
 
 def _usage() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from nested_jax.bench import optim as bench_optim
@@ -149,3 +150,21 @@ def test_bench_hola_keys():
     assert res["decode_state_bytes_hola_T2048"] == res["decode_state_bytes_hola_T32768"]
     kv = [res[f"decode_state_bytes_transformer_T{n}"] for n in (2048, 32768)]
     assert kv[1] > kv[0]
+
+
+def test_bench_momentum_scan_form_equals_the_library_and_reports():
+    from nested_jax.bench import momentum
+    from nested_jax.bench.titans import titans_inputs
+    from nested_jax.core.titans.linear import titans_linear_chunked
+    from nested_jax.rules import TitansRule
+
+    xs = titans_inputs(48, H=2, D=8)
+    o, M = momentum.titans_linear_by_scan(*xs, chunk_size=16)
+    want_o, want = titans_linear_chunked(*xs, rule=TitansRule(memory_chunk=16))
+    np.testing.assert_allclose(o, want_o, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(M, want.M, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="^q: T = 48"):
+        momentum.titans_linear_by_scan(*xs, chunk_size=32)
+    res = momentum.run(T=64, chunks=(16,), repeats=1)
+    assert res["c16_max_rel_diff"] < 1e-4 and res["c16_temp_bytes_scan"] > 0
+    assert res["c16_fwdbwd_scan_over_coefficients"] > 0
