@@ -58,6 +58,7 @@ from nested_jax.core.titans.net import check_rule, validate_common
 from nested_jax.rules import TitansRule
 
 __all__ = [
+    "FOLDS",
     "affine_state_context",
     "carried_mask",
     "gated_delta_context_parallel",
@@ -90,13 +91,19 @@ def carried_mask(segment_ids, axis_name: str):
     return (jnp.cumsum(starts, axis=1) == 0).astype(jnp.float32)
 
 
-def _fold_incoming(maps, biases, x0, axis_name: str):
+FOLDS = ("gather", "prefix")
+
+
+def _fold_incoming(maps, biases, x0, axis_name: str, fold: str = "gather"):
     """Every device's incoming state from all devices' ``(L_p, b_p)``.
 
     ``maps [B, H, n, n]`` and ``biases [B, H, n, V]`` are this device's; ``x0 [B, H, n, V]`` the
     state entering device 0. Returns ``(x_i, x_P)``: the state entering this device and the state
-    after the last one.
+    after the last one. ``fold``: ``"gather"`` (every device gathers all ``P`` maps and folds
+    them in order) or ``"prefix"`` (:func:`_fold_by_prefix`, log-depth, no gathered maps).
     """
+    if fold == "prefix":
+        return _fold_by_prefix(maps, biases, x0, axis_name)
     # "invarying": every device holds the same gathered maps (so the state after the sequence is
     # typed replicated over the axis under shard_map's varying-axes check)
     every_map = lax.all_gather(maps, axis_name, to="invarying")  # [P, B, H, n, n]
@@ -110,8 +117,36 @@ def _fold_incoming(maps, biases, x0, axis_name: str):
     return jnp.stack(incoming)[lax.axis_index(axis_name)], x
 
 
+def _fold_by_prefix(maps, biases, x0, axis_name: str):
+    """:func:`_fold_incoming` by a parallel prefix over the devices (Hillis–Steele).
+
+    Round ``r`` sends every device's composite map to the device ``d = 2^r`` after it, which
+    composes it before its own: ``(L, b) ← (L L', L b' + b)``; after ``⌈log₂ P⌉`` rounds device
+    ``i`` holds the composite of devices ``0 … i``, so ``x_{i+1} = L x_0 + b``; one more shift
+    gives every device its incoming state and a sum picks the last device's. Each round moves
+    one ``n × (n + V)`` map per device (``ppermute``), so a device holds ``O(log P)`` maps, not
+    the gather's ``P``; the gradients come from autodiff (a ``ppermute`` transposes to the
+    reverse one).
+    """
+    P = lax.axis_size(axis_name)
+    me = lax.axis_index(axis_name)
+    L, b = maps, biases
+    d = 1
+    while d < P:
+        shift = [(i, i + d) for i in range(P - d)]
+        L_before, b_before = lax.ppermute((L, b), axis_name, shift)  # zeros on devices < d
+        has = me >= d
+        L, b = jnp.where(has, L @ L_before, L), jnp.where(has, L @ b_before + b, b)
+        d *= 2
+    after = L @ x0 + b  # the state after this device
+    before = lax.ppermute(after, axis_name, [(i, i + 1) for i in range(P - 1)])
+    incoming = jnp.where(me == 0, x0, before)
+    last = lax.psum(jnp.where(me == P - 1, after, 0.0), axis_name)
+    return incoming, last
+
+
 def affine_state_context(
-    run: Callable, initial_states: Sequence, v, axis_name: str, carried=None
+    run: Callable, initial_states: Sequence, v, axis_name: str, carried=None, fold: str = "gather"
 ) -> tuple[jnp.ndarray, tuple]:
     """Context parallelism for any memory whose state is affine per value column (module doc).
 
@@ -127,6 +162,11 @@ def affine_state_context(
       carried: optional ``[B, T_loc]`` f32, 1 while a token still sees the incoming state and 0
         from this device's first document start on (``run`` then restarts its value columns from
         zero at every start); None: every token sees it.
+      fold: how the devices' maps are combined, one of :data:`FOLDS`: ``"gather"`` (an
+        ``all_gather`` of all ``P`` maps, each device folds them in order: ``P`` products,
+        ``P·n·(n+V)`` numbers held per device) or ``"prefix"`` (a parallel prefix of
+        ``⌈log₂ P⌉`` ``ppermute`` rounds: ``O(log P)`` maps per device). Equal up to rounding;
+        which is faster where: docs/RESULTS.md.
 
     Returns:
       ``(o [B, T_loc, H, V] f32, final_states)``: this device's outputs and the states after the
@@ -145,14 +185,16 @@ def affine_state_context(
         L = L * carried[:, -1, None, None, None]
         reads = reads * carried[:, :, None, None]
     x0 = jnp.concatenate([s.astype(jnp.float32) for s in initial_states], axis=-2)
-    x_in, x_last = _fold_incoming(L, stacked[..., n:], x0, axis_name)
+    if fold not in FOLDS:
+        raise ValueError(f"fold: expected one of {FOLDS}, got {fold!r}")
+    x_in, x_last = _fold_incoming(L, stacked[..., n:], x0, axis_name, fold)
     out = o[..., n:] + jnp.einsum("bthn,bhnv->bthv", reads, x_in)
     return out, tuple(x_last[..., j * K : (j + 1) * K, :] for j in range(m))
 
 
 def gated_delta_context_parallel(
     q, k, v, g, beta, *, axis_name: str, scale=None, initial_state=None, segment_ids=None,
-    chunk_size: int = 64,
+    chunk_size: int = 64, fold: str = "gather",
 ):  # fmt: skip
     """Gated delta rule with the time axis split over ``axis_name`` (SPEC §1; module doc).
 
@@ -168,6 +210,7 @@ def gated_delta_context_parallel(
       segment_ids: optional ``[B, T_loc]`` int, this device's ids of packed documents (the state
         resets to zero at every document start); only with ``initial_state=None``.
       chunk_size: the WY/UT chunk of the local pass (any ``T_loc``).
+      fold: how the devices' state maps are combined (``affine_state_context``).
 
     Returns:
       ``(o [B, T_loc, H, V] in v's dtype, final_state [B, H, K, V] f32)``, the final state after
@@ -193,7 +236,7 @@ def gated_delta_context_parallel(
         return o, (final,)
 
     o, (final,) = affine_state_context(
-        run, (s0.astype(jnp.float32),), v, axis_name, carried=carried
+        run, (s0.astype(jnp.float32),), v, axis_name, carried=carried, fold=fold
     )
     return o.astype(v.dtype), final
 
@@ -209,6 +252,7 @@ def titans_linear_context_parallel(
     axis_name: str,
     initial_state=None,
     rule: TitansRule = TitansRule(),
+    fold: str = "gather",
 ):
     """Titans matrix memory with momentum, time split over ``axis_name`` (SPEC §2, ``L_M = 1``).
 
@@ -225,6 +269,7 @@ def titans_linear_context_parallel(
         ``memory_chunk`` must divide ``T_loc`` (the devices' chunks are the global ones);
         ``read_before_write``, ``per_chunk_gates`` and ``remat`` apply; ``grad_clip`` and
         ``grad_horizon`` must be 0 (the softclamp is not affine; the module doc says why).
+      fold: how the devices' state maps are combined (``affine_state_context``).
 
     Returns:
       ``(o [B, T_loc, H, V] in v's dtype, TitansLinearState(M, S) f32)`` after the whole sequence.
@@ -251,5 +296,5 @@ def titans_linear_context_parallel(
         )
         return o, tuple(final)
 
-    o, (M, S) = affine_state_context(run, (st.M, st.S), v, axis_name)
+    o, (M, S) = affine_state_context(run, (st.M, st.S), v, axis_name, fold=fold)
     return o.astype(v.dtype), TitansLinearState(M, S)

@@ -65,8 +65,12 @@ def _sharded(fn, mesh, seq_args: int, rest: int):
     )
 
 
-@pytest.mark.parametrize(("devices", "chunk"), [(8, 16), (2, 5)], ids=["P8-C16", "P2-C5"])
-def test_gdn_context_parallel_equals_single_device(devices, chunk):
+@pytest.mark.parametrize(
+    ("devices", "chunk", "fold"),
+    [(8, 16, "gather"), (2, 5, "gather"), (8, 16, "prefix"), (3, 5, "prefix")],
+    ids=["P8-C16", "P2-C5", "P8-C16-prefix", "P3-C5-prefix"],
+)
+def test_gdn_context_parallel_equals_single_device(devices, chunk, fold):
     q, k, v, g, beta, s0 = _gdn_inputs(jax.random.key(0))
     args = (q, k, v, g, beta, s0)
 
@@ -75,7 +79,7 @@ def test_gdn_context_parallel_equals_single_device(devices, chunk):
 
     def local(q, k, v, g, beta, s0):
         return gated_delta_context_parallel(
-            q, k, v, g, beta, axis_name="seq", initial_state=s0, chunk_size=chunk
+            q, k, v, g, beta, axis_name="seq", initial_state=s0, chunk_size=chunk, fold=fold
         )
 
     split = jax.jit(_sharded(local, _seq_mesh(devices), 5, 1))
@@ -89,9 +93,11 @@ def test_gdn_context_parallel_equals_single_device(devices, chunk):
 
 
 @pytest.mark.parametrize(
-    ("devices", "rbw"), [(4, False), (2, True)], ids=["P4-read_after", "P2-read_before"]
+    ("devices", "rbw", "fold"),
+    [(4, False, "gather"), (2, True, "gather"), (4, False, "prefix"), (3, True, "prefix")],
+    ids=["P4-read_after", "P2-read_before", "P4-read_after-prefix", "P3-read_before-prefix"],
 )
-def test_titans_linear_context_parallel_equals_single_device(devices, rbw):
+def test_titans_linear_context_parallel_equals_single_device(devices, rbw, fold):
     q, k, v, theta, eta, alpha, state = _titans_inputs(jax.random.key(1))
     chunk = 4
     opts = dict(rule=TitansRule(memory_chunk=chunk, read_before_write=rbw))
@@ -104,7 +110,7 @@ def test_titans_linear_context_parallel_equals_single_device(devices, rbw):
 
     def local(q, k, v, theta, eta, alpha, M, S):
         o, st = titans_linear_context_parallel(
-            q, k, v, theta, eta, alpha, axis_name="seq", initial_state=(M, S), **opts
+            q, k, v, theta, eta, alpha, axis_name="seq", initial_state=(M, S), fold=fold, **opts
         )
         return o, tuple(st)
 
@@ -146,10 +152,13 @@ def test_gdn_context_parallel_names_a_bad_argument():
     q, k, v, g, beta, _ = _gdn_inputs(jax.random.key(4), T=8)
     with pytest.raises(ValueError, match="gated_delta_context_parallel: beta must have shape"):
         gated_delta_context_parallel(q, k, v, g, beta[:, :4], axis_name="seq")
+    local = functools.partial(gated_delta_context_parallel, axis_name="seq", fold="tree")
+    with pytest.raises(ValueError, match="^fold: expected one of"):
+        jax.jit(_sharded(local, _seq_mesh(2), 5, 0))(q, k, v, g, beta)
 
 
-@pytest.mark.parametrize("devices", [4], ids=lambda d: f"P{d}")
-def test_gdn_context_parallel_with_packed_documents(devices):
+@pytest.mark.parametrize("fold", ["gather", "prefix"])
+def test_gdn_context_parallel_with_packed_documents(fold, devices=4):
     """Documents that start mid-device, at a device boundary and span devices: equal to the
     single-device rule with the same segment ids (values and gradients)."""
     q, k, v, g, beta, _ = _gdn_inputs(jax.random.key(5), T=48)
@@ -166,7 +175,7 @@ def test_gdn_context_parallel_with_packed_documents(devices):
 
     def local(q, k, v, g, beta, ids):
         return gated_delta_context_parallel(
-            q, k, v, g, beta, axis_name="seq", segment_ids=ids, chunk_size=8
+            q, k, v, g, beta, axis_name="seq", segment_ids=ids, chunk_size=8, fold=fold
         )
 
     split = jax.jit(_sharded(local, _seq_mesh(devices), 6, 0))
