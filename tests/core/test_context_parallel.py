@@ -2,6 +2,8 @@
 single-device chunked rule on the whole sequence, values and gradients (issue 15)."""
 
 import functools
+import importlib.util
+import json
 
 import jax
 import jax.numpy as jnp
@@ -197,3 +199,20 @@ def test_context_parallel_at_4096_tokens_on_8_devices(rule):
 
     errors = check_equal(rule, build_parser().parse_args([]))
     assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu not installed (pip install -e '.[tpu]'; scripts/test does)",
+)
+def test_bench_context_compiles_both_folds_for_a_tpu_slice(capsys):
+    """``bench context --topology``: the context-parallel fwd+bwd compiled for a TPU slice's
+    chips (libtpu AOT), both folds, memory per device."""
+    from nested_jax.bench.context import main
+
+    argv = ["--topology", "v5e:2x2", "--devices", "4", "--seq-len", "256", "--rules", "gdn"]
+    assert main([*argv, "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["topology"] == "v5e:2x2" and "gdn_plain_P1_temp_bytes" not in res
+    for impl in ("cp", "cp_prefix"):
+        assert res[f"gdn_{impl}_P4_temp_bytes"] > 0
