@@ -108,11 +108,20 @@ def _with_zero_decay(op: str, args: tuple) -> tuple:
     return args
 
 
+# From this many devices on the seq axis the devices' state maps are folded by the log-depth
+# prefix (ppermute rounds) rather than an all-gather of every map: the gather holds P maps per
+# device, which dominates the temporaries on a slice (memory per device in docs/RESULTS.md,
+# "Context parallelism: two folds"); below it the two use about the same memory and the gather
+# was the faster on CPU devices.
+PREFIX_FOLD_FROM = 16
+
+
 def _context_delta(op: str, args: tuple, chunk_size: int, *, scale=None, **arrays):
     """The chunked delta rules with context parallelism: inside a mesh whose ``seq`` axis has
     ``P > 1`` devices, each device takes ``T / P`` tokens of every sequence and the devices fold
     their state maps (:func:`nested_jax.core.context.gated_delta_context_parallel`; equal to the
-    single-device chunked rule). ``arrays``: ``initial_state`` and ``segment_ids``."""
+    single-device chunked rule; the prefix fold from :data:`PREFIX_FOLD_FROM` devices on).
+    ``arrays``: ``initial_state`` and ``segment_ids``."""
     q, k, v, g, beta = _with_zero_decay(op, args)
     B, T, H, K = q.shape
     P = mesh_axis_size("seq")
@@ -122,8 +131,12 @@ def _context_delta(op: str, args: tuple, chunk_size: int, *, scale=None, **array
             f"({P} devices) for context parallelism"
         )
 
+    fold = "prefix" if P >= PREFIX_FOLD_FROM else "gather"
+
     def local(ops):
-        return _gated_delta_context(**ops, axis_name="seq", scale=scale, chunk_size=chunk_size)
+        return _gated_delta_context(
+            **ops, axis_name="seq", scale=scale, chunk_size=chunk_size, fold=fold
+        )
 
     operands = dict(q=q, k=k, v=v, g=g, beta=beta, **arrays)
     out_logical = (_SEQ_SPLIT, _CONTEXT_LOGICAL["initial_state"])

@@ -40,9 +40,18 @@ def _losses(cfg, mesh, batches) -> np.ndarray:
     return np.array(out)
 
 
-# GDN is the context-parallel path; attention under a seq axis is plain GSPMD (slow set).
-@pytest.mark.parametrize("model_name", ["gdn", pytest.param("transformer", marks=pytest.mark.slow)])
-def test_seq_axis_matches_one_device_trajectory(model_name):
+# GDN is the context-parallel path (both folds); attention under a seq axis is plain GSPMD (slow
+# set).
+@pytest.mark.parametrize(
+    ("model_name", "prefix_from"),
+    [("gdn", 16), ("gdn", 2), pytest.param("transformer", 16, marks=pytest.mark.slow)],
+    ids=["gdn", "gdn-prefix-fold", "transformer"],
+)
+def test_seq_axis_matches_one_device_trajectory(model_name, prefix_from, monkeypatch):
+    from nested_jax.ops import linear
+
+    # the 4-way seq axis folds by all-gather at the default threshold, by the prefix below it
+    monkeypatch.setattr(linear, "PREFIX_FOLD_FROM", prefix_from)
     cfg = load_config(
         [],
         [
