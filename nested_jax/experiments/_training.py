@@ -406,8 +406,8 @@ def cached_row(path: Path | None, key: dict, compute: Callable[[], dict], label:
 
 
 def print_table(run: Callable[[], dict]) -> int:
-    """A driver's ``main`` tail: ``run()``, then print its ``markdown`` and ``plot`` path (exit
-    0), or one ``error:`` line on stderr for a ``ValueError`` (exit 2)."""
+    """A driver's ``main`` tail: ``run()``, then print its ``markdown`` (when it has one) and
+    ``plot`` path (exit 0), or one ``error:`` line on stderr for a ``ValueError`` (exit 2)."""
     import sys
 
     try:
@@ -415,7 +415,7 @@ def print_table(run: Callable[[], dict]) -> int:
     except ValueError as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
-    print(result["markdown"], end="")
+    print(result.get("markdown", ""), end="")
     print(f"plot: {result['plot']}")
     return 0
 

@@ -164,13 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    try:
-        report = probe(args.dir, args.models, args.seed, args.out)
-    except ValueError as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
-    print(f"plot: {report['plot']}")
-    return 0
+    return _training.print_table(lambda: probe(args.dir, args.models, args.seed, args.out))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from nested_jax.eval.recall import RecallVocab, make_recall_batch
+from nested_jax.experiments import _training
 from nested_jax.experiments.formal_probe import load_run
 from nested_jax.files import write_json
 from nested_jax.layers.titans import NeuralMemory
@@ -279,13 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--multipliers", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    try:
-        report = probe(args.dir, args.models, args.seed, args.multipliers, args.out)
-    except ValueError as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
-    print(f"plot: {report['plot']}")
-    return 0
+    return _training.print_table(
+        lambda: probe(args.dir, args.models, args.seed, args.multipliers, args.out)
+    )
 
 
 if __name__ == "__main__":
