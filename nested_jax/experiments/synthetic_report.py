@@ -78,11 +78,18 @@ def _seeds_note(seeds: Sequence[int], stats: str = "mean ± sample std") -> str:
     return f"{stats} over seeds {', '.join(map(str, seeds))}"
 
 
-def _training_note(s: SyntheticSettings, where: str = "") -> str:
+def _rates(s: SyntheticSettings, rows: Sequence[dict]) -> str:
+    """``"lr <s.lr>"``, or each model's rate where a sweep chose rates other than ``s.lr``."""
+    if all(r.get("lr") in (None, s.lr) for r in rows):
+        return f"lr {s.lr:g}"
+    return "lr chosen on validation: " + ", ".join(f"{r['model']} {r['lr']:g}" for r in rows)
+
+
+def _training_note(s: SyntheticSettings, rows: Sequence[dict], where: str = "") -> str:
     """``"<steps> AdamW steps (lr, batch) per model and seed from scratch<where>, <L> layers × <H>
     heads[, width matched …]"``: how every model of a table was trained."""
     return (
-        f"{s.steps} AdamW steps (lr {s.lr:g}, batch {s.batch_size}) per model and seed from "
+        f"{s.steps} AdamW steps ({_rates(s, rows)}, batch {s.batch_size}) per model and seed from "
         f"scratch{where}, {s.n_layers} layers × {s.n_heads} heads"
         + (", width matched to the first model's parameters" if s.match_params else "")
     )
@@ -132,7 +139,7 @@ def _recall_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[in
     sizes = s.recall_batch_sizes()
     head = (
         f"`{s.task}` ({', '.join(f'{k}={v}' for k, v in sizes.items())}): "
-        + _training_note(s, f" at {sizes['seq_len']} tokens")
+        + _training_note(s, rows, f" at {sizes['seq_len']} tokens")
         + f"; answer accuracy on {s.eval_batches} × {s.batch_size} held-out rows per (length, "
         f"depth band) cell, averaged over the {s.depth_bins} bands; chance {s.chance:.3f}; "
         + _seeds_note(seeds)
@@ -158,7 +165,7 @@ def markdown_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[i
     if s.family == "recall":
         return _recall_table(rows, s, seeds)
     first = rows[0]["params"] if rows else 1
-    head = f"`{s.task}`: " + _training_note(s)
+    head = f"`{s.task}`: " + _training_note(s, rows)
     if s.family == "formal":
         lo, hi = s.train_lengths
         head += (

@@ -54,6 +54,7 @@ def test_a_table_runs_and_resumes(tmp_path, monkeypatch, capsys):
     assert recall_tables.main(argv) == 0
     first = capsys.readouterr().out
     assert "recall table `hola`" in first and "| hola@recency |" in first
+    assert "lr chosen on validation: hola 0.001, hola@recency 0.001" in first  # the swept rates
     result = json.loads((tmp_path / "hola" / "recall_kv.json").read_text())
     assert [r["model"] for r in result["runs"]] == ["hola", "hola@recency"]
     assert (tmp_path / "hola" / "recall_kv_depth.png").is_file()
