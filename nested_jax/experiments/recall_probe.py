@@ -70,6 +70,15 @@ def mean_by_kind(x: np.ndarray, kinds: np.ndarray) -> list[float | None]:
     return [float(x[kinds == i].mean()) if (kinds == i).any() else None for i in range(len(KINDS))]
 
 
+def head_means_by_kind(x: np.ndarray, kinds: np.ndarray) -> list[list[float] | None]:
+    """Per kind, the mean of ``x [B, T, H]`` over that kind's tokens for each head (a mean over
+    heads can hide one head that keeps and one that forgets)."""
+    x = np.asarray(x, np.float64)
+    return [
+        x[kinds == i].mean(0).tolist() if (kinds == i).any() else None for i in range(len(KINDS))
+    ]
+
+
 @contextlib.contextmanager
 def _recording_gates(model, store: list):
     """Within the block, every delta-rule layer of ``model`` hands its ``(β, exp g)`` and every
@@ -116,10 +125,11 @@ def _model(trained):
 
 
 def gate_statistics(trained, inputs: np.ndarray, kinds: np.ndarray) -> dict | None:
-    """``{"write", "retain"}``: per layer, the mean write strength and retention of each token
-    kind (lists ``[n_layers][len(KINDS)]``): ``β`` and ``exp(g)`` of a delta-rule layer, the inner
-    rate ``θ`` and ``1 − α`` of a Titans memory (``retain`` None without a decay); None for a
-    model with neither (attention)."""
+    """``{"write", "retain", "retain_by_head"}``: per layer, the mean write strength and retention
+    of each token kind (lists ``[n_layers][len(KINDS)]``; ``retain_by_head`` adds a last axis of
+    heads): ``β`` and ``exp(g)`` of a delta-rule layer, the inner rate ``θ`` and ``1 − α`` of a
+    Titans memory (the retention None without a decay); None for a model with neither
+    (attention)."""
     model = _model(trained)
     store: list = []
     with _recording_gates(model, store):
@@ -129,8 +139,13 @@ def gate_statistics(trained, inputs: np.ndarray, kinds: np.ndarray) -> dict | No
     if not store:
         return None
     write = [mean_by_kind(w, kinds) for w, _ in store]
-    retain = [None if r is None else mean_by_kind(r, kinds) for _, r in store]
-    return {"write": write, "retain": None if retain[0] is None else retain}
+    if store[0][1] is None:
+        return {"write": write, "retain": None, "retain_by_head": None}
+    return {
+        "write": write,
+        "retain": [mean_by_kind(r, kinds) for _, r in store],
+        "retain_by_head": [head_means_by_kind(r, kinds) for _, r in store],
+    }
 
 
 def hola_cache_contents(trained, inputs: np.ndarray, kinds: np.ndarray) -> dict | None:

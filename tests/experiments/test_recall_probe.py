@@ -55,6 +55,7 @@ def test_mean_by_kind():
     kinds = np.array([[0, 1, 1, 3]])
     x = np.array([[[1.0, 3.0], [2.0, 2.0], [4.0, 4.0], [5.0, 7.0]]])  # [B, T, H]
     assert recall_probe.mean_by_kind(x, kinds) == [2.0, 3.0, None, 6.0]
+    assert recall_probe.head_means_by_kind(x, kinds) == [[1.0, 3.0], [3.0, 3.0], None, [5.0, 7.0]]
 
 
 def test_gates_are_recorded_per_layer():
@@ -64,6 +65,9 @@ def test_gates_are_recorded_per_layer():
     assert len(gates["write"]) == len(gates["retain"]) == 2  # n_layers
     for layer in gates["write"] + gates["retain"]:
         assert all(0.0 < v < 1.0 for v in layer)
+    for layer, per_head in zip(gates["retain"], gates["retain_by_head"], strict=True):
+        # two heads per layer; their mean is the layer's (every head sees the same tokens)
+        np.testing.assert_allclose([np.mean(h) for h in per_head], layer, rtol=1e-6)
     _, titans = _untrained("titans_lmm")
     gates = recall_probe.gate_statistics(titans, inputs, kinds)
     assert len(gates["write"]) == 2 and all(v > 0 for v in gates["retain"][0])
