@@ -172,6 +172,8 @@ def affine_state_context(
       ``(o [B, T_loc, H, V] f32, final_states)``: this device's outputs and the states after the
       whole sequence (a tuple like ``initial_states``, the same on every device).
     """
+    if fold not in FOLDS:
+        raise ValueError(f"fold: expected one of {FOLDS}, got {fold!r}")
     m = len(initial_states)
     B, H, K, V = initial_states[0].shape
     n = m * K
@@ -185,8 +187,6 @@ def affine_state_context(
         L = L * carried[:, -1, None, None, None]
         reads = reads * carried[:, :, None, None]
     x0 = jnp.concatenate([s.astype(jnp.float32) for s in initial_states], axis=-2)
-    if fold not in FOLDS:
-        raise ValueError(f"fold: expected one of {FOLDS}, got {fold!r}")
     x_in, x_last = _fold_incoming(L, stacked[..., n:], x0, axis_name, fold)
     out = o[..., n:] + jnp.einsum("bthn,bhnv->bthv", reads, x_in)
     return out, tuple(x_last[..., j * K : (j + 1) * K, :] for j in range(m))
