@@ -28,9 +28,9 @@ Two haystacks (:data:`RECALL_TASKS`):
   text** (``loss_mask`` 1 at every position whose target is a text token, the answers weighted so
   that they and the text each carry half of a row's loss). A retrieval claim measured on language
   models (HOLA's S-NIAH) is made by models whose memory also serves the language around the
-  needle; with a haystack it need not predict, a model trained on the task can learn not to write
-  filler at all (``recall_probe`` measures it). ``score_mask`` marks the answers, the positions
-  :func:`recall_accuracy` scores; the text's accuracy is not scored.
+  needle; with a haystack it need not predict, a model trained on the task is free to treat the
+  filler as it likes (``recall_probe`` measures what it writes). ``score_mask`` marks the
+  answers, the positions :func:`recall_accuracy` scores; the text's accuracy is not scored.
 
 Sizes (keyword arguments of :func:`make_recall_batch`, ``RECALL_SIZES`` the defaults):
 ``seq_len`` (T), ``pairs``, ``queries``, ``keys``, ``values``, ``filler``; and ``depth = (lo, hi)``,

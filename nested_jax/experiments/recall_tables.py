@@ -15,7 +15,7 @@ Tables (:data:`TABLES`):
   small beside the haystack (``w`` of :data:`HOLA_CACHE`), so what it keeps decides.
 * ``hola_text``: the same three models with the pairs written over Austen text that the models
   also predict (``recall:kv_text``): the setting of a language model, whose memory must serve the
-  text around the needle, where the ``hola`` table's random filler can simply go unwritten.
+  text around the needle, where the ``hola`` table's random filler serves no prediction.
 * ``titans``: Titans LMM and MAC against GDN and a sliding-window Transformer++ whose window is a
   quarter of ``L`` (Titans: the neural memory keeps its accuracy as length grows).
 * ``proteus``: Proteus' incremental activation, ``E ∈ {1, 4, 16, 32}`` blocks on GDN and Titans
