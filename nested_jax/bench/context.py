@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nested_jax.bench.common import emit, make_parser, progress, time_interleaved
+from nested_jax.bench.common import emit, make_parser, progress, rel_err, time_interleaved
 from nested_jax.core.associative.forms import gated_delta_chunked
 from nested_jax.core.context import (
     FOLDS,
@@ -130,11 +130,10 @@ def check_equal(rule: str, args, fold: str = "gather") -> dict[str, float]:
     (o_ref, final_ref), (o, final) = jax.jit(plain)(x), jax.jit(split)(x)
     grads_ref = jax.jit(jax.grad(lambda x: _loss(*plain(x))))(x)
     grads = jax.jit(jax.grad(lambda x: _loss(*split(x))))(x)
-    rel = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))  # noqa: E731
-    errors = {"o": rel(o, o_ref)}
+    errors = {"o": rel_err(o, o_ref)}
     states = zip(jax.tree.leaves(final), jax.tree.leaves(final_ref), strict=True)
-    errors.update({f"state{i}": rel(a, b) for i, (a, b) in enumerate(states)})
-    errors.update({f"d{n}": rel(grads[n], grads_ref[n]) for n in x})
+    errors.update({f"state{i}": rel_err(a, b) for i, (a, b) in enumerate(states)})
+    errors.update({f"d{n}": rel_err(grads[n], grads_ref[n]) for n in x})
     return errors
 
 

@@ -56,7 +56,9 @@ def chunked_gdn_flops(
     return -(-T // C) * B * H * chunk_flops(C, K, V, backward)
 
 
-def _inputs(T, B, H, D, seed=0):
+def gdn_inputs(T, B, H, D, seed=0):
+    """``(q, k, v, g, beta)`` f32 of a gated delta layer's ranges: unit q, k ``[B, T, H, D]``,
+    unit-variance v, log decay ``g ∈ (−0.1, 0]`` and ``β ∈ (0, 1)`` ``[B, T, H]``."""
     key = jax.random.PRNGKey(seed)
     ks = jax.random.split(key, 5)
     q = jax.random.normal(ks[0], (B, T, H, D), jnp.float32)
@@ -96,7 +98,7 @@ def run(seq_lens, B=1, H=4, D=64, chunk_size=32, repeats=5, attention=True) -> d
     f_rec = _gdn_grad(gated_delta_recurrent)
     f_att = _attention_grad()
     for T in seq_lens:
-        q, k, v, g, beta = _inputs(T, B, H, D)
+        q, k, v, g, beta = gdn_inputs(T, B, H, D)
         args = (q, k, v, g, beta)
         # compile once; the same executables are measured for memory and timed
         c_chunk = f_chunk.lower(*args).compile()

@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from nested_jax.bench.common import emit, make_parser, matmul_gflops, progress, time_interleaved
+from nested_jax.bench.core import gdn_inputs
 from nested_jax.core.associative.forms import gated_delta_chunked
 from nested_jax.core.hola.cache import read_blocks
 from nested_jax.core.hola.decode import HolaReadParams
@@ -132,13 +133,7 @@ def _time_core_reads(T, heads, head_dim, window, block_size, repeats, res) -> No
     """Measurement 1b: fwd+bwd of the core ``hola_forward`` with every block's cache read at once
     (the default ``HolaKernels.cache_read``) and with the read inside the block scan
     (``cache_read=None``), against the GDN core ``gated_delta_chunked``; fills ``res``."""
-    keys = jax.random.split(jax.random.key(3), 5)
-    shape = (1, T, heads, head_dim)
-    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    q, k = unit(jax.random.normal(keys[0], shape)), unit(jax.random.normal(keys[1], shape))
-    v = jax.random.normal(keys[2], shape)
-    g = -jax.nn.softplus(jax.random.normal(keys[3], shape[:3]))
-    beta = jax.nn.sigmoid(jax.random.normal(keys[4], shape[:3]))
+    q, k, v, g, beta = gdn_inputs(T, 1, heads, head_dim, seed=3)
     params = HolaReadParams(
         jnp.ones((heads, head_dim)), jnp.ones((heads, head_dim)), jnp.zeros(heads),
         jnp.full((heads,), -4.0),

@@ -40,6 +40,7 @@ from nested_jax.bench.common import (
     make_parser,
     matmul_gflops,
     progress,
+    rel_err,
     temp_bytes,
     time_interleaved,
 )
@@ -108,9 +109,10 @@ def _programs(chunk_size: int) -> dict:
     return {name: (jax.jit(fn), grad_of(fn)) for name, fn in forms.items()}
 
 
-def _max_rel_diff(a, b) -> float:
-    leaves = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    return max(float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(x)) + 1e-30)) for x, y in leaves)
+def _max_rel_diff(ref, other) -> float:
+    """The largest :func:`~nested_jax.bench.common.rel_err` over the leaves of two pytrees."""
+    leaves = zip(jax.tree.leaves(other), jax.tree.leaves(ref), strict=True)
+    return max(rel_err(a, b) for a, b in leaves)
 
 
 def run(*, T: int = 2048, chunks=DEFAULT_CHUNKS, repeats: int = 5) -> dict:

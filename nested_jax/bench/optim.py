@@ -112,9 +112,9 @@ from nested_jax.rules import ProteusRule
 def proteus_overhead(T: int = 2048, B: int = 1, H: int = 4, D: int = 64, repeats: int = 5):
     """fwd+bwd tokens/s of Proteus GDN (E=16 from a zero and from a nonzero state, E=1) and of
     plain GDN, interleaved; the gradient includes the initial state's where there is one."""
-    from nested_jax.bench.core import _inputs
+    from nested_jax.bench.core import gdn_inputs
 
-    q, k, v, g, beta = _inputs(T, B, H, D)
+    q, k, v, g, beta = gdn_inputs(T, B, H, D)
     s0 = 0.1 * jax.random.normal(jax.random.PRNGKey(1), (B, H, D, D), jnp.float32)
 
     def grad_of(fn, with_state=False):

@@ -36,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nested_jax.eval.recall import RecallVocab, make_recall_batch
+from nested_jax.eval.recall import RecallVocab
 from nested_jax.experiments import _training
 from nested_jax.experiments.formal_probe import load_run
+from nested_jax.experiments.synthetic_data import recall_batch
 from nested_jax.files import write_json
 from nested_jax.layers.titans import NeuralMemory
 
@@ -163,34 +164,33 @@ def hola_cache_contents(trained, inputs: np.ndarray, kinds: np.ndarray) -> dict 
         return None
     _, cache = model(tokens, cache=cache)
     st = jax.tree.map(np.asarray, cache.layers.state)
-    hay = kinds[:, :prefix]
+    rows = len(inputs)
+    # one column past the haystack stands for an empty slot: kind -1, never a kept token
+    hay = np.concatenate([kinds[:, :prefix], np.full((rows, 1), -1, kinds.dtype)], axis=1)
     out = {"entries": [], "share": [], "kept_values": [], "kept_keys": [], "score": []}
     for pos, valid, score in zip(st.cache_pos, st.cache_valid, st.cache_score, strict=True):
-        kind = np.take_along_axis(hay, np.where(valid, pos, 0).reshape(len(hay), -1), axis=1)
-        kind = np.where(valid.reshape(len(hay), -1), kind, -1)  # [B, H * w]; -1: empty slot
-        n = max(int((kind >= 0).sum()), 1)
+        slot = np.where(valid, pos, prefix).reshape(rows, -1)  # [B, H * w] haystack positions
+        kind = np.take_along_axis(hay, slot, axis=1)
         out["entries"].append(float(valid.sum(-1).mean()))  # valid slots per head
+        n = max(int((kind >= 0).sum()), 1)
         out["share"].append([float((kind == i).sum() / n) for i in range(len(KINDS))])
-        flat = score.reshape(len(hay), -1)
-        out["score"].append(
-            [float(flat[kind == i].mean()) if (kind == i).any() else None for i in range(4)]
-        )
+        out["score"].append(mean_by_kind(score.reshape(rows, -1), kind))
         held = np.zeros(hay.shape, bool)
-        np.put_along_axis(held, np.where(valid, pos, 0).reshape(len(hay), -1), True, axis=1)
-        held[:, 0] &= (valid.reshape(len(hay), -1) & (pos.reshape(len(hay), -1) == 0)).any(1)
+        np.put_along_axis(held, slot, True, axis=1)
         out["kept_values"].append(float(held[hay == 2].mean()))
         out["kept_keys"].append(float(held[hay == 1].mean()))
     return out
 
 
-def probe_model(trained, s, multipliers: Sequence[int], rows: int = 32) -> dict:
-    """Gate statistics (and HOLA's cache contents) of ``trained`` on ``rows`` held-out rows at
-    each length ``m × L`` of ``multipliers``, the pairs drawn over the whole haystack."""
+def probe_model(trained, s, multipliers: Sequence[int]) -> dict:
+    """Gate statistics (and HOLA's cache contents) of ``trained`` on one held-out batch of its
+    task ``s`` (its haystack, ``batch_size`` rows) at each length ``m × L`` of ``multipliers``,
+    the pairs drawn over the whole haystack."""
+    sizes = s.recall_batch_sizes()
+    vocab = RecallVocab(sizes["keys"], sizes["values"], sizes["filler"])
     per_length = {}
     for m in multipliers:
-        sizes = s.recall_batch_sizes(m)
-        vocab = RecallVocab(sizes["keys"], sizes["values"], sizes["filler"])
-        batch = make_recall_batch(rows, np.random.default_rng(10_000 + m), **sizes)
+        batch = recall_batch(s, np.random.default_rng(10_000 + m), m)
         kinds = token_kinds(batch["inputs"], vocab)
         per_length[f"{m}x"] = {
             "gates": gate_statistics(trained, batch["inputs"], kinds),

@@ -312,8 +312,9 @@ def _row_batches(rows: dict, batch_size: int) -> list[dict]:
     return [{k: v[i : i + batch_size] for k, v in rows.items()} for i in range(0, n, batch_size)]
 
 
-def _recall_batch(s: SyntheticSettings, rng, multiplier: int = 1, depth=(0.0, 1.0)) -> dict:
-    """A recall batch without its ``depth`` annotation (the batches the models see)."""
+def recall_batch(s: SyntheticSettings, rng, multiplier: int = 1, depth=(0.0, 1.0)) -> dict:
+    """A recall batch of ``s`` (its sizes and haystack, ``batch_size`` rows ``multiplier`` times
+    the training length) without its ``depth`` annotation (the batches the models see)."""
     sizes = s.recall_batch_sizes(multiplier)
     haystack = HAYSTACKS[s.name]
     batch = make_recall_batch(s.batch_size, rng, **sizes, depth=depth, haystack=haystack)
@@ -330,7 +331,7 @@ def train_batch(s: SyntheticSettings, rng: np.random.Generator) -> dict:
     if s.family == "formal":
         return make_formal_batch(s.name, s.batch_size, s.train_lengths, rng)
     if s.family == "recall":
-        return _recall_batch(s, rng)
+        return recall_batch(s, rng)
     if s.mad_dataset is not None:
         pool = mad_data(s)["train"]
         rows = rng.integers(0, len(pool["inputs"]), size=s.batch_size)
@@ -361,7 +362,7 @@ def eval_sets(s: SyntheticSettings) -> list[tuple[str, dict, list[dict]]]:
         sets = []
         for m, band in s.recall_cells():
             rng = np.random.default_rng(seed)  # the same source in every cell
-            batches = [_recall_batch(s, rng, m, band) for _ in range(s.eval_batches)]
+            batches = [recall_batch(s, rng, m, band) for _ in range(s.eval_batches)]
             info = {"multiplier": m, "depth": list(band), "seq_len": m * s.seq_len}
             sets.append((f"{m}x@{band[0]:.2f}", info, batches))
         return sets
@@ -398,7 +399,7 @@ def val_batches(s: SyntheticSettings) -> list[dict]:
         return _row_batches(mad_data(s)["val"], s.batch_size)
     rng = np.random.default_rng(s.seed + VAL_SEED_OFFSET)
     if s.family == "recall":
-        return [_recall_batch(s, rng) for _ in range(s.eval_batches)]
+        return [recall_batch(s, rng) for _ in range(s.eval_batches)]
     if s.family == "mad":
         return [make_mad_batch(s.name, s.batch_size, rng, **s.sizes) for _ in range(s.eval_batches)]
     return [
