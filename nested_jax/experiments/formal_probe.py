@@ -154,15 +154,23 @@ def _plot(per_model: dict, s: SyntheticSettings, path: Path) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m nested_jax.experiments.formal_probe",
-        description="accuracy by prefix length of trained formal-language models",
-    )
-    p.add_argument("--dir", required=True, help="a table's task folder (has protocol_<task>.json)")
+def probe_parser(module: str, description: str, dir_help: str) -> argparse.ArgumentParser:
+    """The arguments every probe of a table's kept runs takes: ``--dir`` (the table's folder),
+    ``--models``, ``--seed``, ``--out``."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    p.add_argument("--dir", required=True, help=dir_help)
     p.add_argument("--models", nargs="+", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = probe_parser(
+        "nested_jax.experiments.formal_probe",
+        "accuracy by prefix length of trained formal-language models",
+        "a table's task folder (has protocol_<task>.json)",
+    )
     args = p.parse_args(argv)
     return _training.print_table(lambda: probe(args.dir, args.models, args.seed, args.out))
 

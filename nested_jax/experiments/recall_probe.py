@@ -23,7 +23,6 @@ length) and prints one line per model and length.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -38,7 +37,7 @@ from flax import nnx
 
 from nested_jax.eval.recall import RecallVocab
 from nested_jax.experiments import _training
-from nested_jax.experiments.formal_probe import load_run
+from nested_jax.experiments.formal_probe import load_run, probe_parser
 from nested_jax.experiments.synthetic_data import recall_batch
 from nested_jax.files import write_json
 from nested_jax.layers.titans import NeuralMemory
@@ -285,15 +284,12 @@ def _plot(models: dict, path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m nested_jax.experiments.recall_probe",
-        description="what trained recall models write and what HOLA's cache keeps",
+    p = probe_parser(
+        "nested_jax.experiments.recall_probe",
+        "what trained recall models write and what HOLA's cache keeps",
+        "a recall table's folder (has recall_<task>.json)",
     )
-    p.add_argument("--dir", required=True, help="a recall table's folder (has recall_<task>.json)")
-    p.add_argument("--models", nargs="+", required=True)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--multipliers", nargs="+", type=int, default=[1, 4, 16])
-    p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     return _training.print_table(
         lambda: probe(args.dir, args.models, args.seed, args.multipliers, args.out)
