@@ -387,15 +387,43 @@ def make_scorer(trained: Trained) -> Callable[[Sequence[Batch], Callable], dict]
     return score
 
 
-def cached_row(path: Path | None, key: dict, compute: Callable[[], dict], label: str) -> dict:
-    """``compute()``, or the row saved at ``path`` by an earlier call with an equal ``key``.
+def same_key(saved: dict, key: dict, added: dict | None = None) -> bool:
+    """Whether a run saved under ``saved`` was made with the settings ``key`` describes.
+
+    ``added``: settings fields introduced after runs were saved, with their default values. A
+    saved key without such a field matches when ``key["settings"]`` holds its default, because
+    the run was made before the field existed, i.e. under that default. Without this a new field
+    would silently invalidate every finished run of a table (hours of CPU).
+    """
+    key = json.loads(json.dumps(key))
+    if not isinstance(saved, dict) or saved == key:
+        return saved == key
+    old_settings = saved.get("settings")
+    if not added or not isinstance(old_settings, dict) or "settings" not in key:
+        return False
+    settings = dict(key["settings"])
+    for name, default in json.loads(json.dumps(added)).items():
+        if name not in old_settings and settings.get(name) == default:
+            del settings[name]
+    return saved == {**key, "settings": settings}
+
+
+def cached_row(
+    path: Path | None,
+    key: dict,
+    compute: Callable[[], dict],
+    label: str,
+    added: dict | None = None,
+) -> dict:
+    """``compute()``, or the row saved at ``path`` by an earlier call with the same ``key``
+    (:func:`same_key`, with ``added`` the settings fields newer than some saved runs).
 
     A computed row is saved as ``{"key", "row"}`` JSON at ``path`` (nothing when ``path`` is None),
     so a re-run with the same settings resumes after its last finished model.
     """
     if path is not None and path.is_file():
         saved = json.loads(path.read_text())
-        if saved.get("key") == json.loads(json.dumps(key)):
+        if same_key(saved.get("key"), key, added):
             print(f"== {label}: reusing {path}", flush=True)
             return saved["row"]
     row = compute()

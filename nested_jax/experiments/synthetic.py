@@ -91,6 +91,14 @@ from nested_jax.experiments.synthetic_data import (
 from nested_jax.experiments.synthetic_report import aggregate, markdown_table, plot
 from nested_jax.files import write_json
 
+# Settings fields added after tables were already filled, at their defaults: a saved run whose key
+# lacks them was made under these values and is reused (see _training.same_key).
+FIELDS_ADDED = {
+    f.name: f.default
+    for f in dataclasses.fields(SyntheticSettings)
+    if f.name in ("recall_sizes", "depth_bins")
+}
+
 
 def _accuracy_fn(s: SyntheticSettings):
     """``(accuracy_fn, per_row)`` of the task family."""
@@ -223,7 +231,7 @@ def run_synthetic(
         done = None if out is None else run_file(out, s, name, seed, lr, wd)
         key = {"settings": dataclasses.asdict(si), "d_model": widths[name]}
         label = f"{name} seed {seed} lr {lr:g}" + (f" wd {wd:g}" if wds else "")
-        return cached_row(done, key, lambda: compute(name, si, done), label)
+        return cached_row(done, key, lambda: compute(name, si, done), label, FIELDS_ADDED)
 
     def grid_key(lr: float, wd: float) -> str:
         return f"{lr:g}/wd{wd:g}" if wds else f"{lr:g}"

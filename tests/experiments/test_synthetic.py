@@ -159,6 +159,27 @@ def test_protocol_task_end_to_end_with_lr_sweep_and_resume(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.count("reusing") == 4 and ": d_model" not in printed
     assert json.loads((out / "protocol_parity.json").read_text())["runs"] == runs
+    # runs saved before a settings field existed are still reused (they ran under its default)
+    for saved in (out / "models").rglob("lstm-*.json"):
+        record = json.loads(saved.read_text())
+        for name in synthetic.FIELDS_ADDED:
+            del record["key"]["settings"][name]
+        saved.write_text(json.dumps(record))
+    assert synthetic.main([*argv, "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("reusing") == 4
+
+
+def test_same_key_accepts_an_older_key_only_at_the_new_fields_defaults():
+    from nested_jax.experiments._training import same_key
+
+    new = {"settings": {"lr": 0.1, "depth_bins": 5, "recall_sizes": []}, "d_model": 8}
+    old = {"settings": {"lr": 0.1}, "d_model": 8}
+    added = synthetic.FIELDS_ADDED
+    assert same_key(new, new) and not same_key(old, new) and same_key(old, new, added)
+    assert not same_key(old, {**new, "d_model": 9}, added)
+    assert not same_key(old, {**new, "settings": {**new["settings"], "depth_bins": 7}}, added)
+    assert not same_key({"settings": {"lr": 0.2}, "d_model": 8}, new, added)
+    assert not same_key(None, new, added)
 
 
 def test_protocol_splits_are_fixed_and_disjoint():
