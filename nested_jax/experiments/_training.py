@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import time
+import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -247,6 +248,47 @@ def build_training(name: str, s: ShellSettings, d_model: int):
     return graphdef, state_def, rest, step, state, n_params
 
 
+class Progress(NamedTuple):
+    """Where :func:`train` keeps a run's progress, so a stopped run continues where it stopped.
+
+    ``path``: an ``.npz`` file (the train state, the batch generator's state, the losses and the
+    times so far), written atomically every ``every_s`` seconds of training and removed when the
+    run ends. ``key``: the run's settings; a file saved under another key is not resumed.
+    """
+
+    path: Path
+    key: dict
+    every_s: float = 300.0
+
+
+def _save_progress(progress: Progress, state, rng, losses, clock: dict) -> None:
+    meta = {
+        "key": progress.key,
+        "rng": rng.bit_generator.state,
+        "losses": [float(x) for x in jax.device_get(losses)],
+        **clock,
+    }
+    save_params(progress.path, state, meta)
+
+
+def _load_progress(progress: Progress | None, state):
+    """``(state, rng_state, losses, clock)`` saved under ``progress``, or None (no file, another
+    key, or a file that cannot be read: that run starts over, with one line saying why)."""
+    if progress is None or not progress.path.is_file():
+        return None
+    try:
+        meta = load_meta(progress.path)
+        if not same_key(meta.get("key"), progress.key):
+            print(f"  progress at {progress.path} is for other settings: starting over", flush=True)
+            return None
+        state = load_params(progress.path, state)
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+        print(f"  progress at {progress.path} unreadable ({err}): starting over", flush=True)
+        return None
+    clock = {k: meta[k] for k in ("done", "seconds", "steady_seconds", "timed_steps")}
+    return state, meta["rng"], meta["losses"], clock
+
+
 def train(
     name: str,
     s: ShellSettings,
@@ -255,28 +297,56 @@ def train(
     rest,
     next_batch: Callable[[np.random.Generator], Batch],
     log_every: int,
+    progress: Progress | None = None,
 ):
     """``s.steps`` steps on ``next_batch(rng)`` with one generator seeded by ``s.seed`` (the same
-    batch sequence for every model).
+    batch sequence for every model). With ``progress``, the run continues from its saved progress
+    (the same state, batches and losses as an unbroken run) and saves it as it goes.
 
     Returns:
-      ``(state, losses, seconds, steady_seconds)``: wall time of all steps (compilation
-      included) and of the steps after the first.
+      ``(state, losses, clock)``; ``clock``: ``seconds`` (wall time of all steps, compilation
+      included), ``steady_seconds`` and ``timed_steps`` (the steps after the first of each
+      stretch, for the throughput), summed over the stretches of a resumed run.
     """
     rng = np.random.default_rng(s.seed)
-    losses = []
-    t_start = t0 = time.perf_counter()
-    for i in range(1, s.steps + 1):
+    losses: list = []
+    clock = {"done": 0, "seconds": 0.0, "steady_seconds": 0.0, "timed_steps": 0}
+    resumed = _load_progress(progress, state)
+    if resumed is not None:
+        state, rng.bit_generator.state, losses, clock = resumed
+        print(f"  [{name}] resuming at step {clock['done']}/{s.steps}", flush=True)
+    first = clock["done"] + 1
+    t_start = t0 = last_save = time.perf_counter()
+
+    def clock_now(i: int) -> dict:
+        now = time.perf_counter()
+        return {
+            "done": i,
+            "seconds": clock["seconds"] + now - t_start,
+            "steady_seconds": clock["steady_seconds"] + (now - t0 if i > first else 0.0),
+            "timed_steps": clock["timed_steps"] + i - first,
+        }
+
+    for i in range(first, s.steps + 1):
         state, m = step(state, rest, next_batch(rng))
         losses.append(m["loss"])
-        if i == 1:  # throughput excludes the first step (compilation)
+        if i == first:  # throughput excludes a stretch's first step (compilation)
             jax.block_until_ready(state["params"])
             t0 = time.perf_counter()
         if log_every and (i % log_every == 0 or i == s.steps):
             print(f"  [{name}] step {i}/{s.steps} loss {float(m['loss']):.4f}", flush=True)
+        if (
+            progress is not None
+            and i < s.steps
+            and time.perf_counter() - last_save >= progress.every_s
+        ):
+            _save_progress(progress, state, rng, losses, clock_now(i))
+            last_save = time.perf_counter()
     jax.block_until_ready(state["params"])
-    t_end = time.perf_counter()
-    return state, losses, t_end - t_start, t_end - t0
+    clock = clock_now(s.steps)
+    if progress is not None:
+        progress.path.unlink(missing_ok=True)
+    return state, losses, clock
 
 
 class Trained(NamedTuple):
@@ -294,8 +364,10 @@ def fit(
     d_model: int,
     next_batch: Callable[[np.random.Generator], Batch],
     log_every: int = 50,
+    progress: Progress | None = None,
 ) -> tuple[Trained, dict]:
-    """Build model ``name`` at ``d_model`` and train it (:func:`build_training`, :func:`train`).
+    """Build model ``name`` at ``d_model`` and train it (:func:`build_training`, :func:`train`;
+    ``progress``: continue a stopped run and save as it goes).
 
     Returns:
       ``(trained, stats)``; ``stats``: ``params`` (count), ``final_train_loss`` (mean of the last
@@ -303,31 +375,44 @@ def fit(
       first, ``s.batch_size · s.seq_len`` tokens each; NaN with a single step).
     """
     graphdef, state_def, rest, step, state, n_params = build_training(name, s, d_model)
-    state, losses, seconds, steady = train(name, s, step, state, rest, next_batch, log_every)
-    timed_steps = s.steps - 1
+    state, losses, clock = train(name, s, step, state, rest, next_batch, log_every, progress)
+    timed = clock["timed_steps"]
     tail = np.asarray(jax.device_get(losses[-10:]), np.float64)
     stats = {
         "params": n_params,
         "final_train_loss": float(tail.mean()),
-        "train_seconds": seconds,
+        "train_seconds": clock["seconds"],
         "tokens_per_s": (
-            timed_steps * s.batch_size * s.seq_len / steady if timed_steps else float("nan")
+            timed * s.batch_size * s.seq_len / clock["steady_seconds"] if timed else float("nan")
         ),
     }
     return Trained(graphdef, state_def, rest, state["params"]), stats
 
 
-def save_params(path: Path, params) -> None:
+META_KEY = "__meta__"  # the .npz entry that holds save_params' ``meta`` as JSON
+
+
+def save_params(path: Path, params, meta: dict | None = None) -> None:
     """Write a parameter tree as ``.npz`` (one array per leaf, keyed by its tree path), atomically,
-    so a finished run's weights can be probed later (:func:`load_params`)."""
+    so a finished run's weights can be probed later (:func:`load_params`); ``meta``: a JSON-able
+    dict kept beside them (:func:`load_meta`)."""
     import io
 
     from nested_jax.files import atomic_write_bytes
 
     flat = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
+    arrays = {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
+    if meta is not None:
+        arrays[META_KEY] = np.asarray(json.dumps(meta))
     buf = io.BytesIO()
-    np.savez(buf, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
+    np.savez(buf, **arrays)
     atomic_write_bytes(path, buf.getvalue())
+
+
+def load_meta(path: Path) -> dict:
+    """The ``meta`` that :func:`save_params` kept in ``path`` (``{}`` when it kept none)."""
+    with np.load(path) as saved:
+        return json.loads(str(saved[META_KEY])) if META_KEY in saved else {}
 
 
 def load_params(path: Path, like):

@@ -55,7 +55,9 @@ model), ``<out>/<family>_<name>.md`` (the table) and ``<out>/<family>_<name>.png
 string length per model for formal tasks, a bar chart for MAD; chance dashed), and prints the
 Markdown. Each finished run is kept in ``<out>/models/<family>_<name>/<model>-seed<k>.json`` (its
 trained weights beside it, ``.params.npz``) and reused by a later run with identical settings and
-width.
+width. A run in progress saves its state every five minutes (``.progress.npz`` beside it), so a
+stopped table (killed, a machine handed back) continues each run from where it stopped, on the
+same batches, to the same weights.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ from nested_jax.eval.formal_protocol import protocol_accuracy
 from nested_jax.eval.mad import mad_accuracy
 from nested_jax.eval.recall import recall_accuracy
 from nested_jax.experiments._training import (
+    Progress,
     add_scalar_flags,
     cached_row,
     check_models,
@@ -114,16 +117,18 @@ def train_and_score(
     d_model: int,
     log_every: int = 50,
     params_path: Path | None = None,
+    progress: Progress | None = None,
 ) -> dict:
     """Train model ``name`` on ``s.task`` from scratch (seed ``s.seed``) and score it; with
-    ``params_path``, keep the trained weights there (:func:`~._training.save_params`).
+    ``params_path``, keep the trained weights there (:func:`~._training.save_params`); with
+    ``progress``, continue a stopped run and save as it goes (:class:`~._training.Progress`).
 
     Returns:
       a run: ``model, seed, d_model, params, steps, final_train_loss, accuracy`` (of the first
       held-out set), ``scores`` (``{key: {**info, accuracy, eval_loss, eval_queries}}``, keys and
       info of :func:`eval_sets`), ``train_seconds`` (compilation included), ``tokens_per_s``.
     """
-    trained, stats = fit(name, s, d_model, lambda rng: train_batch(s, rng), log_every)
+    trained, stats = fit(name, s, d_model, lambda rng: train_batch(s, rng), log_every, progress)
     if params_path is not None:
         save_params(params_path, trained.params)
     score = make_scorer(trained)
@@ -210,13 +215,16 @@ def run_synthetic(
     widths = model_widths(models, s, s.match_params)
     stem = s.task.replace(":", "_")
 
-    def compute(name: str, si: SyntheticSettings, done: Path | None) -> dict:
+    def compute(name: str, si: SyntheticSettings, done: Path | None, key: dict) -> dict:
         print(
             f"== {name} seed {si.seed} lr {si.lr:g}: d_model {widths[name]}, {s.steps} steps",
             flush=True,
         )
-        params_path = None if done is None else done.with_suffix(".params.npz")
-        run = train_and_score(name, si, widths[name], log_every, params_path)
+        params_path = progress = None
+        if done is not None:  # a stopped run continues from its .progress.npz
+            params_path = done.with_suffix(".params.npz")
+            progress = Progress(done.with_suffix(".progress.npz"), key)
+        run = train_and_score(name, si, widths[name], log_every, params_path, progress)
         accs = ", ".join(f"{k}: {v['accuracy']:.3f}" for k, v in run["scores"].items())
         print(
             f"== {name} seed {si.seed}: accuracy {accs} (chance {s.chance:.3f}), "
@@ -231,7 +239,7 @@ def run_synthetic(
         done = None if out is None else run_file(out, s, name, seed, lr, wd)
         key = {"settings": dataclasses.asdict(si), "d_model": widths[name]}
         label = f"{name} seed {seed} lr {lr:g}" + (f" wd {wd:g}" if wds else "")
-        return cached_row(done, key, lambda: compute(name, si, done), label, FIELDS_ADDED)
+        return cached_row(done, key, lambda: compute(name, si, done, key), label, FIELDS_ADDED)
 
     def grid_key(lr: float, wd: float) -> str:
         return f"{lr:g}/wd{wd:g}" if wds else f"{lr:g}"
