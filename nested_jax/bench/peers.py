@@ -72,6 +72,16 @@ MAXTEXT_MISSING = (
 GDN = Callable[..., tuple[jax.Array, jax.Array]]  # (q, k, v, g, beta) -> (o, final state)
 
 
+def _xla_path(fn) -> dict:
+    """``{"use_flash": False}`` when ``fn`` takes ``use_flash`` and no TPU is attached: newer
+    Levanter files default to their Pallas TPU kernels, which run nowhere else; their pure-XLA
+    path (``_chunk_gated_delta_rule_fused_reference`` on main) is the peer of ours off TPU."""
+    import inspect
+
+    takes = "use_flash" in inspect.signature(fn).parameters
+    return {"use_flash": False} if takes and jax.default_backend() != "tpu" else {}
+
+
 def load_levanter(peers_dir: Path, path: Path | None = None) -> tuple[dict[str, GDN] | None, str]:
     """``({"chunked", "recurrent"}, "ok")`` from Levanter's GDN file (``path``, default
     ``<peers_dir>/levanter/layers/gated_deltanet.py``; its imports come from ``peers_dir``), or
@@ -101,18 +111,25 @@ def load_levanter(peers_dir: Path, path: Path | None = None) -> tuple[dict[str, 
             hax.named(beta, tuple(axes)),
         )
 
+    chunk_options = _xla_path(module.chunk_gated_delta_rule)
+    step_options = _xla_path(module.recurrent_gated_delta_rule)
+
     def chunked(q, k, v, g, beta):
         o, s = module.chunk_gated_delta_rule(
             *named(q, k, v, g, beta),
             chunk_size=CHUNK,
             output_final_state=True,
             use_qk_l2norm_in_kernel=False,
+            **chunk_options,
         )
         return o.array, s
 
     def recurrent(q, k, v, g, beta):
         o, s = module.recurrent_gated_delta_rule(
-            *named(q, k, v, g, beta), output_final_state=True, use_qk_l2norm_in_kernel=False
+            *named(q, k, v, g, beta),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=False,
+            **step_options,
         )
         return o.array, s
 

@@ -46,3 +46,14 @@ def test_without_peers_it_says_why_in_one_line_each(tmp_path, capsys):
         None,
         f"failed to load {broken}: RuntimeError: boom",
     )
+
+
+def test_a_peer_with_tpu_kernels_runs_its_xla_path_off_tpu():
+    def with_flash(q, use_flash=True):
+        return q
+
+    def without(q):
+        return q
+
+    assert peers._xla_path(with_flash) == {"use_flash": False}  # the tests run on CPU
+    assert peers._xla_path(without) == {}
