@@ -110,6 +110,12 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
 
+def max_err(a, b) -> float:
+    """The largest :func:`rel_err` over the matching leaves of two pytrees (``b`` the reference)."""
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return max(rel_err(x, y) for x, y in pairs)
+
+
 def temp_bytes(jitted_fn, *args, **kwargs) -> int:
     """Peak temporary buffer bytes of ``jitted_fn(*args)`` as compiled by XLA.
 

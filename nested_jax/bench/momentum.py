@@ -39,8 +39,8 @@ from nested_jax.bench.common import (
     emit,
     make_parser,
     matmul_gflops,
+    max_err,
     progress,
-    rel_err,
     temp_bytes,
     time_interleaved,
 )
@@ -109,12 +109,6 @@ def _programs(chunk_size: int) -> dict:
     return {name: (jax.jit(fn), grad_of(fn)) for name, fn in forms.items()}
 
 
-def _max_rel_diff(ref, other) -> float:
-    """The largest :func:`~nested_jax.bench.common.rel_err` over the leaves of two pytrees."""
-    leaves = zip(jax.tree.leaves(other), jax.tree.leaves(ref), strict=True)
-    return max(rel_err(a, b) for a, b in leaves)
-
-
 def run(*, T: int = 2048, chunks=DEFAULT_CHUNKS, repeats: int = 5) -> dict:
     """All measurements; returns the results dict (keys in the module docstring)."""
     t0 = time.perf_counter()
@@ -124,7 +118,7 @@ def run(*, T: int = 2048, chunks=DEFAULT_CHUNKS, repeats: int = 5) -> dict:
     for c in chunks:
         progs = _programs(c)
         (fc, gc), (fs, gs) = progs["coefficients"], progs["scan"]
-        diff = max(_max_rel_diff(fc(*xs), fs(*xs)), _max_rel_diff(gc(*xs), gs(*xs)))
+        diff = max(max_err(fs(*xs), fc(*xs)), max_err(gs(*xs), gc(*xs)))  # vs coefficients
         t = time_interleaved(
             {name: functools.partial(f, *xs) for name, f in
              (("fc", fc), ("fs", fs), ("gc", gc), ("gs", gs))},

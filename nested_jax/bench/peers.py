@@ -54,8 +54,8 @@ from nested_jax.bench.common import (
     emit,
     make_parser,
     matmul_gflops,
+    max_err,
     progress,
-    rel_err,
     temp_bytes,
     time_interleaved,
 )
@@ -173,12 +173,6 @@ def forward_and_grad(fn: GDN, weights) -> tuple[Callable, Callable]:
         return (o, s, *dxs)
 
     return jax.jit(fn), jax.jit(grads)
-
-
-def max_err(a, b) -> float:
-    """The largest :func:`~nested_jax.bench.common.rel_err` over matching leaves."""
-    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    return max(rel_err(x, y) for x, y in pairs)
 
 
 def compare_shape(peer: str, theirs: dict[str, GDN], T: int, D: int, repeats: int, recurrent: bool):

@@ -64,16 +64,12 @@ def token_kinds(inputs: np.ndarray, vocab: RecallVocab) -> np.ndarray:
     return kinds
 
 
-def mean_by_kind(x: np.ndarray, kinds: np.ndarray) -> list[float | None]:
-    """Mean of ``x [B, T, ...]`` over the tokens of each kind (None for an absent kind)."""
-    x = np.asarray(x, np.float64).reshape(*kinds.shape, -1).mean(-1)
-    return [float(x[kinds == i].mean()) if (kinds == i).any() else None for i in range(len(KINDS))]
-
-
-def head_means_by_kind(x: np.ndarray, kinds: np.ndarray) -> list[list[float] | None]:
-    """Per kind, the mean of ``x [B, T, H]`` over that kind's tokens for each head (a mean over
-    heads can hide one head that keeps and one that forgets)."""
-    x = np.asarray(x, np.float64)
+def mean_by_kind(x: np.ndarray, kinds: np.ndarray, per_head: bool = False) -> list:
+    """Mean of ``x [B, T, ...]`` over the tokens of each kind, its trailing axes averaged too (None
+    for an absent kind). ``per_head``: one mean per entry of the last axis instead (``x [B, T,
+    H]``: a mean over heads can hide one head that keeps and one that forgets)."""
+    x = np.asarray(x, np.float64).reshape(*kinds.shape, -1)
+    x = x if per_head else x.mean(-1)
     return [
         x[kinds == i].mean(0).tolist() if (kinds == i).any() else None for i in range(len(KINDS))
     ]
@@ -144,7 +140,7 @@ def gate_statistics(trained, inputs: np.ndarray, kinds: np.ndarray) -> dict | No
     return {
         "write": write,
         "retain": [mean_by_kind(r, kinds) for _, r in store],
-        "retain_by_head": [head_means_by_kind(r, kinds) for _, r in store],
+        "retain_by_head": [mean_by_kind(r, kinds, per_head=True) for _, r in store],
     }
 
 

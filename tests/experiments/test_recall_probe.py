@@ -55,7 +55,12 @@ def test_mean_by_kind():
     kinds = np.array([[0, 1, 1, 3]])
     x = np.array([[[1.0, 3.0], [2.0, 2.0], [4.0, 4.0], [5.0, 7.0]]])  # [B, T, H]
     assert recall_probe.mean_by_kind(x, kinds) == [2.0, 3.0, None, 6.0]
-    assert recall_probe.head_means_by_kind(x, kinds) == [[1.0, 3.0], [3.0, 3.0], None, [5.0, 7.0]]
+    assert recall_probe.mean_by_kind(x, kinds, per_head=True) == [
+        [1.0, 3.0],
+        [3.0, 3.0],
+        None,
+        [5.0, 7.0],
+    ]
 
 
 def test_gates_are_recorded_per_layer():
