@@ -14,11 +14,11 @@ each token (``e^{b}``; see README §4 for resets), ``Q`` already scaled::
 
 This is FLA's split (``chunk_scaled_dot_kkt`` → ``solve_tril`` → ``recompute_w_u`` →
 ``chunk_fwd_h`` → ``chunk_fwd_o``): each stage is a pure function of arrays, the seam where a
-Pallas kernel can replace it. Arrays are chunk-major ``[N, B, H, C, ·]``
-(``scan.to_head_chunks``); ``...`` is any leading shape. ``wy_delta_core`` composes the stages for
-the delta rules with a hand-written VJP (README §3); the special cases (linear attention: no ``W``;
-restarts from a non-zero initial state: a second incoming state) compose them in
-``associative._chunked`` under plain autodiff. HOLA's forward-only residual pass
+Pallas kernel can replace it. The stages take one chunk ``[..., C, ·]`` or all of them chunk-major
+``[N, B, H, C, ·]`` (``scan.to_head_chunks``); ``...`` is any leading shape. ``wy_delta_core``
+composes the stages for the delta rules with a hand-written VJP (README §3); the special cases
+(linear attention: no ``W``; restarts from a non-zero initial state: a second incoming state)
+compose them in ``associative._chunked`` under plain autodiff. HOLA's forward-only residual pass
 (``hola.gdn_residuals``) uses ``w_u`` (solve form) and ``state_pass``; the Proteus GDN runs
 through ``associative.gated_delta_chunked``.
 """
@@ -236,16 +236,22 @@ def state_pass(W, U, k_dec, d_last, S0, bias=None):
 
     def body(S, xs):
         W_n, U_n, kd_n, dl_n, b_n = xs
-        if W_n is not None:
-            U_n = U_n - W_n @ S
-        S_next = dl_n[..., None, None] * S + _mT(kd_n) @ U_n
-        if b_n is not None:
-            S_next = S_next + b_n
+        S_next, U_n = _state_step(S, W_n, U_n, kd_n, dl_n, b_n)
         return S_next, (S if W_n is None else (S, U_n))
 
     S_final, ys = lax.scan(body, S0, (W, U, k_dec, d_last, bias))
     S_starts, U_n = (ys, U) if W is None else ys
     return S_final, S_starts, U_n
+
+
+def _state_step(S, W_n, U_n, kd_n, dl_n, b_n=None):
+    """One chunk of ``state_pass``: ``(S_{n+1}, U_n)`` from ``S = S_n``."""
+    if W_n is not None:
+        U_n = U_n - W_n @ S
+    S_next = dl_n[..., None, None] * S + _mT(kd_n) @ U_n
+    if b_n is not None:
+        S_next = S_next + b_n
+    return S_next, U_n
 
 
 def chunk_output(q, k, gamma, d, S_starts, U):
@@ -267,11 +273,14 @@ def chunk_output(q, k, gamma, d, S_starts, U):
 # The delta-rule chunk core with a hand-written VJP
 # --------------------------------------------------------------------------------------------------
 #
-# Arrays are chunk-major ``[N, B, H, C, ·]``. Inputs: Q (scaled), K, V, β [N,B,H,C], Γ [N,B,H,C,C]
-# (decays e^{b_i − b_j} on the causal same-segment mask, zero elsewhere), dc [N,B,H,C] (coefficient
-# of the carried state for token i: e^{b_i}, zeroed after an in-chunk reset) and S_init [B,H,K,V].
-# The backward recomputes nothing expensive: it reuses T, W, Ũ, QKᵀ, KKᵀ, the chunk-start states
-# S_n and U_n saved by the forward, and runs the state recurrence backwards
+# ``wy_delta_core`` takes the per-token inputs in the caller's time-major layout
+# ``[..., N·C, H, ·]`` and the per-token decays chunk-major: β and dc ``[N, ..., H, C]``, Γ
+# ``[N, ..., H, C, C]`` (decays e^{b_i − b_j} on the causal same-segment mask, zero elsewhere; dc
+# the coefficient of the carried state for token i, e^{b_i}, zeroed after an in-chunk reset).
+# Evaluated alone it never transposes q, k, v: each chunk is sliced out inside the scan (those
+# transposing passes were a third of the forward on XLA:CPU). Differentiated, the forward batches
+# the stages over all chunks and saves Q, K, V, T, W, Ũ, QKᵀ, KKᵀ, the chunk-start states S_n and
+# U_n; the backward recomputes nothing expensive and runs the state recurrence backwards
 # (core/associative/README.md §3).
 
 
@@ -281,8 +290,43 @@ def _rowdot(a, b):
     return jnp.einsum("...ij,...ij->...i", a, b)
 
 
-def _wy_forward(Q, K, V, beta, gamma, dc, S_init):
-    """The five stages in order; returns ``(O, S_final, saved)`` with what the backward reuses."""
+def _chunk_of(x, n, C):
+    """Chunk ``n`` of a time-major ``x [..., N·C, H, D]`` as ``[..., H, C, D]``."""
+    return jnp.swapaxes(lax.dynamic_slice_in_dim(x, n * C, C, axis=x.ndim - 3), -3, -2)
+
+
+def _time_major(x):
+    """``[N, ..., H, C, D] → [..., N·C, H, D]`` (the inverse of ``_chunk_major``)."""
+    x = jnp.moveaxis(jnp.swapaxes(x, -3, -2), 0, -4)  # [..., N, C, H, D]
+    return x.reshape(*x.shape[:-4], -1, *x.shape[-2:])
+
+
+def _chunk_major(x, C):
+    """``[..., N·C, H, D] → [N, ..., H, C, D]``."""
+    x = x.reshape(*x.shape[:-3], -1, C, *x.shape[-2:])
+    return jnp.swapaxes(jnp.moveaxis(x, -4, 0), -3, -2)
+
+
+def _forward_by_chunk(q, k, v, beta, gamma, dc, S_init):
+    """The primal: the five stages chunk by chunk in one scan, each chunk sliced out of the
+    time-major inputs, nothing saved; returns ``(O [..., N·C, H, V], S_final)``."""
+    C = gamma.shape[-1]
+
+    def step(S, xs):
+        n, b_n, g_n, d_n = xs
+        Q, K, V = (_chunk_of(x, n, C) for x in (q, k, v))
+        W, Ut = w_u(K, V, b_n, d_n, T=solve_tril(kkt(K, b_n, g_n)))
+        S_next, U = _state_step(S, W, Ut, K * g_n[..., -1, :][..., None], d_n[..., -1])
+        return S_next, chunk_output(Q, K, g_n, d_n, S, U)
+
+    S_final, O = lax.scan(step, S_init, (jnp.arange(gamma.shape[0]), beta, gamma, dc))
+    return _time_major(O), S_final
+
+
+def _forward_saving(q, k, v, beta, gamma, dc, S_init):
+    """The forward of the VJP: the stages batched over all chunks (only the state pass scans),
+    saving what the backward reuses; returns ``(O [..., N·C, H, V], S_final, saved)``."""
+    Q, K, V = (_chunk_major(x, gamma.shape[-1]) for x in (q, k, v))
     # The Grams are saved for the backward; kkt and chunk_output form the same products, which
     # XLA's common-subexpression pass computes once.
     QK_KK = (Q @ _mT(K), K @ _mT(K))
@@ -291,32 +335,35 @@ def _wy_forward(Q, K, V, beta, gamma, dc, S_init):
     Kdec = K * gamma[..., -1, :][..., None]  # K ⊙ e^{b_C − b_j}
     S_final, S_n, U = state_pass(W, Ut, Kdec, dc[..., -1], S_init)
     O = chunk_output(Q, K, gamma, dc, S_n, U)
-    return O, S_final, (T, W, Ut, QK_KK, S_n, U)
+    return _time_major(O), S_final, (Q, K, V, T, W, Ut, QK_KK, S_n, U)
 
 
 @jax.custom_vjp
-def wy_delta_core(Q, K, V, beta, gamma, dc, S_init):
+def wy_delta_core(q, k, v, beta, gamma, dc, S_init):
     """The delta-rule chunk form (SPEC §1): ``kkt → solve_tril → w_u → state_pass → chunk_output``.
 
-    Gradients by a hand-written VJP that runs the state recurrence backwards from the saved
-    chunk-start states (core/associative/README.md §3).
+    Evaluated alone (inference, evaluation), all five stages run chunk by chunk in one scan that
+    slices each chunk out of the time-major inputs. Differentiated, the forward runs the stages
+    batched over all chunks and saves their products, and a hand-written VJP runs the state
+    recurrence backwards from the saved chunk-start states (core/associative/README.md §3). Each
+    form is the faster one for its use on XLA:CPU (timings in docs/RESULTS.md).
 
     Args:
-      Q: ``[N, B, H, C, K]`` scaled queries; K: ``[N, B, H, C, K]``; V: ``[N, B, H, C, V]``.
-      beta: ``[N, B, H, C]``; gamma: ``[N, B, H, C, C]`` ``Γ``; dc: ``[N, B, H, C]`` coefficient of
-        the carried state per token.
-      S_init: ``[B, H, K, V]``.
+      q: ``[..., N·C, H, K]`` scaled queries, time-major; k: ``[..., N·C, H, K]``;
+        v: ``[..., N·C, H, V]``.
+      beta: ``[N, ..., H, C]``; gamma: ``[N, ..., H, C, C]`` ``Γ``; dc: ``[N, ..., H, C]``
+        coefficient of the carried state per token (chunk-major, ``scan.to_head_chunks``).
+      S_init: ``[..., H, K, V]``.
 
     Returns:
-      ``(O [N, B, H, C, V], S_final [B, H, K, V])``.
+      ``(O [..., N·C, H, V], S_final [..., H, K, V])``.
     """
-    O, S_final, _ = _wy_forward(Q, K, V, beta, gamma, dc, S_init)
-    return O, S_final
+    return _forward_by_chunk(q, k, v, beta, gamma, dc, S_init)
 
 
-def _wy_core_fwd(Q, K, V, beta, gamma, dc, S_init):
-    O, S_final, saved = _wy_forward(Q, K, V, beta, gamma, dc, S_init)
-    return (O, S_final), (Q, K, V, beta, gamma, dc) + saved
+def _wy_core_fwd(q, k, v, beta, gamma, dc, S_init):
+    O, S_final, saved = _forward_saving(q, k, v, beta, gamma, dc, S_init)
+    return (O, S_final), (beta, gamma, dc) + saved
 
 
 def _state_pass_bwd(dO, dS_final, P, Qdc, Kdec, W, dl):
@@ -337,8 +384,9 @@ def _state_pass_bwd(dO, dS_final, P, Qdc, Kdec, W, dl):
 
 
 def _wy_core_bwd(res, cts):
-    Q, K, V, beta, gamma, dc, T, W, Ut, QK_KK, S_n, U = res
+    beta, gamma, dc, Q, K, V, T, W, Ut, QK_KK, S_n, U = res
     dO, dS_final = cts
+    dO = _chunk_major(dO, gamma.shape[-1])
     QK, KK = QK_KK
     kdec = gamma[..., -1, :]
     Kdec = K * kdec[..., None]
@@ -371,6 +419,7 @@ def _wy_core_bwd(res, cts):
     dK = dKKs @ K + _mT(dQK) @ Q
     dK = dK + dRk * (beta * dc)[..., None] + dKdec * kdec[..., None]
     dQ = dQK @ K + dQdc * dc[..., None]
+    dQ, dK, dV = (_time_major(x) for x in (dQ, dK, dV))
     return dQ, dK, dV, dbeta, dgamma, ddc, dS_init
 
 

@@ -300,21 +300,25 @@ def test_chunk_output_is_the_dense_formula():
 def test_wy_delta_core_vjp_matches_autodiff_of_the_stages():
     x = _seq(21, T=10)
     C = 5
-    Q, K, V, bc = (_chunks(x[n], C) for n in ("q", "k", "v", "beta"))
+    bc = _chunks(x["beta"], C)
     gamma, d = _decays(x["g"], C)
     # a reset inside chunk 1 at position 2: Γ masked across it, the carried state cut after it
     seg = jnp.asarray([0, 0, 1, 1, 1])
     gamma = gamma.at[1].multiply((seg[:, None] == seg[None, :]).astype(jnp.float32))
     d = d.at[1].multiply((seg == 0).astype(jnp.float32))
-    args = (Q, K, V, bc, gamma, d, x["S0"])
+    # the core takes q, k, v time-major (it slices each chunk itself) and returns O time-major
+    args = (x["q"], x["k"], x["v"], bc, gamma, d, x["S0"])
 
-    def autodiff(Q, K, V, bc, gamma, d, S0):
+    def autodiff(q, k, v, bc, gamma, d, S0):
+        Q, K, V = (_chunks(a, C) for a in (q, k, v))
         W, U = w_u(K, V, bc, d, T=solve_tril(kkt(K, bc, gamma)))
         S_final, S_n, U_n = state_pass(W, U, K * gamma[..., -1, :][..., None], d[..., -1], S0)
-        return chunk_output(Q, K, gamma, d, S_n, U_n), S_final
+        O = chunk_output(Q, K, gamma, d, S_n, U_n)  # [N, H, C, V]
+        return jnp.swapaxes(O, 1, 2).reshape(-1, *O.shape[1:2], O.shape[-1]), S_final
 
     ref = jax.jit(autodiff)(*args)
-    _tree_close(jax.jit(wy_delta_core)(*args), ref)
+    _tree_close(jax.jit(wy_delta_core)(*args), ref)  # the primal: chunk by chunk
+    _tree_close(jax.jit(lambda *a: jax.vjp(wy_delta_core, *a)[0])(*args), ref)  # the VJP's forward
     rng = np.random.default_rng(22)
     wo, ws = (jnp.asarray(rng.normal(size=r.shape), jnp.float32) for r in ref)
 

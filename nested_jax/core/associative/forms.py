@@ -328,18 +328,19 @@ def _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, C, delta: bool
     β = 0, so they neither write nor decay the state."""
     T, K = q.shape[1], q.shape[-1]
     f32 = jnp.float32
-    Q = to_head_chunks(q.astype(f32) * _scale(scale, K), C)  # [N, B, H, C, K]
-    Kc = to_head_chunks(k.astype(f32), C)
-    Vc = to_head_chunks(v.astype(f32), C)  # [N, B, H, C, V]
-    gamma, d, m = _chunk_decays(g, segment_ids, C, Q[..., 0])
+    q, k, v32 = q.astype(f32) * _scale(scale, K), k.astype(f32), v.astype(f32)
+    gamma, d, m = _chunk_decays(g, segment_ids, C, to_head_chunks(q[..., 0], C))
     s0 = None if initial_state is None else initial_state.astype(f32)
     bc = to_head_chunks(beta.astype(f32), C) if delta else None  # [N, B, H, C]
     zero = state_zeros(k, v)  # typed like the inputs (shard_map / Explicit meshes)
     if delta and (m is None or s0 is None):
+        # time-major in and out: the core slices each chunk itself (no transposing pass)
         init = zero if s0 is None else s0
-        O, S_final = wy_delta_core(Q, Kc, Vc, bc, gamma, d if m is None else d * m, init)
-    else:
-        O, S_final = _chunked_autodiff(Q, Kc, Vc, bc, gamma, d, m, s0, zero)
+        q, k, v32 = (pad_to_multiple(x, C) for x in (q, k, v32))
+        O, S_final = wy_delta_core(q, k, v32, bc, gamma, d if m is None else d * m, init)
+        return O[:, :T].astype(v.dtype), S_final
+    Q, Kc, Vc = (to_head_chunks(x, C) for x in (q, k, v32))  # [N, B, H, C, ·]
+    O, S_final = _chunked_autodiff(Q, Kc, Vc, bc, gamma, d, m, s0, zero)
     return from_head_chunks(O, T).astype(v.dtype), S_final
 
 
