@@ -56,6 +56,32 @@ def chunked_gdn_flops(
     return -(-T // C) * B * H * chunk_flops(C, K, V, backward)
 
 
+def chunk_matmul_gflops(n: int, C: int, K: int, V: int, repeats: int = 5) -> float:
+    """GFLOP/s of the batched matmuls the chunk form is made of, ``n`` chunks·heads at once: the
+    Grams ``[C, K]×[K, C]``, the triangular products ``[C, C]×[C, K]``, the state reads
+    ``[C, K]×[K, V]`` and writes ``[K, C]×[C, V]``, each timed alone (medians of ``repeats``),
+    total FLOPs over total time.
+
+    What the chunked form would reach if it were nothing but these products: its own GFLOP/s over
+    this says how much of that ceiling it gets; this over the big matmul's says how much of the
+    big matmul such small batched products get on this backend.
+    """
+    key = jax.random.PRNGKey(0)
+
+    def operands(m, k, p):
+        a = jax.random.normal(key, (n, m, k), jnp.float32)
+        return a, jax.random.normal(jax.random.fold_in(key, 1), (n, k, p), jnp.float32)
+
+    shapes = {"gram": (C, K, C), "tri": (C, C, K), "read": (C, K, V), "write": (K, C, V)}
+    pairs = {name: operands(*mkp) for name, mkp in shapes.items()}
+    matmul = jax.jit(lambda a, b: a @ b)
+    times = time_interleaved(
+        {name: functools.partial(matmul, *ab) for name, ab in pairs.items()}, repeats=repeats
+    )
+    flops = sum(2 * n * m * k * p for m, k, p in shapes.values())
+    return flops / sum(times.values()) / 1e9
+
+
 def gdn_inputs(T, B, H, D, seed=0):
     """``(q, k, v, g, beta)`` f32 of a gated delta layer's ranges: unit q, k ``[B, T, H, D]``,
     unit-variance v, log decay ``g ∈ (−0.1, 0]`` and ``β ∈ (0, 1)`` ``[B, T, H]``."""

@@ -36,7 +36,8 @@ Peers (none is a dependency; they are loaded from ``--peers-dir``, default ``.be
 
 JSON keys (last stdout line with ``--json``): ``matmul_gflops``, ``peers`` (name → ``"ok"`` or why
 not), and per peer and shape ``<peer>_<row>_T{T}_D{D}`` (ratios), ``ours_gflops_T{T}_D{D}``,
-``<peer>_max_err_T{T}_D{D}`` (outputs and gradients).
+``chunk_matmul_gflops_T{T}_D{D}`` (the chunk form's batched matmul shapes timed alone, its ceiling:
+``bench.core.chunk_matmul_gflops``), ``<peer>_max_err_T{T}_D{D}`` (outputs and gradients).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from nested_jax.bench.common import (
     temp_bytes,
     time_interleaved,
 )
-from nested_jax.bench.core import chunked_gdn_flops
+from nested_jax.bench.core import chunk_matmul_gflops, chunked_gdn_flops
 from nested_jax.core.associative.forms import gated_delta_chunked, gated_delta_recurrent
 
 B, H, CHUNK = 2, 4, 64
@@ -188,6 +189,8 @@ def compare_shape(peer: str, theirs: dict[str, GDN], T: int, D: int, repeats: in
     t = time_interleaved({"ga": lambda: grad_a(*xs), "gb": lambda: grad_b(*xs)}, repeats=repeats)
     out[f"{peer}_fwd+bwd_{tag}"] = t["ga"] / t["gb"]
     out[f"ours_gflops_{tag}"] = chunked_gdn_flops(T, B, H, D, D, CHUNK) / t["ga"] / 1e9
+    n_chunks = -(-T // CHUNK) * B * H
+    out[f"chunk_matmul_gflops_{tag}"] = chunk_matmul_gflops(n_chunks, CHUNK, D, D, repeats)
     ours_temp, their_temp = temp_bytes(grad_a, *xs), temp_bytes(grad_b, *xs)
     out[f"{peer}_temps_{tag}"] = ours_temp / their_temp
     out[f"ours_temp_mib_{tag}"] = ours_temp / 2**20
@@ -206,12 +209,12 @@ def report(results: dict, seq_lens, dims, peers: dict[str, str]) -> str:
     """The Markdown table of the ratios (ours ÷ peer), one row per peer and shape."""
     lines = [
         "| peer | T | D | forward | fwd+bwd | temps (MiB ours / peer) | recurrent fwd+bwd | "
-        "recurrent temps | ours GFLOP/s | max err |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "recurrent temps | ours GFLOP/s | its matmuls alone GFLOP/s | max err |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for peer, status in peers.items():
         if status != "ok":
-            lines.append(f"| {peer} | – | – | {status} | | | | | | |")
+            lines.append(f"| {peer} | – | – | {status} | | | | | | | |")
             continue
         for T in seq_lens:
             for D in dims:
@@ -226,7 +229,7 @@ def report(results: dict, seq_lens, dims, peers: dict[str, str]) -> str:
                     f"{cell('temps')} ({cell('ours_temp_mib', '{:.0f}')} / "
                     f"{cell('temp_mib', '{:.0f}')}) | {cell('recurrent_fwd+bwd')} | "
                     f"{cell('recurrent_temps')} | {cell('ours_gflops', '{:.1f}')} | "
-                    f"{cell('max_err', '{:.1e}')} |"
+                    f"{cell('chunk_matmul_gflops', '{:.1f}')} | {cell('max_err', '{:.1e}')} |"
                 )
     return "\n".join(lines) + "\n"
 

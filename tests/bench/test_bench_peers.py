@@ -19,8 +19,11 @@ def test_compare_shape_measures_a_peer_and_its_agreement():
         value = out[f"other_{key}_T40_D8"]
         assert math.isfinite(value) and value > 0, key
     assert out["ours_gflops_T40_D8"] > 0 and out["ours_temp_mib_T40_D8"] > 0
+    assert out["chunk_matmul_gflops_T40_D8"] > 0  # the chunk's matmul shapes alone
     table = peers.report(out, [40], [8], {"other": "ok", "gone": "not installed"})
     assert "| other | 40 | 8 |" in table and "| gone | – | – | not installed |" in table
+    header, rule, row = table.splitlines()[:3]
+    assert header.count("|") == rule.count("|") == row.count("|")  # every column filled
 
 
 def test_max_err_sees_a_wrong_gradient():
