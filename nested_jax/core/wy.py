@@ -277,8 +277,9 @@ def chunk_output(q, k, gamma, d, S_starts, U):
 # ``[..., N·C, H, ·]`` and the per-token decays chunk-major: β and dc ``[N, ..., H, C]``, Γ
 # ``[N, ..., H, C, C]`` (decays e^{b_i − b_j} on the causal same-segment mask, zero elsewhere; dc
 # the coefficient of the carried state for token i, e^{b_i}, zeroed after an in-chunk reset).
-# Evaluated alone it never transposes q, k, v: each chunk is sliced out inside the scan (those
-# transposing passes were a third of the forward on XLA:CPU). Differentiated, the forward batches
+# Evaluated alone it never transposes q, k, v: each chunk is sliced out inside the scan (the
+# transposing passes, not the stages, were what the former forward spent its extra time on; timings
+# in docs/RESULTS.md). Differentiated, the forward batches
 # the stages over all chunks and saves Q, K, V, T, W, Ũ, QKᵀ, KKᵀ, the chunk-start states S_n and
 # U_n; the backward recomputes nothing expensive and runs the state recurrence backwards
 # (core/associative/README.md §3).
