@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.scan import zeros_typed
+from nested_jax.core.scan import from_head_chunks, to_head_chunks, zeros_typed
 
 __all__ = [
     "kkt",
@@ -273,16 +273,15 @@ def chunk_output(q, k, gamma, d, S_starts, U):
 # The delta-rule chunk core with a hand-written VJP
 # --------------------------------------------------------------------------------------------------
 #
-# ``wy_delta_core`` takes the per-token inputs in the caller's time-major layout
-# ``[..., N·C, H, ·]`` and the per-token decays chunk-major: β and dc ``[N, ..., H, C]``, Γ
-# ``[N, ..., H, C, C]`` (decays e^{b_i − b_j} on the causal same-segment mask, zero elsewhere; dc
-# the coefficient of the carried state for token i, e^{b_i}, zeroed after an in-chunk reset).
-# Evaluated alone it never transposes q, k, v: each chunk is sliced out inside the scan (the
-# transposing passes, not the stages, were what the former forward spent its extra time on; timings
-# in docs/RESULTS.md). Differentiated, the forward batches
-# the stages over all chunks and saves Q, K, V, T, W, Ũ, QKᵀ, KKᵀ, the chunk-start states S_n and
-# U_n; the backward recomputes nothing expensive and runs the state recurrence backwards
-# (core/associative/README.md §3).
+# ``wy_delta_core`` takes the per-token inputs in the caller's time-major layout ``[B, N·C, H, ·]``
+# and the per-token decays chunk-major: β and dc ``[N, B, H, C]``, Γ ``[N, B, H, C, C]`` (decays
+# e^{b_i − b_j} on the causal same-segment mask, zero elsewhere; dc the coefficient of the carried
+# state for token i, e^{b_i}, zeroed after an in-chunk reset). Evaluated alone it never transposes
+# q, k, v: each chunk is sliced out inside the scan (the transposing passes, not the stages, were
+# what the former forward spent its extra time on; timings in docs/RESULTS.md). Differentiated, the
+# forward batches the stages over all chunks and saves Q, K, V, T, W, Ũ, QKᵀ, KKᵀ, the chunk-start
+# states S_n and U_n; the backward recomputes nothing expensive and runs the state recurrence
+# backwards (core/associative/README.md §3).
 
 
 def _rowdot(a, b):
@@ -292,25 +291,13 @@ def _rowdot(a, b):
 
 
 def _chunk_of(x, n, C):
-    """Chunk ``n`` of a time-major ``x [..., N·C, H, D]`` as ``[..., H, C, D]``."""
-    return jnp.swapaxes(lax.dynamic_slice_in_dim(x, n * C, C, axis=x.ndim - 3), -3, -2)
-
-
-def _time_major(x):
-    """``[N, ..., H, C, D] → [..., N·C, H, D]`` (the inverse of ``_chunk_major``)."""
-    x = jnp.moveaxis(jnp.swapaxes(x, -3, -2), 0, -4)  # [..., N, C, H, D]
-    return x.reshape(*x.shape[:-4], -1, *x.shape[-2:])
-
-
-def _chunk_major(x, C):
-    """``[..., N·C, H, D] → [N, ..., H, C, D]``."""
-    x = x.reshape(*x.shape[:-3], -1, C, *x.shape[-2:])
-    return jnp.swapaxes(jnp.moveaxis(x, -4, 0), -3, -2)
+    """Chunk ``n`` of a time-major ``x [B, N·C, H, D]`` as ``[B, H, C, D]``."""
+    return jnp.swapaxes(lax.dynamic_slice_in_dim(x, n * C, C, axis=1), 1, 2)
 
 
 def _forward_by_chunk(q, k, v, beta, gamma, dc, S_init):
     """The primal: the five stages chunk by chunk in one scan, each chunk sliced out of the
-    time-major inputs, nothing saved; returns ``(O [..., N·C, H, V], S_final)``."""
+    time-major inputs, nothing saved; returns ``(O [B, N·C, H, V], S_final)``."""
     C = gamma.shape[-1]
 
     def step(S, xs):
@@ -321,13 +308,13 @@ def _forward_by_chunk(q, k, v, beta, gamma, dc, S_init):
         return S_next, chunk_output(Q, K, g_n, d_n, S, U)
 
     S_final, O = lax.scan(step, S_init, (jnp.arange(gamma.shape[0]), beta, gamma, dc))
-    return _time_major(O), S_final
+    return from_head_chunks(O), S_final
 
 
 def _forward_saving(q, k, v, beta, gamma, dc, S_init):
     """The forward of the VJP: the stages batched over all chunks (only the state pass scans),
-    saving what the backward reuses; returns ``(O [..., N·C, H, V], S_final, saved)``."""
-    Q, K, V = (_chunk_major(x, gamma.shape[-1]) for x in (q, k, v))
+    saving what the backward reuses; returns ``(O [B, N·C, H, V], S_final, saved)``."""
+    Q, K, V = (to_head_chunks(x, gamma.shape[-1]) for x in (q, k, v))
     # The Grams are saved for the backward; kkt and chunk_output form the same products, which
     # XLA's common-subexpression pass computes once.
     QK_KK = (Q @ _mT(K), K @ _mT(K))
@@ -336,7 +323,7 @@ def _forward_saving(q, k, v, beta, gamma, dc, S_init):
     Kdec = K * gamma[..., -1, :][..., None]  # K ⊙ e^{b_C − b_j}
     S_final, S_n, U = state_pass(W, Ut, Kdec, dc[..., -1], S_init)
     O = chunk_output(Q, K, gamma, dc, S_n, U)
-    return _time_major(O), S_final, (Q, K, V, T, W, Ut, QK_KK, S_n, U)
+    return from_head_chunks(O), S_final, (Q, K, V, T, W, Ut, QK_KK, S_n, U)
 
 
 @jax.custom_vjp
@@ -350,14 +337,14 @@ def wy_delta_core(q, k, v, beta, gamma, dc, S_init):
     form is the faster one for its use on XLA:CPU (timings in docs/RESULTS.md).
 
     Args:
-      q: ``[..., N·C, H, K]`` scaled queries, time-major; k: ``[..., N·C, H, K]``;
-        v: ``[..., N·C, H, V]``.
-      beta: ``[N, ..., H, C]``; gamma: ``[N, ..., H, C, C]`` ``Γ``; dc: ``[N, ..., H, C]``
-        coefficient of the carried state per token (chunk-major, ``scan.to_head_chunks``).
-      S_init: ``[..., H, K, V]``.
+      q: ``[B, N·C, H, K]`` scaled queries, time-major; k: ``[B, N·C, H, K]``;
+        v: ``[B, N·C, H, V]``.
+      beta: ``[N, B, H, C]``; gamma: ``[N, B, H, C, C]`` ``Γ``; dc: ``[N, B, H, C]`` coefficient
+        of the carried state per token (chunk-major, ``scan.to_head_chunks``).
+      S_init: ``[B, H, K, V]``.
 
     Returns:
-      ``(O [..., N·C, H, V], S_final [..., H, K, V])``.
+      ``(O [B, N·C, H, V], S_final [B, H, K, V])``.
     """
     return _forward_by_chunk(q, k, v, beta, gamma, dc, S_init)
 
@@ -387,7 +374,7 @@ def _state_pass_bwd(dO, dS_final, P, Qdc, Kdec, W, dl):
 def _wy_core_bwd(res, cts):
     beta, gamma, dc, Q, K, V, T, W, Ut, QK_KK, S_n, U = res
     dO, dS_final = cts
-    dO = _chunk_major(dO, gamma.shape[-1])
+    dO = to_head_chunks(dO, gamma.shape[-1])
     QK, KK = QK_KK
     kdec = gamma[..., -1, :]
     Kdec = K * kdec[..., None]
@@ -420,7 +407,7 @@ def _wy_core_bwd(res, cts):
     dK = dKKs @ K + _mT(dQK) @ Q
     dK = dK + dRk * (beta * dc)[..., None] + dKdec * kdec[..., None]
     dQ = dQK @ K + dQdc * dc[..., None]
-    dQ, dK, dV = (_time_major(x) for x in (dQ, dK, dV))
+    dQ, dK, dV = (from_head_chunks(x) for x in (dQ, dK, dV))
     return dQ, dK, dV, dbeta, dgamma, ddc, dS_init
 
 

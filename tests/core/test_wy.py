@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from nested_jax.core.scan import from_head_chunks, to_head_chunks
 from nested_jax.core.wy import chunk_output, kkt, solve_tril, state_pass, w_u, wy_delta_core
 
 TOL = 1e-4
@@ -306,15 +307,16 @@ def test_wy_delta_core_vjp_matches_autodiff_of_the_stages():
     seg = jnp.asarray([0, 0, 1, 1, 1])
     gamma = gamma.at[1].multiply((seg[:, None] == seg[None, :]).astype(jnp.float32))
     d = d.at[1].multiply((seg == 0).astype(jnp.float32))
-    # the core takes q, k, v time-major (it slices each chunk itself) and returns O time-major
-    args = (x["q"], x["k"], x["v"], bc, gamma, d, x["S0"])
+    # the core takes q, k, v time-major [B, N·C, H, ·] (it slices each chunk itself) and returns O
+    # time-major; a batch of one here
+    args = (x["q"][None], x["k"][None], x["v"][None], bc[:, None], gamma[:, None], d[:, None])
+    args += (x["S0"][None],)
 
     def autodiff(q, k, v, bc, gamma, d, S0):
-        Q, K, V = (_chunks(a, C) for a in (q, k, v))
+        Q, K, V = (to_head_chunks(a, C) for a in (q, k, v))
         W, U = w_u(K, V, bc, d, T=solve_tril(kkt(K, bc, gamma)))
         S_final, S_n, U_n = state_pass(W, U, K * gamma[..., -1, :][..., None], d[..., -1], S0)
-        O = chunk_output(Q, K, gamma, d, S_n, U_n)  # [N, H, C, V]
-        return jnp.swapaxes(O, 1, 2).reshape(-1, *O.shape[1:2], O.shape[-1]), S_final
+        return from_head_chunks(chunk_output(Q, K, gamma, d, S_n, U_n)), S_final
 
     ref = jax.jit(autodiff)(*args)
     _tree_close(jax.jit(wy_delta_core)(*args), ref)  # the primal: chunk by chunk
