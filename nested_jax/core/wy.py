@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nested_jax.core.scan import from_head_chunks, to_head_chunks, zeros_typed
+from nested_jax.core.scan import from_head_chunks, zeros_typed
 
 __all__ = [
     "kkt",
@@ -276,12 +276,14 @@ def chunk_output(q, k, gamma, d, S_starts, U):
 # ``wy_delta_core`` takes the per-token inputs in the caller's time-major layout ``[B, N·C, H, ·]``
 # and the per-token decays chunk-major: β and dc ``[N, B, H, C]``, Γ ``[N, B, H, C, C]`` (decays
 # e^{b_i − b_j} on the causal same-segment mask, zero elsewhere; dc the coefficient of the carried
-# state for token i, e^{b_i}, zeroed after an in-chunk reset). Evaluated alone it never transposes
-# q, k, v: each chunk is sliced out inside the scan (the transposing passes, not the stages, were
-# what the former forward spent its extra time on; timings in docs/RESULTS.md). Differentiated, the
-# forward batches the stages over all chunks and saves Q, K, V, T, W, Ũ, QKᵀ, KKᵀ, the chunk-start
-# states S_n and U_n; the backward recomputes nothing expensive and runs the state recurrence
-# backwards (core/associative/README.md §3).
+# state for token i, e^{b_i}, zeroed after an in-chunk reset). It never transposes q, k, v: each
+# chunk is sliced out inside the scan (the transposing passes, not the stages, were what a
+# forward batched over all chunks spent its extra time on; timings in docs/RESULTS.md). Both
+# passes run chunk by chunk. The forward saves only the chunk-start states S_n; the backward is one
+# reverse scan that recomputes the chunk's stages from q, k, v and S_n and runs the state
+# recurrence backwards (core/associative/README.md §3). Per chunk, its operands stay in cache: on
+# XLA:CPU that was as fast as or faster than the backward batched over all chunks from saved
+# products at D = 128, with about a third of the temporaries (docs/RESULTS.md).
 
 
 def _rowdot(a, b):
@@ -295,9 +297,11 @@ def _chunk_of(x, n, C):
     return jnp.swapaxes(lax.dynamic_slice_in_dim(x, n * C, C, axis=1), 1, 2)
 
 
-def _forward_by_chunk(q, k, v, beta, gamma, dc, S_init):
-    """The primal: the five stages chunk by chunk in one scan, each chunk sliced out of the
-    time-major inputs, nothing saved; returns ``(O [B, N·C, H, V], S_final)``."""
+def _forward_by_chunk(q, k, v, beta, gamma, dc, S_init, keep_states=False):
+    """The five stages chunk by chunk in one scan, each chunk sliced out of the time-major inputs.
+
+    Returns ``(O [B, N·C, H, V], S_final)``, and with ``keep_states`` also the chunk-start states
+    ``S_n [N, B, H, K, V]`` (what the backward saves)."""
     C = gamma.shape[-1]
 
     def step(S, xs):
@@ -305,36 +309,23 @@ def _forward_by_chunk(q, k, v, beta, gamma, dc, S_init):
         Q, K, V = (_chunk_of(x, n, C) for x in (q, k, v))
         W, Ut = w_u(K, V, b_n, d_n, T=solve_tril(kkt(K, b_n, g_n)))
         S_next, U = _state_step(S, W, Ut, K * g_n[..., -1, :][..., None], d_n[..., -1])
-        return S_next, chunk_output(Q, K, g_n, d_n, S, U)
+        O = chunk_output(Q, K, g_n, d_n, S, U)
+        return S_next, ((O, S) if keep_states else O)
 
-    S_final, O = lax.scan(step, S_init, (jnp.arange(gamma.shape[0]), beta, gamma, dc))
-    return from_head_chunks(O), S_final
-
-
-def _forward_saving(q, k, v, beta, gamma, dc, S_init):
-    """The forward of the VJP: the stages batched over all chunks (only the state pass scans),
-    saving what the backward reuses; returns ``(O [B, N·C, H, V], S_final, saved)``."""
-    Q, K, V = (to_head_chunks(x, gamma.shape[-1]) for x in (q, k, v))
-    # The Grams are saved for the backward; kkt and chunk_output form the same products, which
-    # XLA's common-subexpression pass computes once.
-    QK_KK = (Q @ _mT(K), K @ _mT(K))
-    T = solve_tril(kkt(K, beta, gamma))
-    W, Ut = w_u(K, V, beta, dc, T=T)
-    Kdec = K * gamma[..., -1, :][..., None]  # K ⊙ e^{b_C − b_j}
-    S_final, S_n, U = state_pass(W, Ut, Kdec, dc[..., -1], S_init)
-    O = chunk_output(Q, K, gamma, dc, S_n, U)
-    return from_head_chunks(O), S_final, (Q, K, V, T, W, Ut, QK_KK, S_n, U)
+    S_final, ys = lax.scan(step, S_init, (jnp.arange(gamma.shape[0]), beta, gamma, dc))
+    O, S_n = ys if keep_states else (ys, None)
+    return (from_head_chunks(O), S_final) + ((S_n,) if keep_states else ())
 
 
 @jax.custom_vjp
 def wy_delta_core(q, k, v, beta, gamma, dc, S_init):
     """The delta-rule chunk form (SPEC §1): ``kkt → solve_tril → w_u → state_pass → chunk_output``.
 
-    Evaluated alone (inference, evaluation), all five stages run chunk by chunk in one scan that
-    slices each chunk out of the time-major inputs. Differentiated, the forward runs the stages
-    batched over all chunks and saves their products, and a hand-written VJP runs the state
-    recurrence backwards from the saved chunk-start states (core/associative/README.md §3). Each
-    form is the faster one for its use on XLA:CPU (timings in docs/RESULTS.md).
+    All five stages run chunk by chunk in one scan that slices each chunk out of the time-major
+    inputs. Differentiated, the forward also keeps the chunk-start states, and a hand-written VJP
+    runs one reverse scan that recomputes each chunk's stages and runs the state recurrence
+    backwards (core/associative/README.md §3): memory ``O(T·D + (T/C)·K·V)``, no ``O(T·C)``
+    products saved.
 
     Args:
       q: ``[B, N·C, H, K]`` scaled queries, time-major; k: ``[B, N·C, H, K]``;
@@ -350,63 +341,59 @@ def wy_delta_core(q, k, v, beta, gamma, dc, S_init):
 
 
 def _wy_core_fwd(q, k, v, beta, gamma, dc, S_init):
-    O, S_final, saved = _forward_saving(q, k, v, beta, gamma, dc, S_init)
-    return (O, S_final), (beta, gamma, dc) + saved
+    O, S_final, S_n = _forward_by_chunk(q, k, v, beta, gamma, dc, S_init, keep_states=True)
+    return (O, S_final), (q, k, v, beta, gamma, dc, S_n)
 
 
-def _state_pass_bwd(dO, dS_final, P, Qdc, Kdec, W, dl):
-    """Reverse of ``state_pass`` (README §3): ``dU_n = Pᵀ dO_n + Kdec G``,
-    ``dS_n = dl G + Qdcᵀ dO_n − W_nᵀ dU_n`` with ``G = dS_{n+1}``. The ``dO`` terms are batched
-    over all chunks first. Returns ``(dS_init, dU [N, ...], G [N, ...])``."""
-    Xp = _mT(P) @ dO
-    Yq = _mT(Qdc) @ dO
+def _chunk_grads(G, Q, K, V, beta, gamma, dc, S, dO):
+    """The VJP of one chunk (README §3), its stages recomputed from ``Q, K, V`` and ``S = S_n``.
 
-    def body(G, xs):
-        Xp_n, Yq_n, Kdec_n, W_n, dl_n = xs
-        dU_n = Xp_n + Kdec_n @ G
-        dS = dl_n[..., None, None] * G + Yq_n - _mT(W_n) @ dU_n
-        return dS, (dU_n, G)
-
-    dS_init, (dU, G) = lax.scan(body, dS_final, (Xp, Yq, Kdec, W, dl), reverse=True)
-    return dS_init, dU, G
-
-
-def _wy_core_bwd(res, cts):
-    beta, gamma, dc, Q, K, V, T, W, Ut, QK_KK, S_n, U = res
-    dO, dS_final = cts
-    dO = to_head_chunks(dO, gamma.shape[-1])
-    QK, KK = QK_KK
+    ``G = ∂L/∂S_{n+1}``; chunk arrays ``[B, H, C, ·]``, ``gamma [B, H, C, C]``, ``S [B, H, K, V]``.
+    Returns ``(∂L/∂S_n, (dQ, dK, dV, dβ, dΓ, d dc))``."""
+    KK, QK = K @ _mT(K), Q @ _mT(K)
+    T = solve_tril(kkt(K, beta, gamma))
+    W, Ut = w_u(K, V, beta, dc, T=T)
+    U = Ut - W @ S
     kdec = gamma[..., -1, :]
-    Kdec = K * kdec[..., None]
     P = QK * gamma
-    Qdc = Q * dc[..., None]
-    dS_init, dU, G = _state_pass_bwd(dO, dS_final, P, Qdc, Kdec, W, dc[..., -1])
-
-    dQdc = dO @ _mT(S_n)
+    # the reverse state recurrence
+    dU = _mT(P) @ dO + (K * kdec[..., None]) @ G
+    dS = dc[..., -1][..., None, None] * G + _mT(Q * dc[..., None]) @ dO - _mT(W) @ dU
+    # the chunk's own stages
+    dQdc = dO @ _mT(S)
     dP = dO @ _mT(U)
     dKdec = U @ _mT(G)
-    ddl = jnp.einsum("...kv,...kv->...", S_n, G)
-    dW = -(dU @ _mT(S_n))
     TT = _mT(T)
-    dRk, dRv = TT @ dW, TT @ dU  # dR = Tᵀ [dW | dŨ]
+    dRk, dRv = TT @ -(dU @ _mT(S)), TT @ dU  # dR = Tᵀ [dW | dŨ], dW = −dU Sᵀ
     # dA = −Tᵀ dY Rᵀ Tᵀ = −dR Yᵀ with Y = [W | Ũ], on A's strictly lower support
     dA = -jnp.tril(dRk @ _mT(W) + dRv @ _mT(Ut), -1)
 
     rk = _rowdot(dRk, K)
     dbeta = dc * rk + _rowdot(dRv, V) + _rowdot(dA, KK * gamma)
     ddc = beta * rk + _rowdot(dQdc, Q)
-    ddc = ddc.at[..., -1].add(ddl)
-    dV = dRv * beta[..., None]
-
+    ddc = ddc.at[..., -1].add(jnp.einsum("...kv,...kv->...", S, G))
     dKK = dA * gamma * beta[..., :, None]
     dQK = dP * gamma
     dgamma = dA * KK * beta[..., :, None] + dP * QK
     dgamma = dgamma.at[..., -1, :].add(_rowdot(dKdec, K))
-
-    dKKs = dKK + _mT(dKK)
-    dK = dKKs @ K + _mT(dQK) @ Q
+    dK = (dKK + _mT(dKK)) @ K + _mT(dQK) @ Q
     dK = dK + dRk * (beta * dc)[..., None] + dKdec * kdec[..., None]
     dQ = dQK @ K + dQdc * dc[..., None]
+    return dS, (dQ, dK, dRv * beta[..., None], dbeta, dgamma, ddc)
+
+
+def _wy_core_bwd(res, cts):
+    q, k, v, beta, gamma, dc, S_n = res
+    dO, dS_final = cts
+    C = gamma.shape[-1]
+
+    def step(G, xs):
+        n, b_n, g_n, d_n, S = xs
+        Q, K, V, dO_n = (_chunk_of(x, n, C) for x in (q, k, v, dO))
+        return _chunk_grads(G, Q, K, V, b_n, g_n, d_n, S, dO_n)
+
+    xs = (jnp.arange(gamma.shape[0]), beta, gamma, dc, S_n)
+    dS_init, (dQ, dK, dV, dbeta, dgamma, ddc) = lax.scan(step, dS_final, xs, reverse=True)
     dQ, dK, dV = (from_head_chunks(x) for x in (dQ, dK, dV))
     return dQ, dK, dV, dbeta, dgamma, ddc, dS_init
 

@@ -298,19 +298,26 @@ def test_chunk_output_is_the_dense_formula():
 # ----- the composed core and its hand-written VJP -----------------------------------------------
 
 
-def test_wy_delta_core_vjp_matches_autodiff_of_the_stages():
-    x = _seq(21, T=10)
-    C = 5
-    bc = _chunks(x["beta"], C)
+def _core_args(seed, T, C, reset_chunk=None):
+    """One row of ``wy_delta_core``'s arguments (no batch axis): ``q, k, v [T, H, ·]``,
+    ``β, d [N, H, C]``, ``Γ [N, H, C, C]``, ``S0``; with ``reset_chunk`` a document starts at
+    position 2 of that chunk (Γ masked across it, the carried state cut after it)."""
+    x = _seq(seed, T=T)
     gamma, d = _decays(x["g"], C)
-    # a reset inside chunk 1 at position 2: Γ masked across it, the carried state cut after it
-    seg = jnp.asarray([0, 0, 1, 1, 1])
-    gamma = gamma.at[1].multiply((seg[:, None] == seg[None, :]).astype(jnp.float32))
-    d = d.at[1].multiply((seg == 0).astype(jnp.float32))
-    # the core takes q, k, v time-major [B, N·C, H, ·] (it slices each chunk itself) and returns O
-    # time-major; a batch of one here
-    args = (x["q"][None], x["k"][None], x["v"][None], bc[:, None], gamma[:, None], d[:, None])
-    args += (x["S0"][None],)
+    if reset_chunk is not None:
+        seg = (jnp.arange(C) >= 2).astype(jnp.int32)
+        gamma = gamma.at[reset_chunk].multiply((seg[:, None] == seg[None, :]).astype(jnp.float32))
+        d = d.at[reset_chunk].multiply((seg == 0).astype(jnp.float32))
+    return x["q"], x["k"], x["v"], _chunks(x["beta"], C), gamma, d, x["S0"]
+
+
+def test_wy_delta_core_vjp_matches_autodiff_of_the_stages():
+    C = 5
+    # the core takes q, k, v time-major [B, N·C, H, ·] (it slices each chunk itself), the decays
+    # chunk-major [N, B, H, ·], and returns O time-major: a batch of two rows, one with a reset
+    rows = (_core_args(21, 15, C, reset_chunk=1), _core_args(23, 15, C))
+    batch_axis = (0, 0, 0, 1, 1, 1, 0)
+    args = tuple(jnp.stack(a, axis=ax) for a, ax in zip(zip(*rows), batch_axis, strict=True))
 
     def autodiff(q, k, v, bc, gamma, d, S0):
         Q, K, V = (to_head_chunks(a, C) for a in (q, k, v))
@@ -319,7 +326,7 @@ def test_wy_delta_core_vjp_matches_autodiff_of_the_stages():
         return from_head_chunks(chunk_output(Q, K, gamma, d, S_n, U_n)), S_final
 
     ref = jax.jit(autodiff)(*args)
-    _tree_close(jax.jit(wy_delta_core)(*args), ref)  # the primal: chunk by chunk
+    _tree_close(jax.jit(wy_delta_core)(*args), ref)  # the primal
     _tree_close(jax.jit(lambda *a: jax.vjp(wy_delta_core, *a)[0])(*args), ref)  # the VJP's forward
     rng = np.random.default_rng(22)
     wo, ws = (jnp.asarray(rng.normal(size=r.shape), jnp.float32) for r in ref)
