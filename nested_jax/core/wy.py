@@ -19,8 +19,8 @@ Pallas kernel can replace it. The stages take one chunk ``[..., C, ·]`` or all 
 composes the stages for the delta rules with a hand-written VJP (README §3); the special cases
 (linear attention: no ``W``; restarts from a non-zero initial state: a second incoming state)
 compose them in ``associative._chunked`` under plain autodiff. HOLA's forward-only residual pass
-(``hola.gdn_residuals``) uses ``w_u`` (solve form) and ``state_pass``; the Proteus GDN runs
-through ``associative.gated_delta_chunked``.
+(``hola.gdn_residuals``) runs ``w_u`` (solve form) and ``state_step`` chunk by chunk; the Proteus
+GDN runs through ``associative.gated_delta_chunked``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ __all__ = [
     "solve_tril",
     "w_u",
     "state_pass",
+    "state_step",
+    "chunk_of",
     "chunk_output",
     "wy_delta_core",
     "chunk_flops",
@@ -236,7 +238,7 @@ def state_pass(W, U, k_dec, d_last, S0, bias=None):
 
     def body(S, xs):
         W_n, U_n, kd_n, dl_n, b_n = xs
-        S_next, U_n = _state_step(S, W_n, U_n, kd_n, dl_n, b_n)
+        S_next, U_n = state_step(S, W_n, U_n, kd_n, dl_n, b_n)
         return S_next, (S if W_n is None else (S, U_n))
 
     S_final, ys = lax.scan(body, S0, (W, U, k_dec, d_last, bias))
@@ -244,8 +246,10 @@ def state_pass(W, U, k_dec, d_last, S0, bias=None):
     return S_final, S_starts, U_n
 
 
-def _state_step(S, W_n, U_n, kd_n, dl_n, b_n=None):
-    """One chunk of ``state_pass``: ``(S_{n+1}, U_n)`` from ``S = S_n``."""
+def state_step(S, W_n, U_n, kd_n, dl_n, b_n=None):
+    """One chunk of ``state_pass``: ``(S_{n+1}, U_n)`` from ``S = S_n`` (arguments as there, one
+    chunk each: ``W_n [..., C, K]`` or None, ``U_n [..., C, V]``, ``kd_n [..., C, K]``,
+    ``dl_n [...]``, ``b_n [..., K, V]`` or None)."""
     if W_n is not None:
         U_n = U_n - W_n @ S
     S_next = dl_n[..., None, None] * S + _mT(kd_n) @ U_n
@@ -292,8 +296,9 @@ def _rowdot(a, b):
     return jnp.einsum("...ij,...ij->...i", a, b)
 
 
-def _chunk_of(x, n, C):
-    """Chunk ``n`` of a time-major ``x [B, N·C, H, D]`` as ``[B, H, C, D]``."""
+def chunk_of(x, n, C):
+    """Chunk ``n`` (traced or static) of a time-major ``x [B, N·C, H, D]`` as ``[B, H, C, D]``:
+    one chunk sliced out inside a scan, with no transposing pass over the whole array."""
     return jnp.swapaxes(lax.dynamic_slice_in_dim(x, n * C, C, axis=1), 1, 2)
 
 
@@ -306,9 +311,9 @@ def _forward_by_chunk(q, k, v, beta, gamma, dc, S_init, keep_states=False):
 
     def step(S, xs):
         n, b_n, g_n, d_n = xs
-        Q, K, V = (_chunk_of(x, n, C) for x in (q, k, v))
+        Q, K, V = (chunk_of(x, n, C) for x in (q, k, v))
         W, Ut = w_u(K, V, b_n, d_n, T=solve_tril(kkt(K, b_n, g_n)))
-        S_next, U = _state_step(S, W, Ut, K * g_n[..., -1, :][..., None], d_n[..., -1])
+        S_next, U = state_step(S, W, Ut, K * g_n[..., -1, :][..., None], d_n[..., -1])
         O = chunk_output(Q, K, g_n, d_n, S, U)
         return S_next, ((O, S) if keep_states else O)
 
@@ -389,7 +394,7 @@ def _wy_core_bwd(res, cts):
 
     def step(G, xs):
         n, b_n, g_n, d_n, S = xs
-        Q, K, V, dO_n = (_chunk_of(x, n, C) for x in (q, k, v, dO))
+        Q, K, V, dO_n = (chunk_of(x, n, C) for x in (q, k, v, dO))
         return _chunk_grads(G, Q, K, V, b_n, g_n, d_n, S, dO_n)
 
     xs = (jnp.arange(gamma.shape[0]), beta, gamma, dc, S_n)

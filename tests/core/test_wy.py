@@ -317,7 +317,8 @@ def test_wy_delta_core_vjp_matches_autodiff_of_the_stages():
     # chunk-major [N, B, H, ·], and returns O time-major: a batch of two rows, one with a reset
     rows = (_core_args(21, 15, C, reset_chunk=1), _core_args(23, 15, C))
     batch_axis = (0, 0, 0, 1, 1, 1, 0)
-    args = tuple(jnp.stack(a, axis=ax) for a, ax in zip(zip(*rows), batch_axis, strict=True))
+    columns = zip(*rows, strict=True)
+    args = tuple(jnp.stack(a, axis=ax) for a, ax in zip(columns, batch_axis, strict=True))
 
     def autodiff(q, k, v, bc, gamma, d, S0):
         Q, K, V = (to_head_chunks(a, C) for a in (q, k, v))

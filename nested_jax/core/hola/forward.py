@@ -74,6 +74,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
+from nested_jax.core import wy
 from nested_jax.core.associative.forms import gated_delta_chunked
 from nested_jax.core.checks import check_positive_int
 from nested_jax.core.hola.cache import read_blocks
@@ -95,11 +96,11 @@ from nested_jax.core.scan import (
     cast_like,
     chunk,
     from_head_chunks,
+    pad_to_multiple,
     segment_starts,
     state_zeros,
     to_head_chunks,
 )
-from nested_jax.core.wy import state_pass, w_u
 from nested_jax.rules import HolaRule
 
 __all__ = [
@@ -183,19 +184,26 @@ def gdn_residuals(k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_
         _check_array(fn, "initial_state", initial_state, (B, H, K, V))
         S0 = initial_state.astype(_F32)
     c = chunk_size
-    kc, vc = to_head_chunks(k.astype(_F32), c), to_head_chunks(v.astype(_F32), c)
+    kp, vp = (pad_to_multiple(x.astype(_F32), c) for x in (k, v))  # sliced per chunk below
     bc = to_head_chunks(beta.astype(_F32), c)  # padding has β = 0, g = 0: a no-op write
     zc = None
     if segment_ids is not None:  # starts counted inside each chunk (padding continues the last)
         zc = jnp.cumsum(chunk(segment_starts(segment_ids), c).astype(jnp.int32), axis=-1)
-        zc = jnp.broadcast_to(jnp.moveaxis(zc, 1, 0)[:, :, None], kc.shape[:4])  # [n, B, H, c]
-    gam, gamma, decay_out, gamma_c = _residual_decays(to_head_chunks(g.astype(_F32), c), zc)
-    # strict_tril(K Kᵀ ⊙ Γ) (A = diag(β) of it is wy.kkt's matrix). Not through wy.kkt: E needs it
-    # without β, and this einsum rounds differently from kkt's matmul on XLA:CPU for C > 16.
-    kk_gam = jnp.einsum("...tk,...ik->...ti", kc, kc) * gam
-    Wm, Ut = w_u(kc, vc, bc, gamma, A=bc[..., :, None] * kk_gam)
-    S_T, S_n, delta = state_pass(Wm, Ut, kc * decay_out[..., None], gamma_c, S0)  # Δ = β ⊙ e
-    e = vc - gamma[..., None] * (kc @ S_n) - kk_gam @ delta
+        zc = jnp.broadcast_to(jnp.moveaxis(zc, 1, 0)[:, :, None], bc.shape)  # [n, B, H, c]
+    decays = _residual_decays(to_head_chunks(g.astype(_F32), c), zc)
+
+    def step(S, xs):  # one chunk, from S = S_n; as wy_delta_core, no transposing pass over k, v
+        n, b_n, (gam, gamma, decay_out, gamma_c) = xs
+        kc, vc = wy.chunk_of(kp, n, c), wy.chunk_of(vp, n, c)
+        # strict_tril(K Kᵀ ⊙ Γ) (A = diag(β) of it is wy.kkt's matrix). Not through wy.kkt: E
+        # needs it without β, and this einsum rounds differently from kkt's matmul on XLA:CPU for
+        # C > 16.
+        kk_gam = jnp.einsum("...tk,...ik->...ti", kc, kc) * gam
+        Wm, Ut = wy.w_u(kc, vc, b_n, gamma, A=b_n[..., :, None] * kk_gam)
+        S_next, delta = wy.state_step(S, Wm, Ut, kc * decay_out[..., None], gamma_c)  # Δ = β ⊙ e
+        return S_next, vc - gamma[..., None] * (kc @ S) - kk_gam @ delta
+
+    S_T, e = lax.scan(step, S0, (jnp.arange(bc.shape[0]), bc, decays))
     return from_head_chunks(e, T), S_T
 
 
