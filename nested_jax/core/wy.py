@@ -25,6 +25,8 @@ GDN runs through ``associative.gated_delta_chunked``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -302,11 +304,12 @@ def chunk_of(x, n, C):
     return jnp.swapaxes(lax.dynamic_slice_in_dim(x, n * C, C, axis=1), 1, 2)
 
 
-def _forward_by_chunk(q, k, v, beta, gamma, dc, S_init, keep_states=False):
+def _forward_by_chunk(q, k, v, beta, gamma, dc, S_init, keep_states=False, keep_writes=False):
     """The five stages chunk by chunk in one scan, each chunk sliced out of the time-major inputs.
 
-    Returns ``(O [B, N·C, H, V], S_final)``, and with ``keep_states`` also the chunk-start states
-    ``S_n [N, B, H, K, V]`` (what the backward saves)."""
+    Returns ``(O [B, N·C, H, V], S_final, U, S_n)``: with ``keep_writes`` the writes ``U``
+    time-major ``[B, N·C, H, V]`` (else None), with ``keep_states`` the chunk-start states
+    ``S_n [N, B, H, K, V]`` (what the backward saves; else None)."""
     C = gamma.shape[-1]
 
     def step(S, xs):
@@ -314,16 +317,20 @@ def _forward_by_chunk(q, k, v, beta, gamma, dc, S_init, keep_states=False):
         Q, K, V = (chunk_of(x, n, C) for x in (q, k, v))
         W, Ut = w_u(K, V, b_n, d_n, T=solve_tril(kkt(K, b_n, g_n)))
         S_next, U = state_step(S, W, Ut, K * g_n[..., -1, :][..., None], d_n[..., -1])
-        O = chunk_output(Q, K, g_n, d_n, S, U)
-        return S_next, ((O, S) if keep_states else O)
+        ys = {"O": chunk_output(Q, K, g_n, d_n, S, U)}
+        if keep_states:
+            ys["S"] = S
+        if keep_writes:
+            ys["U"] = U
+        return S_next, ys
 
     S_final, ys = lax.scan(step, S_init, (jnp.arange(gamma.shape[0]), beta, gamma, dc))
-    O, S_n = ys if keep_states else (ys, None)
-    return (from_head_chunks(O), S_final) + ((S_n,) if keep_states else ())
+    U = from_head_chunks(ys["U"]) if keep_writes else None
+    return from_head_chunks(ys["O"]), S_final, U, ys.get("S")
 
 
-@jax.custom_vjp
-def wy_delta_core(q, k, v, beta, gamma, dc, S_init):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def wy_delta_core(q, k, v, beta, gamma, dc, S_init, writes=False):
     """The delta-rule chunk form (SPEC §1): ``kkt → solve_tril → w_u → state_pass → chunk_output``.
 
     All five stages run chunk by chunk in one scan that slices each chunk out of the time-major
@@ -338,22 +345,28 @@ def wy_delta_core(q, k, v, beta, gamma, dc, S_init):
       beta: ``[N, B, H, C]``; gamma: ``[N, B, H, C, C]`` ``Γ``; dc: ``[N, B, H, C]`` coefficient
         of the carried state per token (chunk-major, ``scan.to_head_chunks``).
       S_init: ``[B, H, K, V]``.
+      writes: static bool (passed positionally): also return the writes ``U`` (rows
+        ``Δ_t = β_t e_t``, ``e_t = v_t − α_t S_{t−1}ᵀ k_t``), differentiable like the rest.
 
     Returns:
-      ``(O [B, N·C, H, V], S_final [B, H, K, V])``.
+      ``(O [B, N·C, H, V], S_final [B, H, K, V])``, then ``U [B, N·C, H, V]`` with ``writes``.
     """
-    return _forward_by_chunk(q, k, v, beta, gamma, dc, S_init)
+    O, S_final, U, _ = _forward_by_chunk(q, k, v, beta, gamma, dc, S_init, keep_writes=writes)
+    return (O, S_final) + ((U,) if writes else ())
 
 
-def _wy_core_fwd(q, k, v, beta, gamma, dc, S_init):
-    O, S_final, S_n = _forward_by_chunk(q, k, v, beta, gamma, dc, S_init, keep_states=True)
-    return (O, S_final), (q, k, v, beta, gamma, dc, S_n)
+def _wy_core_fwd(q, k, v, beta, gamma, dc, S_init, writes):
+    O, S_final, U, S_n = _forward_by_chunk(
+        q, k, v, beta, gamma, dc, S_init, keep_states=True, keep_writes=writes
+    )
+    return (O, S_final) + ((U,) if writes else ()), (q, k, v, beta, gamma, dc, S_n)
 
 
-def _chunk_grads(G, Q, K, V, beta, gamma, dc, S, dO):
+def _chunk_grads(G, Q, K, V, beta, gamma, dc, S, dO, dU_out=None):
     """The VJP of one chunk (README §3), its stages recomputed from ``Q, K, V`` and ``S = S_n``.
 
-    ``G = ∂L/∂S_{n+1}``; chunk arrays ``[B, H, C, ·]``, ``gamma [B, H, C, C]``, ``S [B, H, K, V]``.
+    ``G = ∂L/∂S_{n+1}``; chunk arrays ``[B, H, C, ·]``, ``gamma [B, H, C, C]``, ``S [B, H, K, V]``;
+    ``dU_out``: the cotangent of the returned writes ``U_n`` (None: not returned).
     Returns ``(∂L/∂S_n, (dQ, dK, dV, dβ, dΓ, d dc))``."""
     KK, QK = K @ _mT(K), Q @ _mT(K)
     T = solve_tril(kkt(K, beta, gamma))
@@ -363,6 +376,8 @@ def _chunk_grads(G, Q, K, V, beta, gamma, dc, S, dO):
     P = QK * gamma
     # the reverse state recurrence
     dU = _mT(P) @ dO + (K * kdec[..., None]) @ G
+    if dU_out is not None:
+        dU = dU + dU_out
     dS = dc[..., -1][..., None, None] * G + _mT(Q * dc[..., None]) @ dO - _mT(W) @ dU
     # the chunk's own stages
     dQdc = dO @ _mT(S)
@@ -387,15 +402,16 @@ def _chunk_grads(G, Q, K, V, beta, gamma, dc, S, dO):
     return dS, (dQ, dK, dRv * beta[..., None], dbeta, dgamma, ddc)
 
 
-def _wy_core_bwd(res, cts):
+def _wy_core_bwd(writes, res, cts):
     q, k, v, beta, gamma, dc, S_n = res
-    dO, dS_final = cts
+    dO, dS_final = cts[:2]
+    ct_chunks = (q, k, v, dO) + ((cts[2],) if writes else ())  # sliced chunk by chunk
     C = gamma.shape[-1]
 
     def step(G, xs):
         n, b_n, g_n, d_n, S = xs
-        Q, K, V, dO_n = (chunk_of(x, n, C) for x in (q, k, v, dO))
-        return _chunk_grads(G, Q, K, V, b_n, g_n, d_n, S, dO_n)
+        Q, K, V, dO_n, *dU_n = (chunk_of(x, n, C) for x in ct_chunks)
+        return _chunk_grads(G, Q, K, V, b_n, g_n, d_n, S, dO_n, *dU_n)
 
     xs = (jnp.arange(gamma.shape[0]), beta, gamma, dc, S_n)
     dS_init, (dQ, dK, dV, dbeta, dgamma, ddc) = lax.scan(step, dS_final, xs, reverse=True)

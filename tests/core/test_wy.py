@@ -7,6 +7,8 @@ autodiff of the same stages: values and gradients. Tiny sizes, awkward chunk len
 f32 tolerance: max abs error ≤ 1e-4 · max(1, max |reference|).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -320,22 +322,26 @@ def test_wy_delta_core_vjp_matches_autodiff_of_the_stages():
     columns = zip(*rows, strict=True)
     args = tuple(jnp.stack(a, axis=ax) for a, ax in zip(columns, batch_axis, strict=True))
 
-    def autodiff(q, k, v, bc, gamma, d, S0):
+    def autodiff(q, k, v, bc, gamma, d, S0, writes=False):
         Q, K, V = (to_head_chunks(a, C) for a in (q, k, v))
         W, U = w_u(K, V, bc, d, T=solve_tril(kkt(K, bc, gamma)))
         S_final, S_n, U_n = state_pass(W, U, K * gamma[..., -1, :][..., None], d[..., -1], S0)
-        return from_head_chunks(chunk_output(Q, K, gamma, d, S_n, U_n)), S_final
+        out = (from_head_chunks(chunk_output(Q, K, gamma, d, S_n, U_n)), S_final)
+        return out + ((from_head_chunks(U_n),) if writes else ())
 
-    ref = jax.jit(autodiff)(*args)
-    _tree_close(jax.jit(wy_delta_core)(*args), ref)  # the primal
-    _tree_close(jax.jit(lambda *a: jax.vjp(wy_delta_core, *a)[0])(*args), ref)  # the VJP's forward
     rng = np.random.default_rng(22)
-    wo, ws = (jnp.asarray(rng.normal(size=r.shape), jnp.float32) for r in ref)
+    for writes in (False, True):  # with the writes U as a third, differentiable output
+        core = lambda *a, w=writes: wy_delta_core(*a, w)  # noqa: E731  (static, positional)
+        ref = jax.jit(functools.partial(autodiff, writes=writes))(*args)
+        _tree_close(jax.jit(core)(*args), ref)  # the primal
+        _tree_close(jax.jit(lambda *a, f=core: jax.vjp(f, *a)[0])(*args), ref)  # VJP's forward
+        weights = [jnp.asarray(rng.normal(size=r.shape), jnp.float32) for r in ref]
 
-    def loss(f):
-        return lambda *a: jnp.sum(wo * f(*a)[0]) + jnp.sum(ws * f(*a)[1])
+        def loss(f, weights=weights):
+            return lambda *a: sum(jnp.sum(w * o) for w, o in zip(weights, f(*a), strict=True))
 
-    _tree_close(
-        _grad(loss(wy_delta_core), argnums=tuple(range(7)))(*args),
-        _grad(loss(autodiff), argnums=tuple(range(7)))(*args),
-    )
+        ref_f = functools.partial(autodiff, writes=writes)
+        _tree_close(
+            _grad(loss(core), argnums=tuple(range(7)))(*args),
+            _grad(loss(ref_f), argnums=tuple(range(7)))(*args),
+        )

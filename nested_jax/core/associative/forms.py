@@ -323,9 +323,11 @@ def gated_delta_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, s
 # --------------------------------------------------------------------------------------------------
 
 
-def _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, C, delta: bool):
+def _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, C, delta: bool,
+             writes: bool = False):  # fmt: skip
     """Shared chunk form (associative/README.md §2). Padding tokens have k = v = 0, g = 0,
-    β = 0, so they neither write nor decay the state."""
+    β = 0, so they neither write nor decay the state. ``writes`` (delta rules): also return the
+    writes ``U`` ``[B, T, H, V]`` f32 (rows ``Δ_t = β_t e_t``)."""
     T, K = q.shape[1], q.shape[-1]
     f32 = jnp.float32
     q, k, v32 = q.astype(f32) * _scale(scale, K), k.astype(f32), v.astype(f32)
@@ -337,11 +339,14 @@ def _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, C, delta: bool
         # time-major in and out: the core slices each chunk itself (no transposing pass)
         init = zero if s0 is None else s0
         q, k, v32 = (pad_to_multiple(x, C) for x in (q, k, v32))
-        O, S_final = wy_delta_core(q, k, v32, bc, gamma, d if m is None else d * m, init)
-        return O[:, :T].astype(v.dtype), S_final
+        O, S_final, *U = wy_delta_core(
+            q, k, v32, bc, gamma, d if m is None else d * m, init, writes
+        )  # positional: ``writes`` is the custom VJP's static argument
+        return (O[:, :T].astype(v.dtype), S_final) + tuple(u[:, :T] for u in U)
     Q, Kc, Vc = (to_head_chunks(x, C) for x in (q, k, v32))  # [N, B, H, C, ·]
-    O, S_final = _chunked_autodiff(Q, Kc, Vc, bc, gamma, d, m, s0, zero)
-    return from_head_chunks(O, T).astype(v.dtype), S_final
+    O, S_final, U = _chunked_autodiff(Q, Kc, Vc, bc, gamma, d, m, s0, zero)
+    out = (from_head_chunks(O, T).astype(v.dtype), S_final)
+    return out + ((from_head_chunks(U, T),) if writes else ())
 
 
 def _chunk_decays(g, segment_ids, C, ref):
@@ -382,7 +387,8 @@ def _chunked_autodiff(Q, Kc, Vc, bc, gamma, d, m, s0, zero):
     """Linear attention (``bc is None``: ``W = 0``, ``U = V``), and the delta rules when a segment
     restarts from a non-zero initial state: plain autodiff of the wy stages, with the ``s0``
     restart as a second incoming state of coefficient ``d ⊙ (1 − m)`` (associative/README.md §4).
-    ``zero`` is the ``[B, H, K, V]`` state used when ``s0`` is None."""
+    ``zero`` is the ``[B, H, K, V]`` state used when ``s0`` is None. Returns ``(O, S_final, U)``
+    (``U`` the writes ``[N, B, H, C, V]``)."""
     # The order of operations fixes the order in which autodiff sums cotangents, so it is kept as
     # it was before the stages were factored out (gradients bit-identical).
     N, B, H, C, K = Kc.shape
@@ -404,7 +410,7 @@ def _chunked_autodiff(Q, Kc, Vc, bc, gamma, d, m, s0, zero):
     O = chunk_output(Q, Kc, gamma, d_carry, S_starts, U)
     if restart:
         O = O + (Q * (d * (1.0 - m))[..., None]) @ s0
-    return O, S_final
+    return O, S_final, U
 
 
 def linear_attention_chunked(
@@ -474,3 +480,25 @@ def gated_delta_chunked(
     """
     validate_seq("gated_delta_chunked", q, k, v, g, beta, initial_state, segment_ids, chunk_size)
     return _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, chunk_size, delta=True)
+
+
+def gated_delta_chunked_writes(
+    q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=64
+):
+    """``gated_delta_chunked`` that also returns its writes, from the same pass over the chunks.
+
+    The write of token ``t`` is ``Δ_t = β_t e_t`` with the residual ``e_t = v_t − α_t S_{t−1}ᵀ
+    k_t`` (SPEC §1; the rows ``U_n`` of the chunk form, README §2), differentiable like the
+    output (the VJP adds its cotangent to ``U_n``'s). HOLA's ``beta_e`` scores are ``‖Δ_t‖``
+    (SPEC §5), so its state path gives them without the separate residual pass
+    (``hola.gdn_residuals``). Arguments as ``gated_delta_chunked``.
+
+    Returns:
+      ``(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32, writes [B, T, H, V] f32)``.
+    """
+    validate_seq(
+        "gated_delta_chunked_writes", q, k, v, g, beta, initial_state, segment_ids, chunk_size
+    )
+    return _chunked(
+        q, k, v, g, beta, scale, initial_state, segment_ids, chunk_size, delta=True, writes=True
+    )

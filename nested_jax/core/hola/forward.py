@@ -38,12 +38,14 @@ Decisions (documented options, SPEC §5):
 - Ties in the merge go to the earlier position; invalid (empty) slots are never selected before
   valid ones. Cache entries are stored in selection order (score descending, then position
   ascending), so the block-parallel forward and token-by-token decoding give the same state layout.
-- The per-token residuals ``e_t`` for the scores are recomputed by a forward-only WY/UT chunk pass
-  (``gdn_residuals``; derivation in its docstring) under ``stop_gradient``; the differentiable state
-  path is ``associative.gated_delta_chunked`` (or any function with its contract,
-  ``HolaKernels.state_path``: ``ops.hola`` passes the Pallas kernel for ``impl="pallas"``; the
-  residual pass stays XLA). This costs one extra forward of the state path and no
-  backward. ``"recency"``, ``"beta_v"`` and ``"cumulative_attention"`` skip that pass.
+- The scores read the state path's residuals ``e_t`` under ``stop_gradient``. With the default
+  state path (``associative.gated_delta_chunked``) and ``"beta_e"``, they are the norms of its
+  own writes ``Δ_t = β_t e_t`` (``associative.gated_delta_chunked_writes``: one pass over the
+  chunks gives the output, the state and the writes). Otherwise (``"e"``, or another
+  ``HolaKernels.state_path``: ``ops.hola`` passes the Pallas kernel for ``impl="pallas"``)
+  ``e_t`` is recomputed by a forward-only WY/UT chunk pass (``gdn_residuals``; derivation in its
+  docstring), one extra forward of the state path and no backward. ``"recency"``, ``"beta_v"``
+  and ``"cumulative_attention"`` need no residuals.
 - ``segment_ids`` (packed sequences, SPEC §0): each document runs as if alone — own GDN state
   and scores from zero, own block grid from its first token, own cache (starts empty, top-w over its
   own tokens only), reads masked to its own document (the sink stays visible). Equations in
@@ -75,7 +77,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from nested_jax.core import wy
-from nested_jax.core.associative.forms import gated_delta_chunked
+from nested_jax.core.associative.forms import gated_delta_chunked, gated_delta_chunked_writes
 from nested_jax.core.checks import check_positive_int
 from nested_jax.core.hola.cache import read_blocks
 from nested_jax.core.hola.decode import (
@@ -255,8 +257,8 @@ class HolaKernels(NamedTuple):
       state_path: the gated delta rule of the state path, called as
         ``state_path(q, k, v, g, beta, scale=, initial_state=, segment_ids=, chunk_size=)`` and
         returning ``(o [B, T, H, V], S_T [B, H, K, V] f32)`` with ``gated_delta_chunked``'s
-        contract (``initial_state`` None = zero). The residual pass of the scores and the cache
-        path do not use it.
+        contract (``initial_state`` None = zero). The cache path does not use it; the scores
+        use its writes only when it is the default (module docstring).
       cache_read: every block's cache read at once, with the contract of
         ``hola.cache.read_blocks`` (the default, XLA), or None (the cache path reads block by
         block inside its scan). Given, the one-stream cache path runs in two phases
@@ -331,13 +333,19 @@ def hola_forward(
     xs = (q, k, v, g, beta)
     state0, S0 = _check_forward(fn, xs, params, rule, chunk_size, initial_state, segment_ids)
     _check_kernels(fn, kernels)
-    o_state, S_T = kernels.state_path(
-        q, k, v, g, beta, scale=rule.scale, initial_state=S0, segment_ids=segment_ids,
-        chunk_size=chunk_size,
-    )  # fmt: skip
+    state_args = dict(
+        scale=rule.scale, initial_state=S0, segment_ids=segment_ids, chunk_size=chunk_size
+    )
+    scores = None
+    if kernels.state_path is gated_delta_chunked and rule.eviction == "beta_e":
+        # β‖e‖ = ‖Δ‖: the state path's own writes, no second pass over the chunks for the scores
+        o_state, S_T, writes = gated_delta_chunked_writes(q, k, v, g, beta, **state_args)
+        scores = jnp.linalg.norm(lax.stop_gradient(writes), axis=-1)
+    else:
+        o_state, S_T = kernels.state_path(q, k, v, g, beta, **state_args)
     o_cache, cache, blk, pos = _cache_path(
         xs, params, state0, S0, rule=rule, segment_ids=segment_ids, chunk_size=chunk_size,
-        cache_read=kernels.cache_read,
+        cache_read=kernels.cache_read, scores=scores,
     )  # fmt: skip
     o = o_state.astype(_F32) + _sigmoid_gate(params.gate_logit)[None, None, :, None] * o_cache
     return o.astype(v.dtype), HolaState(S_T, *cache, *blk, pos=pos)
@@ -371,10 +379,11 @@ def _check_forward(fn, xs, params, rule, chunk_size, initial_state, segment_ids)
     return initial_state, initial_state.S
 
 
-def _cache_path(xs, params, state0, S0, *, rule, segment_ids, chunk_size, cache_read):
+def _cache_path(xs, params, state0, S0, *, rule, segment_ids, chunk_size, cache_read,
+                scores=None):  # fmt: skip
     """The cache half of ``hola_forward`` (SPEC §5; ``xs = (q, k, v, g, beta)``): insertion
-    scores, then the block scan over one stream continuing ``state0`` (``S0`` is None for a fresh
-    start) or over packed documents.
+    scores (``scores [B, T, H]`` when the caller has them), then the block scan over one stream
+    continuing ``state0`` (``S0`` is None for a fresh start) or over packed documents.
 
     Returns ``(o_cache [B, T, H, V] f32, cache, block buffer, pos)`` (``HolaState`` parts).
     """
@@ -384,7 +393,10 @@ def _cache_path(xs, params, state0, S0, *, rule, segment_ids, chunk_size, cache_
         positions = jnp.broadcast_to(state0.pos + jnp.arange(T, dtype=jnp.int32), (B, T))
     else:
         doc, positions = doc_starts(segment_ids)
-    scores = _insertion_scores(k, v, g, beta, positions, S0, segment_ids, rule.eviction, chunk_size)
+    if scores is None:
+        scores = _insertion_scores(
+            k, v, g, beta, positions, S0, segment_ids, rule.eviction, chunk_size
+        )
     _, cs = rule.scales(K)
     if segment_ids is None:
         o_cache, cache, blk = cache_blocks(

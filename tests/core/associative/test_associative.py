@@ -209,6 +209,41 @@ def test_step_form_iterates_to_recurrent(rule):
     np.testing.assert_allclose(S, S_ref, atol=1e-6)
 
 
+def _writes_loop(x, s0, seg):
+    """``Δ_t = β_t (v_t − α_t S_{t−1}ᵀ k_t)`` token by token in float64 (SPEC §1), the state
+    restarting from ``s0`` (zero when None) at every segment start."""
+    k, v, g, beta = (np.asarray(x[n], np.float64) for n in ("k", "v", "g", "beta"))
+    B, T, H, K = k.shape
+    start = np.zeros((B, H, K, v.shape[-1])) if s0 is None else np.asarray(s0, np.float64)
+    out = np.zeros(v.shape)
+    for b in range(B):
+        S = start[b].copy()
+        for t in range(T):
+            if seg is not None and t > 0 and seg[b, t] != seg[b, t - 1]:
+                S = start[b].copy()
+            S = np.exp(g[b, t])[:, None, None] * S
+            delta = beta[b, t][:, None] * (v[b, t] - np.einsum("hk,hkv->hv", k[b, t], S))
+            S = S + np.einsum("hk,hv->hkv", k[b, t], delta)
+            out[b, t] = delta
+    return out
+
+
+@pytest.mark.parametrize("init,segs", [(False, False), (True, False), (False, True), (True, True)])
+def test_gated_delta_writes_are_the_residual_writes(init, segs):
+    """``gated_delta_chunked_writes``: the same output and state as ``gated_delta_chunked`` and
+    the writes ``β_t e_t`` of the recurrence (both chunk-form branches: the core, and the
+    restart from a non-zero initial state at segment starts)."""
+    x, s0, seg = _data(11, 2, 37, 2, 6, 5, segments=segs)
+    s0 = s0 if init else None
+    kw = dict(initial_state=s0, segment_ids=seg, chunk_size=8)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    o, S, writes = jax.jit(lambda *a: A.gated_delta_chunked_writes(*a, **kw))(*args)
+    o_ref, S_ref = jax.jit(lambda *a: A.gated_delta_chunked(*a, **kw))(*args)
+    _assert_close(o, o_ref, "output")
+    _assert_close(S, S_ref, "final state")
+    _assert_close(writes, _writes_loop(x, s0, seg), "writes")
+
+
 def test_segment_reset_equals_separate_runs():
     x, s0, _ = _data(5, *SHAPE)
     seg = np.array([[3] * 14 + [9] * 16 + [3] * 10], np.int32)  # ids may repeat; a change resets
