@@ -175,8 +175,10 @@ def test_hola_pallas_equals_chunked_grid(T, chunk, eviction, mode):
 def test_hola_pallas_state_path_is_the_kernel_and_the_cache_path_is_not():
     """The only difference between the two impls is the state path: with ``σ(λ) = 0`` (gate logit
     −∞) the output is the state read alone and equals ``ops.gated_delta(impl="pallas")`` bit for
-    bit; the cache leaves of the state equal the chunked ones bit for bit (packed rows; the
-    compiled programs of ``test_hola_pallas_equals_chunked[63-16-True-0]``)."""
+    bit; the cache leaves of the state equal the chunked ones bit for bit, but for the scores,
+    equal up to rounding: the chunked impl takes ``β‖e‖`` as the norm of its state path's writes,
+    the Pallas impl from the separate residual pass (packed rows; the compiled programs of
+    ``test_hola_pallas_equals_chunked[63-16-True-0]``)."""
     T, chunk = 63, 16
     rule = ops_hola.HolaRule(window=3, block_size=8)
     x, p, sid, w = _seq(T), _hola_params(), _segments(T), _readout((2, T, H, V), 5)
@@ -189,7 +191,10 @@ def test_hola_pallas_state_path_is_the_kernel_and_the_cache_path_is_not():
     np.testing.assert_array_equal(o, o_k)
     np.testing.assert_array_equal(st.S, S_k)
     for name in _CACHE_LEAVES:
-        np.testing.assert_array_equal(getattr(st, name), getattr(st_c, name), err_msg=name)
+        if name.endswith("_score"):
+            np.testing.assert_allclose(getattr(st, name), getattr(st_c, name), rtol=1e-6, atol=0)
+        else:
+            np.testing.assert_array_equal(getattr(st, name), getattr(st_c, name), err_msg=name)
 
 
 def test_hola_pallas_errors():
