@@ -332,7 +332,8 @@ def test_wy_delta_core_vjp_matches_autodiff_of_the_stages():
     rng = np.random.default_rng(22)
     for writes in (False, True):  # with the writes U as a third, differentiable output
         core = lambda *a, w=writes: wy_delta_core(*a, w)  # noqa: E731  (static, positional)
-        ref = jax.jit(functools.partial(autodiff, writes=writes))(*args)
+        reference = functools.partial(autodiff, writes=writes)
+        ref = jax.jit(reference)(*args)
         _tree_close(jax.jit(core)(*args), ref)  # the primal
         _tree_close(jax.jit(lambda *a, f=core: jax.vjp(f, *a)[0])(*args), ref)  # VJP's forward
         weights = [jnp.asarray(rng.normal(size=r.shape), jnp.float32) for r in ref]
@@ -340,8 +341,7 @@ def test_wy_delta_core_vjp_matches_autodiff_of_the_stages():
         def loss(f, weights=weights):
             return lambda *a: sum(jnp.sum(w * o) for w, o in zip(weights, f(*a), strict=True))
 
-        ref_f = functools.partial(autodiff, writes=writes)
         _tree_close(
             _grad(loss(core), argnums=tuple(range(7)))(*args),
-            _grad(loss(ref_f), argnums=tuple(range(7)))(*args),
+            _grad(loss(reference), argnums=tuple(range(7)))(*args),
         )
