@@ -62,9 +62,10 @@ def chunk_matmul_gflops(n: int, C: int, K: int, V: int, repeats: int = 5) -> flo
     ``[C, K]×[K, V]`` and writes ``[K, C]×[C, V]``, each timed alone (medians of ``repeats``),
     total FLOPs over total time.
 
-    What the chunked form would reach if it were nothing but these products: its own GFLOP/s over
-    this says how much of that ceiling it gets; this over the big matmul's says how much of the
-    big matmul such small batched products get on this backend.
+    What a form that batches these products over ``n`` chunks·heads would reach if it were
+    nothing but them; this over the big matmul's says how much of the big matmul such small
+    batched products get on this backend. (``wy_delta_core`` runs them chunk by chunk instead, in
+    batches of ``B·H``, so at large ``n`` it can exceed this.)
     """
     key = jax.random.PRNGKey(0)
 

@@ -36,8 +36,9 @@ Peers (none is a dependency; they are loaded from ``--peers-dir``, default ``.be
 
 JSON keys (last stdout line with ``--json``): ``matmul_gflops``, ``peers`` (name → ``"ok"`` or why
 not), and per peer and shape ``<peer>_<row>_T{T}_D{D}`` (ratios), ``ours_gflops_T{T}_D{D}``,
-``chunk_matmul_gflops_T{T}_D{D}`` (the chunk form's batched matmul shapes timed alone, its ceiling:
-``bench.core.chunk_matmul_gflops``), ``<peer>_max_err_T{T}_D{D}`` (outputs and gradients).
+``chunk_matmul_gflops_T{T}_D{D}`` (the chunk form's matmul shapes timed alone, batched over all
+chunks·heads at once: ``bench.core.chunk_matmul_gflops``), ``<peer>_max_err_T{T}_D{D}`` (outputs
+and gradients).
 """
 
 from __future__ import annotations
