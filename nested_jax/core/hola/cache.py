@@ -6,8 +6,8 @@ cache per document); the decode step (:mod:`nested_jax.core.hola.decode`) uses t
 token. Shapes: heads-major ``[B, H, N, D]``; ``C`` block size, ``w`` window. Everything here is
 f32.
 
-- :func:`read_normalize`, :func:`attend`: ``o = Σ_{j∈V} softmax_j(cache_scale · q̃ᵀ k̃_j) v_j``
-  over ``[cache ‖ block ‖ sink]``.
+- :func:`read_normalize`, :func:`attend`, :func:`attend_parts`:
+  ``o = Σ_{j∈V} softmax_j(cache_scale · q̃ᵀ k̃_j) v_j`` over ``[cache ‖ block ‖ sink]``.
 - :func:`merge_top_w`, :func:`merge_order`: ``A_n = top-w(A_{n−1} ∪ block n)``, ties → earlier.
 - :func:`read_blocks`: every block's read at once, the contract of ``stream.cache_blocks(read=)``
   (``ops.hola`` passes the Pallas kernel of ``pallas_kernels/hola_cache`` instead).
@@ -24,6 +24,7 @@ from nested_jax.core.scan import zeros_typed
 __all__ = [
     "read_normalize",
     "attend",
+    "attend_parts",
     "merge_top_w",
     "merge_order",
     "read_blocks",
@@ -53,22 +54,37 @@ def attend(qn, ck_n, cv, c_mask, bk_n, bv, b_mask, sink, cache_scale):
     ``bv [B,H,C,V]``, ``b_mask [B,H,Q,C]`` (causal × filled); ``sink [H]``.
     Returns ``(o [B,H,Q,V], p_cache [B,H,Q,w], p_block [B,H,Q,C])``.
     """
-    lc = jnp.einsum("bhqk,bhjk->bhqj", qn, ck_n) * cache_scale
-    lb = jnp.einsum("bhqk,bhjk->bhqj", qn, bk_n) * cache_scale
-    lc = jnp.where(c_mask[:, :, None, :], lc, -jnp.inf)
-    lb = jnp.where(b_mask, lb, -jnp.inf)
+    o, (p_cache, p_block) = attend_parts(
+        qn, ((ck_n, cv, c_mask[:, :, None, :]), (bk_n, bv, b_mask)), sink, cache_scale
+    )
+    return o, p_cache, p_block
+
+
+def attend_parts(qn, parts, sink, cache_scale):
+    """One softmax read over ``[part_1 ‖ … ‖ part_m ‖ sink]``, taken in its parts.
+
+    ``qn [B,H,Q,K]``; each part is ``(k_n [B,H,J,K], v [B,H,J,V], mask)`` with ``mask`` bool,
+    broadcastable to ``[B,H,Q,J]`` (False: not read); ``sink [H]``. Returns
+    ``(o [B,H,Q,V], probabilities [B,H,Q,J] per part)``.
+    """
+    logits = [
+        jnp.where(mask, jnp.einsum("bhqk,bhjk->bhqj", qn, k_n) * cache_scale, -jnp.inf)
+        for k_n, _, mask in parts
+    ]
     # typed like the logits (sharded like them on an Explicit mesh), to combine with them
-    ls = sink.astype(_F32)[None, :, None, None] + zeros_typed(lc[..., :1])
-    # One softmax over [cache ‖ block ‖ sink] taken in its parts: no concatenated [Q, w + C + 1]
-    # logits and no slices of them, forward or backward (faster: docs/RESULTS.md, "Timings behind
-    # constants of the core"). The sink column is always present, so no row is fully masked
-    # (no NaN); the shift m is a constant of the softmax (its gradient cancels), held fixed.
-    m = jnp.maximum(jnp.max(lc, axis=-1, keepdims=True), jnp.max(lb, axis=-1, keepdims=True))
-    m = lax.stop_gradient(jnp.maximum(m, ls))
-    ec, eb, es = jnp.exp(lc - m), jnp.exp(lb - m), jnp.exp(ls - m)
-    z = jnp.sum(ec, axis=-1, keepdims=True) + jnp.sum(eb, axis=-1, keepdims=True) + es
-    o = jnp.einsum("bhqj,bhjv->bhqv", ec, cv) + jnp.einsum("bhqj,bhjv->bhqv", eb, bv)
-    return o / z, ec / z, eb / z
+    ls = sink.astype(_F32)[None, :, None, None] + zeros_typed(logits[0][..., :1])
+    # No concatenated [Q, ΣJ + 1] logits and no slices of them, forward or backward (faster:
+    # docs/RESULTS.md, "Timings behind constants of the core"). The sink column is always present,
+    # so no row is fully masked (no NaN); the shift m is a constant of the softmax (its gradient
+    # cancels), held fixed.
+    m = ls
+    for lp in logits:
+        m = jnp.maximum(m, jnp.max(lp, axis=-1, keepdims=True))
+    m = lax.stop_gradient(m)
+    exps = [jnp.exp(lp - m) for lp in logits]
+    z = jnp.exp(ls - m) + sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
+    o = sum(jnp.einsum("bhqj,bhjv->bhqv", e, v) for e, (_, v, _) in zip(exps, parts, strict=True))
+    return o / z, [e / z for e in exps]
 
 
 def _signless_zero(x):
@@ -167,11 +183,38 @@ def _block_read(qb, kb, vb, cache, fb, params, read_norm, cache_scale):
     )  # fmt: skip
 
 
+def _block_read_split(qb, kb, vb, cache, fb, params, read_norm, cache_scale):
+    """:func:`_block_read`'s output ``o`` alone, with the block's causal square in halves.
+
+    The queries of the first half read the first half of the block (causal); those of the second
+    half read the first half whole and the second half causally. Three of the four ``[C/2, C/2]``
+    squares of the block's logits are computed instead of the whole ``[C, C]`` (half of which is
+    masked); the same softmax (:func:`attend_parts`). Faster forward and backward on XLA:CPU
+    (docs/RESULTS.md, "Timings behind constants of the core"). ``C`` even.
+    """
+    ck, cv, cval = cache
+    c = qb.shape[2] // 2
+    qn = read_normalize(qb, params.gamma_q, read_norm)
+    kn = read_normalize(kb, params.gamma_k, read_norm)
+    cache_part = (read_normalize(ck, params.gamma_k, read_norm), cv, cval[:, :, None, :])
+    causal = jnp.tril(jnp.ones((c, c), bool))
+    first, second = slice(0, c), slice(c, 2 * c)
+    whole = lambda half: (kn[:, :, half], vb[:, :, half], fb[half][None, None, None, :])  # noqa: E731
+    diagonal = lambda half: (kn[:, :, half], vb[:, :, half], causal & fb[half][None, :])  # noqa: E731
+    sink = params.sink_logit
+    o_first, _ = attend_parts(qn[:, :, first], (cache_part, diagonal(first)), sink, cache_scale)
+    o_second, _ = attend_parts(
+        qn[:, :, second], (cache_part, whole(first), diagonal(second)), sink, cache_scale
+    )
+    return jnp.concatenate([o_first, o_second], axis=2)
+
+
 def read_blocks(qh, kh, vh, cache, filled, params, read_norm, cache_scale):
     """Every block's cache read at once (SPEC §5), the contract of ``cache_blocks(read=)``.
 
     Block ``n`` holds the slots ``[nC, (n+1)C)``; its query at slot ``t`` reads
-    ``[A_{n−1} ‖ block slots ≤ t that are filled ‖ sink]`` (:func:`attend`).
+    ``[A_{n−1} ‖ block slots ≤ t that are filled ‖ sink]`` (:func:`attend`; an even ``C`` in the
+    halves of :func:`_block_read_split`).
 
     Args:
       qh, kh: ``[B, H, L, K]``; vh: ``[B, H, L, V]`` f32 slots (``L = n·C``).
@@ -189,6 +232,8 @@ def read_blocks(qh, kh, vh, cache, filled, params, read_norm, cache_scale):
     n, C = filled.shape
 
     def one(q, k, v, blk_cache, fb):
+        if C % 2 == 0:
+            return _block_read_split(q, k, v, blk_cache, fb, params, read_norm, cache_scale)
         return _block_read(q, k, v, blk_cache, fb, params, read_norm, cache_scale)[0]
 
     blocks = lambda x: x.reshape(B, H, n, C, x.shape[-1])  # noqa: E731

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from nested_jax.core.associative.forms import gated_delta_chunked
+from nested_jax.core.hola.cache import _block_read, read_blocks
 from nested_jax.core.hola.decode import (
     HolaReadParams,
     HolaState,
@@ -168,6 +169,52 @@ def test_forward_matches_bruteforce_reference(eviction):
     assert int(st.pos) == T
     if eviction == "beta_e":
         np.testing.assert_allclose(scores(x, eviction), ref["score"], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [5, 6])
+def test_forward_matches_reference_odd_and_even_blocks(block_size):
+    """An odd block size reads each block's causal square whole, an even one in halves
+    (``cache._block_read_split``): both == the float64 reference, a partial last block included."""
+    x, p = make_inputs(seed=4), make_params(seed=5)
+    rule = HolaRule(window=3, block_size=block_size)
+    o, _ = hola_forward(*[x[n] for n in SEQ], read_params(p), rule=rule, chunk_size=16)
+    ref = hola_reference(*[x[n] for n in SEQ], read_params(p), rule=rule)
+    np.testing.assert_allclose(np.asarray(o), ref["o"], atol=2e-5, rtol=1e-5)
+
+
+def test_split_block_read_equals_whole_square_with_gradients():
+    """``read_blocks`` (halves, even C) == every block read whole by ``_block_read``: values and
+    gradients of q, k, v, the cache and the read parameters, with unfilled slots at both ends."""
+    n, C, Wc = 3, 6, 4
+    rng = np.random.default_rng(7)
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    qh, kh, vh = f(B, H, n * C, K), f(B, H, n * C, K), f(B, H, n * C, V)
+    ck, cv = f(B, H, n, Wc, K), f(B, H, n, Wc, V)
+    cval = rng.uniform(size=(B, H, n, Wc)) < 0.7
+    filled = np.ones((n, C), bool)
+    filled[0, :2] = False  # a stream that starts inside its first block
+    filled[-1, 4:] = False  # and ends inside its last
+    params = read_params(make_params(seed=8))
+
+    def whole(qh, kh, vh, ck, cv, params):
+        blocks = lambda x: x.reshape(B, H, n, C, x.shape[-1])  # noqa: E731
+        one = lambda q, k, v, c, fb: _block_read(q, k, v, c, fb, params, "rmsnorm", 0.4)[0]  # noqa: E731
+        o = jax.vmap(one, in_axes=(2, 2, 2, 2, 0), out_axes=2)(
+            blocks(qh), blocks(kh), blocks(vh), (ck, cv, cval), filled
+        )
+        return o.reshape(B, H, n * C, -1)
+
+    def split(qh, kh, vh, ck, cv, params):
+        return read_blocks(qh, kh, vh, (ck, cv, cval), filled, params, "rmsnorm", 0.4)
+
+    args = (qh, kh, vh, ck, cv, params)
+    np.testing.assert_allclose(split(*args), whole(*args), atol=1e-6, rtol=1e-6)
+    w = f(B, H, n * C, V)
+    loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)) * w)  # noqa: E731
+    g_split = jax.grad(loss(split), argnums=range(6))(*args)
+    g_whole = jax.grad(loss(whole), argnums=range(6))(*args)
+    for a, b in zip(jax.tree.leaves(g_split), jax.tree.leaves(g_whole), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("eviction,read_norm", [("e", "rmsnorm"), ("beta_v", "rmsnorm"),
