@@ -431,15 +431,22 @@ def load_params(path: Path, like):
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
+def _model_at(trained: Trained, params):
+    """``trained``'s model with the weights ``params`` (a pytree shaped like ``trained.params``)."""
+    graphdef, state_def, rest, _ = trained
+    return nnx.merge(graphdef, jax.tree.unflatten(state_def, jax.tree.leaves(params)), rest)
+
+
 def make_logits_fn(trained: Trained) -> Callable:
     """``logits_fn(params, tokens [B, T]) -> [B, T, V]``: the jitted forward of ``trained``'s model
     (compiled once per batch shape)."""
-    graphdef, state_def, rest, _ = trained
-    return jax.jit(
-        lambda p, tokens: nnx.merge(
-            graphdef, jax.tree.unflatten(state_def, jax.tree.leaves(p)), rest
-        )(tokens)[0]
-    )
+    return jax.jit(lambda p, tokens: _model_at(trained, p)(tokens)[0])
+
+
+def make_hidden_fn(trained: Trained) -> Callable:
+    """``hidden_fn(params, tokens [B, T]) -> [B, T, d_model]``: the final hidden states of
+    ``trained``'s model (the output head's input), jitted."""
+    return jax.jit(lambda p, tokens: _model_at(trained, p).hidden(tokens)[0])
 
 
 def make_scorer(trained: Trained) -> Callable[[Sequence[Batch], Callable], dict]:

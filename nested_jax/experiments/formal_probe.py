@@ -17,6 +17,12 @@ every prefix of the Bin0 and Bin1 test strings and reports, per model:
 A model that learned the language stays at 1 past the line; one that learned it only for the
 lengths it saw falls there; one that never learned it is low everywhere. Writes
 ``<out>/probe_<task>.json`` and ``.png`` and prints a table.
+
+With ``--hidden`` it also asks whether what the model loses is in its state or in its readout
+(:func:`hidden_probe`): linear readouts of the final hidden states, fitted on half of the test
+strings and scored on the other half, per band of prefix lengths. A readout fitted on a band's
+own positions that reads them no better than the model does says the information is gone from
+the hidden state; one that reads them well says the model's readout drifted.
 """
 
 from __future__ import annotations
@@ -100,8 +106,95 @@ def by_prefix(trained, s: SyntheticSettings) -> dict:
     }
 
 
-def probe(directory: str | Path, models: Sequence[str], seed: int, out: str | Path) -> dict:
-    """Probe every model of ``models`` in the table folder ``directory`` (module docstring)."""
+def linear_readout(h, y, ridge: float = 1e-3):
+    """The least-squares linear readout of classes ``y [n]`` from features ``h [n, d]``:
+    ``W = argmin ‖[h, 1] W − Y‖² + λ‖W‖²`` with ``Y`` the one-hot targets and
+    ``λ = ridge · tr(AᵀA) / (d + 1)``. Returns ``predict(h [m, d]) -> classes [m]`` (argmax)."""
+    classes = np.unique(y)
+    A = np.c_[h, np.ones(len(h))]
+    gram = A.T @ A
+    lam = ridge * np.trace(gram) / gram.shape[0]
+    W = np.linalg.solve(gram + lam * np.eye(gram.shape[0]), A.T @ (y[:, None] == classes))
+    return lambda x: classes[(np.c_[x, np.ones(len(x))] @ W).argmax(-1)]
+
+
+def _bands(top: int, width: int) -> list[tuple[int, int]]:
+    """Prefix-length bands ``[lo, hi]`` of ``width`` covering ``1..top``; a remainder shorter
+    than half a width joins the last band."""
+    bands = [(lo, min(lo + width - 1, top)) for lo in range(1, top + 1, width)]
+    if len(bands) > 1 and bands[-1][1] - bands[-1][0] + 1 < width / 2:
+        bands[-2:] = [(bands[-2][0], top)]
+    return bands
+
+
+def hidden_probe(trained, s: SyntheticSettings, band_width: int = 10, ridge: float = 1e-3) -> dict:
+    """Linear readouts of ``trained``'s final hidden states (the output head's input) per band of
+    prefix lengths.
+
+    The Bin0 and Bin1 test strings are split in halves (fixed seed). On the first half, one
+    :func:`linear_readout` is fitted on every position of the Bin0 strings, and one on each
+    band's own positions (bands of ``band_width`` prefix lengths); both are scored on the second
+    half.
+
+    Returns ``{"bands": [[lo, hi], ...], "model": the model's own accuracy, "probe_bin0",
+    "probe_band": the two readouts' accuracies, "hidden_norm": mean ‖h‖}``, lists per band.
+    """
+    params = trained.params
+    hidden_fn = _training.make_hidden_fn(trained)
+    logits_fn = _training.make_logits_fn(trained)
+    parts = {k: [] for k in ("h", "y", "pos", "right", "bin", "string")}
+    n_strings = 0
+    for b_idx, (_, _, batches) in enumerate(eval_sets(s)):
+        for b in batches:
+            h = np.asarray(hidden_fn(params, b["inputs"]))
+            right = np.asarray(logits_fn(params, b["inputs"])).argmax(-1) == b["targets"]
+            rows, cols = np.nonzero(b["loss_mask"] > 0)  # every scored position, string by string
+            for key, x in (
+                ("h", h[rows, cols]),
+                ("y", b["targets"][rows, cols]),
+                ("pos", cols),  # the prefix length, as in by_prefix
+                ("right", right[rows, cols]),
+                ("bin", np.full(rows.size, b_idx)),
+                ("string", n_strings + rows),
+            ):
+                parts[key].append(x)
+            n_strings += h.shape[0]
+    h, y, pos, right, in_bin, string = (np.concatenate(parts[k]) for k in parts)
+    fit_half = (np.random.default_rng(0).permutation(n_strings) < n_strings // 2)[string]
+
+    def fit(sel):
+        return linear_readout(h[sel], y[sel], ridge)
+
+    def score(readout, sel):
+        return float(np.mean(readout(h[sel]) == y[sel]))
+
+    w_bin0 = fit(fit_half & (in_bin == 0))
+    out = {"bands": [], "model": [], "probe_bin0": [], "probe_band": [], "hidden_norm": []}
+    for lo, hi in _bands(int(pos.max()), band_width):
+        band = (pos >= lo) & (pos <= hi)
+        fit_sel, test_sel = band & fit_half, band & ~fit_half
+        if not fit_sel.any() or not test_sel.any():
+            continue
+        out["bands"].append([lo, hi])
+        out["model"].append(float(right[test_sel].mean()))
+        out["probe_bin0"].append(score(w_bin0, test_sel))
+        out["probe_band"].append(score(fit(fit_sel), test_sel))
+        out["hidden_norm"].append(float(np.linalg.norm(h[test_sel], axis=1).mean()))
+    return out
+
+
+def _hidden_lines(model: str, x: dict) -> str:
+    head = f"== {model} hidden-state readouts (prefix band: model / fitted on Bin0 / on the band)"
+    cells = zip(x["bands"], x["model"], x["probe_bin0"], x["probe_band"], strict=True)
+    lines = [f"   {lo}-{hi}: {a:.3f} / {b:.3f} / {c:.3f}" for (lo, hi), a, b, c in cells]
+    return "\n".join([head, *lines])
+
+
+def probe(
+    directory: str | Path, models: Sequence[str], seed: int, out: str | Path, hidden: bool = False
+) -> dict:
+    """Probe every model of ``models`` in the table folder ``directory`` (module docstring);
+    ``hidden``: add :func:`hidden_probe` per model (key ``hidden``)."""
     directory = Path(directory)
     found = sorted(directory.glob("protocol_*.json"))
     if len(found) != 1:
@@ -112,6 +205,9 @@ def probe(directory: str | Path, models: Sequence[str], seed: int, out: str | Pa
         s, trained = load_run(directory, result, model, seed)
         per_model[model] = by_prefix(trained, s)
         print(f"== {model}: {_summary(per_model[model])}", flush=True)
+        if hidden:
+            per_model[model]["hidden"] = hidden_probe(trained, s)
+            print(_hidden_lines(model, per_model[model]["hidden"]), flush=True)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"task": result["task"], "seed": seed, "models": per_model}
@@ -171,8 +267,14 @@ def main(argv: list[str] | None = None) -> int:
         "accuracy by prefix length of trained formal-language models",
         "a table's task folder (has protocol_<task>.json)",
     )
+    p.add_argument(
+        "--hidden", action="store_true",
+        help="also fit linear readouts of the final hidden states per band of prefix lengths",
+    )  # fmt: skip
     args = p.parse_args(argv)
-    return _training.print_table(lambda: probe(args.dir, args.models, args.seed, args.out))
+    return _training.print_table(
+        lambda: probe(args.dir, args.models, args.seed, args.out, hidden=args.hidden)
+    )
 
 
 if __name__ == "__main__":

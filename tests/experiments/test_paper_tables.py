@@ -180,8 +180,30 @@ def test_probe_reloads_a_table_run_and_counts_every_prefix(tmp_path, monkeypatch
     assert all(0.0 <= a <= 1.0 for a in x["accuracy"])
     assert all(1 <= p <= 10 for p in x["first_errors"])
     assert (tmp_path / "probe" / "probe_parity.png").is_file()
+    hidden = formal_probe.probe(folder, ["lstm"], 1, tmp_path / "probe", hidden=True)
+    y = hidden["models"]["lstm"]["hidden"]
+    assert y["bands"] and y["bands"][0][0] == 1 and y["bands"][-1][1] == 10
+    for key in ("model", "probe_bin0", "probe_band"):
+        assert len(y[key]) == len(y["bands"]) and all(0.0 <= a <= 1.0 for a in y[key])
+    assert all(b[0] == a[1] + 1 for a, b in zip(y["bands"][:-1], y["bands"][1:], strict=True))
     assert formal_probe.main(["--dir", str(folder), "--models", "gdn", "--out", "x"]) == 2
     assert capsys.readouterr().err.startswith("error: models: 'gdn' is not in the table")
     assert formal_probe.main(["--dir", str(folder), "--models", "lstm", "--seed", "5"]
                              + ["--out", "x"]) == 2  # fmt: skip
     assert capsys.readouterr().err.startswith("error: dir: no weights for lstm seed 5")
+
+
+def test_linear_readout_reads_what_is_there_and_nothing_else():
+    from nested_jax.experiments.formal_probe import _bands, linear_readout
+
+    rng = np.random.default_rng(0)
+    h = rng.normal(size=(600, 8))
+    y = np.where(h[:, 2] - 0.5 * h[:, 5] > 0, 3, 4)  # a linear function of the features
+    read = linear_readout(h[:300], y[:300])
+    assert np.mean(read(h[300:]) == y[300:]) > 0.9
+    noise = rng.integers(0, 2, size=600)  # labels the features do not hold
+    read = linear_readout(h[:300], noise[:300])
+    assert abs(np.mean(read(h[300:]) == noise[300:]) - 0.5) < 0.1
+    assert _bands(100, 10)[-1] == (91, 100) and len(_bands(100, 10)) == 10
+    assert _bands(103, 10)[-1] == (91, 103)  # a short remainder joins the last band
+    assert _bands(107, 10)[-1] == (101, 107)
