@@ -168,7 +168,7 @@ def hidden_probe(trained, s: SyntheticSettings, band_width: int = 10, ridge: flo
     def score(readout, sel):
         return float(np.mean(readout(h[sel]) == y[sel]))
 
-    w_bin0 = fit(fit_half & (in_bin == 0))
+    read_bin0 = fit(fit_half & (in_bin == 0))
     out = {"bands": [], "model": [], "probe_bin0": [], "probe_band": [], "hidden_norm": []}
     for lo, hi in _bands(int(pos.max()), band_width):
         band = (pos >= lo) & (pos <= hi)
@@ -177,7 +177,7 @@ def hidden_probe(trained, s: SyntheticSettings, band_width: int = 10, ridge: flo
             continue
         out["bands"].append([lo, hi])
         out["model"].append(float(right[test_sel].mean()))
-        out["probe_bin0"].append(score(w_bin0, test_sel))
+        out["probe_bin0"].append(score(read_bin0, test_sel))
         out["probe_band"].append(score(fit(fit_sel), test_sel))
         out["hidden_norm"].append(float(np.linalg.norm(h[test_sel], axis=1).mean()))
     return out
