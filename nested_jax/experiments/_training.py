@@ -261,18 +261,29 @@ class Progress(NamedTuple):
     every_s: float = 300.0
 
 
-def _save_progress(progress: Progress, state, rng, losses, clock: dict) -> None:
+class Checks(NamedTuple):
+    """Scores taken while a model trains (e.g. the formal-language protocol's scored bins after
+    every epoch, as its source reports each bin's best epoch): ``fn(trained)`` after every
+    ``every`` steps and after the last, each result kept as ``{"step": i, **fn(trained)}`` in the
+    run's ``curve``."""
+
+    every: int
+    fn: Callable[[Trained], dict]
+
+
+def _save_progress(progress: Progress, state, rng, losses, clock: dict, curve: list) -> None:
     meta = {
         "key": progress.key,
         "rng": rng.bit_generator.state,
         "losses": [float(x) for x in jax.device_get(losses)],
+        "curve": curve,
         **clock,
     }
     save_params(progress.path, state, meta)
 
 
 def _load_progress(progress: Progress | None, state):
-    """``(state, rng_state, losses, clock)`` saved under ``progress``, or None (no file, another
+    """``(state, rng_state, losses, clock, curve)`` saved under ``progress``, or None (no file, another
     key, or a file that cannot be read: that run starts over, with one line saying why)."""
     if progress is None or not progress.path.is_file():
         return None
@@ -286,7 +297,7 @@ def _load_progress(progress: Progress | None, state):
         print(f"  progress at {progress.path} unreadable ({err}): starting over", flush=True)
         return None
     clock = {k: meta[k] for k in ("done", "seconds", "steady_seconds", "timed_steps")}
-    return state, meta["rng"], meta["losses"], clock
+    return state, meta["rng"], meta["losses"], clock, meta.get("curve", [])
 
 
 def train(
@@ -298,22 +309,26 @@ def train(
     next_batch: Callable[[np.random.Generator], Batch],
     log_every: int,
     progress: Progress | None = None,
+    check: tuple[int, Callable[[Any], dict]] | None = None,
 ):
     """``s.steps`` steps on ``next_batch(rng)`` with one generator seeded by ``s.seed`` (the same
     batch sequence for every model). With ``progress``, the run continues from its saved progress
-    (the same state, batches and losses as an unbroken run) and saves it as it goes.
+    (the same state, batches, losses and curve as an unbroken run) and saves it as it goes.
+    ``check = (every, fn)``: ``fn(params)`` after every ``every`` steps and after the last.
 
     Returns:
-      ``(state, losses, clock)``; ``clock``: ``seconds`` (wall time of all steps, compilation
-      included), ``steady_seconds`` and ``timed_steps`` (the steps after the first of each
-      stretch, for the throughput), summed over the stretches of a resumed run.
+      ``(state, losses, clock, curve)``; ``clock``: ``seconds`` (wall time of all steps,
+      compilation and checks included), ``steady_seconds`` and ``timed_steps`` (the steps after
+      the first of each stretch, for the throughput), summed over the stretches of a resumed run;
+      ``curve``: ``[{"step": i, **fn(params)}, ...]`` (empty without ``check``).
     """
     rng = np.random.default_rng(s.seed)
     losses: list = []
+    curve: list = []
     clock = {"done": 0, "seconds": 0.0, "steady_seconds": 0.0, "timed_steps": 0}
     resumed = _load_progress(progress, state)
     if resumed is not None:
-        state, rng.bit_generator.state, losses, clock = resumed
+        state, rng.bit_generator.state, losses, clock, curve = resumed
         print(f"  [{name}] resuming at step {clock['done']}/{s.steps}", flush=True)
     first = clock["done"] + 1
     t_start = t0 = last_save = time.perf_counter()
@@ -335,18 +350,20 @@ def train(
             t0 = time.perf_counter()
         if log_every and (i % log_every == 0 or i == s.steps):
             print(f"  [{name}] step {i}/{s.steps} loss {float(m['loss']):.4f}", flush=True)
+        if check is not None and (i % check[0] == 0 or i == s.steps):
+            curve.append({"step": i, **check[1](state["params"])})
         if (
             progress is not None
             and i < s.steps
             and time.perf_counter() - last_save >= progress.every_s
         ):
-            _save_progress(progress, state, rng, losses, clock_now(i))
+            _save_progress(progress, state, rng, losses, clock_now(i), curve)
             last_save = time.perf_counter()
     jax.block_until_ready(state["params"])
     clock = clock_now(s.steps)
     if progress is not None:
         progress.path.unlink(missing_ok=True)
-    return state, losses, clock
+    return state, losses, clock, curve
 
 
 class Trained(NamedTuple):
@@ -365,17 +382,24 @@ def fit(
     next_batch: Callable[[np.random.Generator], Batch],
     log_every: int = 50,
     progress: Progress | None = None,
+    checks: Checks | None = None,
 ) -> tuple[Trained, dict]:
     """Build model ``name`` at ``d_model`` and train it (:func:`build_training`, :func:`train`;
-    ``progress``: continue a stopped run and save as it goes).
+    ``progress``: continue a stopped run and save as it goes; ``checks``: score it as it trains).
 
     Returns:
       ``(trained, stats)``; ``stats``: ``params`` (count), ``final_train_loss`` (mean of the last
       10 steps), ``train_seconds`` (compilation included), ``tokens_per_s`` (steps after the
-      first, ``s.batch_size · s.seq_len`` tokens each; NaN with a single step).
+      first, ``s.batch_size · s.seq_len`` tokens each; NaN with a single step), and with
+      ``checks`` its ``curve`` (:func:`train`).
     """
     graphdef, state_def, rest, step, state, n_params = build_training(name, s, d_model)
-    state, losses, clock = train(name, s, step, state, rest, next_batch, log_every, progress)
+    check = None
+    if checks is not None:
+        check = (checks.every, lambda p: checks.fn(Trained(graphdef, state_def, rest, p)))
+    state, losses, clock, curve = train(
+        name, s, step, state, rest, next_batch, log_every, progress, check
+    )
     timed = clock["timed_steps"]
     tail = np.asarray(jax.device_get(losses[-10:]), np.float64)
     stats = {
@@ -386,6 +410,8 @@ def fit(
             timed * s.batch_size * s.seq_len / clock["steady_seconds"] if timed else float("nan")
         ),
     }
+    if checks is not None:
+        stats["curve"] = curve
     return Trained(graphdef, state_def, rest, state["params"]), stats
 
 
@@ -456,8 +482,9 @@ def make_scorer(trained: Trained) -> Callable[[Sequence[Batch], Callable], dict]
     (``score_mask`` where the batch has one, else ``loss_mask``); it is weighted by their number,
     so the result is the accuracy over all scored positions of ``batches`` (``per_row=True``:
     weighted by rows, for a string-level accuracy; ``eval_queries`` then counts rows, else scored
-    positions). ``eval_loss`` is the mean loss (nats) over ``loss_mask`` (its weights). The jitted
-    forward passes are compiled once per batch shape.
+    positions). ``eval_loss`` is the mean loss (nats) over ``loss_mask`` (its weights). ``at``:
+    score other weights of the same model instead (one scorer for a whole training curve). The
+    jitted forward passes are compiled once per batch shape.
     """
     from nested_jax.train.step import make_eval_step
 
@@ -465,13 +492,16 @@ def make_scorer(trained: Trained) -> Callable[[Sequence[Batch], Callable], dict]
     eval_step = jax.jit(make_eval_step(graphdef, state_def))
     logits_fn = make_logits_fn(trained)
 
-    def score(batches: Sequence[Batch], accuracy_fn: Callable, per_row: bool = False) -> dict:
+    def score(
+        batches: Sequence[Batch], accuracy_fn: Callable, per_row: bool = False, at=None
+    ) -> dict:
+        p = params if at is None else at  # at: other weights of the same model (a curve's)
         correct, total, loss_sum, tokens = 0.0, 0, 0.0, 0.0
         for b in batches:
             n = len(b["inputs"]) if per_row else int(b.get("score_mask", b["loss_mask"]).sum())
-            correct += accuracy_fn(logits_fn(params, b["inputs"]), b) * n
+            correct += accuracy_fn(logits_fn(p, b["inputs"]), b) * n
             total += n
-            sums = eval_step(params, rest, b)
+            sums = eval_step(p, rest, b)
             loss_sum += float(sums["loss_sum"])
             tokens += float(sums["tokens"])
         return {"accuracy": correct / total, "eval_loss": loss_sum / tokens, "eval_queries": total}

@@ -73,6 +73,7 @@ from nested_jax.eval.formal_protocol import protocol_accuracy
 from nested_jax.eval.mad import mad_accuracy
 from nested_jax.eval.recall import recall_accuracy
 from nested_jax.experiments._training import (
+    Checks,
     Progress,
     add_scalar_flags,
     cached_row,
@@ -99,7 +100,7 @@ from nested_jax.files import write_json
 FIELDS_ADDED = {
     f.name: f.default
     for f in dataclasses.fields(SyntheticSettings)
-    if f.name in ("recall_sizes", "depth_bins")
+    if f.name in ("recall_sizes", "depth_bins", "score_every")
 }
 
 
@@ -109,6 +110,27 @@ def _accuracy_fn(s: SyntheticSettings):
         return protocol_accuracy, True
     by_family = {"formal": formal_accuracy, "recall": recall_accuracy}
     return by_family.get(s.family, mad_accuracy), False
+
+
+def score_checks(name: str, s: SyntheticSettings) -> Checks:
+    """Every ``s.score_every`` steps: the accuracy on each held-out set of :func:`eval_sets` and on
+    the validation split, ``{"scores": {key: accuracy}, "val": accuracy}`` (one line printed)."""
+    sets = [(key, batches) for key, _, batches in eval_sets(s)]
+    val = val_batches(s)
+    accuracy_fn, per_row = _accuracy_fn(s)
+    scorer: list = []  # built at the first check, then reused (compiled once per batch shape)
+
+    def check(trained) -> dict:
+        if not scorer:
+            scorer.append(make_scorer(trained))
+        score = scorer[0]
+        accs = {k: score(b, accuracy_fn, per_row, trained.params)["accuracy"] for k, b in sets}
+        val_acc = score(val, accuracy_fn, per_row, trained.params)["accuracy"]
+        shown = " ".join(f"{k} {a:.3f}" for k, a in accs.items())
+        print(f"  [{name}] check: {shown} val {val_acc:.3f}", flush=True)
+        return {"scores": accs, "val": val_acc}
+
+    return Checks(s.score_every, check)
 
 
 def train_and_score(
@@ -126,9 +148,13 @@ def train_and_score(
     Returns:
       a run: ``model, seed, d_model, params, steps, final_train_loss, accuracy`` (of the first
       held-out set), ``scores`` (``{key: {**info, accuracy, eval_loss, eval_queries}}``, keys and
-      info of :func:`eval_sets`), ``train_seconds`` (compilation included), ``tokens_per_s``.
+      info of :func:`eval_sets`), ``train_seconds`` (compilation and checks included),
+      ``tokens_per_s``; with ``s.score_every``, ``curve``: the :func:`score_checks` along the way.
     """
-    trained, stats = fit(name, s, d_model, lambda rng: train_batch(s, rng), log_every, progress)
+    checks = score_checks(name, s) if s.score_every else None
+    trained, stats = fit(
+        name, s, d_model, lambda rng: train_batch(s, rng), log_every, progress, checks
+    )
     if params_path is not None:
         save_params(params_path, trained.params)
     score = make_scorer(trained)
@@ -150,6 +176,7 @@ def train_and_score(
         "weight_decay": s.weight_decay,
         "train_seconds": stats["train_seconds"],
         "tokens_per_s": stats["tokens_per_s"],
+        **({"curve": stats["curve"]} if checks is not None else {}),
     }
 
 

@@ -90,6 +90,9 @@ class SyntheticSettings:
     recall_sizes: tuple[tuple[str, int], ...] = ()
     depth_bins: int = 5  # recall: scored depth bands of the haystack per length multiplier
     model_overrides: tuple[tuple[str, str], ...] = ()  # (model, "model.KEY=VALUE") pairs
+    # > 0: also score the held-out sets and the validation split every this many steps (the
+    # formal-language protocol's source reports each bin's best epoch); 0: at the end only
+    score_every: int = 0
 
     def __post_init__(self) -> None:
         family, name = parse_task(self.task)
@@ -97,6 +100,8 @@ class SyntheticSettings:
         check_positive(self, ("eval_batches", "train_size", "test_size", "val_size"))
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model: {self.d_model} is not divisible by n_heads={self.n_heads}")
+        if not (isinstance(self.score_every, int) and self.score_every >= 0):
+            raise ValueError(f"score_every: expected an int >= 0, got {self.score_every!r}")
         if not self.lr > 0:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
         for pair in self.model_overrides:

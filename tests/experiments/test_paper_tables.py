@@ -5,6 +5,7 @@ preset (resumable, the paper's numbers beside ours)."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ TINY = {"batch_size": 4, "d_model": 16, "n_layers": 1, "n_heads": 2, "note": "ti
 TINY_FORMAL = TableScale(
     steps=2, lrs=(1e-3,), seeds=(0, 1), **TINY,
     settings=(("bins", ((2, 6), (7, 10))), ("train_size", 40), ("test_size", 12),
-              ("val_size", 8), ("warmup_steps", 1)),
+              ("val_size", 8), ("warmup_steps", 1), ("score_every", 1)),
 )  # fmt: skip
 TINY_MAD = TableScale(
     epochs=2, max_steps=3, lrs=(1e-3,), wds=(0.0, 0.1), seeds=(0,), **TINY,
@@ -116,10 +117,20 @@ def test_formal_table_end_to_end_resumes_and_prints_the_paper(tmp_path, monkeypa
     md = (tmp_path / "formal.md").read_text()
     assert md in printed and "| parity Bin0 | parity Bin1 |" in md
     assert "[46.4]" in md and "[100]" in md  # the paper's Transformer and LSTM
+    # checked after every step: each bin's best check, never below the end of training
+    for b in ("bin0", "bin1"):
+        assert all(x >= y for x, y in zip(cell[f"{b}_best"]["values"], cell[b]["values"]))
+    assert md.count("| parity Bin0 | parity Bin1 |") == 2 and "best epoch per bin" in md
     assert paper_tables.main(argv) == 0
     # per model: the sweep's run (seed 0), then seeds 0 and 1, all found on disk
     assert capsys.readouterr().out.count("reusing") == 2 * 3
     assert json.loads((tmp_path / "formal.json").read_text())["rows"] == result["rows"]
+
+
+def test_formal_presets_score_the_bins_after_every_epoch():
+    for scale in paper_tables.FORMAL_SCALES.values():
+        s = scale.synthetic("protocol:parity", ["lstm"], steps=scale.steps)
+        assert s.score_every == math.ceil(s.train_size / s.batch_size)
 
 
 def test_mad_table_end_to_end_with_the_grid(tmp_path, monkeypatch, capsys):

@@ -169,6 +169,27 @@ def test_protocol_task_end_to_end_with_lr_sweep_and_resume(tmp_path, capsys):
     assert capsys.readouterr().out.count("reusing") == 4
 
 
+def test_protocol_checks_along_the_way_end_at_the_final_scores(tmp_path, capsys):
+    argv = [*PROTO, "--models", "lstm", "--steps", "5", "--score-every", "2", "--seeds", "0", "1"]
+    assert synthetic.main([*argv, "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "protocol_parity.json").read_text())
+    for run in result["runs"]:
+        assert [c["step"] for c in run["curve"]] == [2, 4, 5]
+        last = run["curve"][-1]  # the last check scores the final weights: the same numbers
+        assert last["scores"] == {k: v["accuracy"] for k, v in run["scores"].items()}
+        assert last["val"] == run["val"]["accuracy"]
+        best = synthetic_report.best_checks(run)
+        assert all(best[k] == max(c["scores"][k] for c in run["curve"]) for k in best)
+    row = result["rows"][0]
+    assert row["best_checks"]["bin1"]["values"] == [
+        synthetic_report.best_checks(r)["bin1"] for r in result["runs"]
+    ]
+    printed = capsys.readouterr().out
+    assert printed.count("[lstm] check: bin0") == 6 and "best check Bin0 / Bin1" in printed
+    with pytest.raises(ValueError, match="^score_every"):
+        SyntheticSettings(task="protocol:parity", score_every=-1)
+
+
 def test_same_key_accepts_an_older_key_only_at_the_new_fields_defaults():
     from nested_jax.experiments._training import same_key
 

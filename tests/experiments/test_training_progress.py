@@ -31,8 +31,8 @@ def _batches(stop_after: int | None = None):
     return next_batch
 
 
-def _fit(progress=None, stop_after=None):
-    return _training.fit("gdn", SETTINGS, 16, _batches(stop_after), 0, progress)
+def _fit(progress=None, stop_after=None, checks=None):
+    return _training.fit("gdn", SETTINGS, 16, _batches(stop_after), 0, progress, checks)
 
 
 def _leaves(trained):
@@ -70,3 +70,22 @@ def test_progress_of_other_settings_or_unreadable_starts_over(tmp_path, capsys):
     for run in (other, broken):
         for a, b in zip(_leaves(unbroken), _leaves(run), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def _square_norm(trained) -> dict:
+    import jax
+
+    return {"norm": float(sum(np.sum(np.square(x)) for x in jax.tree.leaves(trained.params)))}
+
+
+def test_checks_along_the_way_survive_a_stop(tmp_path):
+    checks = _training.Checks(4, _square_norm)  # after steps 4 and 6 (the last)
+    unbroken, stats = _fit(checks=checks)
+    assert [c["step"] for c in stats["curve"]] == [4, 6]
+    assert stats["curve"][-1] == {"step": 6, **_square_norm(unbroken)}
+    progress = _training.Progress(tmp_path / "run.progress.npz", {"run": 1}, every_s=0.0)
+    with pytest.raises(Stop):
+        _fit(progress, stop_after=5, checks=checks)  # dies after the check at step 4
+    assert [c["step"] for c in _training.load_meta(progress.path)["curve"]] == [4]
+    _, resumed = _fit(progress, checks=checks)
+    assert resumed["curve"] == stats["curve"]
