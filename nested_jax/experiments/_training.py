@@ -283,8 +283,9 @@ def _save_progress(progress: Progress, state, rng, losses, clock: dict, curve: l
 
 
 def _load_progress(progress: Progress | None, state):
-    """``(state, rng_state, losses, clock, curve)`` saved under ``progress``, or None (no file, another
-    key, or a file that cannot be read: that run starts over, with one line saying why)."""
+    """``(state, rng_state, losses, clock, curve)`` saved under ``progress``, or None (no file,
+    another key, or a file that cannot be read: that run starts over, with one line saying
+    why)."""
     if progress is None or not progress.path.is_file():
         return None
     try:

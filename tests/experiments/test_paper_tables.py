@@ -119,7 +119,8 @@ def test_formal_table_end_to_end_resumes_and_prints_the_paper(tmp_path, monkeypa
     assert "[46.4]" in md and "[100]" in md  # the paper's Transformer and LSTM
     # checked after every step: each bin's best check, never below the end of training
     for b in ("bin0", "bin1"):
-        assert all(x >= y for x, y in zip(cell[f"{b}_best"]["values"], cell[b]["values"]))
+        best, end = cell[f"{b}_best"]["values"], cell[b]["values"]
+        assert all(x >= y for x, y in zip(best, end, strict=True))
     assert md.count("| parity Bin0 | parity Bin1 |") == 2 and "best epoch per bin" in md
     assert paper_tables.main(argv) == 0
     # per model: the sweep's run (seed 0), then seeds 0 and 1, all found on disk
