@@ -48,7 +48,10 @@ Per-model options: ``--set-model MODEL:model.KEY=VALUE`` (repeatable) overrides 
 ``ModelConfig`` through the strict config machinery (an unknown key fails in one line before any
 training). ``--lrs A B ...`` sweeps the learning rate per model (first seed; the best validation
 accuracy wins, :func:`run_synthetic`) and runs the seeds at the chosen rate. Tables give mean ±
-std over seeds and, for protocol tasks, the best seed.
+std over seeds and, for protocol tasks, the best seed. ``--score-every N`` also scores the
+held-out sets and the validation split every ``N`` steps (a run's ``curve``, plotted in
+``<out>/<family>_<name>_curve.png``); protocol tables then add each bin's best check, the measure
+the protocol's source reports (its best epoch per bin), beside the end of training.
 
 Writes ``<out>/<family>_<name>.json`` (settings, one run per model and seed, one aggregated row per
 model), ``<out>/<family>_<name>.md`` (the table) and ``<out>/<family>_<name>.png`` (accuracy vs
@@ -92,7 +95,12 @@ from nested_jax.experiments.synthetic_data import (
     train_batch,
     val_batches,
 )
-from nested_jax.experiments.synthetic_report import aggregate, markdown_table, plot
+from nested_jax.experiments.synthetic_report import (
+    aggregate,
+    markdown_table,
+    plot,
+    plot_curves,
+)
 from nested_jax.files import write_json
 
 # Settings fields added after tables were already filled, at their defaults: a saved run whose key
@@ -307,6 +315,8 @@ def run_synthetic(
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         result["plot"] = str(plot(rows, s, out / f"{stem}.png"))
+        if any(r.get("curve") for r in runs):
+            plot_curves(runs, s, out / f"{stem}_curve.png")
         write_json(out / f"{stem}.json", result)
         (out / f"{stem}.md").write_text(md)
     return result

@@ -290,6 +290,38 @@ def plot(rows: Sequence[dict], s: SyntheticSettings, path: Path) -> Path:
     return path
 
 
+def plot_curves(runs: Sequence[dict], s: SyntheticSettings, path: Path) -> Path:
+    """The checks along training (``score_every``): one panel per held-out set, accuracy vs step,
+    one line per run (a colour per model, a line per seed); written to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    checked = [r for r in runs if r.get("curve")]
+    keys = list(checked[0]["scores"]) if checked else []
+    fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(4.2 * max(len(keys), 1), 3.4))
+    axes = np.atleast_1d(axes)
+    colours = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(r["model"] for r in checked))}
+    for ax, key in zip(axes, keys, strict=False):
+        for r in checked:
+            steps = [c["step"] for c in r["curve"]]
+            accs = [c["scores"][key] for c in r["curve"]]
+            first = r is next(x for x in checked if x["model"] == r["model"])
+            ax.plot(steps, accs, color=colours[r["model"]], lw=1, marker=".", ms=3,
+                    label=r["model"] if first else None)  # fmt: skip
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("training step")
+        ax.set_ylim(-0.02, 1.02)
+    axes[0].set_ylabel("accuracy (a line per seed)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{s.task}: scored every {s.score_every} steps", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_depth_heatmaps(rows: Sequence[dict], s: SyntheticSettings, path: Path) -> Path:
     """Recall: one heatmap per model, answer accuracy (mean over seeds) by row length × depth of
     the pairs in the haystack (0: its start, farthest from the query); written to ``path``."""

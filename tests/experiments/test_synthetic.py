@@ -184,6 +184,7 @@ def test_protocol_checks_along_the_way_end_at_the_final_scores(tmp_path, capsys)
     assert row["best_checks"]["bin1"]["values"] == [
         synthetic_report.best_checks(r)["bin1"] for r in result["runs"]
     ]
+    assert (tmp_path / "protocol_parity_curve.png").read_bytes().startswith(b"\x89PNG")
     printed = capsys.readouterr().out
     assert printed.count("[lstm] check: bin0") == 6 and "best check Bin0 / Bin1" in printed
     with pytest.raises(ValueError, match="^score_every"):
