@@ -255,13 +255,16 @@ def plot(rows: Sequence[dict], s: SyntheticSettings, path: Path) -> Path:
         ax.set_ylabel("string accuracy (bars: mean, ticks: best seed)")
     elif s.family == "recall":
         lengths = [m * s.seq_len for m in s.eval_multipliers]
-        for r in rows:
-            by_length = recall_grid(r, s).mean(axis=2)
+        for i, r in enumerate(rows):
+            by_length = recall_grid(r, s).mean(axis=2)  # [seeds, multipliers]
             ax.errorbar(lengths, by_length.mean(0), yerr=by_length.std(0), marker="o", capsize=3,
-                        label=r["model"])  # fmt: skip
+                        color=f"C{i}", label=r["model"])  # fmt: skip
+            # each seed thin: runs that learn the task and runs that do not are far apart, and
+            # a mean with its spread hides which
+            ax.plot(lengths, by_length.T, color=f"C{i}", lw=0.6, alpha=0.5, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("row length (tokens; trained at the first)")
-        ax.set_ylabel("answer accuracy (mean over depth bands)")
+        ax.set_ylabel("answer accuracy (dashed: each seed)")
         plot_depth_heatmaps(rows, s, path.with_name(f"{path.stem}_depth.png"))
     elif s.family == "formal":
         for r in rows:
