@@ -183,7 +183,7 @@ class TableScale:
 
 # One epoch of the protocol's 10 000 training strings at batch 32: the bins are scored after each,
 # as the source scores them after every epoch and reports each bin's best.
-EPOCH_STEPS = 313
+EPOCH_STEPS = math.ceil(SyntheticSettings.train_size / 32)  # 313
 FORMAL_SCALES = {
     "cpu": TableScale(
         steps=7_813,  # 25 epochs of 10 000 strings at batch 32 (Bhattamishra et al.'s budget)
