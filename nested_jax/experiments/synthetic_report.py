@@ -77,6 +77,12 @@ def _cell(x: dict) -> str:
     return f"{x['mean']:.3f}" if len(x["values"]) == 1 else f"{x['mean']:.3f} ± {x['std']:.3f}"
 
 
+def _cell_se(x: dict) -> str:
+    """Mean ± standard error over seeds (``std / √n``), e.g. ``0.944 ± 0.014``."""
+    n = len(x["values"])
+    return f"{x['mean']:.3f}" if n == 1 else f"{x['mean']:.3f} ± {x['std'] / np.sqrt(n):.3f}"
+
+
 def _cell_best(x: dict) -> str:
     """Mean ± std and the best seed (``max``), e.g. ``0.912 ± 0.030 (best 0.950)``."""
     if len(x["values"]) == 1:
@@ -161,15 +167,15 @@ def recall_grid(row: dict, s: SyntheticSettings) -> np.ndarray:
 
 
 def _recall_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[int]) -> str:
-    """Recall: accuracy per length multiplier (the mean over the depth bands), mean ± std over
-    seeds."""
+    """Recall: accuracy per length multiplier (the mean over the depth bands), mean ± standard
+    error over seeds (the retrieval claims are compared by their means)."""
     sizes = s.recall_batch_sizes()
     head = (
         f"`{s.task}` ({', '.join(f'{k}={v}' for k, v in sizes.items())}): "
         + _training_note(s, rows, f" at {sizes['seq_len']} tokens")
         + f"; answer accuracy on {s.eval_batches} × {s.batch_size} held-out rows per (length, "
         f"depth band) cell, averaged over the {s.depth_bins} bands; chance {s.chance:.3f}; "
-        + _seeds_note(seeds)
+        + _seeds_note(seeds, "mean ± standard error")
         + ".\n\n"
     )
     cols = "".join(f" {m}× ({m * sizes['seq_len']}) |" for m in s.eval_multipliers)
@@ -177,7 +183,7 @@ def _recall_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[in
     lines.append("|---|---:|---:|" + "---:|" * len(s.eval_multipliers) + "---:|---:|")
     for r in rows:
         by_length = recall_grid(r, s).mean(axis=2)  # [seeds, multipliers]
-        accs = "".join(f" {_cell(spread(by_length[:, i]))} |" for i in range(by_length.shape[1]))
+        accs = "".join(f" {_cell_se(spread(by_length[:, i]))} |" for i in range(by_length.shape[1]))
         lines.append(
             f"| {r['model']} | {r['d_model']} | {r['params']:,} |{accs} "
             f"{_cell(r['final_train_loss'])} | {r['train_seconds']['mean']:.0f} |"

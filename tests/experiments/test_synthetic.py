@@ -125,6 +125,7 @@ def test_aggregate_over_seeds():
     s = SyntheticSettings(train_lengths=(1, 4), eval_multipliers=(1,))
     md = synthetic_report.markdown_table([row], s, [0, 1])
     assert "| m | 8 | 10 | 1.000 | 0.600 ± 0.141 |" in md and "seeds 0, 1" in md
+    assert synthetic_report._cell_se(acc) == "0.600 ± 0.100"  # std / √2: the recall tables'
 
 
 PROTO = ["--task", "protocol:parity", "--bins", "2", "6", "7", "10", "--train-size", "40"]
