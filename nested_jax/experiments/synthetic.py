@@ -120,11 +120,10 @@ def _accuracy_fn(s: SyntheticSettings):
     return by_family.get(s.family, mad_accuracy), False
 
 
-def score_checks(name: str, s: SyntheticSettings) -> Checks:
-    """Every ``s.score_every`` steps: the accuracy on each held-out set of :func:`eval_sets` and on
-    the validation split, ``{"scores": {key: accuracy}, "val": accuracy}`` (one line printed)."""
-    sets = [(key, batches) for key, _, batches in eval_sets(s)]
-    val = val_batches(s)
+def score_checks(name: str, s: SyntheticSettings, sets: list, val: list) -> Checks:
+    """Every ``s.score_every`` steps: the accuracy on each held-out set of ``sets`` (those of
+    :func:`eval_sets`) and on the validation batches ``val``, ``{"scores": {key: accuracy},
+    "val": accuracy}`` (one line printed)."""
     accuracy_fn, per_row = _accuracy_fn(s)
     scorer: list = []  # built at the first check, then reused (compiled once per batch shape)
 
@@ -132,7 +131,7 @@ def score_checks(name: str, s: SyntheticSettings) -> Checks:
         if not scorer:
             scorer.append(make_scorer(trained))
         score = scorer[0]
-        accs = {k: score(b, accuracy_fn, per_row, trained.params)["accuracy"] for k, b in sets}
+        accs = {k: score(b, accuracy_fn, per_row, trained.params)["accuracy"] for k, _, b in sets}
         val_acc = score(val, accuracy_fn, per_row, trained.params)["accuracy"]
         shown = " ".join(f"{k} {a:.3f}" for k, a in accs.items())
         print(f"  [{name}] check: {shown} val {val_acc:.3f}", flush=True)
@@ -159,7 +158,8 @@ def train_and_score(
       info of :func:`eval_sets`), ``train_seconds`` (compilation and checks included),
       ``tokens_per_s``; with ``s.score_every``, ``curve``: the :func:`score_checks` along the way.
     """
-    checks = score_checks(name, s) if s.score_every else None
+    sets, val = eval_sets(s), val_batches(s)
+    checks = score_checks(name, s, sets, val) if s.score_every else None
     trained, stats = fit(
         name, s, d_model, lambda rng: train_batch(s, rng), log_every, progress, checks
     )
@@ -167,9 +167,7 @@ def train_and_score(
         save_params(params_path, trained.params)
     score = make_scorer(trained)
     accuracy_fn, per_row = _accuracy_fn(s)
-    scores = {
-        key: {**info, **score(batches, accuracy_fn, per_row)} for key, info, batches in eval_sets(s)
-    }
+    scores = {key: {**info, **score(batches, accuracy_fn, per_row)} for key, info, batches in sets}
     return {
         "model": name,
         "seed": s.seed,
@@ -179,7 +177,7 @@ def train_and_score(
         "final_train_loss": stats["final_train_loss"],
         "accuracy": next(iter(scores.values()))["accuracy"],
         "scores": scores,
-        "val": score(val_batches(s), accuracy_fn, per_row),
+        "val": score(val, accuracy_fn, per_row),
         "lr": s.lr,
         "weight_decay": s.weight_decay,
         "train_seconds": stats["train_seconds"],
