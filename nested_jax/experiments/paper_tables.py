@@ -371,7 +371,8 @@ def mad_markdown(rows: Mapping[str, Mapping[str, dict]], tasks: Sequence[str]) -
 
 def plot_table(rows: Mapping[str, Mapping[str, dict]], tasks: Sequence[str], path: Path) -> Path:
     """One panel per task: a bar per model and bin (formal) or per model (MAD), the mean over
-    seeds with the seeds as dots; the paper's number as a cross."""
+    seeds with the seeds as dots; each bin's best epoch (mean over seeds) as an open triangle
+    where the runs were checked along the way; the paper's number as a cross."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -393,6 +394,9 @@ def plot_table(rows: Mapping[str, Mapping[str, dict]], tasks: Sequence[str], pat
                 if task in rows[m]:
                     vals = [100 * v for v in rows[m][task][key]["values"]]
                     ax.plot([x] * len(vals), vals, "k.", ms=3)
+                    best = rows[m][task].get(f"{key}_best")
+                    if best is not None:  # the source's measure: each bin's best epoch
+                        ax.plot([x], [best["mean"]], "v", mfc="none", mec="k", ms=5)
                 ref = _paper(m, task, j if keys else None)
                 if ref is not None:
                     ax.plot([x], [ref], "rx", ms=6)
@@ -403,7 +407,11 @@ def plot_table(rows: Mapping[str, Mapping[str, dict]], tasks: Sequence[str], pat
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(tasks) :]:
         ax.axis("off")
-    fig.suptitle("accuracy % (bars: mean over seeds, dots: seeds, red x: the paper)")
+    fig.suptitle(
+        "accuracy % (bars: mean over seeds at the end of training, dots: seeds, open triangle: "
+        "best epoch, red x: the paper)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
