@@ -263,12 +263,13 @@ class Progress(NamedTuple):
 
 class Checks(NamedTuple):
     """Scores taken while a model trains (e.g. the formal-language protocol's scored bins after
-    every epoch, as its source reports each bin's best epoch): ``fn(trained)`` after every
-    ``every`` steps and after the last, each result kept as ``{"step": i, **fn(trained)}`` in the
-    run's ``curve``."""
+    every epoch, as its source reports each bin's best epoch): ``fn(x)`` after every ``every``
+    steps and after the last, each result kept as ``{"step": i, **fn(x)}`` in the run's
+    ``curve``. :func:`fit` passes ``x`` as the :class:`Trained` model at that step, :func:`train`
+    as its parameters."""
 
     every: int
-    fn: Callable[[Trained], dict]
+    fn: Callable[[Any], dict]
 
 
 def _save_progress(progress: Progress, state, rng, losses, clock: dict, curve: list) -> None:
@@ -310,18 +311,18 @@ def train(
     next_batch: Callable[[np.random.Generator], Batch],
     log_every: int,
     progress: Progress | None = None,
-    check: tuple[int, Callable[[Any], dict]] | None = None,
+    checks: Checks | None = None,
 ):
     """``s.steps`` steps on ``next_batch(rng)`` with one generator seeded by ``s.seed`` (the same
     batch sequence for every model). With ``progress``, the run continues from its saved progress
     (the same state, batches, losses and curve as an unbroken run) and saves it as it goes.
-    ``check = (every, fn)``: ``fn(params)`` after every ``every`` steps and after the last.
+    ``checks``: ``checks.fn(params)`` after every ``checks.every`` steps and after the last.
 
     Returns:
       ``(state, losses, clock, curve)``; ``clock``: ``seconds`` (wall time of all steps,
       compilation and checks included), ``steady_seconds`` and ``timed_steps`` (the steps after
       the first of each stretch, for the throughput), summed over the stretches of a resumed run;
-      ``curve``: ``[{"step": i, **fn(params)}, ...]`` (empty without ``check``).
+      ``curve``: ``[{"step": i, **checks.fn(params)}, ...]`` (empty without ``checks``).
     """
     rng = np.random.default_rng(s.seed)
     losses: list = []
@@ -351,8 +352,8 @@ def train(
             t0 = time.perf_counter()
         if log_every and (i % log_every == 0 or i == s.steps):
             print(f"  [{name}] step {i}/{s.steps} loss {float(m['loss']):.4f}", flush=True)
-        if check is not None and (i % check[0] == 0 or i == s.steps):
-            curve.append({"step": i, **check[1](state["params"])})
+        if checks is not None and (i % checks.every == 0 or i == s.steps):
+            curve.append({"step": i, **checks.fn(state["params"])})
         if (
             progress is not None
             and i < s.steps
@@ -395,11 +396,11 @@ def fit(
       ``checks`` its ``curve`` (:func:`train`).
     """
     graphdef, state_def, rest, step, state, n_params = build_training(name, s, d_model)
-    check = None
+    on_params = None
     if checks is not None:
-        check = (checks.every, lambda p: checks.fn(Trained(graphdef, state_def, rest, p)))
+        on_params = checks._replace(fn=lambda p: checks.fn(Trained(graphdef, state_def, rest, p)))
     state, losses, clock, curve = train(
-        name, s, step, state, rest, next_batch, log_every, progress, check
+        name, s, step, state, rest, next_batch, log_every, progress, on_params
     )
     timed = clock["timed_steps"]
     tail = np.asarray(jax.device_get(losses[-10:]), np.float64)
