@@ -17,7 +17,8 @@ Tables (:data:`TABLES`):
   also predict (``recall:kv_text``): the setting of a language model, whose memory must serve the
   text around the needle, where the ``hola`` table's random filler serves no prediction.
 * ``titans``: Titans LMM and MAC against GDN and a sliding-window Transformer++ whose window is a
-  quarter of ``L`` (Titans: the neural memory keeps its accuracy as length grows).
+  quarter of ``L``, MAC's segments the same quarter (Titans: the neural memory keeps its accuracy
+  as length grows).
 * ``proteus``: Proteus' incremental activation, ``E ∈ {1, 4, 16, 32}`` blocks on GDN and Titans
   LMM, at a capacity-bound setting (far more pairs than a head's state holds; Proteus Fig. 3:
   16 blocks beat 1, 32 is worse again).
@@ -123,6 +124,9 @@ def variants(seq_len: int) -> dict[str, tuple[str, ...]]:
         "hola": HOLA_CACHE,
         "hola@recency": (*HOLA_CACHE, "model.hola.eviction=recency"),
         "transformer@swa": (f"model.window={seq_len // 4}",),
+        # MAC reads its memory only across segments: with one segment per training row the memory
+        # would never be read in training, and MAC would be attention over L that stops at 2×.
+        "titans_mac": (f"model.titans.segment_len={seq_len // 4}",),
     }
 
 

@@ -22,6 +22,7 @@ def test_variants_reach_the_model_configs():
     assert s.task == "recall:kv_text" and model_config("hola@recency", s, 32).hola.window == 16
     s = recall_tables.table_settings("titans", scale, recall_tables.TABLES["titans"])
     assert model_config("transformer@swa", s, 32).window == s.seq_len // 4
+    assert model_config("titans_mac", s, 32).titans.segment_len == s.seq_len // 4
     assert model_config("gdn", s, 32).window == 0
     s = recall_tables.table_settings("proteus", scale, recall_tables.TABLES["proteus"])
     assert model_config("gdn+proteus16", s, 32).proteus.blocks == 16
