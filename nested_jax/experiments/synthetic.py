@@ -108,7 +108,7 @@ from nested_jax.files import write_json
 FIELDS_ADDED = {
     f.name: f.default
     for f in dataclasses.fields(SyntheticSettings)
-    if f.name in ("recall_sizes", "depth_bins", "score_every", "train_min_pairs")
+    if f.name in ("recall_sizes", "depth_bins", "score_every")
 }
 
 

@@ -89,10 +89,6 @@ class SyntheticSettings:
     # recall: overrides of the generator's sizes (seq_len, pairs, queries, keys, values, filler)
     recall_sizes: tuple[tuple[str, int], ...] = ()
     depth_bins: int = 5  # recall: scored depth bands of the haystack per length multiplier
-    # recall, > 0: each training batch holds a number of pairs drawn uniformly from
-    # [train_min_pairs, pairs] (the mixed pair counts of MQAR training, without which a
-    # capacity-bound row gives no model a signal to start from); scored and validated at ``pairs``
-    train_min_pairs: int = 0
     model_overrides: tuple[tuple[str, str], ...] = ()  # (model, "model.KEY=VALUE") pairs
     # > 0: also score the held-out sets and the validation split every this many steps (the
     # formal-language protocol's source reports each bin's best epoch); 0: at the end only
@@ -113,9 +109,8 @@ class SyntheticSettings:
                 raise ValueError(
                     f"model_overrides: expected (model, KEY=VALUE) pairs, got {pair!r}"
                 )
-        for field in ("recall_sizes", "train_min_pairs"):
-            if getattr(self, field) and family != "recall":
-                raise ValueError(f"{field}: only for recall:<name> tasks, not {self.task!r}")
+        if self.recall_sizes and family != "recall":
+            raise ValueError(f"recall_sizes: only for recall:<name> tasks, not {self.task!r}")
         if family == "recall":
             self._check_recall()
             return
@@ -170,12 +165,6 @@ class SyntheticSettings:
                 make_recall_batch(1, 0, **cell, depth=band, haystack=HAYSTACKS[self.name])
         except (TypeError, ValueError) as err:
             raise ValueError(f"recall_sizes: {str(err).splitlines()[0]}") from None
-        low, sizes = self.train_min_pairs, self.recall_batch_sizes()
-        if low and not (isinstance(low, int) and sizes["queries"] <= low <= sizes["pairs"]):
-            raise ValueError(
-                f"train_min_pairs: expected 0 or an int in [queries, pairs] = "
-                f"[{sizes['queries']}, {sizes['pairs']}], got {low!r}"
-            )
 
     def recall_batch_sizes(self, multiplier: int = 1) -> dict[str, int]:
         """Recall: the generator's sizes for rows ``multiplier`` times the training length."""
@@ -328,14 +317,10 @@ def _row_batches(rows: dict, batch_size: int) -> list[dict]:
     return [{k: v[i : i + batch_size] for k, v in rows.items()} for i in range(0, n, batch_size)]
 
 
-def recall_batch(
-    s: SyntheticSettings, rng, multiplier: int = 1, depth=(0.0, 1.0), pairs: int | None = None
-) -> dict:
+def recall_batch(s: SyntheticSettings, rng, multiplier: int = 1, depth=(0.0, 1.0)) -> dict:
     """A recall batch of ``s`` (its sizes and haystack, ``batch_size`` rows ``multiplier`` times
-    the training length; ``pairs`` in place of its pair count) without its ``depth`` annotation
-    (the batches the models see)."""
+    the training length) without its ``depth`` annotation (the batches the models see)."""
     sizes = s.recall_batch_sizes(multiplier)
-    sizes["pairs"] = sizes["pairs"] if pairs is None else pairs
     haystack = HAYSTACKS[s.name]
     batch = make_recall_batch(s.batch_size, rng, **sizes, depth=depth, haystack=haystack)
     return {k: v for k, v in batch.items() if k != "depth"}
@@ -351,10 +336,7 @@ def train_batch(s: SyntheticSettings, rng: np.random.Generator) -> dict:
     if s.family == "formal":
         return make_formal_batch(s.name, s.batch_size, s.train_lengths, rng)
     if s.family == "recall":
-        if not s.train_min_pairs:
-            return recall_batch(s, rng)
-        pairs = int(rng.integers(s.train_min_pairs, s.recall_batch_sizes()["pairs"] + 1))
-        return recall_batch(s, rng, pairs=pairs)
+        return recall_batch(s, rng)
     if s.mad_dataset is not None:
         pool = mad_data(s)["train"]
         rows = rng.integers(0, len(pool["inputs"]), size=s.batch_size)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -111,35 +110,6 @@ def test_settings_grid_and_batches():
         SyntheticSettings(task="recall:kv", recall_sizes=(("seq_len", 24), ("pairs", 4)))
     with pytest.raises(ValueError, match="^recall_sizes: only"):
         SyntheticSettings(task="mad:compression", recall_sizes=(("pairs", 3),))
-
-
-def test_training_rows_mix_pair_counts_and_the_scored_rows_keep_them_all():
-    sizes = {**SIZES, "queries": 2}
-    s = SyntheticSettings(
-        task="recall:kv", recall_sizes=tuple(sizes.items()), train_min_pairs=2, batch_size=8,
-        eval_multipliers=(1,), depth_bins=1, eval_batches=1,
-    )  # fmt: skip
-    keys = RecallVocab(SIZES["keys"], SIZES["values"], SIZES["filler"])
-    query = 1  # the QUERY marker's id
-
-    def pairs_per_row(batch):  # key ids before the QUERY marker
-        rows = batch["inputs"]
-        before = np.cumsum(rows == query, axis=1) == 0
-        is_key = (rows >= keys.key_base) & (rows < keys.value_base)
-        return set((is_key & before).sum(1).tolist())
-
-    rng = np.random.default_rng(0)
-    drawn = set().union(*(pairs_per_row(train_batch(s, rng)) for _ in range(40)))
-    assert drawn == set(range(2, sizes["pairs"] + 1))  # every count, one per batch
-    assert pairs_per_row(eval_sets(s)[0][2][0]) == {sizes["pairs"]}
-    plain = dataclasses.replace(s, train_min_pairs=0)  # without it every row holds every pair
-    same = train_batch(plain, np.random.default_rng(0))
-    assert pairs_per_row(same) == {sizes["pairs"]}
-    for low in (1, sizes["pairs"] + 1, 2.5):
-        with pytest.raises(ValueError, match="^train_min_pairs: expected"):
-            dataclasses.replace(s, train_min_pairs=low)
-    with pytest.raises(ValueError, match="^train_min_pairs: only for recall"):
-        SyntheticSettings(task="mad:compression", train_min_pairs=2)
 
 
 def test_driver_trains_scores_the_grid_and_draws_the_heatmap(tmp_path, capsys):
