@@ -36,8 +36,11 @@ def test_variants_reach_the_model_configs():
 @pytest.mark.parametrize("scale", sorted(recall_tables.SCALES))
 @pytest.mark.parametrize("table", sorted(recall_tables.TABLES))
 def test_every_preset_builds_its_settings(table, scale):
-    s = recall_tables.table_settings(table, recall_tables.SCALES[scale], ("gdn",))
+    models = recall_tables.TABLES[table]
+    s = recall_tables.table_settings(table, recall_tables.SCALES[scale], models)
     assert s.task.startswith("recall:kv") and s.recall_cells()
+    for name in models:  # every model's options are valid at the preset's sizes
+        model_config(name, s, s.d_model)
 
 
 def test_unknown_names_fail_in_one_line(capsys):
