@@ -123,13 +123,14 @@ TABLE_TASKS = {"hola_text": "recall:kv_text"}
 
 def variants(seq_len: int) -> dict[str, tuple[str, ...]]:
     """The per-model options of the tables' ``<mixer>@<label>`` entries (and HOLA's cache)."""
+    local = seq_len // 4  # what attention sees directly: the SWA window and MAC's segment
     return {
         "hola": HOLA_CACHE,
         "hola@recency": (*HOLA_CACHE, "model.hola.eviction=recency"),
-        "transformer@swa": (f"model.window={seq_len // 4}",),
+        "transformer@swa": (f"model.window={local}",),
         # MAC reads its memory only across segments: with one segment per training row the memory
         # would never be read in training, and MAC would be attention over L that stops at 2×.
-        "titans_mac": (f"model.titans.segment_len={seq_len // 4}",),
+        "titans_mac": (f"model.titans.segment_len={local}",),
     }
 
 
