@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
+from nested_jax.eval.recall import RecallVocab
 from nested_jax.experiments import recall_tables
 from nested_jax.experiments._training import model_config
+from nested_jax.experiments.synthetic_data import recall_batch
 
 
 def test_variants_reach_the_model_configs():
@@ -41,6 +44,14 @@ def test_every_preset_builds_its_settings(table, scale):
     assert s.task.startswith("recall:kv") and s.recall_cells()
     for name in models:  # every model's options are valid at the preset's sizes
         model_config(name, s, s.d_model)
+    # every training row holds filler between its pairs: rows of pairs only would leave the filler
+    # ids unseen until the longer scored rows, which then measure untrained tokens, not length
+    sizes = s.recall_batch_sizes()
+    vocab = RecallVocab(sizes["keys"], sizes["values"], sizes["filler"])
+    inputs = recall_batch(s, np.random.default_rng(0))["inputs"]
+    query = np.argmax(inputs == vocab.QUERY, axis=1)
+    before_query = np.arange(inputs.shape[1]) < query[:, None]
+    assert ((inputs >= vocab.filler_base) & before_query).any(axis=1).all()
 
 
 def test_unknown_names_fail_in_one_line(capsys):
