@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,11 +73,35 @@ def load_run(directory: Path, result: dict, model: str, seed: int):
     path = run_file(directory, s, model, seed, lr, wd).with_suffix(".params.npz")
     if not path.is_file():
         raise ValueError(f"dir: no weights for {model} seed {seed} at {path} (run the table first)")
-    graphdef, state_def, rest, _, state, _ = _training.build_training(
-        model, si, rows[model]["d_model"]
+    return si, restore(model, si, rows[model]["d_model"], path)
+
+
+def load_recorded_run(directory: Path, model: str, seed: int, lr: float):
+    """``(settings, trained)`` of ``model``'s run at ``seed`` and rate ``lr``, read from the run's
+    own record (``<dir>/models/<task>/<model>-seed<k>*.json``, its settings and width) rather
+    than from a table's summary: the probe of a table whose summary is not written yet.
+
+    Raises:
+      ValueError: naming ``lr`` when no run of ``model`` at ``seed`` and ``lr`` with its weights
+        is kept under ``directory``.
+    """
+    for path in sorted(Path(directory).glob(f"models/*/{model}-seed{seed}*.json")):
+        key = json.loads(path.read_text()).get("key", {})
+        si = settings_of(key) if "settings" in key else None
+        weights = path.with_suffix(".params.npz")
+        if si and si.seed == seed and math.isclose(si.lr, lr) and weights.is_file():
+            return si, restore(model, si, key["d_model"], weights)
+    raise ValueError(
+        f"lr: no kept run of {model} at seed {seed} and lr {lr:g} under {directory}/models"
     )
-    params = _training.load_params(path, state["params"])
-    return si, _training.Trained(graphdef, state_def, rest, params)
+
+
+def restore(model: str, s: SyntheticSettings, d_model: int, weights: Path) -> _training.Trained:
+    """``model`` built at settings ``s`` and width ``d_model`` with the weights kept at
+    ``weights`` (a run's ``.params.npz``)."""
+    graphdef, state_def, rest, _, state, _ = _training.build_training(model, s, d_model)
+    params = _training.load_params(weights, state["params"])
+    return _training.Trained(graphdef, state_def, rest, params)
 
 
 def by_prefix(trained, s: SyntheticSettings) -> dict:

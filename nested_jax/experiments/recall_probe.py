@@ -17,8 +17,14 @@ and, on held-out rows ``m ×`` the training length, reports per model and layer:
   its valid entries), the share of the rows' pairs whose value (and key) token sits in it in at
   least one head, and the mean eviction score ``m_t = β_t‖e_t‖`` of the kept entries per kind.
 
+* the answers' accuracy split by where the queried pair sits among the filler: pairs ahead of
+  the row's first filler token against the rest, and the rest by the count of filler tokens
+  between the pair and the query (:func:`split_by_filler`) — a state that decays loses the pairs
+  with the most filler after them; a model hurt by the filler itself loses every pair after it.
+
 Writes ``<out>/recall_probe.json`` and ``.png`` (β by kind per model; HOLA's cache make-up by
-length) and prints one line per model and length.
+length) and prints one line per model and length. ``--lr`` probes a run of a table whose summary
+is not written yet, at that rate (the settings from the run's own record).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from flax import nnx
 
 from nested_jax.eval.recall import RecallVocab
 from nested_jax.experiments import _training
-from nested_jax.experiments.formal_probe import load_run, probe_parser
+from nested_jax.experiments.formal_probe import load_recorded_run, load_run, probe_parser
 from nested_jax.experiments.synthetic_data import recall_batch
 from nested_jax.files import write_json
 from nested_jax.layers.titans import NeuralMemory
@@ -177,43 +183,107 @@ def hola_cache_contents(trained, inputs: np.ndarray, kinds: np.ndarray) -> dict 
     return out
 
 
+def split_by_filler(
+    inputs: np.ndarray, answers: np.ndarray, right: np.ndarray, vocab: RecallVocab, bands: int = 4
+) -> dict:
+    """The accuracy of recall answers by where their pair sits among the filler.
+
+    Args:
+      inputs: ``int [B, T]`` recall rows (one QUERY each).
+      answers: ``bool [B, T]``, the scored positions (each holds a queried key; its answer is the
+        next token).
+      right: ``bool [B, T]``, whether the prediction at each position is the answer.
+      vocab: the rows' :class:`~nested_jax.eval.recall.RecallVocab`.
+      bands: equal bands of the filler count after a pair, over ``[0, the most in a row]``.
+
+    Returns:
+      ``{"before_filler": [accuracy, n], "after_filler": [accuracy, n], "by_filler_after":
+      [[lo, hi, accuracy, n], ...]}``: pairs whose key precedes every filler token of its row,
+      the others, and the others by the number of filler tokens between the pair and the QUERY
+      marker (``lo <= count < hi``; the last band includes ``hi``). Accuracy None where n is 0.
+
+    Raises:
+      ValueError: naming ``answers`` or ``right`` when not the shape of ``inputs``.
+    """
+    inputs = np.asarray(inputs)
+    kinds = token_kinds(inputs, vocab)
+    for name, x in (("answers", answers), ("right", right)):
+        if np.shape(x) != inputs.shape:
+            raise ValueError(f"{name}: expected shape {inputs.shape} (inputs'), got {np.shape(x)}")
+    filler_seen = np.cumsum(kinds == 0, axis=1)  # filler tokens up to and including t
+    before, after = [], []  # (filler after the pair, right) per answer
+    for b, t in zip(*np.nonzero(answers), strict=True):
+        key = np.nonzero((inputs[b] == inputs[b, t]) & (kinds[b] == 1))[0][0]
+        between = filler_seen[b, -1] - filler_seen[b, key]  # all filler lies before the query
+        (before if filler_seen[b, key] == 0 else after).append((between, bool(right[b, t])))
+
+    def rate(group):
+        return [float(np.mean([r for _, r in group])) if group else None, len(group)]
+
+    top = max([n for n, _ in after], default=0)
+    edges = np.linspace(0, top, bands + 1)
+    by = []
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+        last = i == bands - 1
+        group = [x for x in after if lo <= x[0] < hi or (last and x[0] == hi)]
+        by.append([float(lo), float(hi), *rate(group)])
+    return {"before_filler": rate(before), "after_filler": rate(after), "by_filler_after": by}
+
+
 def probe_model(trained, s, multipliers: Sequence[int]) -> dict:
     """Gate statistics (and HOLA's cache contents) of ``trained`` on one held-out batch of its
     task ``s`` (its haystack, ``batch_size`` rows) at each length ``m × L`` of ``multipliers``,
-    the pairs drawn over the whole haystack."""
+    the pairs drawn over the whole haystack, and its answers on that batch split by the filler
+    around their pairs (:func:`split_by_filler`)."""
     sizes = s.recall_batch_sizes()
     vocab = RecallVocab(sizes["keys"], sizes["values"], sizes["filler"])
+    logits_fn = _training.make_logits_fn(trained)
     per_length = {}
     for m in multipliers:
         batch = recall_batch(s, np.random.default_rng(10_000 + m), m)
         kinds = token_kinds(batch["inputs"], vocab)
+        predicted = np.asarray(logits_fn(trained.params, batch["inputs"])).argmax(-1)
+        answers = batch.get("score_mask", batch["loss_mask"]) > 0
+        right = predicted == batch["targets"]
         per_length[f"{m}x"] = {
             "gates": gate_statistics(trained, batch["inputs"], kinds),
             "cache": hola_cache_contents(trained, batch["inputs"], kinds),
+            "answers": split_by_filler(batch["inputs"], answers, right, vocab),
         }
     return per_length
 
 
 def probe(
-    directory: str | Path, models: Sequence[str], seed: int, multipliers: Sequence[int], out
+    directory: str | Path,
+    models: Sequence[str],
+    seed: int,
+    multipliers: Sequence[int],
+    out,
+    lr: float | None = None,
 ) -> dict:
     """Probe every model of ``models`` in the recall table folder ``directory`` (module
-    docstring).
+    docstring): the runs at the table's chosen rates, or at ``lr`` when given (read from the
+    runs' own records, so the table's summary need not exist).
 
     Raises:
-      ValueError: naming ``dir`` without a table result, ``multipliers`` when not ints >= 1, or
-        ``models`` (:func:`~nested_jax.experiments.formal_probe.load_run`).
+      ValueError: naming ``dir`` without a table result (``lr`` None), ``multipliers`` when not
+        ints >= 1, ``models`` (:func:`~nested_jax.experiments.formal_probe.load_run`) or ``lr``
+        (:func:`~nested_jax.experiments.formal_probe.load_recorded_run`).
     """
     directory = Path(directory)
-    found = sorted(directory.glob("recall_*.json"))
-    if len(found) != 1:
-        raise ValueError(f"dir: expected one recall_<task>.json in {directory}, found {found}")
     if not multipliers or any(not isinstance(m, int) or m < 1 for m in multipliers):
         raise ValueError(f"multipliers: expected ints >= 1, got {list(multipliers)}")
-    result = json.loads(found[0].read_text())
-    report = {"dir": str(directory), "seed": seed, "models": {}}
+    if lr is None:
+        found = sorted(directory.glob("recall_*.json"))
+        if len(found) != 1:
+            raise ValueError(f"dir: expected one recall_<task>.json in {directory}, found {found}")
+        result = json.loads(found[0].read_text())
+    report = {"dir": str(directory), "seed": seed, "lr": lr, "models": {}}
     for model in models:
-        s, trained = load_run(directory, result, model, seed)
+        if lr is None:
+            s, trained = load_run(directory, result, model, seed)
+        else:
+            s, trained = load_recorded_run(directory, model, seed, lr)
         report["models"][model] = probe_model(trained, s, multipliers)
         for length, x in report["models"][model].items():
             print(f"== {model} {length}: {summary(x)}", flush=True)
@@ -228,8 +298,11 @@ def summary(x: dict) -> str:
     """One line: the last layer's write strength (and retention) on filler vs values, HOLA's
     cache make-up."""
 
-    def pair(v: list) -> str:
-        return f"{v[0]:.2f} filler / {v[2]:.2f} value"
+    def number(v: float | None) -> str:
+        return "—" if v is None else f"{v:.2f}"
+
+    def pair(v: list) -> str:  # a kind absent from the rows (no filler at all) has None
+        return f"{number(v[0])} filler / {number(v[2])} value"
 
     parts = []
     if x["gates"] is not None:
@@ -243,7 +316,12 @@ def summary(x: dict) -> str:
             f"cache {x['cache']['entries'][-1]:.0f} entries/head, {share[1] + share[2]:.0%} pair "
             f"tokens, {kept:.0%} of values kept"
         )
-    return "; ".join(parts) + " (last layer)" if parts else "no delta-rule mixer"
+    text = "; ".join(parts) + " (last layer)" if parts else "no delta-rule mixer"
+    before, after = x["answers"]["before_filler"], x["answers"]["after_filler"]
+    return (
+        f"{text}; answers {number(before[0])} ahead of the first filler (n {before[1]}), "
+        f"{number(after[0])} after it (n {after[1]})"
+    )
 
 
 def _plot(models: dict, path: Path) -> Path:
@@ -286,9 +364,13 @@ def main(argv: list[str] | None = None) -> int:
         "a recall table's folder (has recall_<task>.json)",
     )
     p.add_argument("--multipliers", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument(
+        "--lr", type=float, default=None,
+        help="probe the runs at this rate, from their own records (default: the table's choice)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     return _training.print_table(
-        lambda: probe(args.dir, args.models, args.seed, args.multipliers, args.out)
+        lambda: probe(args.dir, args.models, args.seed, args.multipliers, args.out, args.lr)
     )
 
 

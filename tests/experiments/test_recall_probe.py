@@ -100,6 +100,34 @@ def test_a_recency_cache_holds_the_last_w_tokens_before_the_last_block():
     assert recall_probe.hola_cache_contents(gdn, inputs, kinds) is None
 
 
+def test_answers_split_by_the_filler_around_their_pairs():
+    vocab = RecallVocab(SIZES["keys"], SIZES["values"], SIZES["filler"])
+    batch = make_recall_batch(16, 5, **SIZES)
+    inputs, answers = batch["inputs"], batch["score_mask"] > 0
+    # by hand: a pair is ahead of the filler when no filler token comes before its key
+    is_filler = inputs >= vocab.filler_base
+    ahead, after_count = [], []
+    for b, t in zip(*np.nonzero(answers), strict=True):
+        key = list(inputs[b]).index(inputs[b, t])
+        ahead.append(not is_filler[b, :key].any())
+        after_count.append(int(is_filler[b, key:].sum()))
+    ahead = np.array(ahead)
+    assert ahead.any() and not ahead.all()  # the seed gives both kinds of pair
+    wrong_ahead = answers.copy()
+    wrong_ahead[np.nonzero(answers)[0][ahead], np.nonzero(answers)[1][ahead]] = False
+    got = recall_probe.split_by_filler(inputs, answers, wrong_ahead, vocab, bands=2)
+    assert got["before_filler"] == [0.0, int(ahead.sum())]
+    assert got["after_filler"] == [1.0, int((~ahead).sum())]
+    top = max(c for c, a in zip(after_count, ahead, strict=True) if not a)
+    bands = got["by_filler_after"]
+    assert [b[:2] for b in bands] == [[0.0, top / 2], [top / 2, float(top)]]
+    assert sum(b[3] for b in bands) == (~ahead).sum() and all(b[2] in (1.0, None) for b in bands)
+    everything_wrong = recall_probe.split_by_filler(inputs, answers, ~answers, vocab)
+    assert everything_wrong["before_filler"][0] == everything_wrong["after_filler"][0] == 0.0
+    with pytest.raises(ValueError, match="^right"):
+        recall_probe.split_by_filler(inputs, answers, answers[:, 1:], vocab)
+
+
 def test_the_probe_runs_on_a_table(tmp_path, monkeypatch, capsys):
     tiny = dataclasses.replace(
         recall_tables.SCALES["cpu"], steps=2, batch_size=4, d_model=16, lrs=(1e-3,), seeds=(0,),
@@ -117,5 +145,16 @@ def test_the_probe_runs_on_a_table(tmp_path, monkeypatch, capsys):
     assert set(report["models"]) == {"hola", "gdn"}
     assert report["models"]["gdn"]["2x"]["cache"] is None
     assert (out / "recall_probe.png").is_file()
+    answers = report["models"]["gdn"]["1x"]["answers"]
+    assert answers["before_filler"][1] + answers["after_filler"][1] == 4 * SIZES["queries"]
     assert recall_probe.main(["--dir", str(tmp_path), "--models", "hola", "--out", str(out)]) == 2
     assert "dir" in capsys.readouterr().err
+    # a run read from its own record, at a rate, matches the table's choice (its only rate)
+    (tmp_path / "hola" / "recall_kv.json").unlink()
+    again = tmp_path / "again"
+    gdn_only = [*argv[:3], "gdn", *argv[5:]]
+    assert recall_probe.main([*gdn_only, "--lr", "1e-3", "--out", str(again)]) == 0
+    recorded = json.loads((again / "recall_probe.json").read_text())["models"]["gdn"]
+    assert recorded == report["models"]["gdn"]
+    assert recall_probe.main([*gdn_only, "--lr", "3e-3", "--out", str(again)]) == 2
+    assert "lr" in capsys.readouterr().err
