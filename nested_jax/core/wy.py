@@ -85,11 +85,6 @@ def kkt(k, beta, gamma):
 
 
 _BASE = 16  # blocks of at most this size are inverted by forward substitution
-# ``solve_tril(A, rhs)`` runs ``lax.linalg.triangular_solve`` up to this C and ``T @ rhs`` with
-# the doubling inverse above it: the solve's expansion walks rows and blocks one at a time, the
-# doubling inverse is matmuls, so above C = 8 the inverse is the faster one on XLA:CPU (timings
-# in docs/RESULTS.md).
-_SUBSTITUTION_MAX = 8
 
 
 def _forward_substitution(A):
@@ -150,49 +145,21 @@ def solve_tril(A, rhs=None):
     """The unit lower-triangular solve of the WY/UT form (SPEC §1): ``(I + A)^{-1}`` or
     ``(I + A)^{-1} R``.
 
-    Without ``rhs``: the inverse ``T`` by blockwise doubling (README §2; stable in f32, never
-    powers of A), with the VJP ``dA = −strict_tril(Tᵀ dT Tᵀ)``. With ``rhs``: for ``C ≤ 8`` one
-    forward substitution (``lax.linalg.triangular_solve``) for all right-hand sides,
-    differentiated by autodiff; for larger ``C`` the product ``T R`` with the doubling inverse
-    (``_SUBSTITUTION_MAX``: 9× faster at C = 16 and 59× at C = 64 on XLA:CPU).
+    The inverse ``T`` by blockwise doubling (README §2; stable in f32, never powers of A), with
+    the VJP ``dA = −strict_tril(Tᵀ dT Tᵀ)``; with ``rhs``, the product ``T R``. Only XLA
+    operations: ``lax.linalg.triangular_solve`` is a LAPACK call on CPU whose batch-parallel
+    kernel (jaxlib 0.10.2) can wait forever for the thread pool it runs on (a Hope forward at
+    batch 250 and chunk 4 never returned), and above C = 8 it was also slower (docs/RESULTS.md).
 
     Args:
-      A: ``[..., C, C]`` strictly lower triangular (entries on and above the diagonal are ignored
-        by the solve and must be zero for the inverse).
+      A: ``[..., C, C]``; only its strictly lower triangle is read.
       rhs: optional ``[..., C, M]``.
 
     Returns:
       ``[..., C, C]`` unit lower triangular ``T``, or ``[..., C, M]``.
     """
-    if rhs is None:
-        return _inverse(A)
-    if A.shape[-1] > _SUBSTITUTION_MAX:
-        return _inverse(A) @ rhs
-    return _explicit_as_auto(_unit_lower_solve, rhs)(A, rhs)
-
-
-def _unit_lower_solve(A, rhs):
-    eye = jnp.eye(A.shape[-1], dtype=A.dtype)
-    return lax.linalg.triangular_solve(eye + A, rhs, left_side=True, lower=True, unit_diagonal=True)
-
-
-def _explicit_as_auto(f, like):
-    """``f`` itself, or on a mesh with Explicit axes ``f`` run with those axes Auto
-    (``jax.sharding.auto_axes``), its output typed like ``like``.
-
-    ``lax.linalg.triangular_solve`` lowers to a ``select`` whose mask it builds unsharded, which an
-    Explicit mesh rejects ("select `which` must ... have the same sharding as cases"); inside
-    ``auto_axes`` the partitioner places it instead. Same values: only the typing differs.
-    """
-    sharding = getattr(jax.typeof(like), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None:
-        return f
-    kinds = zip(mesh.axis_names, mesh.axis_types, strict=True)
-    explicit = tuple(name for name, kind in kinds if kind == jax.sharding.AxisType.Explicit)
-    if not explicit:
-        return f
-    return jax.sharding.auto_axes(f, axes=explicit, out_sharding=sharding)
+    T = _inverse(jnp.tril(A, -1))
+    return T if rhs is None else T @ rhs
 
 
 def w_u(k, v, beta, d, *, T=None, A=None):

@@ -158,6 +158,19 @@ def test_solve_tril_with_rhs_is_inverse_times_rhs(C):
     dense = _grad(lambda A, R: jnp.sum(w * (jnp.linalg.inv(eye + A) @ R)), argnums=(0, 1))(A, R)
     _close(jnp.tril(got[0], -1), jnp.tril(dense[0], -1))
     _close(got[1], dense[1])
+    # only the strictly lower triangle is read
+    noise = jnp.triu(jnp.asarray(rng.normal(size=A.shape), jnp.float32))
+    np.testing.assert_array_equal(solve_tril(A + noise, R), solve_tril(A, R))
+
+
+def test_solve_tril_lowers_to_xla_operations_only():
+    # lax.linalg.triangular_solve is a LAPACK call on CPU whose batch-parallel kernel (jaxlib
+    # 0.10.2) hung a Hope forward at batch 250 and chunk 4: the solve must not lower to it
+    A = _strict_lower(np.random.default_rng(0), (250, 4, 4))
+    R = jnp.ones((250, 4, 8))
+    for fn in (lambda A: solve_tril(A), lambda A: solve_tril(A, R)):
+        text = jax.jit(jax.grad(lambda A, fn=fn: jnp.sum(fn(A)))).lower(A).as_text()
+        assert "triangular_solve" not in text and "trsm" not in text
 
 
 # ----- w_u --------------------------------------------------------------------------------------
