@@ -296,7 +296,7 @@ def probe(
 
 def summary(x: dict) -> str:
     """One line: the last layer's write strength (and retention) on filler vs values, HOLA's
-    cache make-up."""
+    cache make-up, and the answers' accuracy ahead of and after the row's first filler token."""
 
     def number(v: float | None) -> str:
         return "—" if v is None else f"{v:.2f}"
