@@ -147,9 +147,9 @@ def solve_tril(A, rhs=None):
 
     The inverse ``T`` by blockwise doubling (README §2; stable in f32, never powers of A), with
     the VJP ``dA = −strict_tril(Tᵀ dT Tᵀ)``; with ``rhs``, the product ``T R``. Only XLA
-    operations: ``lax.linalg.triangular_solve`` is a LAPACK call on CPU whose batch-parallel
-    kernel (jaxlib 0.10.2) can wait forever for the thread pool it runs on (a Hope forward at
-    batch 250 and chunk 4 never returned), and above C = 8 it was also slower (docs/RESULTS.md).
+    operations: on CPU ``lax.linalg.triangular_solve`` is a LAPACK call whose batch-parallel
+    kernel can wait forever for the thread pool it runs in, and at larger C it is also the slower
+    (docs/RESULTS.md, "wy.solve_tril").
 
     Args:
       A: ``[..., C, C]``; only its strictly lower triangle is read.

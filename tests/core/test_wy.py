@@ -164,8 +164,8 @@ def test_solve_tril_with_rhs_is_inverse_times_rhs(C):
 
 
 def test_solve_tril_lowers_to_xla_operations_only():
-    # lax.linalg.triangular_solve is a LAPACK call on CPU whose batch-parallel kernel (jaxlib
-    # 0.10.2) hung a Hope forward at batch 250 and chunk 4: the solve must not lower to it
+    # on CPU lax.linalg.triangular_solve is a LAPACK call whose batch-parallel kernel can wait
+    # forever for its thread pool (docs/RESULTS.md): the solve must not lower to it
     A = _strict_lower(np.random.default_rng(0), (250, 4, 4))
     R = jnp.ones((250, 4, 8))
     for fn in (lambda A: solve_tril(A), lambda A: solve_tril(A, R)):
