@@ -21,7 +21,7 @@ Tables (:data:`TABLES`):
   as length grows).
 * ``proteus``: Proteus' incremental activation, ``E ∈ {1, 4, 16, 32}`` blocks on GDN and Titans
   LMM, with many pairs per row (the ``gpu`` preset: far more than a head's state holds; the
-  ``cpu`` preset: three quarters of it, the most its budget learns; Proteus Fig. 3: 16 blocks
+  ``cpu`` preset: about what it holds, the most its budget learns; Proteus Fig. 3: 16 blocks
   beat 1, 32 is worse again).
 
 Every run is one ``synthetic`` run (:func:`~nested_jax.experiments.synthetic.run_synthetic`),

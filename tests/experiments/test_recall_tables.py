@@ -12,6 +12,7 @@ import pytest
 from nested_jax.eval.recall import RecallVocab
 from nested_jax.experiments import recall_tables
 from nested_jax.experiments._training import model_config
+from nested_jax.experiments.recall_probe import KINDS, token_kinds
 from nested_jax.experiments.synthetic_data import recall_batch
 
 
@@ -48,10 +49,8 @@ def test_every_preset_builds_its_settings(table, scale):
     # ids unseen until the longer scored rows, which then measure untrained tokens, not length
     sizes = s.recall_batch_sizes()
     vocab = RecallVocab(sizes["keys"], sizes["values"], sizes["filler"])
-    inputs = recall_batch(s, np.random.default_rng(0))["inputs"]
-    query = np.argmax(inputs == vocab.QUERY, axis=1)
-    before_query = np.arange(inputs.shape[1]) < query[:, None]
-    assert ((inputs >= vocab.filler_base) & before_query).any(axis=1).all()
+    kinds = token_kinds(recall_batch(s, np.random.default_rng(0))["inputs"], vocab)
+    assert (kinds == KINDS.index("filler")).any(axis=1).all()
 
 
 def test_unknown_names_fail_in_one_line(capsys):
