@@ -254,11 +254,14 @@ class Progress(NamedTuple):
     ``path``: an ``.npz`` file (the train state, the batch generator's state, the losses and the
     times so far), written atomically every ``every_s`` seconds of training and removed when the
     run ends. ``key``: the run's settings; a file saved under another key is not resumed.
+    ``added``: settings fields newer than some saved files, with their defaults, matched as
+    :func:`same_key` matches finished runs (a run saved before a field existed still resumes).
     """
 
     path: Path
     key: dict
     every_s: float = 300.0
+    added: dict | None = None
 
 
 class Checks(NamedTuple):
@@ -291,7 +294,7 @@ def _load_progress(progress: Progress | None, state):
         return None
     try:
         meta = load_meta(progress.path)
-        if not same_key(meta.get("key"), progress.key):
+        if not same_key(meta.get("key"), progress.key, progress.added):
             print(f"  progress at {progress.path} is for other settings: starting over", flush=True)
             return None
         state = load_params(progress.path, state)

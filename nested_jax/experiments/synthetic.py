@@ -256,7 +256,7 @@ def run_synthetic(
         params_path = progress = None
         if done is not None:  # a stopped run continues from its .progress.npz
             params_path = done.with_suffix(".params.npz")
-            progress = Progress(done.with_suffix(".progress.npz"), key)
+            progress = Progress(done.with_suffix(".progress.npz"), key, added=FIELDS_ADDED)
         run = train_and_score(name, si, widths[name], log_every, params_path, progress)
         accs = ", ".join(f"{k}: {v['accuracy']:.3f}" for k, v in run["scores"].items())
         print(

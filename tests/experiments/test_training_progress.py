@@ -72,6 +72,24 @@ def test_progress_of_other_settings_or_unreadable_starts_over(tmp_path, capsys):
             np.testing.assert_array_equal(a, b)
 
 
+def test_progress_saved_before_a_field_existed_resumes_at_its_default(tmp_path, capsys):
+    old = {"settings": {"lr": 0.1}}
+    new = {"settings": {"lr": 0.1, "score_every": 0}}
+    path = tmp_path / "run.progress.npz"
+    with pytest.raises(Stop):
+        _fit(_training.Progress(path, old, every_s=0.0), stop_after=3)
+    _fit(_training.Progress(path, new, added={"score_every": 0}))
+    assert "resuming at step 3/6" in capsys.readouterr().out
+    with pytest.raises(Stop):
+        _fit(_training.Progress(path, old, every_s=0.0), stop_after=3)
+    _fit(
+        _training.Progress(
+            path, {"settings": {"lr": 0.1, "score_every": 2}}, added={"score_every": 0}
+        )
+    )
+    assert "is for other settings: starting over" in capsys.readouterr().out
+
+
 def _square_norm(trained) -> dict:
     import jax
 
