@@ -39,7 +39,7 @@ from pathlib import Path
 from nested_jax.eval.formal_protocol import PROTOCOL_TASKS
 from nested_jax.eval.mad import MAD_TASKS
 from nested_jax.experiments._training import print_table
-from nested_jax.experiments.synthetic import run_synthetic
+from nested_jax.experiments.synthetic import add_finished_only_flag, run_synthetic
 from nested_jax.experiments.synthetic_data import SyntheticSettings
 from nested_jax.experiments.synthetic_report import spread
 from nested_jax.files import write_json
@@ -260,19 +260,31 @@ def _label(sizes: Mapping[str, int | float], base: Mapping[str, int | float]) ->
 
 
 def run_formal(
-    scale: TableScale, models: Sequence[str], tasks: Sequence[str], seeds: Sequence[int], out: Path
+    scale: TableScale,
+    models: Sequence[str],
+    tasks: Sequence[str],
+    seeds: Sequence[int],
+    out: Path,
+    finished_only: bool = False,
 ) -> dict:
     """Every language of ``tasks`` (:func:`run_synthetic` each): ``{task: result}``."""
     results = {}
     for task in tasks:
         s = scale.synthetic(f"protocol:{task}", models, steps=scale.steps)
         print(f"=== formal {task}: {list(models)}, seeds {list(seeds)}", flush=True)
-        results[task] = run_synthetic(models, s, seeds, out / task, lrs=scale.lrs, wds=scale.wds)
+        results[task] = run_synthetic(
+            models, s, seeds, out / task, lrs=scale.lrs, wds=scale.wds, finished_only=finished_only
+        )
     return results
 
 
 def run_mad(
-    scale: TableScale, models: Sequence[str], tasks: Sequence[str], seeds: Sequence[int], out: Path
+    scale: TableScale,
+    models: Sequence[str],
+    tasks: Sequence[str],
+    seeds: Sequence[int],
+    out: Path,
+    finished_only: bool = False,
 ) -> dict:
     """Every MAD task of ``tasks`` at each of its settings: ``{task: {setting: result}}``."""
     results = {}
@@ -290,7 +302,13 @@ def run_mad(
             )
             print(f"=== mad {task} ({label}): {list(models)}, seeds {list(seeds)}", flush=True)
             results[task][label] = run_synthetic(
-                models, s, seeds, out / task / label, lrs=scale.lrs, wds=scale.wds
+                models,
+                s,
+                seeds,
+                out / task / label,
+                lrs=scale.lrs,
+                wds=scale.wds,
+                finished_only=finished_only,
             )
     return results
 
@@ -311,18 +329,21 @@ def formal_rows(results: Mapping[str, dict]) -> dict[str, dict[str, dict]]:
 
 def mad_rows(results: Mapping[str, Mapping[str, dict]]) -> dict[str, dict[str, dict]]:
     """``{model: {task: {"score": spread, "settings": n}}}``: per seed, the mean over the task's
-    settings of the chosen run's accuracy (MAD's score), in %."""
+    settings of the chosen run's accuracy (MAD's score), in %; a seed counts once it has finished
+    every setting."""
     rows: dict[str, dict[str, dict]] = {}
     for task, by_setting in results.items():
-        per_model: dict[str, list[float]] = {}
+        per_model: dict[str, dict[int, list[float]]] = {}
         for result in by_setting.values():  # its runs are the seeds at the chosen lr and decay
             for run in result["runs"]:
-                per_model.setdefault(run["model"], []).append(run["accuracy"])
+                by_seed = per_model.setdefault(run["model"], {})
+                by_seed.setdefault(run["seed"], []).append(run["accuracy"])
         n = len(by_setting)
-        for model, accs in per_model.items():
-            seeds = len(accs) // n
-            by_seed = [sum(accs[k::seeds]) / n for k in range(seeds)]
-            rows.setdefault(model, {})[task] = {"score": _percent(spread(by_seed)), "settings": n}
+        for model, by_seed in per_model.items():
+            scores = [sum(accs) / n for accs in by_seed.values() if len(accs) == n]
+            if scores:
+                cell = {"score": _percent(spread(scores)), "settings": n}
+                rows.setdefault(model, {})[task] = cell
     return rows
 
 
@@ -330,17 +351,19 @@ def _percent(x: dict) -> dict:
     return {**x, **{k: 100 * x[k] for k in ("mean", "std", "min", "max")}}
 
 
-def _fmt(x: dict) -> str:
-    if len(x["values"]) == 1:
-        return f"{x['mean']:.1f}"
-    return f"{x['mean']:.1f} ± {x['std']:.1f} ({x['max']:.1f})"
+def _fmt(x: dict, seeds: int) -> str:
+    """Mean ± std (best) in %, and how many of the table's ``seeds`` it has where fewer."""
+    k = len(x["values"])
+    cell = f"{x['mean']:.1f}" if k == 1 else f"{x['mean']:.1f} ± {x['std']:.1f} ({x['max']:.1f})"
+    return cell if k == seeds else f"{cell} ({k} of {seeds} seeds)"
 
 
 def formal_markdown(
-    rows: Mapping[str, Mapping[str, dict]], tasks: Sequence[str], suffix: str = ""
+    rows: Mapping[str, Mapping[str, dict]], tasks: Sequence[str], seeds: int, suffix: str = ""
 ) -> str:
-    """Model × language, Bin0 and Bin1: ours (mean ± std (best) in %) and the paper's; ``suffix``
-    ``"_best"``: each bin's best check instead of the end of training (``–`` where unchecked)."""
+    """Model × language, Bin0 and Bin1: ours (mean ± std (best) in % over the ``seeds`` asked
+    for) and the paper's; ``suffix`` ``"_best"``: each bin's best check instead of the end of
+    training (``–`` where unchecked or not finished)."""
     head = "| model | " + " | ".join(f"{t} Bin0 | {t} Bin1" for t in tasks) + " |"
     lines = [head, "|---|" + "---:|" * (2 * len(tasks))]
     for model, cells in rows.items():
@@ -348,20 +371,21 @@ def formal_markdown(
         parts = []
         for t in tasks:
             for i, b in enumerate(("bin0", "bin1")):
-                ours = _fmt(cells[t][b + suffix]) if b + suffix in cells.get(t, {}) else "–"
+                ours = _fmt(cells[t][b + suffix], seeds) if b + suffix in cells.get(t, {}) else "–"
                 ref = f" [{paper[t][i]:g}]" if t in paper else ""
                 parts.append(ours + ref)
         lines.append(f"| {model} | " + " | ".join(parts) + " |")
     return "\n".join(lines) + "\n"
 
 
-def mad_markdown(rows: Mapping[str, Mapping[str, dict]], tasks: Sequence[str]) -> str:
-    """Model × MAD task: our score (mean ± std (best) in %) and the paper's."""
+def mad_markdown(rows: Mapping[str, Mapping[str, dict]], tasks: Sequence[str], seeds: int) -> str:
+    """Model × MAD task: our score (mean ± std (best) in % over the ``seeds`` asked for) and the
+    paper's."""
     lines = ["| model | " + " | ".join(tasks) + " |", "|---|" + "---:|" * len(tasks)]
     for model, cells in rows.items():
         paper = PAPER_MAD.get(model, {})
         parts = [
-            (_fmt(cells[t]["score"]) if t in cells else "–")
+            (_fmt(cells[t]["score"], seeds) if t in cells else "–")
             + (f" [{paper[t]:g}]" if t in paper else "")
             for t in tasks
         ]
@@ -433,8 +457,11 @@ def run_table(
     models: Sequence[str] | None = None,
     tasks: Sequence[str] | None = None,
     seeds: Sequence[int] | None = None,
+    finished_only: bool = False,
 ) -> dict:
-    """Fill table ``table`` (``formal`` or ``mad``) at preset ``scale``; write its summary.
+    """Fill table ``table`` (``formal`` or ``mad``) at preset ``scale``; write its summary
+    (``finished_only``: train nothing, summarise the runs saved so far; see
+    :func:`~nested_jax.experiments.synthetic.run_synthetic`).
 
     Returns:
       ``{"table", "scale", "models", "tasks", "seeds", "rows", "markdown", "plot"}``.
@@ -457,18 +484,20 @@ def run_table(
     seeds = list(seeds if seeds is not None else preset.seeds)
     out = Path(out)
     if table == "formal":
-        rows = formal_rows(run_formal(preset, models, tasks, seeds, out / table))
-        md = formal_markdown(rows, tasks)
+        rows = formal_rows(run_formal(preset, models, tasks, seeds, out / table, finished_only))
+        rows = {m: rows.get(m, {}) for m in models}  # a model with nothing finished: "–"
+        md = formal_markdown(rows, tasks, len(seeds))
         if any("bin1_best" in cell for cells in rows.values() for cell in cells.values()):
             md += (
                 "\nEach bin's best check during training (every "
                 f"{dict(preset.settings)['score_every']} steps): the source's measure, its best "
                 "epoch per bin, chosen on the scored bins themselves, so never the headline:\n\n"
-                + formal_markdown(rows, tasks, "_best")
+                + formal_markdown(rows, tasks, len(seeds), "_best")
             )
     else:
-        rows = mad_rows(run_mad(preset, models, tasks, seeds, out / table))
-        md = mad_markdown(rows, tasks)
+        rows = mad_rows(run_mad(preset, models, tasks, seeds, out / table, finished_only))
+        rows = {m: rows.get(m, {}) for m in models}  # a model with nothing finished: "–"
+        md = mad_markdown(rows, tasks, len(seeds))
     head = (
         f"{table} table, scale `{scale}` ({preset.note}); seeds {', '.join(map(str, seeds))}; "
         "cells: mean ± std (best seed) in %, [the paper's number]\n\n"
@@ -502,13 +531,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", nargs="+", default=None, help="a subset of the languages / tasks")
     p.add_argument("--models", nargs="+", default=None, help="a subset or other models")
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: the preset's")
+    add_finished_only_flag(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return print_table(
-        lambda: run_table(args.table, args.scale, args.out, args.models, args.tasks, args.seeds)
+        lambda: run_table(
+            args.table,
+            args.scale,
+            args.out,
+            args.models,
+            args.tasks,
+            args.seeds,
+            args.finished_only,
+        )
     )
 
 

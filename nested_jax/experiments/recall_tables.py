@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nested_jax.experiments._training import print_table
-from nested_jax.experiments.synthetic import run_synthetic
+from nested_jax.experiments.synthetic import add_finished_only_flag, run_synthetic
 from nested_jax.experiments.synthetic_data import SyntheticSettings
 
 # HOLA's cache, the same for both evictions: w entries per head, blocks of C tokens. C is a quarter
@@ -160,8 +160,10 @@ def run_table(
     out: str | Path,
     models: Sequence[str] | None = None,
     seeds: Sequence[int] | None = None,
+    finished_only: bool = False,
 ) -> dict:
-    """Fill ``table`` at preset ``scale`` (the ``synthetic`` summary of its runs).
+    """Fill ``table`` at preset ``scale`` (the ``synthetic`` summary of its runs;
+    ``finished_only``: train nothing, summarise the runs saved so far).
 
     Raises:
       ValueError: naming ``table`` or ``scale`` when unknown.
@@ -174,7 +176,9 @@ def run_table(
     models = list(models or TABLES[table])
     seeds = list(seeds if seeds is not None else preset.seeds)
     s = table_settings(table, preset, models)
-    result = run_synthetic(models, s, seeds, Path(out) / table, lrs=preset.lrs)
+    result = run_synthetic(
+        models, s, seeds, Path(out) / table, lrs=preset.lrs, finished_only=finished_only
+    )
     head = f"recall table `{table}`, scale `{scale}` ({preset.note})\n\n"
     return {**result, "markdown": head + result["markdown"]}
 
@@ -190,12 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory of the runs and the summaries")
     p.add_argument("--models", nargs="+", default=None, help="a subset or other models")
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: the preset's")
+    add_finished_only_flag(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return print_table(lambda: run_table(args.table, args.scale, args.out, args.models, args.seeds))
+    return print_table(
+        lambda: run_table(
+            args.table, args.scale, args.out, args.models, args.seeds, args.finished_only
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from nested_jax.eval.formal_languages import formal_accuracy
@@ -218,6 +218,22 @@ def _checked_lists(models, s: SyntheticSettings, seeds, lrs, wds):
     return seeds, lrs, wds
 
 
+class _NotFinished(Exception):
+    """A run that ``finished_only`` did not find saved."""
+
+
+def _not_finished(label: str) -> dict:
+    raise _NotFinished(label)
+
+
+def _finished(run_one: Callable[..., dict], *args) -> dict | None:
+    """``run_one(*args)``, or None for a run that ``finished_only`` did not find saved."""
+    try:
+        return run_one(*args)
+    except _NotFinished:
+        return None
+
+
 def run_synthetic(
     models: Sequence[str],
     s: SyntheticSettings,
@@ -226,6 +242,7 @@ def run_synthetic(
     log_every: int = 50,
     lrs: Sequence[float] = (),
     wds: Sequence[float] = (),
+    finished_only: bool = False,
 ) -> dict:
     """Size, train and score every model at every seed; write ``<stem>.json`` / ``.md`` / ``.png``
     under ``out`` (``stem = <family>_<name>``).
@@ -238,13 +255,21 @@ def run_synthetic(
     way, over the grid ``lrs × wds`` (MAD's protocol sweeps both; ties also prefer the smaller
     decay).
 
+    ``finished_only``: train nothing; summarise the runs already saved under ``out`` (a table
+    filled a piece at a time, read while its other pieces train). A model whose sweep is not
+    complete, or with no finished seed, is left out and named in ``unfinished``; a row with
+    fewer seeds than asked says which it has.
+
     Returns:
-      ``{"task", "settings", "seeds", "chance", "runs", "rows", "markdown", "plot", "lr_sweep"}``
+      ``{"task", "settings", "seeds", "chance", "runs", "rows", "markdown", "plot", "lr_sweep",
+      "unfinished"}``
       (``plot``: the PNG path, or None without ``out``; ``lr_sweep``: per model, the validation
       accuracy and loss at each rate (``"<lr>"``, or ``"<lr>/wd<wd>"`` with ``wds``), the chosen
       rate and decay).
     """
     seeds, lrs, wds = _checked_lists(models, s, seeds, lrs, wds)
+    if finished_only and out is None:
+        raise ValueError("finished_only: needs out, the directory of the saved runs")
     widths = model_widths(models, s, s.match_params)
     stem = s.task.replace(":", "_")
 
@@ -272,17 +297,23 @@ def run_synthetic(
         done = None if out is None else run_file(out, s, name, seed, lr, wd)
         key = {"settings": dataclasses.asdict(si), "d_model": widths[name]}
         label = f"{name} seed {seed} lr {lr:g}" + (f" wd {wd:g}" if wds else "")
+        if finished_only:
+            return cached_row(done, key, lambda: _not_finished(label), label, FIELDS_ADDED)
         return cached_row(done, key, lambda: compute(name, si, done, key), label, FIELDS_ADDED)
 
     def grid_key(lr: float, wd: float) -> str:
         return f"{lr:g}/wd{wd:g}" if wds else f"{lr:g}"
 
-    runs, sweep = [], {}
+    runs, sweep, unfinished = [], {}, []
     for name in models:
         lr, wd = s.lr, s.weight_decay
         if lrs or wds:
             grid = [(a, b) for a in lrs or [s.lr] for b in wds or [s.weight_decay]]
-            tried = {p: run_one(name, seeds[0], *p)["val"] for p in grid}
+            try:
+                tried = {p: run_one(name, seeds[0], *p)["val"] for p in grid}
+            except _NotFinished:
+                unfinished.append(name)
+                continue
             lr, wd = min(grid, key=lambda p: (-tried[p]["accuracy"], tried[p]["eval_loss"], p))
             sweep[name] = {
                 "chosen": lr,
@@ -294,9 +325,14 @@ def run_synthetic(
                 + (f" wd {wd:g}" if wds else "")
                 + f" (validation accuracy {tried[lr, wd]['accuracy']:.3f})"
             )
-        runs.extend(run_one(name, seed, lr, wd) for seed in seeds)
+        mine = [r for r in (_finished(run_one, name, seed, lr, wd) for seed in seeds) if r]
+        if not mine:
+            unfinished.append(name)
+        runs.extend(mine)
     rows = aggregate(runs)
     md = markdown_table(rows, s, seeds)
+    if unfinished:
+        md += f"\nNot finished (no sweep or no seed saved yet): {', '.join(unfinished)}.\n"
     settings = {k: v for k, v in dataclasses.asdict(s).items() if k != "seed"}
     result = {
         "task": s.task,
@@ -308,6 +344,7 @@ def run_synthetic(
         "markdown": md,
         "plot": None,
         "lr_sweep": sweep,
+        "unfinished": unfinished,
     }
     if out is not None:
         out = Path(out)
@@ -408,8 +445,19 @@ def build_parser() -> argparse.ArgumentParser:
         "unknown keys are rejected)",
     )
     _add_sweep_flags(p)
+    add_finished_only_flag(p)
     p.add_argument("--out", default=None, help="directory for the json, md and png")
     return p
+
+
+def add_finished_only_flag(p: argparse.ArgumentParser) -> None:
+    """``--finished-only``: summarise the saved runs, train nothing (``run_synthetic``'s)."""
+    p.add_argument(
+        "--finished-only",
+        action="store_true",
+        help="train nothing: summarise the runs already saved under --out (a table read while "
+        "its other pieces train)",
+    )
 
 
 def _add_sweep_flags(p: argparse.ArgumentParser) -> None:
@@ -481,7 +529,13 @@ def main(argv: list[str] | None = None) -> int:
                     name, dataclasses.replace(s, model_overrides=((name, text),)), s.d_model
                 )
         out = run_synthetic(
-            args.models, s, args.seeds, args.out, lrs=args.lrs or (), wds=args.wds or ()
+            args.models,
+            s,
+            args.seeds,
+            args.out,
+            lrs=args.lrs or (),
+            wds=args.wds or (),
+            finished_only=args.finished_only,
         )
     except ValueError as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)

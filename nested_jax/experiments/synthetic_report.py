@@ -97,6 +97,15 @@ def _seeds_note(seeds: Sequence[int], stats: str = "mean ± sample std") -> str:
     return f"{stats} over seeds {', '.join(map(str, seeds))}"
 
 
+def _model(row: dict, seeds: Sequence[int]) -> str:
+    """The row's model, with its seeds where it has fewer than the table asked for (a table
+    summarised before all its runs finished)."""
+    have = row.get("seeds", list(seeds))
+    if list(have) == list(seeds):
+        return row["model"]
+    return f"{row['model']} (seed{'s' if len(have) > 1 else ''} {', '.join(map(str, have))})"
+
+
 def _rates(s: SyntheticSettings, rows: Sequence[dict]) -> str:
     """``"lr <s.lr>"``, or each model's rate where a sweep chose rates other than ``s.lr``."""
     if all(r.get("lr") in (None, s.lr) for r in rows):
@@ -147,7 +156,7 @@ def _protocol_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[
             else (" – |" if checked else "")
         )
         lines.append(
-            f"| {r['model']} | {r['lr']:g} | {r['d_model']} | {r['params']:,} "
+            f"| {_model(r, seeds)} | {r['lr']:g} | {r['d_model']} | {r['params']:,} "
             f"| {_cell_best(sc['bin0']['accuracy'])} | {_cell_best(sc['bin1']['accuracy'])} |"
             + cell
             + f" {_cell(r['val']) if r['val'] else '–'} | {_cell(r['final_train_loss'])} "
@@ -185,7 +194,7 @@ def _recall_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[in
         by_length = recall_grid(r, s).mean(axis=2)  # [seeds, multipliers]
         accs = "".join(f" {_cell_se(spread(by_length[:, i]))} |" for i in range(by_length.shape[1]))
         lines.append(
-            f"| {r['model']} | {r['d_model']} | {r['params']:,} |{accs} "
+            f"| {_model(r, seeds)} | {r['d_model']} | {r['params']:,} |{accs} "
             f"{_cell(r['final_train_loss'])} | {r['train_seconds']['mean']:.0f} |"
         )
     return head + "\n".join(lines) + "\n"
@@ -219,7 +228,8 @@ def markdown_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[i
         for r in rows:
             accs = "".join(f" {_cell(r['scores'][k]['accuracy'])} |" for k in keys)
             lines.append(
-                f"| {r['model']} | {r['d_model']} | {r['params']:,} | {r['params'] / first:.3f} |"
+                f"| {_model(r, seeds)} | {r['d_model']} | {r['params']:,} "
+                f"| {r['params'] / first:.3f} |"
                 + accs
                 + f" {_cell(r['final_train_loss'])} | {r['train_seconds']['mean']:.0f} |"
             )
@@ -232,7 +242,7 @@ def markdown_table(rows: Sequence[dict], s: SyntheticSettings, seeds: Sequence[i
     for r in rows:
         sc = r["scores"]["heldout"]
         lines.append(
-            f"| {r['model']} | {r['d_model']} | {r['params']:,} | {r['params'] / first:.3f} "
+            f"| {_model(r, seeds)} | {r['d_model']} | {r['params']:,} | {r['params'] / first:.3f} "
             f"| {_cell(sc['accuracy'])} | {sc['accuracy']['mean'] / s.chance:.1f} "
             f"| {_cell(sc['eval_loss'])} | {_cell(r['final_train_loss'])} "
             f"| {r['train_seconds']['mean']:.0f} |"
@@ -292,7 +302,8 @@ def plot(rows: Sequence[dict], s: SyntheticSettings, path: Path) -> Path:
         ax.axhline(s.chance, color="k", lw=0.8, ls="--", label="chance")
     ax.set_ylim(0.0, 1.02)
     ax.set_title(f"{s.task} ({s.steps} steps)")
-    ax.legend(fontsize=7)
+    if rows or s.family != "protocol":  # a table with no finished run yet has nothing to name
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

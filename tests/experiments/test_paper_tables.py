@@ -128,6 +128,43 @@ def test_formal_table_end_to_end_resumes_and_prints_the_paper(tmp_path, monkeypa
     assert json.loads((tmp_path / "formal.json").read_text())["rows"] == result["rows"]
 
 
+def test_finished_only_summarises_what_is_saved_and_trains_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(paper_tables.FORMAL_SCALES, "tiny", TINY_FORMAL)
+    argv = ["formal", "--scale", "tiny", "--out", str(tmp_path), "--tasks", "parity"]
+    both = [*argv, "--models", "lstm", "transformer", "--finished-only"]
+    assert paper_tables.main(both) == 0
+    assert not list(tmp_path.rglob("*-seed*.json"))  # nothing was trained
+    task_md = tmp_path / "formal" / "parity" / "protocol_parity.md"
+    assert "Not finished (no sweep or no seed saved yet): lstm, transformer." in task_md.read_text()
+    assert paper_tables.main([*argv, "--models", "lstm", "--seeds", "0"]) == 0
+    capsys.readouterr()
+    assert paper_tables.main(both) == 0
+    assert "lstm seed 0 lr 0.001: reusing" in capsys.readouterr().out
+    md = (tmp_path / "formal.md").read_text()
+    assert "(1 of 2 seeds)" in md and "| transformer | – [46.4] | – [0] |" in md
+    assert "| lstm (seed 0) |" in task_md.read_text() and "transformer." in task_md.read_text()
+    assert len(list(tmp_path.rglob("*-seed*.json"))) == 1  # still only lstm's seed 0
+    with pytest.raises(ValueError, match="^finished_only"):
+        synthetic.run_synthetic(
+            ["lstm"], SyntheticSettings(task="protocol:parity"), finished_only=True
+        )
+
+
+def test_mad_score_counts_a_seed_once_it_has_every_setting():
+    run = lambda seed, acc: {"model": "gdn", "seed": seed, "accuracy": acc}  # noqa: E731
+    results = {
+        "memorization": {"a": {"runs": [run(0, 0.5), run(1, 0.9)]}, "b": {"runs": [run(0, 0.7)]}}
+    }
+    cell = paper_tables.mad_rows(results)["gdn"]["memorization"]
+    assert cell["settings"] == 2 and cell["score"]["values"] == [pytest.approx(0.6)]
+    assert (
+        paper_tables.mad_markdown(paper_tables.mad_rows(results), ["memorization"], 3).count(
+            "(1 of 3 seeds)"
+        )
+        == 1
+    )
+
+
 def test_formal_presets_score_the_bins_after_every_epoch():
     for scale in paper_tables.FORMAL_SCALES.values():
         s = scale.synthetic("protocol:parity", ["lstm"], steps=scale.steps)

@@ -79,3 +79,8 @@ def test_a_table_runs_and_resumes(tmp_path, monkeypatch, capsys):
     assert recall_tables.main(argv) == 0  # every run found in the cache: nothing trains
     again = capsys.readouterr().out
     assert "reusing" in again and "step 2/2" not in again
+    wider = [*argv, "--seeds", "0", "1", "--finished-only"]  # seed 1 never trained: left out
+    assert recall_tables.main(wider) == 0
+    summary = capsys.readouterr().out
+    assert "| hola (seed 0) |" in summary and "step " not in summary
+    assert not list((tmp_path / "hola").rglob("*seed1*"))
