@@ -254,8 +254,7 @@ class Progress(NamedTuple):
     ``path``: an ``.npz`` file (the train state, the batch generator's state, the losses and the
     times so far), written atomically every ``every_s`` seconds of training and removed when the
     run ends. ``key``: the run's settings; a file saved under another key is not resumed.
-    ``added``: settings fields newer than some saved files, with their defaults, matched as
-    :func:`same_key` matches finished runs (a run saved before a field existed still resumes).
+    ``added``: settings fields newer than some files, at their defaults, as in :func:`same_key`.
     """
 
     path: Path

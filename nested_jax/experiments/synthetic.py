@@ -271,7 +271,6 @@ def run_synthetic(
     if finished_only and out is None:
         raise ValueError("finished_only: needs out, the directory of the saved runs")
     widths = model_widths(models, s, s.match_params)
-    stem = s.task.replace(":", "_")
 
     def compute(name: str, si: SyntheticSettings, done: Path | None, key: dict) -> dict:
         print(
@@ -301,30 +300,16 @@ def run_synthetic(
             return cached_row(done, key, lambda: _not_finished(label), label, FIELDS_ADDED)
         return cached_row(done, key, lambda: compute(name, si, done, key), label, FIELDS_ADDED)
 
-    def grid_key(lr: float, wd: float) -> str:
-        return f"{lr:g}/wd{wd:g}" if wds else f"{lr:g}"
-
     runs, sweep, unfinished = [], {}, []
     for name in models:
         lr, wd = s.lr, s.weight_decay
         if lrs or wds:
             grid = [(a, b) for a in lrs or [s.lr] for b in wds or [s.weight_decay]]
             try:
-                tried = {p: run_one(name, seeds[0], *p)["val"] for p in grid}
+                lr, wd, sweep[name] = _sweep(name, grid, bool(wds), run_one, seeds[0])
             except _NotFinished:
                 unfinished.append(name)
                 continue
-            lr, wd = min(grid, key=lambda p: (-tried[p]["accuracy"], tried[p]["eval_loss"], p))
-            sweep[name] = {
-                "chosen": lr,
-                "chosen_wd": wd,
-                "val": {grid_key(*p): tried[p] for p in grid},
-            }
-            print(
-                f"== {name}: lr {lr:g}"
-                + (f" wd {wd:g}" if wds else "")
-                + f" (validation accuracy {tried[lr, wd]['accuracy']:.3f})"
-            )
         mine = [r for r in (_finished(run_one, name, seed, lr, wd) for seed in seeds) if r]
         if not mine:
             unfinished.append(name)
@@ -347,14 +332,37 @@ def run_synthetic(
         "unfinished": unfinished,
     }
     if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        result["plot"] = str(plot(rows, s, out / f"{stem}.png"))
-        if any(r.get("curve") for r in runs):
-            plot_curves(runs, s, out / f"{stem}_curve.png")
-        write_json(out / f"{stem}.json", result)
-        (out / f"{stem}.md").write_text(md)
+        _write_result(Path(out), s, result)
     return result
+
+
+def _sweep(
+    name: str, grid: list, with_wd: bool, run_one: Callable[..., dict], seed: int
+) -> tuple[float, float, dict]:
+    """``(lr, wd, record)``: the point of ``grid`` whose run ``run_one(name, seed, lr, wd)`` has
+    the best validation accuracy (ties: lower validation loss, then the smaller values), and the
+    sweep's record ``{"chosen", "chosen_wd", "val": {"<lr>[/wd<wd>]": val}}``."""
+    tried = {p: run_one(name, seed, *p)["val"] for p in grid}
+    lr, wd = min(grid, key=lambda p: (-tried[p]["accuracy"], tried[p]["eval_loss"], p))
+    label = (lambda a, b: f"{a:g}/wd{b:g}") if with_wd else (lambda a, b: f"{a:g}")
+    print(
+        f"== {name}: lr {lr:g}"
+        + (f" wd {wd:g}" if with_wd else "")
+        + f" (validation accuracy {tried[lr, wd]['accuracy']:.3f})"
+    )
+    return lr, wd, {"chosen": lr, "chosen_wd": wd, "val": {label(*p): tried[p] for p in grid}}
+
+
+def _write_result(out: Path, s: SyntheticSettings, result: dict) -> None:
+    """``<stem>.json`` / ``.md`` / ``.png`` (and ``_curve.png`` where runs were checked along the
+    way) of a :func:`run_synthetic` result under ``out``; sets ``result["plot"]``."""
+    stem = s.task.replace(":", "_")
+    out.mkdir(parents=True, exist_ok=True)
+    result["plot"] = str(plot(result["rows"], s, out / f"{stem}.png"))
+    if any(r.get("curve") for r in result["runs"]):
+        plot_curves(result["runs"], s, out / f"{stem}_curve.png")
+    write_json(out / f"{stem}.json", result)
+    (out / f"{stem}.md").write_text(result["markdown"])
 
 
 def _task_sizes(field: str, items: Sequence[str]) -> tuple[tuple[str, int | float], ...]:
