@@ -13,7 +13,8 @@ languages, MAD) differ only in their batches and their scorer; everything else l
   from one seeded generator, so every model sees the same batch sequence);
 * scoring: :func:`make_scorer` (accuracy weighted by the scored positions, and the mean loss there,
   over a list of held-out batches);
-* a per-model result cache keyed by the settings (:func:`cached_row`), so a re-run resumes.
+* a stopped run's progress (:class:`Progress`); finished runs are cached by
+  :mod:`nested_jax.experiments._cache`.
 
 Settings: any object with the attributes of :class:`ShellSettings` (``MqarSettings``,
 ``SyntheticSettings``). A batch is ``{"inputs", "targets": int32[B, T], "loss_mask":
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nested_jax.files import write_json
+from nested_jax.experiments._cache import same_key
 
 Batch = dict[str, np.ndarray]
 
@@ -511,52 +512,6 @@ def make_scorer(trained: Trained) -> Callable[[Sequence[Batch], Callable], dict]
         return {"accuracy": correct / total, "eval_loss": loss_sum / tokens, "eval_queries": total}
 
     return score
-
-
-def same_key(saved: dict, key: dict, added: dict | None = None) -> bool:
-    """Whether a run saved under ``saved`` was made with the settings ``key`` describes.
-
-    ``added``: settings fields introduced after runs were saved, with their default values. A
-    saved key without such a field matches when ``key["settings"]`` holds its default, because
-    the run was made before the field existed, i.e. under that default. Without this a new field
-    would silently invalidate every finished run of a table (hours of CPU).
-    """
-    key = json.loads(json.dumps(key))
-    if not isinstance(saved, dict) or saved == key:
-        return saved == key
-    old_settings = saved.get("settings")
-    if not added or not isinstance(old_settings, dict) or "settings" not in key:
-        return False
-    settings = dict(key["settings"])
-    for name, default in json.loads(json.dumps(added)).items():
-        if name not in old_settings and settings.get(name) == default:
-            del settings[name]
-    return saved == {**key, "settings": settings}
-
-
-def cached_row(
-    path: Path | None,
-    key: dict,
-    compute: Callable[[], dict],
-    label: str,
-    added: dict | None = None,
-) -> dict:
-    """``compute()``, or the row saved at ``path`` by an earlier call with the same ``key``
-    (:func:`same_key`, with ``added`` the settings fields newer than some saved runs).
-
-    A computed row is saved as ``{"key", "row"}`` JSON at ``path`` (nothing when ``path`` is None),
-    so a re-run with the same settings resumes after its last finished model.
-    """
-    if path is not None and path.is_file():
-        saved = json.loads(path.read_text())
-        if same_key(saved.get("key"), key, added):
-            print(f"== {label}: reusing {path}", flush=True)
-            return saved["row"]
-    row = compute()
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"key": key, "row": row})
-    return row
 
 
 def print_table(run: Callable[[], dict]) -> int:

@@ -107,9 +107,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nested_jax.data.corpus import load_austen_novels
+from nested_jax.experiments._cache import cached_row
 from nested_jax.experiments._training import (
     add_scalar_flags,
-    cached_row,
     print_table,
     scalar_values,
 )

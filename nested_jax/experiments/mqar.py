@@ -40,9 +40,9 @@ from pathlib import Path
 import numpy as np
 
 from nested_jax.eval.tasks import make_mqar_batch, mqar_accuracy
+from nested_jax.experiments._cache import cached_row
 from nested_jax.experiments._training import (
     add_scalar_flags,
-    cached_row,
     check_models,
     check_multipliers,
     check_positive,

@@ -75,11 +75,11 @@ from nested_jax.eval.formal_languages import formal_accuracy
 from nested_jax.eval.formal_protocol import protocol_accuracy
 from nested_jax.eval.mad import mad_accuracy
 from nested_jax.eval.recall import recall_accuracy
+from nested_jax.experiments._cache import cached_row, saved_row
 from nested_jax.experiments._training import (
     Checks,
     Progress,
     add_scalar_flags,
-    cached_row,
     check_models,
     fit,
     make_scorer,
@@ -104,7 +104,7 @@ from nested_jax.experiments.synthetic_report import (
 from nested_jax.files import write_json
 
 # Settings fields added after tables were already filled, at their defaults: a saved run whose key
-# lacks them was made under these values and is reused (see _training.same_key).
+# lacks them was made under these values and is reused (see _cache.same_key).
 FIELDS_ADDED = {
     f.name: f.default
     for f in dataclasses.fields(SyntheticSettings)
@@ -222,10 +222,6 @@ class _NotFinished(Exception):
     """A run that ``finished_only`` did not find saved."""
 
 
-def _not_finished(label: str) -> dict:
-    raise _NotFinished(label)
-
-
 def _finished(run_one: Callable[..., dict], *args) -> dict | None:
     """``run_one(*args)``, or None for a run that ``finished_only`` did not find saved."""
     try:
@@ -296,8 +292,12 @@ def run_synthetic(
         done = None if out is None else run_file(out, s, name, seed, lr, wd)
         key = {"settings": dataclasses.asdict(si), "d_model": widths[name]}
         label = f"{name} seed {seed} lr {lr:g}" + (f" wd {wd:g}" if wds else "")
-        if finished_only:
-            return cached_row(done, key, lambda: _not_finished(label), label, FIELDS_ADDED)
+        if finished_only:  # what is saved, never waiting for a run another process trains
+            row = saved_row(done, key, FIELDS_ADDED)
+            if row is None:
+                raise _NotFinished(label)
+            print(f"== {label}: reusing {done}", flush=True)
+            return row
         return cached_row(done, key, lambda: compute(name, si, done, key), label, FIELDS_ADDED)
 
     runs, sweep, unfinished = [], {}, []

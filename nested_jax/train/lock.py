@@ -52,7 +52,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _describe(record: dict) -> str:
+def describe(record: dict) -> str:
+    """``pid N on host H, started T`` of a lock record."""
     pid, host = record.get("pid", "?"), record.get("host", "?")
     started = f", started {record['started']}" if record.get("started") else ""
     return f"pid {pid} on host {host}{started}"
@@ -131,14 +132,23 @@ def acquire(workdir: str | os.PathLike) -> WorkdirLock | None:
     if created is not None:
         directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_FILE
-    got = _try_lock(path)
-    if got is None:
-        record = holder_of(path)
+    lock = take(path, created)
+    if lock is None:
         raise WorkdirBusy(
-            f"{directory} is in use by another training run ({_describe(record)}): wait for it "
-            f"to finish or stop it; two runs in one workdir would mix their checkpoints "
+            f"{directory} is in use by another training run ({describe(holder_of(path))}): wait "
+            f"for it to finish or stop it; two runs in one workdir would mix their checkpoints "
             f"(lock file {path})"
         )
+    return lock
+
+
+def take(path: Path, created_dir: Path | None = None) -> WorkdirLock | None:
+    """The flock of the lock file ``path`` (any local file, e.g. one run of a table's), holding
+    this process's ``{"pid", "host", "started"}``; None while another live process holds it.
+    ``created_dir``: a directory made for this lock, removed on release when left empty."""
+    got = _try_lock(path)
+    if got is None:
+        return None
     fd, previous = got
     record = {
         "pid": os.getpid(),
@@ -148,7 +158,7 @@ def acquire(workdir: str | os.PathLike) -> WorkdirLock | None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     os.fsync(fd)
-    return WorkdirLock(path, fd, previous or None, created)
+    return WorkdirLock(path, fd, previous or None, created_dir)
 
 
 def stale_notice(lock: WorkdirLock | None) -> str | None:
@@ -159,4 +169,4 @@ def stale_notice(lock: WorkdirLock | None) -> str | None:
     gone = "no longer running"
     if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int):
         gone = "no longer running" if not _pid_alive(record["pid"]) else "no longer holding it"
-    return f"notice: took over the stale lock {lock.path} ({_describe(record)}, {gone})"
+    return f"notice: took over the stale lock {lock.path} ({describe(record)}, {gone})"

@@ -193,7 +193,7 @@ def test_protocol_checks_along_the_way_end_at_the_final_scores(tmp_path, capsys)
 
 
 def test_same_key_accepts_an_older_key_only_at_the_new_fields_defaults():
-    from nested_jax.experiments._training import same_key
+    from nested_jax.experiments._cache import same_key
 
     new = {"settings": {"lr": 0.1, "depth_bins": 5, "recall_sizes": []}, "d_model": 8}
     old = {"settings": {"lr": 0.1}, "d_model": 8}
