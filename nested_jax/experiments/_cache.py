@@ -41,12 +41,19 @@ def same_key(saved: dict, key: dict, added: dict | None = None) -> bool:
     return saved == {**key, "settings": settings}
 
 
-def saved_row(path: Path | None, key: dict, added: dict | None = None) -> dict | None:
-    """The row saved at ``path`` under the settings ``key`` (:func:`same_key`), or None."""
+def saved_row(
+    path: Path | None, key: dict, added: dict | None = None, label: str | None = None
+) -> dict | None:
+    """The row saved at ``path`` under the settings ``key`` (:func:`same_key`), or None; with
+    ``label``, a found row is announced in one line (``== <label>: reusing <path>``)."""
     if path is None or not path.is_file():
         return None
     saved = json.loads(path.read_text())
-    return saved["row"] if same_key(saved.get("key"), key, added) else None
+    if not same_key(saved.get("key"), key, added):
+        return None
+    if label is not None:
+        print(f"== {label}: reusing {path}", flush=True)
+    return saved["row"]
 
 
 def _hold(path: Path, label: str, poll_s: float) -> WorkdirLock:
@@ -81,14 +88,12 @@ def cached_row(
     """
     if path is None:
         return compute()
-    row = saved_row(path, key, added)
+    row = saved_row(path, key, added, label)
     if row is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _hold(path.with_suffix(".lock"), label, poll_s):
-            row = saved_row(path, key, added)  # the holder we waited for may have saved it
+            row = saved_row(path, key, added, label)  # the holder we waited for may have saved it
             if row is None:
                 row = compute()
                 write_json(path, {"key": key, "row": row})
-                return row
-    print(f"== {label}: reusing {path}", flush=True)
     return row

@@ -293,10 +293,9 @@ def run_synthetic(
         key = {"settings": dataclasses.asdict(si), "d_model": widths[name]}
         label = f"{name} seed {seed} lr {lr:g}" + (f" wd {wd:g}" if wds else "")
         if finished_only:  # what is saved, never waiting for a run another process trains
-            row = saved_row(done, key, FIELDS_ADDED)
+            row = saved_row(done, key, FIELDS_ADDED, label)
             if row is None:
                 raise _NotFinished(label)
-            print(f"== {label}: reusing {done}", flush=True)
             return row
         return cached_row(done, key, lambda: compute(name, si, done, key), label, FIELDS_ADDED)
 
