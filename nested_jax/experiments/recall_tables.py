@@ -22,7 +22,12 @@ Tables (:data:`TABLES`):
 * ``proteus``: Proteus' incremental activation, ``E ∈ {1, 4, 16, 32}`` blocks on GDN and Titans
   LMM, with many pairs per row (the ``gpu`` preset: far more than a head's state holds; the
   ``cpu`` preset: about what it holds, the most its budget learns; Proteus Fig. 3: 16 blocks
-  beat 1, 32 is worse again).
+  beat 1, 32 is worse again). ``<m>+proteus<E>@half`` (not in the table's default list; name it
+  with ``--models``) opens the blocks over the first half of ``L`` instead of all of it, so the
+  second half of every training row writes with the whole state open. At the papers' 8K rows the
+  last of 16 blocks opens 512 tokens before the end; at the cpu preset's 96 tokens the schedule
+  over the row leaves the open state only the query section, and past ``L`` every token writes
+  with every block open (docs/RESULTS.md, "What GDN lost at 2×").
 
 Every run is one ``synthetic`` run (:func:`~nested_jax.experiments.synthetic.run_synthetic`),
 cached under ``<out>/<table>/models/`` and reused when its settings are equal, so a table is filled
@@ -51,11 +56,14 @@ from nested_jax.experiments.synthetic_data import SyntheticSettings
 # with C = 256 at 2K), and w = 16 holds every pair's two tokens of that preset's rows.
 HOLA_CACHE = ("model.hola.window=16", "model.hola.block_size=16")
 
+PROTEUS_MIXERS = ("gdn", "titans_lmm")
+PROTEUS_BLOCKS = (1, 4, 16, 32)
+
 TABLES: dict[str, tuple[str, ...]] = {
     "hola": ("hola", "hola@recency", "gdn"),
     "hola_text": ("hola", "hola@recency", "gdn"),
     "titans": ("gdn", "titans_lmm", "titans_mac", "transformer@swa"),
-    "proteus": tuple(f"{m}+proteus{e}" for m in ("gdn", "titans_lmm") for e in (1, 4, 16, 32)),
+    "proteus": tuple(f"{m}+proteus{e}" for m in PROTEUS_MIXERS for e in PROTEUS_BLOCKS),
 }
 
 
@@ -125,7 +133,15 @@ TABLE_TASKS = {"hola_text": "recall:kv_text"}
 def variants(seq_len: int) -> dict[str, tuple[str, ...]]:
     """The per-model options of the tables' ``<mixer>@<label>`` entries (and HOLA's cache)."""
     local = seq_len // 4  # what attention sees directly: the SWA window and MAC's segment
+    # Proteus' schedule over half the row: the other half trains the fully open state
+    half = {
+        f"{m}+proteus{e}@half": (f"model.proteus.context_len={seq_len // 2}",)
+        for m in PROTEUS_MIXERS
+        for e in PROTEUS_BLOCKS
+        if e > 1
+    }
     return {
+        **half,
         "hola": HOLA_CACHE,
         "hola@recency": (*HOLA_CACHE, "model.hola.eviction=recency"),
         "transformer@swa": (f"model.window={local}",),

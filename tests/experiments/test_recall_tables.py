@@ -30,6 +30,9 @@ def test_variants_reach_the_model_configs():
     assert model_config("gdn", s, 32).window == 0
     s = recall_tables.table_settings("proteus", scale, recall_tables.TABLES["proteus"])
     assert model_config("gdn+proteus16", s, 32).proteus.blocks == 16
+    s = recall_tables.table_settings("proteus", scale, ("gdn+proteus16@half", "gdn+proteus16"))
+    half, whole = (model_config(m, s, 32).proteus for m in ("gdn+proteus16@half", "gdn+proteus16"))
+    assert (half.blocks, half.context_len, whole.context_len) == (16, s.seq_len // 2, s.seq_len)
     head = s.d_model // s.n_heads
     assert 4 * s.recall_batch_sizes()["pairs"] >= 3 * head  # most of a head's state
     gpu = recall_tables.table_settings("proteus", recall_tables.SCALES["gpu"], ("gdn",))
