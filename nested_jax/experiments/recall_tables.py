@@ -177,9 +177,11 @@ def run_table(
     models: Sequence[str] | None = None,
     seeds: Sequence[int] | None = None,
     finished_only: bool = False,
+    lrs: Sequence[float] | None = None,
 ) -> dict:
     """Fill ``table`` at preset ``scale`` (the ``synthetic`` summary of its runs;
-    ``finished_only``: train nothing, summarise the runs saved so far).
+    ``finished_only``: train nothing, summarise the runs saved so far; ``lrs``: the rates swept on
+    the first seed instead of the preset's, one rate to train every model at it).
 
     Raises:
       ValueError: naming ``table`` or ``scale`` when unknown.
@@ -192,8 +194,9 @@ def run_table(
     models = list(models or TABLES[table])
     seeds = list(seeds if seeds is not None else preset.seeds)
     s = table_settings(table, preset, models)
+    rates = preset.lrs if lrs is None else tuple(lrs)
     result = run_synthetic(
-        models, s, seeds, Path(out) / table, lrs=preset.lrs, finished_only=finished_only
+        models, s, seeds, Path(out) / table, lrs=rates, finished_only=finished_only
     )
     head = f"recall table `{table}`, scale `{scale}` ({preset.note})\n\n"
     return {**result, "markdown": head + result["markdown"]}
@@ -210,6 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory of the runs and the summaries")
     p.add_argument("--models", nargs="+", default=None, help="a subset or other models")
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: the preset's")
+    p.add_argument(
+        "--lrs",
+        nargs="+",
+        type=float,
+        default=None,
+        help="the rates swept on the first seed (default: the preset's); one rate: every model "
+        "at it",
+    )
     add_finished_only_flag(p)
     return p
 
@@ -218,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return print_table(
         lambda: run_table(
-            args.table, args.scale, args.out, args.models, args.seeds, args.finished_only
+            args.table, args.scale, args.out, args.models, args.seeds, args.finished_only, args.lrs
         )
     )
 

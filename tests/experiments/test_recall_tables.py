@@ -87,3 +87,7 @@ def test_a_table_runs_and_resumes(tmp_path, monkeypatch, capsys):
     summary = capsys.readouterr().out
     assert "| hola (seed 0) |" in summary and "step " not in summary
     assert not list((tmp_path / "hola").rglob("*seed1*"))
+    one_rate = ["hola", "--out", str(tmp_path), "--models", "hola", "--lrs", "3e-3"]
+    assert recall_tables.main(one_rate) == 0  # a rate the preset does not sweep: trained anew
+    assert "lr chosen on validation: hola 0.003" in capsys.readouterr().out
+    assert (tmp_path / "hola" / "models" / "recall_kv" / "hola-seed0-lr0.003.json").is_file()
