@@ -24,7 +24,7 @@ Tables (:data:`TABLES`):
   ``cpu`` preset: about what it holds, the most its budget learns; Proteus Fig. 3: 16 blocks
   beat 1, 32 is worse again). ``<m>+proteus<E>@half`` (not in the table's default list; name it
   with ``--models``) opens the blocks over the first half of ``L`` instead of all of it, so the
-  second half of every training row writes with the whole state open. At the papers' 8K rows the
+  second half of every training row writes with the whole state open. At the paper's 8K rows the
   last of 16 blocks opens 512 tokens before the end; at the cpu preset's 96 tokens the schedule
   over the row leaves the open state only the query section, and past ``L`` every token writes
   with every block open (docs/RESULTS.md, "What GDN lost at 2×").
