@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nested_jax.experiments._training import print_table
-from nested_jax.experiments.synthetic import add_finished_only_flag, run_synthetic
+from nested_jax.experiments.synthetic import add_finished_only_flag, add_lrs_flag, run_synthetic
 from nested_jax.experiments.synthetic_data import SyntheticSettings
 
 # HOLA's cache, the same for both evictions: w entries per head, blocks of C tokens. C is a quarter
@@ -213,14 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory of the runs and the summaries")
     p.add_argument("--models", nargs="+", default=None, help="a subset or other models")
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: the preset's")
-    p.add_argument(
-        "--lrs",
-        nargs="+",
-        type=float,
-        default=None,
-        help="the rates swept on the first seed (default: the preset's); one rate: every model "
-        "at it",
-    )
+    add_lrs_flag(p, default="the preset's rates")
     add_finished_only_flag(p)
     return p
 

@@ -467,16 +467,23 @@ def add_finished_only_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_sweep_flags(p: argparse.ArgumentParser) -> None:
-    """``--lrs`` and ``--wds``: the per-model sweep of :func:`run_synthetic`."""
+def add_lrs_flag(p: argparse.ArgumentParser, default: str = "") -> None:
+    """``--lrs``: :func:`run_synthetic`'s per-model learning-rate sweep (``default``: what the
+    command does without it, said in the help)."""
     p.add_argument(
         "--lrs",
         nargs="+",
         type=float,
         default=None,
         help="per-model learning-rate sweep: train at each rate (first seed), keep the best "
-        "validation accuracy, run the seeds there",
+        "validation accuracy, run the seeds there; one rate: every model at it"
+        + (f" (default: {default})" if default else ""),
     )
+
+
+def _add_sweep_flags(p: argparse.ArgumentParser) -> None:
+    """``--lrs`` and ``--wds``: the per-model sweep of :func:`run_synthetic`."""
+    add_lrs_flag(p)
     p.add_argument(
         "--wds",
         nargs="+",
